@@ -1,0 +1,283 @@
+"""Checkpoints to and from object storage.
+
+Remote layout, under a prefix of the store (default "checkpoints"):
+
+    checkpoints/ckpt-00000025/adapter/adapter_model.safetensors
+    checkpoints/ckpt-00000025/manifest.json      # uploaded LAST: its presence means durable
+
+A checkpoint is durable only once its manifest.json is in the store; every file goes up before
+it, so a kill or outage mid-upload leaves files without a manifest, which nothing trusts. Remote
+pruning deletes the manifest FIRST for the same reason. Downloads verify sizes and sha256 against
+the manifest before a checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import threading
+import uuid
+from pathlib import Path
+
+from .fsio import atomic_write_bytes, fsync_dir
+from .manifest import (
+    MANIFEST_NAME,
+    CheckpointInvalid,
+    Manifest,
+    checkpoint_name,
+    read_manifest,
+    remove_tree,
+    step_of,
+    verify,
+)
+from .store import Store, StorageConfigError
+
+log = logging.getLogger(__name__)
+
+_REMOTE_CKPT_RE = re.compile(r"^ckpt-(\d{8,})/(.+)$")
+
+
+def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
+    """Steps whose manifest.json exists under `prefix` in the store, newest first.
+
+    Presence only: download_latest checks the manifest and the files."""
+    return sorted(_remote_checkpoints(store, prefix)[0], reverse=True)
+
+
+def download_latest(store: Store, dest_root: Path,
+                    prefix: str = "checkpoints") -> tuple[int, Path] | None:
+    """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
+
+    Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
+    is usable. A local folder that already verifies against the same manifest is reused without
+    downloading. Partial or corrupt remote checkpoints (a listed file missing, wrong size or
+    sha256, a bad manifest) are skipped with a warning naming them, and the next older one is
+    tried. Storage errors (StorageUnavailable, StorageConfigError) propagate: an outage must not
+    silently send a run back to an older checkpoint.
+    """
+    dest_root = Path(dest_root)
+    for step in remote_discover(store, prefix):
+        name = checkpoint_name(step)
+        where = f"{store.url}/{prefix}/{name}"
+        try:
+            raw = store.get_bytes(f"{prefix}/{name}/{MANIFEST_NAME}")
+            manifest = Manifest.from_json(raw)
+            if manifest.step != step:
+                raise CheckpointInvalid(f"manifest says step {manifest.step}")
+        except FileNotFoundError:
+            log.warning("skipping remote checkpoint %s: manifest.json vanished", where)
+            continue
+        except CheckpointInvalid as exc:
+            log.warning("skipping remote checkpoint %s: %s", where, exc.reason)
+            continue
+
+        final = dest_root / name
+        if _matches_local(final, manifest):
+            return step, final
+
+        partial = dest_root / f".partial-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            for entry in manifest.files:
+                store.get_file(f"{prefix}/{name}/{entry.path}", partial / entry.path)
+            atomic_write_bytes(partial / MANIFEST_NAME, raw)
+            verify(partial)
+        except FileNotFoundError as exc:
+            remove_tree(partial)
+            log.warning("skipping remote checkpoint %s: partial upload (%s)", where, exc)
+            continue
+        except CheckpointInvalid as exc:
+            remove_tree(partial)
+            log.warning("skipping remote checkpoint %s: %s", where, exc.reason)
+            continue
+        except BaseException:
+            remove_tree(partial)
+            raise
+
+        if final.exists():
+            remove_tree(final)
+        os.replace(partial, final)
+        fsync_dir(dest_root)
+        return step, final
+    return None
+
+
+class Uploader:
+    """Uploads finalized checkpoints in a background thread so training never waits on the
+    network.
+
+    Every file goes up, then manifest.json last; then the remote is pruned to the newest `keep`
+    durable checkpoints. When several checkpoints are queued, only the newest is uploaded: an
+    older one is superseded the moment a newer one is durable.
+
+    Retries and their stop event are the store's. A StorageConfigError is kept in `error` and
+    re-raised by the next `submit`: a run without durable checkpoints should stop, not train on.
+    """
+
+    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = 3) -> None:
+        if keep < 2:
+            raise ValueError(f"keep must be >= 2 (got {keep})")
+        self.store = store
+        self.prefix = remote_prefix.strip("/")
+        self.keep = keep
+        # The last upload's error; cleared when a later upload succeeds.
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._closed = False
+        self._last_submitted: int | None = None
+        self._durable: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
+        self._thread.start()
+
+    def submit(self, ckpt_dir: Path) -> None:
+        """Queue a finalized checkpoint folder (named ckpt-<step>) for upload; returns at once.
+
+        Raises ValueError for a folder not named like a checkpoint, RuntimeError after close(),
+        and the stored StorageConfigError if an earlier upload hit one."""
+        ckpt_dir = Path(ckpt_dir)
+        step = step_of(ckpt_dir)
+        if step is None:
+            raise ValueError(f"{ckpt_dir} is not named like a checkpoint (ckpt-<step>)")
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("Uploader is closed")
+            if isinstance(self.error, StorageConfigError):
+                raise self.error
+            self._pending += 1
+            self._last_submitted = step
+        self._queue.put(ckpt_dir)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the queue is drained or `timeout` passes. True when nothing is pending
+        and the newest submitted checkpoint is durable (older ones it superseded may not be)."""
+        with self._cond:
+            drained = self._cond.wait_for(lambda: self._pending == 0, timeout)
+            return bool(drained) and (self._last_submitted is None
+                                      or self._last_submitted in self._durable)
+
+    def durable_steps(self) -> list[int]:
+        """Steps durable in the store as of the last upload, newest first."""
+        with self._cond:
+            return list(self._durable)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is queued (bounded by the store's retry budget), then stop the thread."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Uploader:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- the background thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while True:  # coalesce: whatever else is queued right now
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            dirs = [d for d in batch if d is not None]
+            if dirs:
+                newest = max(dirs, key=lambda d: step_of(d) or -1)
+                for skipped in dirs:
+                    if skipped is not newest:
+                        log.info("checkpoint %s superseded by %s before upload", skipped, newest)
+                try:
+                    self._upload(newest)
+                except BaseException as exc:  # kept for the trainer; the thread lives on
+                    log.error("uploading checkpoint %s to %s failed: %s", newest, self.store.url,
+                              exc)
+                    with self._cond:
+                        self.error = exc
+                finally:
+                    with self._cond:
+                        self._pending -= len(dirs)
+                        self._cond.notify_all()
+            if stop:
+                return
+
+    def _upload(self, folder: Path) -> None:
+        manifest = verify(folder)  # never upload what would not verify after download
+        step = manifest.step
+        remote = f"{self.prefix}/{checkpoint_name(step)}"
+        for entry in manifest.files:
+            self.store.put_file(folder / entry.path, f"{remote}/{entry.path}")
+        # the manifest, last: the exact bytes verified above
+        self.store.put_file(folder / MANIFEST_NAME, f"{remote}/{MANIFEST_NAME}")
+        log.info("checkpoint %d durable at %s/%s", step, self.store.url, remote)
+        with self._cond:
+            self._durable = sorted(set(self._durable) | {step}, reverse=True)
+            self.error = None
+        try:
+            durable = self._prune_remote(newest_uploaded=step)
+        except StorageConfigError:
+            raise  # e.g. no delete permission: keep-K cannot hold, say so
+        except Exception as exc:  # the upload stands; pruning is tried again after the next one
+            log.warning("pruning remote checkpoints under %s/%s failed: %s",
+                        self.store.url, self.prefix, exc)
+            return
+        with self._cond:
+            self._durable = durable
+
+    def _prune_remote(self, newest_uploaded: int) -> list[int]:
+        steps, partial = _remote_checkpoints(self.store, self.prefix)
+        durable = sorted(steps, reverse=True)
+        for old in durable[self.keep:]:
+            if old == newest_uploaded:  # pragma: no cover - keep >= 2 and it is the newest
+                continue
+            name = checkpoint_name(old)
+            # manifest first: from this instant it is not a checkpoint, whatever else remains
+            self.store.delete(f"{self.prefix}/{name}/{MANIFEST_NAME}")
+            self.store.delete(f"{self.prefix}/{name}")
+        # uploads cut short before the newest durable one will never be finished
+        newest = durable[0] if durable else newest_uploaded
+        for step in partial:
+            if step < newest:
+                self.store.delete(f"{self.prefix}/{checkpoint_name(step)}")
+        return durable[: self.keep]
+
+
+def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
+    """({steps with manifest.json}, {steps with files but no manifest}) under prefix."""
+    prefix = prefix.strip("/")
+    seen: set[int] = set()
+    with_manifest: set[int] = set()
+    for key in store.list(prefix):
+        match = _REMOTE_CKPT_RE.match(key[len(prefix) + 1:] if prefix else key)
+        if not match:
+            continue
+        step = int(match.group(1))
+        seen.add(step)
+        if match.group(2) == MANIFEST_NAME:
+            with_manifest.add(step)
+    return with_manifest, seen - with_manifest
+
+
+def _matches_local(folder: Path, manifest: Manifest) -> bool:
+    if not folder.is_dir():
+        return False
+    try:
+        local = read_manifest(folder)
+        if local.files != manifest.files or local.step != manifest.step:
+            return False
+        verify(folder)
+        return True
+    except CheckpointInvalid:
+        return False
+
+
+__all__ = ["Uploader", "download_latest", "remote_discover"]

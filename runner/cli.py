@@ -1,0 +1,375 @@
+"""`grpo-run`: a thin CLI over library calls. Every command has an example in its --help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import yaml
+
+EXIT_OK = 0
+EXIT_FAILED = 1          # the job failed (reward function error, training error)
+EXIT_USAGE = 2           # bad arguments or a bad job file; nothing was started
+EXIT_PREEMPTED = 3       # stopped by a preemption notice or signal; `grpo-run resume` continues it
+
+DESCRIPTION = """\
+Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
+
+  grpo-run apply -f examples/tiny-arithmetic.yaml      train in the foreground
+  grpo-run get tj tiny-arithmetic                       phase, step, rewards
+  grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
+
+Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
+(continue with `grpo-run resume NAME`).
+Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
+the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
+"""
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _home() -> Path:
+    from trainer.tinymodel import grpo_run_home
+
+    return grpo_run_home()
+
+
+def default_storage() -> str:
+    return str(_home() / "store")
+
+
+def job_store_url(storage: str | None, name: str) -> str:
+    return f"{(storage or default_storage()).rstrip('/')}/{name}"
+
+
+def work_dir(name: str) -> Path:
+    return _home() / "runs" / name
+
+
+def _dump(doc: Any, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(doc, indent=2)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def _error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+# --- apply / resume ------------------------------------------------------------------------------
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from runner.job import JobError, load_job
+
+    try:
+        job = load_job(args.file)
+    except FileNotFoundError:
+        _error(f"no such job file: {args.file}")
+        return EXIT_USAGE
+    except JobError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        doc = job.to_dict()
+        doc["status"] = {"phase": "Pending"}
+        print(_dump(doc, args.output or "yaml"), end="")
+        return EXIT_OK
+    return _run(job, output=args.output)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from runner.job import JobError, parse_job
+    from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+    from state.record import Record
+
+    storage = args.storage or default_storage()
+    names = [args.name] if args.name else _jobs_in(storage)
+    if not names:
+        _error(f"no jobs in {storage}")
+        return EXIT_USAGE
+    if len(names) > 1:
+        _error(f"{storage} holds several jobs ({', '.join(names)}); name one: grpo-run resume NAME --storage {storage}")
+        return EXIT_USAGE
+    name = names[0]
+    try:
+        store = Store(job_store_url(storage, name))
+        store.check()
+        if not store.exists("state.db"):
+            _error(f"no job {name!r} in {storage}")
+            return EXIT_USAGE
+        local = work_dir(name)
+        local.mkdir(parents=True, exist_ok=True)
+        if not (local / "state.db").exists():
+            store.get_file("state.db", local / "state.db")
+    except (StorageConfigError, StorageUnavailable) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    with Record(local / "state.db") as record:
+        job_doc = record.job()
+    try:
+        job = parse_job(job_doc["spec"], source=f"{name} (from {storage})")
+    except JobError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    if job.storage is None or args.storage:
+        job = _with_storage(job, storage)
+    return _run(job, output=args.output)
+
+
+def _with_storage(job, storage: str):
+    from dataclasses import replace
+
+    return replace(job, storage=storage)
+
+
+def _run(job, *, output: str | None) -> int:
+    from runner.job import build_run_spec
+    from trainer.grader import RewardFunctionError
+    from trainer.run import Attempt, JobFailed
+    from state.record import Phase
+    from checkpoint.store import StorageConfigError, StorageUnavailable
+
+    stop = threading.Event()
+    _install_signal_handlers(stop)
+    try:
+        spec = build_run_spec(job, job_store_url(job.storage, job.name))
+        attempt = Attempt(spec, work_dir(job.name), stop=stop, progress=sys.stderr.isatty() or bool(os.environ.get("GRPO_RUN_PROGRESS")))
+        outcome = attempt.run()
+    except (JobFailed, RewardFunctionError) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    except (StorageConfigError, StorageUnavailable, ValueError) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    summary = _summary(job.name, outcome)
+    if output:
+        print(_dump(get_job(job.name, job.storage), output), end="")
+    else:
+        print(summary)
+    if outcome.phase == Phase.PREEMPTED:
+        return EXIT_PREEMPTED
+    return EXIT_OK
+
+
+def _summary(name: str, outcome) -> str:
+    lines = [f"{name}: {outcome.phase.value} after {outcome.step} steps"]
+    if outcome.message:
+        lines.append(f"  {outcome.message}")
+    b, f = outcome.baseline, outcome.final
+    if b and f:
+        lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
+                     f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
+    if outcome.phase.value == "Preempted":
+        lines.append(f"  continue with: grpo-run resume {name}")
+    return "\n".join(lines)
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    import signal
+
+    def handler(signum, frame):  # noqa: ARG001
+        if stop.is_set():         # a second Ctrl-C: give up at once
+            raise KeyboardInterrupt
+        print(f"\n{signal.Signals(signum).name}: checkpointing the last completed step, then stopping "
+              "(again to abort)", file=sys.stderr)
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+
+# --- get / export ---------------------------------------------------------------------------------
+
+def _jobs_in(storage: str) -> list[str]:
+    from checkpoint.store import Store
+
+    store = Store(storage)
+    return sorted({k.split("/")[0] for k in store.list("") if k.endswith("/state.db") and k.count("/") == 1})
+
+
+def _open_record(name: str, storage: str | None):
+    """The job's record: the local work folder's when no storage is named, else the store's."""
+    import tempfile
+
+    from checkpoint.store import Store
+    from state.record import Record
+
+    local = work_dir(name) / "state.db"
+    if storage is None and local.exists():
+        return Record(local)
+    store = Store(job_store_url(storage, name))
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-run-get.")) / "state.db"
+    try:
+        store.get_file("state.db", tmp)
+    except FileNotFoundError:
+        raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
+    return Record(tmp)
+
+
+def get_job(name: str, storage: str | None) -> dict[str, Any]:
+    """The job as {apiVersion, kind, metadata, spec, status}."""
+    from runner.status import job_status
+
+    with _open_record(name, storage) as record:
+        job = record.job()
+        status = job_status(record)
+    spec = job["spec"]
+    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
+            "spec": spec.get("spec"), "status": status}
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    from runner.status import table
+
+    if args.resource not in ("tj", "trainingjob", "trainingjobs"):
+        _error(f"unknown resource {args.resource!r}: use tj (TrainingJob)")
+        return EXIT_USAGE
+    if args.name:
+        names = [args.name]
+    else:
+        names = _local_jobs() if args.storage is None else _jobs_in(args.storage)
+    try:
+        docs = [get_job(n, args.storage) for n in names]
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    if args.output:
+        out = docs[0] if args.name else {"apiVersion": "v1", "kind": "List", "items": docs}
+        print(_dump(out, args.output), end="")
+    else:
+        print(table(docs))
+    return EXIT_OK
+
+
+def _local_jobs() -> list[str]:
+    runs = _home() / "runs"
+    return sorted(p.name for p in runs.iterdir() if (p / "state.db").exists()) if runs.exists() else []
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from runner.export import export_weights
+
+    try:
+        what = export_weights(job_store_url(args.storage, args.name), Path(args.out))
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    print(f"wrote {what} of {args.name} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from trainer.tinymodel import build_tiny_model
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        _error(f"{out} exists and is not empty")
+        return EXIT_USAGE
+    if out.exists():
+        out.rmdir()
+    build_tiny_model(out, seed=args.seed)
+    print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
+    return EXIT_OK
+
+
+# --- parser ---------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpo-run", description=DESCRIPTION, formatter_class=Help)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (INFO; twice for DEBUG)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("apply", help="run a TrainingJob in the foreground (or print its estimate)",
+                       formatter_class=Help, description="Run a TrainingJob in the foreground on this node: "
+                       "baseline evaluation, GRPO training, final evaluation.\n\nexample:\n"
+                       "  grpo-run apply -f examples/tiny-arithmetic.yaml\n"
+                       "  grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job")
+    p.add_argument("-f", "--file", required=True, help="the job file (YAML, kind: TrainingJob)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the job; start nothing")
+    p.add_argument("-o", "--output", choices=("yaml", "json"), help="print the job (with status) in this format")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("resume", help="continue a job from object storage alone", formatter_class=Help,
+                       description="Continue a job from its newest durable checkpoint in object storage, on "
+                       "any node (an empty local disk is fine). The baseline evaluation is reused.\n\nexample:\n"
+                       "  grpo-run resume my-grpo-lora --storage s3://bucket/prefix")
+    p.add_argument("name", nargs="?", help="the job (optional when the storage holds one job)")
+    p.add_argument("--storage", help="storage URL (default: $GRPO_RUN_HOME/store)")
+    p.add_argument("-o", "--output", choices=("yaml", "json"), help="print the job (with status) when done")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("get", help="show jobs: phase, step, rewards", formatter_class=Help,
+                       description="Show a TrainingJob as {apiVersion, kind, metadata, spec, status}.\n\nexample:\n"
+                       "  grpo-run get tj tiny-arithmetic -o yaml\n"
+                       "  grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json")
+    p.add_argument("resource", help="tj (TrainingJob)")
+    p.add_argument("name", nargs="?", help="the job (all jobs when left out)")
+    p.add_argument("--storage", help="read the job from this storage URL instead of this node's work folder")
+    p.add_argument("-o", "--output", choices=("yaml", "json"), help="output format (default: a table)")
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("export", help="write the final (or latest) adapter as standard PEFT files",
+                       formatter_class=Help, description="Write the job's final adapter (or, before it "
+                       "finished, the newest durable checkpoint's) as standard PEFT files "
+                       "(adapter_config.json, adapter_model.safetensors).\n\nexample:\n"
+                       "  grpo-run export tiny-arithmetic --out ./adapter\n"
+                       "  python -c \"from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')\"")
+    p.add_argument("name", help="the job")
+    p.add_argument("--storage", help="storage URL (default: $GRPO_RUN_HOME/store)")
+    p.add_argument("--out", required=True, help="folder to write (created)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("tiny-model", help="build the tiny local demo model (tiny:char) into a folder",
+                       formatter_class=Help, description="Build a tiny Qwen3-style causal LM with a character "
+                       "tokenizer, saved with save_pretrained, for trying grpo-run without downloads.\n\n"
+                       "example:\n  grpo-run tiny-model --out ./tiny-model")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if not verbose else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # Libraries' own progress bars and advice would drown ours.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # "no `kernels` package" on CPU: harmless
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    warnings.filterwarnings("ignore", message=r".*is deprecated.*", category=FutureWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(1 if args.verbose else 0)
+    logging.getLogger("trainer").setLevel(logging.INFO)
+    logging.getLogger("runner").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

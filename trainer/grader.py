@@ -1,0 +1,529 @@
+"""The sandboxed grader: scores completions with the user's reward function in another process.
+
+The trainer never grades itself. A worker process (`trainer.grader_worker`) imports the reward
+function once and then scores one batch per request, with no network, a memory limit and a time
+limit per completion. A reward function that raises, hangs, returns something that is not a
+finite number, or kills its process is an infrastructure failure: it is retried (the worker is
+restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
+`RewardFunctionError` carrying the function's own error. It is never recorded as a reward of 0,
+which would silently teach the policy that the completion was wrong.
+
+    with Grader("my_env.rewards:exact_match", timeout_s=5) as grader:
+        rewards = grader.score(completions, tasks)      # [B*G] floats, one round trip
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import site
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Callable, Literal, Mapping, Sequence
+
+_HEADER = struct.Struct(">I")  # must match trainer.grader_worker
+_MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
+_MAX_CRASH_LOG_CHARS = 8_000
+_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# faulthandler's frame lines for the worker's own code and the `-m` machinery under it
+_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader_worker\.py|<frozen runpy>)", line \d+ in ')
+
+NetworkSandbox = Literal["auto", "netns", "python"]
+FailureKind = Literal["exception", "timeout", "invalid", "hung", "crashed"]
+
+
+class RewardFunctionError(RuntimeError):
+    """The user's reward function failed (raised, hung, returned a non-number, or killed its process)
+    on every try. str() names the function ref and gives its own error.
+
+    Also raised at once, without retries, when the ref cannot be loaded (malformed, module or file
+    not found, no such function, the module's top level raised).
+    """
+
+    def __init__(self, message: str, *, ref: str | None = None, index: int | None = None) -> None:
+        super().__init__(message)
+        self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
+        self.index = index  # which completion of the batch failed; None for load failures
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One failed try at one completion."""
+
+    kind: FailureKind
+    detail: str
+
+
+class _WorkerGone(Exception):
+    """The worker closed its end of the pipe: it exited or was killed."""
+
+
+class _Overdue(Exception):
+    """The worker did not answer by the deadline."""
+
+
+class Grader:
+    """Owns one sandboxed worker process that runs a reward function.
+
+    reward_ref: "package.module:function" (imported in the worker, with search_path entries put
+        first on its sys.path) or "/path/to/file.py:function" (loaded by path as a module that is
+        not __main__, with the file's folder importable, so a script's main guard stays asleep).
+    timeout_s: per completion, enforced with SIGALRM inside the worker; code that ignores it is
+        killed kill_grace_s later by the parent (and the worker restarted).
+    memory_mb: the worker's address-space limit (RLIMIT_AS); allocating past it raises MemoryError.
+    retries: extra tries per completion after the first, so a transient failure (a crash, a flaky
+        dependency) costs a retry rather than the run. Waits between rounds: retry_wait_s, through
+        `sleep` (injectable so tests do not wait).
+    network: "auto" makes an empty network namespace when the kernel allows and otherwise blocks
+        sockets inside Python; "netns" insists on the namespace; "python" never tries it.
+        `Grader.sandbox` says which is in force.
+    load_timeout_s: how long importing the reward module may take.
+
+    Raises RewardFunctionError at once when the ref cannot be loaded, ValueError for bad settings.
+    """
+
+    def __init__(
+        self,
+        reward_ref: str,
+        *,
+        search_path: Sequence[str] = (),
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        retries: int = 2,
+        network: NetworkSandbox = "auto",
+        kill_grace_s: float = 2.0,
+        load_timeout_s: float = 60.0,
+        retry_wait_s: float = 0.05,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        problems = [
+            f"{name}: must be > 0 (got {value})"
+            for name, value in [
+                ("timeout_s", timeout_s),
+                ("kill_grace_s", kill_grace_s),
+                ("load_timeout_s", load_timeout_s),
+            ]
+            if not value > 0
+        ]
+        if memory_mb < 64:
+            problems.append(f"memory_mb: must be >= 64 (got {memory_mb}): the interpreter alone needs ~20 MB")
+        if retries < 0:
+            problems.append(f"retries: must be >= 0 (got {retries})")
+        if retry_wait_s < 0:
+            problems.append(f"retry_wait_s: must be >= 0 (got {retry_wait_s})")
+        if network not in ("auto", "netns", "python"):
+            problems.append(f"network: must be 'auto', 'netns' or 'python' (got {network!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+        self.reward_ref = reward_ref
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.retries = retries
+        self._ref = _resolve_ref(reward_ref)
+        self._search_path = [os.path.abspath(p) for p in search_path]
+        self._network = network
+        self._kill_grace_s = kill_grace_s
+        self._load_timeout_s = load_timeout_s
+        self._retry_wait_s = retry_wait_s
+        self._sleep = sleep
+        self._lock = threading.Lock()  # one batch at a time: the pipe carries one conversation
+        self._closed = False
+        self._worker: _Worker | None = None
+        self._sandbox = ""
+        # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
+        self._worker = self._start_worker()
+
+    # public ------------------------------------------------------------------------------------
+
+    @property
+    def sandbox(self) -> str:
+        """The network isolation in force: "netns" (no network interfaces at all) or "python"."""
+        return self._sandbox
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The live worker's pid, or None between a crash and the restart, and after close()."""
+        return self._worker.pid if self._worker is not None else None
+
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
+        """One reward per completion, fn(completions[i], tasks[i]), in order.
+
+        Raises RewardFunctionError when a completion failed on all 1 + retries tries (the last
+        error is reported), TypeError/ValueError when the inputs cannot be sent to the worker
+        (tasks must be JSON-compatible; tuples arrive as lists), RuntimeError after close().
+        """
+        if len(completions) != len(tasks):
+            raise ValueError(
+                f"got {len(completions)} completions but {len(tasks)} tasks; need one task per completion"
+            )
+        items = _encode_items(completions, tasks)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Grader.score called after close()")
+            rewards: list[float | None] = [None] * len(items)
+            tries = [0] * len(items)
+            while pending := [i for i, reward in enumerate(rewards) if reward is None]:
+                outcomes = self._score_pass(pending, items)
+                failed = False
+                for i, outcome in outcomes.items():
+                    if isinstance(outcome, float):
+                        rewards[i] = outcome
+                        continue
+                    failed = True
+                    tries[i] += 1
+                    if tries[i] > self.retries:
+                        raise self._give_up(i, len(items), tries[i], outcome)
+                if failed and self._retry_wait_s:
+                    self._sleep(self._retry_wait_s)
+            return [reward for reward in rewards if reward is not None]
+
+    def close(self) -> None:
+        """Kill the worker. Idempotent; the Grader cannot score afterwards."""
+        with self._lock:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.release()
+                self._worker = None
+
+    def __enter__(self) -> Grader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A forgotten close() must not leave an orphan worker behind.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            try:
+                worker.release()
+            except Exception:
+                pass  # at interpreter shutdown modules may already be half torn down
+
+    # internals ---------------------------------------------------------------------------------
+
+    def _start_worker(self) -> _Worker:
+        """A fresh worker with the reward function loaded. Load failures are not retried:
+        importing the same module again fails the same way."""
+        worker = _Worker.spawn(
+            {
+                "ref": self._ref,
+                "search_path": self._search_path,
+                "timeout_s": self.timeout_s,
+                "memory_mb": self.memory_mb,
+                "network": self._network,
+            }
+        )
+        try:
+            hello = worker.read(time.monotonic() + self._load_timeout_s)
+        except _WorkerGone:
+            hello = {"type": "died"}
+        except _Overdue:
+            worker.abort(self._kill_grace_s)
+            detail = (
+                f"importing it took longer than load_timeout_s={self._load_timeout_s:g}"
+                f"{_section('It was here', worker.crash_log())}"
+            )
+            worker.release()
+            raise RewardFunctionError(
+                f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref
+            ) from None
+        if hello.get("type") == "ready":
+            self._sandbox = hello["sandbox"]
+            return worker
+        worker.kill()
+        detail = hello.get("error") or (
+            f"the worker process {_how_it_died(worker.returncode)} while loading it"
+            f"{_section('Crash report', worker.crash_log())}"
+        )
+        worker.release()
+        raise RewardFunctionError(
+            f"cannot load reward function {self.reward_ref!r}:\n{detail}", ref=self.reward_ref
+        )
+
+    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | _Failure]:
+        """Send the pending items in one request and collect what comes back.
+
+        The worker stops at the first failure (as it does when it crashes or hangs): items after
+        it get no outcome, were never tried, and go into the next pass without using up a try.
+        """
+        if self._worker is None:
+            self._worker = self._start_worker()
+        worker = self._worker
+        outcomes: dict[int, float | _Failure] = {}
+        try:
+            worker.send({"items": [items[i] for i in pending]})
+        except _WorkerGone:
+            pass  # it died while idle or mid-request; reading reports how
+        for i in pending:
+            try:
+                frame = worker.read(time.monotonic() + self.timeout_s + self._kill_grace_s)
+            except _WorkerGone:
+                outcomes[i] = self._restart_after(worker, "crashed")
+                break
+            except _Overdue:
+                outcomes[i] = self._restart_after(worker, "hung")
+                break
+            if "ok" not in frame:
+                outcomes[i] = _Failure(frame["kind"], frame["error"])
+                break
+            outcomes[i] = float(frame["ok"])
+        return outcomes
+
+    def _restart_after(self, worker: _Worker, kind: Literal["crashed", "hung"]) -> _Failure:
+        """Put the dead or stuck worker down (the next pass starts a new one) and say what happened."""
+        if kind == "hung":
+            # SIGABRT first: faulthandler in the worker prints where the code is stuck.
+            worker.abort(self._kill_grace_s)
+            detail = (
+                f"did not return within timeout_s={self.timeout_s:g} and ignored the in-process "
+                f"timeout (stuck in C code, or SIGALRM ignored or caught); the grader worker was "
+                f"killed after {self.timeout_s + self._kill_grace_s:g} s"
+                f"{_section('Where it was stuck', worker.crash_log())}"
+            )
+        else:
+            worker.kill()
+            detail = (
+                f"the grader worker process {_how_it_died(worker.returncode)} while running it"
+                f"{_memory_hint(worker.returncode, self.memory_mb)}"
+                f"{_section('Crash report', worker.crash_log())}"
+            )
+        worker.release()
+        self._worker = None
+        return _Failure(kind, detail)
+
+    def _give_up(self, index: int, total: int, tries: int, failure: _Failure) -> RewardFunctionError:
+        what = {
+            "exception": "raised",
+            "timeout": "timed out",
+            "invalid": "returned a non-number",
+            "hung": "hung",
+            "crashed": "killed its process",
+        }[failure.kind]
+        detail = failure.detail
+        if failure.kind == "timeout":
+            detail = f"timed out after timeout_s={self.timeout_s:g} s; it was interrupted here:\n{detail}"
+        elif failure.kind == "invalid":
+            detail = f"{self._ref.rpartition(':')[2]} {detail}"
+        on_tries = "on its only try" if tries == 1 else f"on all {tries} tries"
+        return RewardFunctionError(
+            f"reward function {self.reward_ref!r} {what} on completion {index} of {total}, "
+            f"{on_tries} (retries={self.retries}); the last error:\n{detail.rstrip()}",
+            ref=self.reward_ref,
+            index=index,
+        )
+
+
+class _Worker:
+    """One worker process and its pipes: spawning, framing, deadlines, killing."""
+
+    def __init__(
+        self, proc: subprocess.Popen, request_fd: int, response_fd: int, crash_file: IO[bytes]
+    ) -> None:
+        self._proc = proc
+        self._request_fd = request_fd
+        self._response_fd = response_fd
+        self._crash_file = crash_file
+
+    @classmethod
+    def spawn(cls, settings: dict[str, Any]) -> _Worker:
+        request_r, request_w = os.pipe()
+        response_r, response_w = os.pipe()
+        # faulthandler in the worker writes fatal-signal stack dumps here; anonymous, so nothing
+        # to clean up on disk.
+        crash_file = tempfile.TemporaryFile()
+        config = dict(settings, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno())
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trainer.grader_worker", json.dumps(config)],
+                pass_fds=(request_r, response_w, crash_file.fileno()),
+                stdin=subprocess.DEVNULL,
+                env=_worker_env(),
+            )
+        except BaseException:
+            for fd in (request_r, request_w, response_r, response_w):
+                os.close(fd)
+            crash_file.close()
+            raise
+        # Only the child keeps these ends, so its death shows up here as EOF.
+        os.close(request_r)
+        os.close(response_w)
+        return cls(proc, request_w, response_r, crash_file)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def send(self, message: dict) -> None:
+        payload = json.dumps(message).encode()
+        data = memoryview(_HEADER.pack(len(payload)) + payload)
+        try:
+            while data:
+                data = data[os.write(self._request_fd, data) :]
+        except (BrokenPipeError, OSError) as error:
+            raise _WorkerGone() from error
+
+    def read(self, deadline: float) -> dict:
+        """The next frame; raises _WorkerGone on EOF and _Overdue past the deadline."""
+        (length,) = _HEADER.unpack(self._read_exactly(_HEADER.size, deadline))
+        if length > _MAX_FRAME_BYTES:
+            raise _WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
+        try:
+            return json.loads(self._read_exactly(length, deadline))
+        except ValueError:
+            raise _WorkerGone() from None
+
+    def _read_exactly(self, n: int, deadline: float) -> bytes:
+        buffer = bytearray()
+        poller = select.poll()  # not select.select: a trainer can hold more than 1024 fds
+        poller.register(self._response_fd, select.POLLIN)
+        while len(buffer) < n:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not poller.poll(remaining_ms):
+                raise _Overdue()
+            chunk = os.read(self._response_fd, n - len(buffer))
+            if not chunk:
+                raise _WorkerGone()
+            buffer += chunk
+        return bytes(buffer)
+
+    def crash_log(self) -> str:
+        """What faulthandler wrote in the worker (stack dumps on fatal signals), if anything,
+        without the worker's own frames below the user's."""
+        try:
+            data = os.pread(self._crash_file.fileno(), _MAX_CRASH_LOG_CHARS * 4, 0)
+        except (OSError, ValueError):
+            return ""
+        lines = data.decode(errors="replace").splitlines(keepends=True)
+        kept = [line for line in lines if not _WORKER_FRAME.match(line)]
+        return "".join(kept)[-_MAX_CRASH_LOG_CHARS:]
+
+    def abort(self, grace_s: float) -> None:
+        """SIGABRT (faulthandler dumps the stack, then the process dies); SIGKILL if it won't."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.send_signal(signal.SIGABRT)
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass  # SIGABRT ignored too; kill() below cannot be
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, reap, close our ends. Idempotent."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        for fd_name in ("_request_fd", "_response_fd"):
+            fd = getattr(self, fd_name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, fd_name, -1)
+        # The crash log stays open: the error message reads it after the kill.
+
+    def release(self) -> None:
+        """kill(), and close the crash log too."""
+        self.kill()
+        self._crash_file.close()
+
+
+# helpers ---------------------------------------------------------------------------------------
+
+
+def _resolve_ref(ref: str) -> str:
+    """The ref as the worker needs it (file paths absolute); RewardFunctionError when malformed
+    or naming a file that does not exist."""
+    target, sep, attr_path = ref.rpartition(":")
+    if not sep or not target or not _IDENTIFIER_PATH.match(attr_path):
+        raise RewardFunctionError(
+            f"reward function ref {ref!r} is malformed: expected 'package.module:function' or "
+            f"'/path/to/file.py:function'",
+            ref=ref,
+        )
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise RewardFunctionError(
+                f"cannot load reward function {ref!r}: no such file {str(path)!r}", ref=ref
+            )
+        return f"{path}:{attr_path}"
+    if not _IDENTIFIER_PATH.match(target):
+        raise RewardFunctionError(
+            f"reward function ref {ref!r} is malformed: {target!r} is not a module name "
+            f"(expected 'package.module:function' or '/path/to/file.py:function')",
+            ref=ref,
+        )
+    return ref
+
+
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker runs `-m trainer.grader_worker`: make sure it finds this very package, whether it
+    # is installed or imported from a source tree the child would not otherwise see.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if os.path.realpath(package_root) not in installed:  # never put site-packages before the stdlib
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
+    # reserve address space that counts against memory_mb.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
+    return env
+
+
+def _encode_items(completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+    items: list[list[Any]] = []
+    for i, (completion, task) in enumerate(zip(completions, tasks)):
+        if not isinstance(completion, str):
+            raise TypeError(f"completions[{i}] is a {type(completion).__name__}; completions must be str")
+        task = dict(task)
+        try:
+            json.dumps(task)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"tasks[{i}] cannot be sent to the grader process ({error}); tasks must be "
+                f"JSON-compatible: dicts, lists, str, numbers, bool, None"
+            ) from None
+        items.append([completion, task])
+    return items
+
+
+def _how_it_died(returncode: int | None) -> str:
+    if returncode is None:
+        return "stopped answering"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
+def _memory_hint(returncode: int | None, memory_mb: int) -> str:
+    if returncode == -signal.SIGKILL:
+        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
+    return ""
+
+
+def _section(title: str, text: str) -> str:
+    return f"\n{title}:\n{text.rstrip()}" if text.strip() else ""

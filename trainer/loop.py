@@ -1,0 +1,243 @@
+"""The GRPO training loop: one object that owns the policy, its optimizer and the grader.
+
+Read `train_step` top to bottom: it is SPEC §1 — sample a group, score, advantages, update.
+A stop request (preemption) is honoured in exactly two places: between tokens while sampling
+(`GenerationInterrupted`: the half-generated step is abandoned) and between steps (the caller's
+loop). The last *completed* step is what a checkpoint holds.
+
+Determinism: everything random in step s is seeded from (seed, s) — the prompts it sees, the
+sampling generator, torch's global RNG (LoRA dropout) — so a run resumed at step s replays
+exactly what an uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from trainer import grpo
+from trainer.config import GRPOParams
+from trainer.envs import Environment, Task
+from trainer.grader import Grader
+from trainer.policy import load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters
+
+log = logging.getLogger(__name__)
+
+EVAL_BATCH = 64
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A distinct, reproducible seed for step `step` of a run seeded `seed`."""
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**63 - 1)
+
+
+def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int]:
+    """Which train tasks step `step` (0-based) sees: consecutive slices of per-epoch permutations.
+
+    Derived from (seed, step) alone, so the data position needs no state of its own.
+    """
+    out = []
+    for i in range(step * per_step, (step + 1) * per_step):
+        epoch, pos = divmod(i, n_tasks)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_tasks)
+        out.append(int(perm[pos]))
+    return out
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    meanReward: float
+    tasks: int
+    solved: int                 # tasks with reward 1.0
+    rewards: tuple[float, ...]
+
+    @property
+    def no_signal(self) -> bool:
+        """All held-out rewards equal: at 0% or 100% GRPO's groups would all be identical."""
+        return len(set(self.rewards)) <= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved}
+
+
+class GRPOTrainer:
+    """Owns the policy, optimizer, scheduler and grader for one run."""
+
+    def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
+                 stop: threading.Event | None = None, device: torch.device | None = None) -> None:
+        self.params = params
+        self.env = env
+        self.stop = stop or threading.Event()
+        self.device = device or pick_device()
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_policy(model_path, params, self.device)
+        self.reference = load_reference(model_path, self.device) if params.beta > 0 and params.method == "Full" else None
+        self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=params.learningRate,
+                                           weight_decay=params.weightDecay)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
+                                       num_training_steps=params.maxSteps)
+        self.grader = Grader(env.reward_ref, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
+                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries)
+
+    def close(self) -> None:
+        self.grader.close()
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _encode(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
+        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator, interruptible: bool):
+        self.model.eval()
+        return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=self.params.maxCompletionLength,
+                           temperature=temperature, eos_id=self.tokenizer.eos_token_id,
+                           pad_id=self.tokenizer.pad_token_id, generator=generator,
+                           should_stop=self.stop.is_set if interruptible else None)
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, tasks: Sequence[Task]) -> EvalResult:
+        """Mean reward on held-out tasks (greedy by default), scored by the grader."""
+        p = self.params
+        gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1))
+        rewards: list[float] = []
+        for start in range(0, len(tasks), EVAL_BATCH):
+            chunk = list(tasks[start:start + EVAL_BATCH])
+            ids, mask = self._encode([t["prompt"] for t in chunk])
+            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen, interruptible=False)
+            rewards += self.grader.score(self._decode(comp, cmask), chunk)
+        return EvalResult(meanReward=float(np.mean(rewards)), tasks=len(tasks),
+                          solved=sum(1 for r in rewards if r == 1.0), rewards=tuple(rewards))
+
+    # --- one GRPO step -------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Step `step` (0-based). Returns its metrics. Raises GenerationInterrupted on a stop
+        request during sampling (nothing of this step has been applied), RewardFunctionError
+        when the reward function fails on every try."""
+        p, t0 = self.params, time.perf_counter()
+        seed = step_seed(p.seed, step)
+        torch.manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        tasks = [self.env.train_tasks[i] for i in batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))]
+        group = [t for t in tasks for _ in range(p.numGenerations)]          # B*G, each prompt G times
+
+        # sample a group
+        prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [B*G, P]
+        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen, interruptible=True)
+        texts = self._decode(comp_ids, comp_mask)
+        t_sampled = time.perf_counter()
+
+        # score (in the grader's process; a failure raises, never becomes a 0)
+        rewards = torch.tensor(self.grader.score(texts, group), dtype=torch.float32)   # [B*G]
+
+        # advantages
+        adv = grpo.group_advantages(rewards, p.numGenerations, unbiased=p.advantageStd == "sample",
+                                    scale=p.lossType != "dr_grpo").to(self.device)     # [B*G]
+
+        # update
+        self.model.train()
+        ref_logps = self._reference_logprobs(prompt_ids, prompt_mask, comp_ids, comp_mask) if p.beta > 0 else None
+        old_logps = None
+        for _ in range(p.numIterations):
+            logps = grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                             p.temperature)                             # [B*G, T]
+            if old_logps is None:
+                old_logps = logps.detach()      # the sampling policy: ratio is exactly 1 on iteration 1
+            per_token, clipped = grpo.clipped_token_loss(logps, old_logps, adv, p.epsilon)
+            if ref_logps is not None:
+                kl = grpo.k3_kl(logps, ref_logps)
+                per_token = per_token + p.beta * kl
+            loss = grpo.reduce_loss(per_token, comp_mask, p.lossType, p.maxCompletionLength)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), p.maxGradNorm)
+            self.optimizer.step()
+        self.scheduler.step()
+
+        mask = comp_mask.float()
+        metrics = {
+            "rewardMean": rewards.mean().item(),
+            "rewardStd": rewards.std(unbiased=False).item(),
+            "identicalGroups": grpo.identical_group_fraction(rewards, p.numGenerations),
+            "completionLength": mask.sum(1).mean().item(),
+            "loss": loss.item(),
+            "clipRatio": ((clipped.float() * mask).sum() / mask.sum().clamp_min(1)).item(),
+            "gradNorm": float(grad_norm),
+            "learningRate": self.scheduler.get_last_lr()[0],
+            "sampleSeconds": t_sampled - t0,
+            "stepSeconds": time.perf_counter() - t0,
+        }
+        if ref_logps is not None:
+            metrics["kl"] = ((kl.detach() * mask).sum() / mask.sum().clamp_min(1)).item()
+        return metrics
+
+    @torch.no_grad()
+    def _reference_logprobs(self, prompt_ids, prompt_mask, comp_ids, comp_mask) -> torch.Tensor:
+        if self.reference is not None:
+            return grpo.completion_logprobs(self.reference, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                            self.params.temperature)
+        with self.model.disable_adapter():   # LoRA/QLoRA: the base itself is the reference, no extra weights
+            return grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                            self.params.temperature)
+
+    # --- state for checkpoints -----------------------------------------------------------
+
+    def save_weights(self, out: Path) -> None:
+        """Adapter in standard PEFT files (LoRA/QLoRA) or the full model (Full)."""
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+
+    def save_state(self, folder: Path, step: int) -> None:
+        """Everything needed to continue after `step` completed steps, into `folder`:
+        weights (standard PEFT files or the full model), optimizer, scheduler, every RNG."""
+        import random
+
+        self.save_weights(folder / ("model" if self.params.method == "Full" else "adapter"))
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save(rng, folder / "rng.pt")
+        # The data position and the sampling generator are derived from (seed, step): the step is
+        # all a resumed run needs to see the same prompts and draw the same completions.
+        (folder / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "seed": self.params.seed, "method": self.params.method}, indent=2))
+
+    def load_state(self, folder: Path) -> int:
+        """Restore what `save_state` wrote; returns the number of completed steps."""
+        import random
+
+        from safetensors.torch import load_file
+
+        if self.params.method == "Full":
+            for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
+                self.model.load_state_dict(load_file(shard, device=str(self.device)), strict=False)
+        else:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(folder / "adapter" / "adapter_model.safetensors",
+                                                            device=str(self.device)))
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=False))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        rng = torch.load(folder / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        return int(json.loads((folder / "trainer_state.json").read_text())["step"])
