@@ -21,6 +21,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from .faults import fault_point
 from .fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
     MANIFEST_NAME,
@@ -214,8 +215,10 @@ class Uploader:
         manifest = verify(folder)  # never upload what would not verify after download
         step = manifest.step
         remote = f"{self.prefix}/{checkpoint_name(step)}"
-        for entry in manifest.files:
+        for i, entry in enumerate(manifest.files):
             self.store.put_file(folder / entry.path, f"{remote}/{entry.path}")
+            if i == 0:
+                fault_point("upload", step)   # kill tests: some files up, no manifest yet
         # the manifest, last: the exact bytes verified above
         self.store.put_file(folder / MANIFEST_NAME, f"{remote}/{MANIFEST_NAME}")
         log.info("checkpoint %d durable at %s/%s", step, self.store.url, remote)

@@ -115,22 +115,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with Record(local / "state.db") as record:
         job_doc = record.job()
     try:
-        job = parse_job(job_doc["spec"], source=f"{name} (from {storage})")
+        job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
     except JobError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
-    if job.storage is None or args.storage:
-        job = _with_storage(job, storage)
-    return _run(job, output=args.output)
+    return _run(job, output=args.output, storage=storage)
 
 
-def _with_storage(job, storage: str):
-    from dataclasses import replace
-
-    return replace(job, storage=storage)
-
-
-def _run(job, *, output: str | None) -> int:
+def _run(job, *, output: str | None, storage: str | None = None) -> int:
+    """Run an attempt at `job` in this process; its outputs under `storage` (default: the
+    job's spec.storage, else $GRPO_RUN_HOME/store)."""
     from runner.job import build_run_spec
     from trainer.grader import RewardFunctionError
     from trainer.run import Attempt, JobFailed
@@ -140,23 +134,40 @@ def _run(job, *, output: str | None) -> int:
     stop = threading.Event()
     _install_signal_handlers(stop)
     try:
-        spec = build_run_spec(job, job_store_url(job.storage, job.name))
+        storage = storage or job.storage
+        url = job_store_url(storage, job.name)
+        local = _environment_here(job, url)
+        spec = build_run_spec(job, url, local=local)
         attempt = Attempt(spec, work_dir(job.name), stop=stop, progress=sys.stderr.isatty() or bool(os.environ.get("GRPO_RUN_PROGRESS")))
         outcome = attempt.run()
     except (JobFailed, RewardFunctionError) as e:
         _error(str(e))
         return EXIT_FAILED
-    except (StorageConfigError, StorageUnavailable, ValueError) as e:
+    except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED
     summary = _summary(job.name, outcome)
     if output:
-        print(_dump(get_job(job.name, job.storage), output), end="")
+        print(_dump(get_job(job.name, storage), output), end="")
     else:
         print(summary)
     if outcome.phase == Phase.PREEMPTED:
         return EXIT_PREEMPTED
     return EXIT_OK
+
+
+def _environment_here(job, url: str):
+    """The job with its environment files on this node (fetched from storage on a fresh node),
+    after making sure storage holds them for the next node."""
+    from checkpoint.store import Store
+    from runner.envfiles import localize_environment, upload_environment
+
+    if job.environment.is_catalog:
+        return job
+    store = Store(url)
+    local = localize_environment(job, store, work_dir(job.name))
+    upload_environment(local, store)
+    return local
 
 
 def _summary(name: str, outcome) -> str:

@@ -112,20 +112,20 @@ def _check_model(model: str, base: Path, problems: list[str]) -> str:
     return str(folder)
 
 
-def _check_reward_ref(ref: str, base: Path, problems: list[str]) -> str:
+def _check_reward_ref(ref: str, base: Path, problems: list[str], check_files: bool = True) -> str:
     module, sep, func = ref.rpartition(":")
     if not sep or not module or not func.isidentifier():
         problems.append(f"spec.environment.reward: must be module:function or file.py:function (got {ref!r})")
         return ref
     if module.endswith(".py"):
         path = Path(_resolve(module, base))
-        if not path.is_file():
+        if check_files and not path.is_file():
             problems.append(f"spec.environment.reward: no such file {path} (got {ref!r})")
         return f"{path}:{func}"
     return ref
 
 
-def _parse_environment(raw: Any, base: Path, problems: list[str]) -> EnvironmentSpec | None:
+def _parse_environment(raw: Any, base: Path, problems: list[str], check_files: bool = True) -> EnvironmentSpec | None:
     where = "spec.environment"
     if raw is None:
         problems.append(f"{where}: required: a catalog environment such as {{name: arithmetic}} "
@@ -155,7 +155,7 @@ def _parse_environment(raw: Any, base: Path, problems: list[str]) -> Environment
     if not isinstance(reward, str):
         problems.append(f"{where}.reward: must be a string like rewards.py:score (got {_fmt(reward)})")
         return None
-    reward = _check_reward_ref(reward, base, problems)
+    reward = _check_reward_ref(reward, base, problems, check_files)
     files: dict[str, str | None] = {}
     for key in ("tasks", "evalTasks"):
         value = raw.get(key)
@@ -167,7 +167,7 @@ def _parse_environment(raw: Any, base: Path, problems: list[str]) -> Environment
             files[key] = None
         else:
             files[key] = _resolve(value, base)
-            if not Path(files[key]).is_file():
+            if check_files and not Path(files[key]).is_file():
                 problems.append(f"{where}.{key}: no such file {files[key]} (got {value!r})")
     path_raw = raw.get("path", [])
     if isinstance(path_raw, str):
@@ -179,10 +179,12 @@ def _parse_environment(raw: Any, base: Path, problems: list[str]) -> Environment
     return EnvironmentSpec(name=name, reward=reward, tasks=files["tasks"], evalTasks=files["evalTasks"], path=search)
 
 
-def parse_job(doc: Any, *, source: str = "job", base: Path | None = None) -> TrainingJob:
+def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
+              check_files: bool = True) -> TrainingJob:
     """A TrainingJob from a parsed YAML document. Raises JobError listing every problem.
 
     `base` is the folder relative paths in the job are resolved against (the job file's folder).
+    `check_files=False` (resume on a fresh node): the environment's files may be in storage only.
     """
     base = base or Path.cwd()
     problems: list[str] = []
@@ -220,7 +222,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None) -> Tra
         model = None
     else:
         model = _check_model(model, base, problems)
-    env = _parse_environment(spec.get("environment"), base, problems)
+    env = _parse_environment(spec.get("environment"), base, problems, check_files)
     params = parse_parameters(spec.get("parameters"), "spec.parameters", problems)
 
     max_cost = None
@@ -286,10 +288,12 @@ def build_environment(job: TrainingJob):
                             eval_tasks=read_tasks(Path(env.evalTasks)), search_path=env.path)
 
 
-def build_run_spec(job: TrainingJob, storage_url: str):
-    """What the trainer needs for one attempt at `job`, its outputs under `storage_url`."""
+def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None):
+    """What the trainer needs for one attempt at `job`, its outputs under `storage_url`.
+    `local`: the same job with its environment files where they are on this node."""
     from trainer.run import RunSpec
     from trainer.tinymodel import ensure_model
 
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
-                   env=build_environment(job), params=job.parameters, storage=storage_url)
+                   env=build_environment(local or job), params=job.parameters, storage=storage_url,
+                   model_name=job.model)

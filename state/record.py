@@ -53,8 +53,11 @@ _STOPPED = (Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED)
 ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.PENDING: frozenset({Phase.BASELINE_EVAL, Phase.TRAINING, *_STOPPED}),
     Phase.BASELINE_EVAL: frozenset({Phase.TRAINING, *_STOPPED}),
-    Phase.TRAINING: frozenset({Phase.FINAL_EVAL, *_STOPPED}),
-    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, *_STOPPED}),
+    # Training -> BaselineEval: a node killed without a word leaves Training recorded; the next
+    # attempt re-evaluates the baseline when its cache no longer matches the (edited) job.
+    Phase.TRAINING: frozenset({Phase.FINAL_EVAL, Phase.BASELINE_EVAL, *_STOPPED}),
+    # FinalEval -> BaselineEval: likewise, a kill during the final evaluation.
+    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, Phase.BASELINE_EVAL, *_STOPPED}),
     # resume: back to whichever phase was interrupted
     Phase.PREEMPTED: frozenset({*_ACTIVE, Phase.FAILED, Phase.BUDGET_EXCEEDED}),
     Phase.FAILED: frozenset({*_ACTIVE}),
@@ -151,6 +154,15 @@ class Record:
                                    "created": now, "updated": now})
             self.db["transitions"].insert({"at": now, "from_phase": None,
                                            "to_phase": Phase.PENDING.value, "message": ""})
+
+    def set_spec(self, spec: dict) -> None:
+        """Replace the stored spec (`grpo-run apply` of a changed job file). RuntimeError before
+        init_job; credentials in the spec raise ValueError."""
+        _refuse_credentials(spec, "spec")
+        with self._write():
+            if self._job_row() is None:
+                raise RuntimeError("set_spec before init_job")
+            self.db["job"].update(1, {"spec": _dumps(spec), "updated": utc_now()})
 
     def job(self) -> dict | None:
         """{"name", "spec", "phase" (a Phase), "message", "created", "updated"}, or None."""

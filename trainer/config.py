@@ -207,5 +207,6 @@ def to_yaml_dict(params: GRPOParams) -> dict[str, Any]:
         if isinstance(v, LoraParams):
             v = {"r": v.r, "alpha": v.scaling_alpha, "dropout": v.dropout,
                  "targetModules": v.targetModules if isinstance(v.targetModules, str) else list(v.targetModules)}
-        out[f.name] = v
+        if v is not None:       # None: "the environment's default", written by leaving it out
+            out[f.name] = v
     return out

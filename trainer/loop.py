@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from checkpoint.faults import fault_point
 from trainer import grpo
 from trainer.config import GRPOParams
 from trainer.envs import Environment, Task
@@ -72,13 +73,18 @@ class GRPOTrainer:
     """Owns the policy, optimizer, scheduler and grader for one run."""
 
     def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
-                 stop: threading.Event | None = None, device: torch.device | None = None) -> None:
+                 stop: threading.Event | None = None, device: torch.device | None = None,
+                 model_name: str | None = None) -> None:
         self.params = params
         self.env = env
         self.stop = stop or threading.Event()
         self.device = device or pick_device()
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_policy(model_path, params, self.device)
+        if model_name and hasattr(self.model, "peft_config"):
+            # Saved adapters name the base as the user did (a hub id, tiny:char), not as a path
+            # on this node: exports from any node are then byte-identical.
+            self.model.peft_config["default"].base_model_name_or_path = model_name
         self.reference = load_reference(model_path, self.device) if params.beta > 0 and params.method == "Full" else None
         self.optimizer = torch.optim.AdamW(trainable_parameters(self.model), lr=params.learningRate,
                                            weight_decay=params.weightDecay)
@@ -101,12 +107,17 @@ class GRPOTrainer:
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
-    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator, interruptible: bool):
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator, step: int | None):
+        """Sample completions; `step` set means training, where a stop request abandons it."""
         self.model.eval()
+        should_stop = None
+        if step is not None:
+            def should_stop() -> bool:
+                fault_point("sample", step)
+                return self.stop.is_set()
         return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=self.params.maxCompletionLength,
                            temperature=temperature, eos_id=self.tokenizer.eos_token_id,
-                           pad_id=self.tokenizer.pad_token_id, generator=generator,
-                           should_stop=self.stop.is_set if interruptible else None)
+                           pad_id=self.tokenizer.pad_token_id, generator=generator, should_stop=should_stop)
 
     # --- evaluation ----------------------------------------------------------------------
 
@@ -118,7 +129,7 @@ class GRPOTrainer:
         for start in range(0, len(tasks), EVAL_BATCH):
             chunk = list(tasks[start:start + EVAL_BATCH])
             ids, mask = self._encode([t["prompt"] for t in chunk])
-            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen, interruptible=False)
+            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen, step=None)
             rewards += self.grader.score(self._decode(comp, cmask), chunk)
         return EvalResult(meanReward=float(np.mean(rewards)), tasks=len(tasks),
                           solved=sum(1 for r in rewards if r == 1.0), rewards=tuple(rewards))
@@ -138,7 +149,7 @@ class GRPOTrainer:
 
         # sample a group
         prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [B*G, P]
-        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen, interruptible=True)
+        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen, step=step)
         texts = self._decode(comp_ids, comp_mask)
         t_sampled = time.perf_counter()
 
@@ -165,6 +176,7 @@ class GRPOTrainer:
             loss = grpo.reduce_loss(per_token, comp_mask, p.lossType, p.maxCompletionLength)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            fault_point("backward", step)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), p.maxGradNorm)
             self.optimizer.step()
         self.scheduler.step()
@@ -197,26 +209,33 @@ class GRPOTrainer:
 
     # --- state for checkpoints -----------------------------------------------------------
 
-    def save_weights(self, out: Path) -> None:
-        """Adapter in standard PEFT files (LoRA/QLoRA) or the full model (Full)."""
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
+    def save_weights(self, folder: Path) -> None:
+        """The adapter in standard PEFT files (folder/adapter) or the full model (folder/model)."""
+        write_weights(self.snapshot(-1), folder)
 
-    def save_state(self, folder: Path, step: int) -> None:
-        """Everything needed to continue after `step` completed steps, into `folder`:
-        weights (standard PEFT files or the full model), optimizer, scheduler, every RNG."""
+    def snapshot(self, step: int) -> "StateSnapshot":
+        """Everything needed to continue after `step` completed steps, copied to CPU memory so
+        training can go on while another thread writes it (the copy is the only pause)."""
+        import copy
         import random
 
-        self.save_weights(folder / ("model" if self.params.method == "Full" else "adapter"))
-        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
-        torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+        if self.params.method == "Full":
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            config = None
+        else:
+            from peft import get_peft_model_state_dict
+
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
+            config = self.model.peft_config["default"]
+        optimizer = _to_cpu(copy.deepcopy(self.optimizer.state_dict()))
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        torch.save(rng, folder / "rng.pt")
-        # The data position and the sampling generator are derived from (seed, step): the step is
-        # all a resumed run needs to see the same prompts and draw the same completions.
-        (folder / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "seed": self.params.seed, "method": self.params.method}, indent=2))
+        return StateSnapshot(step=step, method=self.params.method, seed=self.params.seed, weights=weights,
+                             peft_config=config, model_config=None if config else self.model.config,
+                             optimizer=optimizer, scheduler=dict(self.scheduler.state_dict()), rng=rng)
+
+    def save_state(self, folder: Path, step: int) -> None:
+        write_snapshot(self.snapshot(step), folder)
 
     def load_state(self, folder: Path) -> int:
         """Restore what `save_state` wrote; returns the number of completed steps."""
@@ -241,3 +260,69 @@ class GRPOTrainer:
         if rng["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         return int(json.loads((folder / "trainer_state.json").read_text())["step"])
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+@dataclass
+class StateSnapshot:
+    step: int
+    method: str
+    seed: int
+    weights: dict[str, torch.Tensor]
+    peft_config: Any
+    model_config: Any
+    optimizer: dict
+    scheduler: dict
+    rng: dict
+
+
+def write_weights(snap: StateSnapshot, folder: Path) -> None:
+    """The adapter in standard PEFT files (folder/adapter: adapter_config.json,
+    adapter_model.safetensors) or the full model in transformers' format (folder/model)."""
+    from safetensors.torch import save_file
+
+    if snap.method == "Full":
+        out = folder / "model"
+        out.mkdir(parents=True, exist_ok=True)
+        snap.model_config.save_pretrained(out)
+        # tied weights share storage; safetensors refuses aliases, so store each tensor once
+        seen: dict[int, str] = {}
+        unique = {}
+        for k, v in snap.weights.items():
+            if v.data_ptr() in seen:
+                continue
+            seen[v.data_ptr()] = k
+            unique[k] = v.contiguous()
+        save_file(unique, out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        out = folder / "adapter"
+        out.mkdir(parents=True, exist_ok=True)
+        config = snap.peft_config.to_dict()
+        # Sets (target_modules resolved from "all-linear") serialise in hash order, which differs
+        # between processes; sorted, the same adapter gives the same bytes on every node.
+        config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+        save_file({k: v.contiguous() for k, v in snap.weights.items()}, out / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+
+
+def write_snapshot(snap: StateSnapshot, folder: Path) -> None:
+    """Write a snapshot as a checkpoint's files: the weights (write_weights), the optimizer,
+    scheduler, every RNG, and trainer_state.json. The caller seals the folder with a manifest."""
+    write_weights(snap, folder)
+    torch.save(snap.optimizer, folder / "optimizer.pt")
+    torch.save(snap.scheduler, folder / "scheduler.pt")
+    torch.save(snap.rng, folder / "rng.pt")
+    # The data position and the sampling generator are derived from (seed, step): the step is
+    # all a resumed run needs to see the same prompts and draw the same completions.
+    (folder / "trainer_state.json").write_text(json.dumps(
+        {"step": snap.step, "seed": snap.seed, "method": snap.method}, indent=2))

@@ -112,8 +112,3 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def save_weights(model, out: Path, method: str) -> None:
-    """The adapter in standard PEFT files (adapter_config.json, adapter_model.safetensors), or
-    for Full the whole model in transformers' format."""
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)

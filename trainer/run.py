@@ -26,7 +26,7 @@ import shutil
 import socket
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from trainer.config import GRPOParams
 from trainer.envs import Environment
 from trainer.grader import RewardFunctionError
 from trainer.grpo import GenerationInterrupted
+from trainer.loop import GRPOTrainer, write_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class RunSpec:
     params: GRPOParams
     storage: str                     # URL of this job's folder in object storage
     keep_checkpoints: int = 3
+    model_name: str | None = None    # the model as the user named it (saved adapters say this)
 
 
 @dataclass
@@ -74,21 +76,44 @@ class JobFailed(RuntimeError):
     """The attempt ended as Failed; str() says why (for a reward function, its own error)."""
 
 
+def model_identity(model: str) -> Any:
+    """What names a model's weights: a hub id as given; for a folder, its config and a sampled
+    hash of every weight file (64 KiB at 64 evenly spaced offsets, plus the size). Re-saving
+    trained weights into the same folder changes it; copying the folder to a new node does not.
+    Hashing every byte of a 16 GB model at each start would cost more than it protects."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        return model
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix not in (".safetensors", ".bin", ".pt", ".gguf"):
+            continue
+        size, h = f.stat().st_size, hashlib.sha256()
+        with open(f, "rb") as fh:
+            for i in range(64):
+                fh.seek(size * i // 64)
+                h.update(fh.read(64 * 1024))
+        files[f.name] = [size, h.hexdigest()]
+    return {"config": json.loads((folder / "config.json").read_text()), "weights": files}
+
+
+def reward_identity(ref: str) -> str:
+    """A file reward by its content (the same file fetched to another path on a new node is the
+    same reward); a module reward by its name."""
+    module, _, func = ref.rpartition(":")
+    if module.endswith(".py") and Path(module).is_file():
+        return f"sha256:{hashlib.sha256(Path(module).read_bytes()).hexdigest()}:{func}"
+    return ref
+
+
 def baseline_fingerprint(spec: RunSpec) -> str:
     """sha256 over everything the baseline evaluation depends on: the model's identity, the
     environment's reward and eval tasks, the generation settings and the seed."""
     p = spec.params
-    model_id: Any = spec.model
-    folder = Path(spec.model)
-    if (folder / "config.json").is_file():
-        # A local folder: its config and the names and sizes of its weight files (hashing
-        # gigabytes of weights at every start would cost more than it protects).
-        weights = sorted((f.name, f.stat().st_size) for f in folder.iterdir() if f.suffix in (".safetensors", ".bin"))
-        model_id = {"config": (folder / "config.json").read_text(), "weights": weights}
     payload = {
-        "model": model_id, "method": p.method, "environment": spec.env.name, "reward": spec.env.reward_ref,
-        "evalTasks": list(spec.env.eval_tasks), "maxCompletionLength": p.maxCompletionLength,
-        "evalTemperature": p.evalTemperature, "seed": p.seed,
+        "model": model_identity(spec.model), "method": p.method, "environment": spec.env.name,
+        "reward": reward_identity(spec.env.reward_ref), "evalTasks": list(spec.env.eval_tasks),
+        "maxCompletionLength": p.maxCompletionLength, "evalTemperature": p.evalTemperature, "seed": p.seed,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -108,9 +133,25 @@ class Attempt:
         self._fetch_record()
         self.record = Record(self.work / RECORD)
         self.record.init_job(spec.name, spec.manifest)
+        self._apply_spec_changes()
         self._record_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._last_write: Future | None = None
         self.trainer = None
         self.uploader: Uploader | None = None
+
+    def _apply_spec_changes(self) -> None:
+        """`apply` of an edited job file continues the job under the new spec (kubectl apply);
+        a finished job is not reopened. Raises ValueError for that case."""
+        job = self.record.job()
+        if job["spec"] == self.spec.manifest:
+            return
+        changed = sorted(_diff(job["spec"], self.spec.manifest))
+        if job["phase"] == Phase.SUCCEEDED:
+            raise ValueError(f"job {self.spec.name!r} already succeeded with a different spec (changed: "
+                             f"{', '.join(changed)}); give the new job its own metadata.name")
+        log.warning("job %s continues with a changed spec: %s", self.spec.name, ", ".join(changed))
+        self.record.set_spec(self.spec.manifest)
 
     # --- the record travels with the run ---------------------------------------------------
 
@@ -120,18 +161,22 @@ class Attempt:
         if not local.exists() and self.store.exists(RECORD):
             self.store.get_file(RECORD, local)
 
-    def _sync_record(self) -> None:
+    def _sync_record(self, wait: bool = False) -> None:
+        """Upload a snapshot of the record, in the background unless `wait`."""
         snap = self.work / "state.snapshot.db"
 
         def upload() -> None:
             self.record.snapshot(snap)
             self.store.put_file(snap, RECORD)
 
-        self._record_sync.submit(upload)
+        done = self._record_sync.submit(upload)
+        if wait:
+            done.result()
 
     def _phase(self, phase: Phase, message: str = "") -> None:
+        """Phase changes are rare and are what a new node reads first: wait until stored."""
         self.record.set_phase(phase, message)
-        self._sync_record()
+        self._sync_record(wait=True)
 
     # --- the attempt -------------------------------------------------------------------------
 
@@ -143,7 +188,7 @@ class Attempt:
                            baseline=self.record.eval("baseline"), final=self.record.eval("final"))
         self._close_dangling_attempts()
         self.attempt = self.record.start_attempt(socket.gethostname())
-        self._sync_record()
+        self._sync_record(wait=True)
         try:
             outcome = self._run()
         except RewardFunctionError as e:
@@ -157,16 +202,19 @@ class Attempt:
         return outcome
 
     def _run(self) -> Outcome:
-        from trainer.loop import GRPOTrainer
 
         p = self.spec.params
-        start = self._restore_checkpoint()
-        self.trainer = GRPOTrainer(self.spec.model, self.spec.env, p, stop=self.stop)
-        if start:
-            restored = self.trainer.load_state(checkpoint_dir(self.work / "checkpoints", start))
-            assert restored == start, (restored, start)
-            log.info("resumed from the checkpoint at step %d", start)
+        start, durable = self._restore_checkpoint()
+        self.trainer = GRPOTrainer(self.spec.model, self.spec.env, p, stop=self.stop,
+                                   model_name=self.spec.model_name)
         self.uploader = Uploader(self.store, "checkpoints", keep=self.spec.keep_checkpoints)
+        if start:
+            folder = checkpoint_dir(self.work / "checkpoints", start)
+            self.trainer.load_state(folder)
+            log.info("resumed from the checkpoint at step %d", start)
+            self.record.set_value("resumedFrom", start)
+            if not durable:                  # written here before a crash, never uploaded
+                self.uploader.submit(folder)
 
         baseline = self._baseline()
         if self.stop.is_set():
@@ -175,6 +223,8 @@ class Attempt:
         if step < p.maxSteps:
             return self._preempted(step)
 
+        if self._last_write is not None:
+            self._last_write.result()
         self._phase(Phase.FINAL_EVAL)
         final = self.trainer.evaluate(self.spec.env.eval_tasks).to_dict()
         self.record.record_eval("final", final, computed=True, fingerprint=baseline_fingerprint(self.spec))
@@ -184,13 +234,15 @@ class Attempt:
                                      f"(baseline {baseline['meanReward']:.3f})")
         return Outcome(Phase.SUCCEEDED, step, baseline=self.record.eval("baseline"), final=self.record.eval("final"))
 
-    def _restore_checkpoint(self) -> int:
-        """The newest checkpoint that verifies, local or remote; 0 when there is none."""
+    def _restore_checkpoint(self) -> tuple[int, bool]:
+        """(the newest checkpoint's step that verifies, local or remote, 0 when none; whether it
+        is durable in storage). Partial or corrupt ones are skipped with a warning naming them."""
         root = self.work / "checkpoints"
-        local = discover(root) if root.exists() else []
         remote = download_latest(self.store, root, "checkpoints")
-        candidates = ([local[0][0]] if local else []) + ([remote[0]] if remote else [])
-        return max(candidates, default=0)
+        local = discover(root) if root.exists() else []
+        newest_local = local[0][0] if local else 0
+        newest_remote = remote[0] if remote else 0
+        return max(newest_local, newest_remote), newest_remote >= newest_local
 
     def _baseline(self) -> dict[str, Any]:
         fingerprint = baseline_fingerprint(self.spec)
@@ -203,8 +255,10 @@ class Attempt:
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
             return result
         if cached is not None:
-            log.warning("the cached baseline does not match this job's model, tasks or generation "
-                        "settings; evaluating again")
+            why = ("the cached baseline was computed for another model, environment, eval tasks or "
+                   "generation settings; evaluating again")
+            log.warning(why)
+            self.record.set_value("baselineCache", why)
         self._phase(Phase.BASELINE_EVAL)
         ev = self.trainer.evaluate(self.spec.env.eval_tasks)
         result = ev.to_dict()
@@ -214,7 +268,7 @@ class Attempt:
             warning = (f"baseline held-out reward is {ev.meanReward:.0%} on every task: {NO_SIGNAL_HINT}")
             log.warning(warning)
             self.record.set_value("baselineWarning", warning)
-        self._sync_record()
+        self._sync_record(wait=True)
         return result
 
     def _baseline_from_store(self, fingerprint: str) -> dict[str, Any] | None:
@@ -227,6 +281,8 @@ class Attempt:
     def _train(self, start: int) -> int:
         """Steps start..maxSteps-1; returns the number of completed steps (less on a stop)."""
         p = self.spec.params
+        if start >= p.maxSteps:          # killed during the final evaluation: nothing left to train
+            return start
         self._phase(Phase.TRAINING)
         bar = _progress_bar(p.maxSteps, start, self.progress)
         step = start
@@ -250,17 +306,30 @@ class Attempt:
         self._update_reward_signal()
         return step
 
-    def _checkpoint(self, step: int) -> Path:
+    def _checkpoint(self, step: int) -> Future:
+        """Checkpoint after `step` completed steps. The training thread only copies the state
+        to memory; writing, fsync, the manifest and the upload happen on other threads, in
+        order, so training does not wait on the disk or the network."""
+        if self._last_write is not None and self._last_write.done():
+            self._last_write.result()        # a failed write (disk full, bad bucket) stops the run here
+        snap = self.trainer.snapshot(step)
+        self._last_write = self._writer.submit(self._write_checkpoint, snap)
+        return self._last_write
+
+    def _write_checkpoint(self, snap) -> Path:
         root = self.work / "checkpoints"
-        final = checkpoint_dir(root, step)
-        if final.exists():
-            return final
-        staging = staging_dir(root, step)
-        staging.mkdir(parents=True, exist_ok=True)
-        self.trainer.save_state(staging, step)
-        self.record.add_checkpoint(step, durable=False)
-        finalize_checkpoint(staging, final, step=step, meta={"job": self.spec.name})
-        prune(root, keep=self.spec.keep_checkpoints)
+        final = checkpoint_dir(root, snap.step)
+        if not final.exists():
+            staging = staging_dir(root, snap.step)
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+            write_snapshot(snap, staging)
+            finalize_checkpoint(staging, final, step=snap.step, meta={"job": self.spec.name})
+            prune(root, keep=self.spec.keep_checkpoints)
+        self.record.add_checkpoint(snap.step, durable=False)
+        for durable in self.uploader.durable_steps():
+            self.record.add_checkpoint(durable, durable=True)
         self.uploader.submit(final)
         self._update_reward_signal()
         self._sync_record()
@@ -269,7 +338,7 @@ class Attempt:
     def _preempted(self, step: int) -> Outcome:
         """Checkpoint the last completed step, wait until it is durable, end as Preempted."""
         if step > 0:
-            self._checkpoint(step)
+            self._checkpoint(step).result()
             durable = self.uploader.wait()
             if durable:
                 self.record.add_checkpoint(step, durable=True)
@@ -285,7 +354,7 @@ class Attempt:
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        self.trainer.save_weights(staging / ("model" if self.spec.params.method == "Full" else "adapter"))
+        self.trainer.save_weights(staging)
         final = checkpoint_dir(root, step)
         if final.exists():
             shutil.rmtree(final)
@@ -326,6 +395,7 @@ class Attempt:
         return steps[-1]["step"] if steps else 0
 
     def _shutdown(self) -> None:
+        self._writer.shutdown(wait=True)
         if self.uploader is not None:
             self.uploader.close()
             for step in self.uploader.durable_steps():
@@ -334,6 +404,16 @@ class Attempt:
             self.trainer.close()
         self._sync_record()
         self._record_sync.shutdown(wait=True)
+
+
+def _diff(old: Any, new: Any, path: str = "") -> list[str]:
+    """Dotted paths where two manifests differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in set(old) | set(new):
+            out += _diff(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        return out
+    return [] if old == new else [path]
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

@@ -122,7 +122,6 @@ def test_credentials_in_the_url_are_refused_and_never_echoed():
 
 
 def test_gcs_without_gcsfs_is_a_configuration_error():
-    pytest.importorskip("fsspec")
     try:
         import gcsfs  # noqa: F401
     except ImportError:

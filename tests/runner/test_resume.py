@@ -1,0 +1,111 @@
+"""Kill the node at any moment; resume on a fresh one from object storage alone; end where an
+uninterrupted run ends, byte for byte, without paying for the baseline twice."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, SAVE = 8, 2
+
+
+def write_job(folder: Path, storage: str | None = None, **params) -> Path:
+    (folder / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    (folder / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(5) for b in range(5)))
+    (folder / "eval.jsonl").write_text('{"prompt": "7+8="}\n{"prompt": "9+9="}\n{"prompt": "1+2="}\n')
+    spec = {"runtime": "grpo-lora", "model": "tiny:char",
+            "environment": {"name": "length", "reward": "length.py:score", "tasks": "train.jsonl",
+                            "evalTasks": "eval.jsonl"},
+            "parameters": {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 4,
+                           "maxSteps": STEPS, "saveSteps": SAVE, "learningRate": 0.002, **params}}
+    if storage:
+        spec["storage"] = storage
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob",
+                                    "metadata": {"name": "resumable"}, "spec": spec}))
+    return path
+
+
+def grpo_run(home: Path, *args, fault: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`grpo-run ARGS` as a separate process on a "node" whose local disk is `home`."""
+    env = {**os.environ, "GRPO_RUN_HOME": str(home)}
+    env.pop("GRPO_RUN_FAULT", None)
+    if fault:
+        env["GRPO_RUN_FAULT"] = fault
+    proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def exported_bytes(home: Path, storage: str | None, out: Path) -> dict[str, bytes]:
+    extra = ["--storage", storage] if storage else []
+    grpo_run(home, "export", "resumable", *extra, "--out", str(out))
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def status(home: Path, storage: str) -> dict:
+    return json.loads(grpo_run(home, "get", "tj", "resumable", "--storage", storage, "-o", "json").stdout)["status"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same job, never interrupted (local storage)."""
+    folder = tmp_path_factory.mktemp("reference")
+    grpo_run(folder / "home", "apply", "-f", str(write_job(folder)))
+    return exported_bytes(folder / "home", None, folder / "export")
+
+
+def kill_and_resume(tmp_path, storage, fault):
+    job = write_job(tmp_path, storage)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=fault, check=False)
+    assert killed.returncode == -signal.SIGKILL, (fault, killed.stderr[-2000:])
+    # a fresh node: nothing on its disk but what `resume` fetches from storage
+    (tmp_path / "job.yaml").unlink()
+    grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", storage)
+    return exported_bytes(tmp_path / "node-c", storage, tmp_path / "export")
+
+
+@pytest.mark.parametrize("fault", ["sample@5", "backward@3", "upload@4"])
+def test_a_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(tmp_path, s3_env, uninterrupted, fault):
+    assert kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted
+    st = status(tmp_path / "node-d", s3_env.url)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert st["baseline"]["runs"] == 1 and st["baseline"]["source"] == "cache"   # not re-run on resume
+    assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_kill_at_a_random_point_is_survived(tmp_path, s3_env, uninterrupted, seed):
+    rng = random.Random(seed)
+    fault = f"{rng.choice(['sample', 'backward', 'upload'])}@{rng.randrange(1, STEPS)}"
+    if fault.startswith("upload"):
+        fault = f"upload@{SAVE * rng.randrange(1, STEPS // SAVE)}"
+    assert kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted, fault
+
+
+def test_resuming_a_finished_job_is_a_no_op_that_says_so(tmp_path, s3_env):
+    grpo_run(tmp_path / "node-a", "apply", "-f", str(write_job(tmp_path, s3_env.url)))
+    again = grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
+    assert "already succeeded" in again.stdout
+    assert status(tmp_path / "node-b", s3_env.url)["baseline"]["runs"] == 1
+
+
+def test_changed_eval_settings_invalidate_the_cached_baseline(tmp_path, s3_env):
+    job = write_job(tmp_path, s3_env.url)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="backward@5", check=False)
+    assert killed.returncode == -signal.SIGKILL
+    same = write_job(tmp_path, s3_env.url, evalTemperature=0.7)
+    done = grpo_run(tmp_path / "node-b", "apply", "-f", str(same))
+    assert "cached baseline was computed for another" in done.stderr
+    st = status(tmp_path / "node-b", s3_env.url)
+    assert st["baseline"]["runs"] == 2 and st["baseline"]["source"] == "computed"
