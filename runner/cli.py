@@ -7,9 +7,8 @@ import json
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import yaml
 
@@ -17,6 +16,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1          # the job failed (reward function error, training error)
 EXIT_USAGE = 2           # bad arguments or a bad job file; nothing was started
 EXIT_PREEMPTED = 3       # stopped by a preemption notice or signal; `grpo-run resume` continues it
+EXIT_BUDGET = 4          # stopped at spec.maxCostUSD with a checkpoint; resume with a larger budget
+EXIT_HELD = 5            # another node holds the job; nothing was started here
 
 DESCRIPTION = """\
 Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
@@ -26,7 +27,7 @@ Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the ru
   grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
 
 Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
-(continue with `grpo-run resume NAME`).
+(continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job.
 Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
 the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
 """
@@ -77,9 +78,22 @@ def cmd_apply(args: argparse.Namespace) -> int:
     except JobError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
+    from runner.dryrun import check_fits, estimate
+
+    try:
+        est = estimate(job)
+    except (LookupError, ValueError) as e:     # config.json not found here / not readable
+        if args.dry_run:
+            _error(str(e))
+            return EXIT_USAGE
+        est = None                               # a real run may still fetch the model
+    refusal = check_fits(est) if est else None
+    if refusal:                                  # refused before anything starts, with the numbers
+        print(refusal, file=sys.stderr)
+        return EXIT_USAGE
     if args.dry_run:
         doc = job.to_dict()
-        doc["status"] = {"phase": "Pending"}
+        doc["status"] = {"phase": "Pending", "estimate": est}
         print(_dump(doc, args.output or "yaml"), end="")
         return EXIT_OK
     return _run(job, output=args.output)
@@ -123,37 +137,42 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _run(job, *, output: str | None, storage: str | None = None) -> int:
-    """Run an attempt at `job` in this process; its outputs under `storage` (default: the
-    job's spec.storage, else $GRPO_RUN_HOME/store)."""
-    from runner.job import build_run_spec
-    from trainer.grader import RewardFunctionError
-    from trainer.run import Attempt, JobFailed
-    from state.record import Phase
+    """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
+    spec.storage, else $GRPO_RUN_HOME/store). Returns the exit status."""
     from checkpoint.store import StorageConfigError, StorageUnavailable
+    from runner.job import build_run_spec
+    from runner.supervisor import Supervisor
 
-    stop = threading.Event()
-    _install_signal_handlers(stop)
+    storage = storage or job.storage
+    url = job_store_url(storage, job.name)
     try:
-        storage = storage or job.storage
-        url = job_store_url(storage, job.name)
         local = _environment_here(job, url)
         spec = build_run_spec(job, url, local=local)
-        attempt = Attempt(spec, work_dir(job.name), stop=stop, progress=sys.stderr.isatty() or bool(os.environ.get("GRPO_RUN_PROGRESS")))
-        outcome = attempt.run()
-    except (JobFailed, RewardFunctionError) as e:
-        _error(str(e))
-        return EXIT_FAILED
+        if _already_succeeded(job, storage):
+            print(f"{job.name}: already succeeded; nothing to do")
+            print(_dump(get_job(job.name, storage), output), end="") if output else None
+            return EXIT_OK
+        watchers = _watchers()
+        progress = sys.stderr.isatty() or os.environ.get("GRPO_RUN_PROGRESS") == "1"
+        result = Supervisor(spec, work_dir(job.name), watchers=watchers, progress=progress).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED
-    summary = _summary(job.name, outcome)
+    if result.exit_code == EXIT_HELD:
+        _error(f"{job.name} was not started here: {result.message}")
+        return EXIT_HELD
+    try:
+        doc = get_job(job.name, storage)
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_FAILED
+    if result.exit_code == EXIT_FAILED:
+        _error(f"{job.name} failed: {result.message or doc['status'].get('message', '')}")
     if output:
-        print(_dump(get_job(job.name, storage), output), end="")
+        print(_dump(doc, output), end="")
     else:
-        print(summary)
-    if outcome.phase == Phase.PREEMPTED:
-        return EXIT_PREEMPTED
-    return EXIT_OK
+        print(_summary(job.name, doc["status"], result))
+    return result.exit_code
 
 
 def _environment_here(job, url: str):
@@ -170,32 +189,41 @@ def _environment_here(job, url: str):
     return local
 
 
-def _summary(name: str, outcome) -> str:
-    lines = [f"{name}: {outcome.phase.value} after {outcome.step} steps"]
-    if outcome.message:
-        lines.append(f"  {outcome.message}")
-    b, f = outcome.baseline, outcome.final
+def _summary(name: str, status: dict, result) -> str:
+    lines = [f"{name}: {status['phase']} after {status['step']} steps"]
+    if status.get("message") and status["phase"] != "Succeeded":
+        lines.append(f"  {status['message']}")
+    b, f = status.get("baseline"), status.get("final")
     if b and f:
         lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
                      f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
-    if outcome.phase.value == "Preempted":
+    if result.notice_to_durable_s is not None:
+        lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
+                     f"{result.notice_to_durable_s:.2f} s")
+    if status["phase"] in ("Preempted", "BudgetExceeded", "Failed"):
         lines.append(f"  continue with: grpo-run resume {name}")
     return "\n".join(lines)
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
-    import signal
+def _watchers():
+    """Spot-notice watchers: GRPO_RUN_NOTICES=auto (every cloud whose metadata service answers),
+    a comma-separated list of aws, gcp, azure, or none. SIGTERM/SIGINT always count."""
+    from runner.notices import make_watchers
 
-    def handler(signum, frame):  # noqa: ARG001
-        if stop.is_set():         # a second Ctrl-C: give up at once
-            raise KeyboardInterrupt
-        print(f"\n{signal.Signals(signum).name}: checkpointing the last completed step, then stopping "
-              "(again to abort)", file=sys.stderr)
-        stop.set()
+    clouds = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    if clouds == "none":
+        return []
+    return make_watchers(clouds if clouds == "auto" else clouds.split(","))
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+
+def _already_succeeded(job, storage: str | None) -> bool:
+    """The job finished earlier (here or on another node) with this very spec."""
+    try:
+        with _open_record(job.name, storage) as record:
+            done = record.job()
+    except LookupError:
+        return False
+    return bool(done) and done["phase"] == "Succeeded" and done["spec"] == job.to_dict()
 
 
 # --- get / export ---------------------------------------------------------------------------------

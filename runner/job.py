@@ -6,6 +6,7 @@ was given and what is allowed; unknown keys are errors (a typo must never be sil
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,8 @@ KIND = "TrainingJob"
 RUNTIMES = ("grpo-lora",)
 GPU_NAMES = ("H100-SXM-80GB", "A100-80GB", "L40S", "RTX-4090", "RTX-A6000")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-SPEC_FIELDS = ["runtime", "model", "environment", "parameters", "maxCostUSD", "gpu", "storage"]
+SPEC_FIELDS = ["runtime", "model", "environment", "parameters", "maxCostUSD", "gpu", "pricing", "storage"]
+PRICING_FIELDS = ["usdPerHour", "stepSeconds"]
 ENV_FIELDS = ["name", "reward", "tasks", "evalTasks", "path"]
 
 
@@ -59,6 +61,16 @@ class EnvironmentSpec:
 
 
 @dataclass(frozen=True)
+class Pricing:
+    """`spec.pricing`: the user's own numbers for `spec.gpu`, overriding the estimate's table."""
+    usdPerHour: float | None = None   # what this node costs you per hour
+    stepSeconds: float | None = None  # seconds per training step (wins over measured and reference)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in PRICING_FIELDS if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True)
 class TrainingJob:
     name: str
     model: str
@@ -68,6 +80,7 @@ class TrainingJob:
     maxCostUSD: float | None = None
     gpu: str | None = None
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
+    pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
 
     def to_dict(self) -> dict[str, Any]:
         """The job as a manifest, every default filled in (what `get tj -o yaml` shows)."""
@@ -77,6 +90,8 @@ class TrainingJob:
         for key in ("maxCostUSD", "gpu", "storage"):
             if getattr(self, key) is not None:
                 spec[key] = getattr(self, key)
+        if self.pricing is not None:
+            spec["pricing"] = self.pricing.to_dict()
         return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": self.name}, "spec": spec}
 
 
@@ -179,6 +194,27 @@ def _parse_environment(raw: Any, base: Path, problems: list[str], check_files: b
     return EnvironmentSpec(name=name, reward=reward, tasks=files["tasks"], evalTasks=files["evalTasks"], path=search)
 
 
+def _parse_pricing(raw: Any, problems: list[str]) -> Pricing | None:
+    where = "spec.pricing"
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not raw:
+        problems.append(f"{where}: must be a mapping with usdPerHour and/or stepSeconds, e.g. "
+                        f"{{usdPerHour: 2.1, stepSeconds: 0.5}} (got {_fmt(raw)})")
+        return None
+    problems += unknown_keys(raw, PRICING_FIELDS, where)
+    values: dict[str, float] = {}
+    for key in PRICING_FIELDS:
+        if key not in raw:
+            continue
+        value, err = coerce(raw[key], float)
+        if err or not math.isfinite(value) or value <= 0:
+            problems.append(f"{where}.{key}: must be a number > 0 (got {_fmt(raw[key])})")
+        else:
+            values[key] = value
+    return Pricing(**values)
+
+
 def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
               check_files: bool = True) -> TrainingJob:
     """A TrainingJob from a parsed YAML document. Raises JobError listing every problem.
@@ -234,6 +270,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
     gpu = spec.get("gpu")
     if gpu is not None and gpu not in GPU_NAMES:
         problems.append(f"spec.gpu: must be one of {', '.join(GPU_NAMES)} (got {_fmt(gpu)})")
+    pricing = _parse_pricing(spec.get("pricing"), problems)
     storage = spec.get("storage")
     if storage is not None and (not isinstance(storage, str) or not storage):
         problems.append(f"spec.storage: must be a URL such as s3://bucket/prefix or a folder (got {_fmt(storage)})")
@@ -262,7 +299,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
     if problems:
         raise JobError(source, problems)
     return TrainingJob(name=name, model=model, environment=env, parameters=params, runtime=runtime,
-                       maxCostUSD=max_cost, gpu=gpu, storage=storage)
+                       maxCostUSD=max_cost, gpu=gpu, storage=storage, pricing=pricing)
 
 
 def load_job(path: str | Path) -> TrainingJob:
@@ -296,4 +333,15 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
 
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(local or job), params=job.parameters, storage=storage_url,
-                   model_name=job.model)
+                   model_name=job.model, usd_per_hour=usd_per_hour(job), max_cost_usd=job.maxCostUSD)
+
+
+def usd_per_hour(job: TrainingJob) -> float | None:
+    """The rate the cost ledger charges: spec.pricing.usdPerHour, else spec.gpu's table rate."""
+    if job.pricing is not None and job.pricing.usdPerHour is not None:
+        return job.pricing.usdPerHour
+    if job.gpu is not None:
+        from runner.estimate import lookup_gpu
+
+        return lookup_gpu(job.gpu).usd_per_hour
+    return None

@@ -39,6 +39,11 @@ def job_status(record: Record) -> dict[str, Any]:
     durable = [c["step"] for c in ckpts if c["durable"]]
     status["checkpoints"] = {"latest": ckpts[-1]["step"] if ckpts else None,
                              "latestDurable": max(durable) if durable else None}
+    ledger = record.value("ledger", {}) or {}
+    if ledger:
+        status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
+    if record.value("lastNotice"):
+        status["lastNotice"] = record.value("lastNotice")
     status["attempts"] = [{k: a[k] for k in ("node", "started", "ended", "reason", "message") if a.get(k)}
                           for a in record.attempts()]
     return status

@@ -25,11 +25,25 @@ from pathlib import Path
 
 import pytest
 
+# Before torch is imported anywhere: OpenMP threads that spin-wait make the in-process trainer
+# tests crawl whenever another process (SeaweedFS, a grader) wants a core. See runner/supervisor.py.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `.venv/bin/pytest` works without an editable install
     sys.path.insert(0, str(REPO))
 
 _STARTUP_TIMES: list[float] = []
+
+
+def _closed_local_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_CLOSED_PORT = _closed_local_port()
 
 
 # --- sitewide guards ----------------------------------------------------------------------------
@@ -40,6 +54,10 @@ def _isolated_environment(tmp_path, monkeypatch):
     or asks 169.254.169.254 for credentials."""
     monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "grpo-run-home"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # The spot-notice watchers of any grpo-run a test starts probe a closed local port, never
+    # the real link-local metadata services; tests that want notices start an emulator.
+    for var in ("GRPO_RUN_AWS_METADATA_URL", "GRPO_RUN_GCP_METADATA_URL", "GRPO_RUN_AZURE_METADATA_URL"):
+        monkeypatch.setenv(var, f"http://127.0.0.1:{_CLOSED_PORT}")
     from fsspec.implementations.memory import MemoryFileSystem
 
     monkeypatch.setattr(MemoryFileSystem, "store", {})

@@ -112,9 +112,10 @@ class GRPOTrainer:
         self.model.eval()
         should_stop = None
         if step is not None:
-            def should_stop() -> bool:
+            def stop_requested() -> bool:
                 fault_point("sample", step)
                 return self.stop.is_set()
+            should_stop = stop_requested
         return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=self.params.maxCompletionLength,
                            temperature=temperature, eos_id=self.tokenizer.eos_token_id,
                            pad_id=self.tokenizer.pad_token_id, generator=generator, should_stop=should_stop)
@@ -225,7 +226,7 @@ class GRPOTrainer:
         else:
             from peft import get_peft_model_state_dict
 
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()}
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
             config = self.model.peft_config["default"]
         optimizer = _to_cpu(copy.deepcopy(self.optimizer.state_dict()))
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),

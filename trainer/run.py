@@ -22,26 +22,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint.manifest import checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir, verify
+from checkpoint.manifest import checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir
 from checkpoint.store import Store
 from checkpoint.sync import Uploader, download_latest
 from state.record import Phase, Record
-from trainer.config import GRPOParams
+from trainer.config import GRPOParams, parse_parameters, to_yaml_dict
 from trainer.envs import Environment
 from trainer.grader import RewardFunctionError
 from trainer.grpo import GenerationInterrupted
 from trainer.loop import GRPOTrainer, write_snapshot
 
 log = logging.getLogger(__name__)
+progress_log = logging.getLogger("trainer.progress")   # the attempt's log file, not the terminal
 
 RECORD = "state.db"
 BASELINE = "baseline.json"
@@ -60,6 +63,31 @@ class RunSpec:
     storage: str                     # URL of this job's folder in object storage
     keep_checkpoints: int = 3
     model_name: str | None = None    # the model as the user named it (saved adapters say this)
+    usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
+    max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
+
+    def to_json(self) -> str:
+        env = self.env
+        return json.dumps({
+            "name": self.name, "manifest": self.manifest, "model": self.model, "storage": self.storage,
+            "keep_checkpoints": self.keep_checkpoints, "model_name": self.model_name,
+            "usd_per_hour": self.usd_per_hour, "max_cost_usd": self.max_cost_usd,
+            "params": to_yaml_dict(self.params),
+            "env": {"name": env.name, "reward_ref": env.reward_ref, "train_tasks": list(env.train_tasks),
+                    "eval_tasks": list(env.eval_tasks), "search_path": list(env.search_path)},
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        doc = json.loads(text)
+        problems: list[str] = []
+        params = parse_parameters(doc.pop("params"), "params", problems)
+        if problems:
+            raise ValueError("; ".join(problems))
+        e = doc.pop("env")
+        env = Environment(name=e["name"], reward_ref=e["reward_ref"], train_tasks=tuple(e["train_tasks"]),
+                          eval_tasks=tuple(e["eval_tasks"]), search_path=tuple(e["search_path"]))
+        return cls(env=env, params=params, **doc)
 
 
 @dataclass
@@ -126,7 +154,11 @@ class Attempt:
         self.spec = spec
         self.work = Path(work)
         self.stop = stop or threading.Event()
+        # Set (from a signal handler: a plain attribute, no lock) to checkpoint at the next step
+        # boundary without stopping: the supervisor's answer to a rebalance recommendation.
+        self.checkpoint_requested = False
         self.progress = progress
+        self._t0 = time.monotonic()
         self.work.mkdir(parents=True, exist_ok=True)
         self.store = Store(spec.storage, stop=None)
         self.store.check()                      # a bad bucket or credentials fail before any work
@@ -139,6 +171,7 @@ class Attempt:
         self._last_write: Future | None = None
         self.trainer = None
         self.uploader: Uploader | None = None
+        self.budget_exceeded = False
 
     def _apply_spec_changes(self) -> None:
         """`apply` of an edited job file continues the job under the new spec (kubectl apply);
@@ -188,6 +221,7 @@ class Attempt:
                            baseline=self.record.eval("baseline"), final=self.record.eval("final"))
         self._close_dangling_attempts()
         self.attempt = self.record.start_attempt(socket.gethostname())
+        self._t0 = time.monotonic()
         self._sync_record(wait=True)
         try:
             outcome = self._run()
@@ -218,10 +252,16 @@ class Attempt:
 
         baseline = self._baseline()
         if self.stop.is_set():
-            return self._preempted(start)
+            return self._stopped(start, Phase.PREEMPTED, "Preempted",
+                                 f"stopped after step {start}; resume continues from there")
         step = self._train(start)
+        if self.budget_exceeded:
+            return self._stopped(step, Phase.BUDGET_EXCEEDED, "BudgetExceeded",
+                                 f"spent ${self._spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}; "
+                                 f"stopped after step {step} with a checkpoint (resume with a larger budget)")
         if step < p.maxSteps:
-            return self._preempted(step)
+            return self._stopped(step, Phase.PREEMPTED, "Preempted",
+                                 f"stopped after step {step}; resume continues from there")
 
         if self._last_write is not None:
             self._last_write.result()
@@ -229,6 +269,7 @@ class Attempt:
         final = self.trainer.evaluate(self.spec.env.eval_tasks).to_dict()
         self.record.record_eval("final", final, computed=True, fingerprint=baseline_fingerprint(self.spec))
         self._save_final(step)
+        self._write_ledger()
         self.record.end_attempt(self.attempt, "Succeeded")
         self._phase(Phase.SUCCEEDED, f"final held-out reward {final['meanReward']:.3f} "
                                      f"(baseline {baseline['meanReward']:.3f})")
@@ -285,17 +326,29 @@ class Attempt:
             return start
         self._phase(Phase.TRAINING)
         bar = _progress_bar(p.maxSteps, start, self.progress)
-        step = start
+        step, last_step_seconds = start, 0.0
         try:
             while step < p.maxSteps:
                 if self.stop.is_set():           # preemption honoured between steps
                     break
+                if self._over_budget(last_step_seconds):
+                    self.budget_exceeded = True
+                    break
+                if self.checkpoint_requested and step > start:
+                    self.checkpoint_requested = False
+                    self._checkpoint(step)
                 try:
                     metrics = self.trainer.train_step(step)
                 except GenerationInterrupted:     # ... and between tokens: this step is abandoned
                     break
                 step += 1
+                last_step_seconds = metrics["stepSeconds"]
+                metrics["costUSD"] = round(self._spent_usd(), 6)
                 self.record.log_step(step, metrics)
+                if step % max(1, p.maxSteps // 20) == 0:
+                    progress_log.info("step %d/%d reward %.3f identical-groups %.2f length %.1f loss %.4f",
+                                      step, p.maxSteps, metrics["rewardMean"], metrics["identicalGroups"],
+                                      metrics["completionLength"], metrics["loss"])
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['rewardMean']:.3f}", same=f"{metrics['identicalGroups']:.2f}",
                                 len=f"{metrics['completionLength']:.1f}", refresh=False)
@@ -328,6 +381,7 @@ class Attempt:
             finalize_checkpoint(staging, final, step=snap.step, meta={"job": self.spec.name})
             prune(root, keep=self.spec.keep_checkpoints)
         self.record.add_checkpoint(snap.step, durable=False)
+        self._write_ledger()
         for durable in self.uploader.durable_steps():
             self.record.add_checkpoint(durable, durable=True)
         self.uploader.submit(final)
@@ -335,16 +389,44 @@ class Attempt:
         self._sync_record()
         return final
 
-    def _preempted(self, step: int) -> Outcome:
-        """Checkpoint the last completed step, wait until it is durable, end as Preempted."""
+    def _stopped(self, step: int, phase: Phase, reason: str, message: str) -> Outcome:
+        """Checkpoint the last completed step, wait until it is durable, end the attempt."""
+        durable = None
         if step > 0:
             self._checkpoint(step).result()
-            durable = self.uploader.wait()
-            if durable:
+            if self.uploader.wait():
+                durable = step
                 self.record.add_checkpoint(step, durable=True)
-        self.record.end_attempt(self.attempt, "Preempted")
-        self._phase(Phase.PREEMPTED, f"stopped after step {step}; resume continues from there")
-        return Outcome(Phase.PREEMPTED, step)
+        self._write_ledger()
+        self.record.end_attempt(self.attempt, reason, message)
+        self._phase(phase, message)
+        return Outcome(phase, step, message, extras={"durableStep": durable})
+
+    # --- cost ------------------------------------------------------------------------------------
+
+    def _attempt_usd(self) -> float:
+        rate = self.spec.usd_per_hour or 0.0
+        return (time.monotonic() - self._t0) * rate / 3600
+
+    def _spent_usd(self) -> float:
+        """Every attempt's wall time at the GPU's rate: earlier attempts from the ledger, this one live."""
+        ledger = self.record.value("ledger", {}) or {}
+        earlier = sum(v["usd"] for k, v in ledger.items() if k != str(self.attempt))
+        return earlier + self._attempt_usd()
+
+    def _write_ledger(self) -> None:
+        ledger = dict(self.record.value("ledger", {}) or {})
+        ledger[str(self.attempt)] = {"seconds": round(time.monotonic() - self._t0, 3),
+                                     "usd": round(self._attempt_usd(), 6),
+                                     "usdPerHour": self.spec.usd_per_hour}
+        self.record.set_value("ledger", ledger)
+
+    def _over_budget(self, next_step_seconds: float) -> bool:
+        """Would the next step (assumed as long as the last) take the spend past maxCostUSD?"""
+        limit, rate = self.spec.max_cost_usd, self.spec.usd_per_hour
+        if not limit or not rate:
+            return False
+        return self._spent_usd() + next_step_seconds * rate / 3600 > limit
 
     def _save_final(self, step: int) -> None:
         """Final weights sealed like a checkpoint, under final/ locally and in storage, durable
@@ -380,6 +462,7 @@ class Attempt:
 
     def _fail(self, message: str) -> None:
         try:
+            self._write_ledger()
             self.record.end_attempt(self.attempt, "Failed", message)
             self._phase(Phase.FAILED, message)
         except Exception:  # the record must not hide the original error
@@ -421,3 +504,96 @@ def _progress_bar(total: int, initial: int, enabled: bool):
 
     return tqdm(total=total, initial=initial, desc="training", unit="step", disable=not enabled,
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+
+# --- the trainer as the supervisor's child process -------------------------------------------------
+# `python -m trainer.run WORK/runspec.json`. Exit statuses, read by runner.supervisor:
+CHILD_SUCCEEDED = 0
+CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
+CHILD_PREEMPTED = 3        # stopped on request (SIGTERM/SIGINT) with the last completed step durable
+CHILD_BUDGET = 4           # maxCostUSD reached; checkpoint durable
+CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every try: restarting cannot help
+CHILD_STORAGE_CONFIG = 11  # bad bucket or credentials: restarting cannot help
+CHILD_INFRA_ERROR = 12     # object storage unavailable past the retry budget: worth a restart
+PHASE_EXIT = {Phase.SUCCEEDED: CHILD_SUCCEEDED, Phase.PREEMPTED: CHILD_PREEMPTED,
+              Phase.BUDGET_EXCEEDED: CHILD_BUDGET}
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    import signal
+
+    from checkpoint.store import StorageConfigError, StorageUnavailable
+
+    argv = sys.argv[1:] if argv is None else argv
+    spec_path = Path(argv[0])
+    spec = RunSpec.from_json(spec_path.read_text())
+    work = spec_path.parent
+    _child_logging(work)
+    stop = threading.Event()
+    attempt: Attempt | None = None
+
+    def on_stop(signum, frame):  # noqa: ARG001 - Event.set only; the main thread never waits on it
+        stop.set()
+
+    def on_checkpoint(signum, frame):  # noqa: ARG001
+        if attempt is not None:
+            attempt.checkpoint_requested = True
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGUSR1, on_checkpoint)
+    progress = os.environ.get("GRPO_RUN_PROGRESS") == "1"
+    try:
+        attempt = Attempt(spec, work, stop=stop, progress=progress)
+        outcome = attempt.run()
+    except JobFailed as e:
+        log.error("%s", e)
+        return CHILD_CODE_ERROR
+    except StorageConfigError as e:
+        log.error("%s", e)
+        return CHILD_STORAGE_CONFIG
+    except StorageUnavailable as e:
+        log.error("%s", e)
+        return CHILD_INFRA_ERROR
+    except Exception:
+        log.exception("the trainer crashed")
+        return CHILD_CRASHED
+    if outcome.message:
+        log.info("%s", outcome.message)
+    return PHASE_EXIT[outcome.phase]
+
+
+def _child_logging(work: Path) -> None:
+    """Warnings and errors to the terminal; everything, progress lines included, to logs/."""
+    import warnings
+
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(logs / "trainer.log")
+    to_file.setFormatter(fmt)
+    to_file.setLevel(logging.INFO)
+    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    to_terminal.setLevel(logging.INFO)
+    to_terminal.addFilter(lambda r: r.name != "trainer.progress")
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    root.addHandler(to_file)
+    root.addHandler(to_terminal)
+    for name in ("trainer", "checkpoint", "state"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

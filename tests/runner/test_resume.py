@@ -39,6 +39,7 @@ def grpo_run(home: Path, *args, fault: str | None = None, check: bool = True) ->
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
         env["GRPO_RUN_FAULT"] = fault
+        env["GRPO_RUN_FAULT_MARKER"] = str(home.parent / f"{home.name}.fault-fired")   # fires once
     proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     if check:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.config import GRPOParams, LoraParams
+from trainer.config import GRPOParams
 from trainer.envs import catalog_environment, user_environment
 from trainer.loop import GRPOTrainer, batch_indices
 from trainer.tinymodel import ensure_model

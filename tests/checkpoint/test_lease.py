@@ -1,0 +1,494 @@
+"""Lease: two nodes resuming one job never both train. Exactly one acquires; the other is told
+who holds it; an expired lease is taken over and its old holder learns it lost. Against
+memory://, a local folder (real processes racing) and a real S3 (SeaweedFS, conditional writes).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import checkpoint.lease as lease_module
+from checkpoint.lease import Lease, LeaseHeld, LeaseLost, read_lease
+from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+
+
+class Clock:
+    """An injected clock (epoch seconds) that moves only when a test moves it."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RecordingSleep:
+    def __init__(self) -> None:
+        self.delays: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def job_url(request, tmp_path) -> str:
+    """The job's storage folder on each kind of storage."""
+    if request.param == "memory":
+        return "memory://jobs/my-job"
+    if request.param == "local":
+        return str(tmp_path / "jobs" / "my-job")
+    return request.getfixturevalue("s3_env").url + "/my-job"
+
+
+def put_lease_body(url: str, body: dict) -> None:
+    Store(url).put_bytes("lease.json", json.dumps(body).encode())
+
+
+# --- one holder at a time -----------------------------------------------------------------------
+
+def test_the_first_holder_gets_the_job_and_the_second_is_told_who_has_it(job_url):
+    clock = Clock()
+    Lease(job_url, holder="node-a", clock=clock).acquire()
+
+    with pytest.raises(LeaseHeld) as held:
+        Lease(job_url, holder="node-b", clock=clock).acquire()
+
+    assert held.value.holder["holder"] == "node-a"
+    message = str(held.value)
+    for part in ("node-a", f"host {socket.gethostname()}", f"pid {os.getpid()}", "since",
+                 "expires", "in 60s"):
+        assert part in message
+    shown = read_lease(job_url, clock=clock)
+    assert shown["holder"] == "node-a" and shown["pid"] == os.getpid()
+    assert shown["since_epoch"] == clock.now and shown["expires_epoch"] == clock.now + 60
+    assert shown["since"].endswith("Z") and shown["expires"].endswith("Z")
+    assert shown["expired"] is False
+    assert "token" not in shown
+
+
+def test_nobody_holds_a_job_that_was_never_leased(job_url):
+    assert read_lease(job_url) is None
+
+
+def test_renewal_keeps_the_job_past_the_first_expiry_and_keeps_since(job_url):
+    clock = Clock()
+    started = clock.now
+    lease = Lease(job_url, holder="node-a", clock=clock)
+    lease.acquire()
+
+    clock.now += 30
+    lease.renew()
+    clock.now += 40  # past the first expiry, inside the renewed one
+
+    with pytest.raises(LeaseHeld):
+        Lease(job_url, holder="node-b", clock=clock).acquire()
+    shown = read_lease(job_url, clock=clock)
+    assert shown["since_epoch"] == started
+    assert shown["expires_epoch"] == started + 30 + 60
+    assert lease.held
+
+
+def test_an_expired_lease_is_taken_over_and_the_old_holder_learns_it_lost(job_url):
+    clock = Clock()
+    old = Lease(job_url, holder="node-a", clock=clock)
+    old.acquire()
+
+    clock.now += 61  # node-a stopped renewing: died, or cut off
+    new = Lease(job_url, holder="node-b", clock=clock)
+    new.acquire()
+
+    assert read_lease(job_url, clock=clock)["holder"] == "node-b"
+    with pytest.raises(LeaseLost) as lost:
+        old.renew()
+    assert "taken over by node-b" in str(lost.value)
+    assert lost.value.holder["holder"] == "node-b"
+    assert old.lost.is_set() and not old.held
+    assert new.held
+    assert read_lease(job_url, clock=clock)["holder"] == "node-b"  # the loser wrote nothing
+
+
+def test_the_renewal_thread_reports_a_takeover_once(job_url):
+    # node-a was frozen (a suspended VM) past its expiry: by its own clock no time has passed.
+    frozen, later = Clock(), Clock()
+    old = Lease(job_url, holder="node-a", clock=frozen, renew_every_s=0.01)
+    old.acquire()
+    later.now += 61
+    Lease(job_url, holder="node-b", clock=later).acquire()
+
+    reports: list[LeaseLost] = []
+    reported = threading.Event()
+    old.start_renewing(on_lost=lambda exc: (reports.append(exc), reported.set()))
+    assert reported.wait(30)
+    old.release()  # joins the renewal thread
+
+    assert len(reports) == 1 and "taken over by node-b" in str(reports[0])
+    assert old.lost.is_set() and not old.held
+    assert read_lease(job_url)["holder"] == "node-b"
+
+
+def test_the_renewal_thread_renews_before_expiry(job_url):
+    clock = Clock()
+    lease = Lease(job_url, holder="node-a", clock=clock, renew_every_s=0.01)
+    lease.acquire()
+    first_expiry = lease.expires_epoch
+    clock.now += 20
+    renewed = threading.Event()
+
+    def watch() -> None:  # the thread's renewal shows in storage
+        while not renewed.is_set():
+            shown = read_lease(job_url, clock=clock)
+            if shown["expires_epoch"] == first_expiry + 20:
+                renewed.set()
+
+    lease.start_renewing(on_lost=lambda exc: pytest.fail(f"lost: {exc}"))
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    assert renewed.wait(30)
+    lease.release()
+    assert read_lease(job_url) is None
+
+
+# --- release and re-acquire ---------------------------------------------------------------------
+
+def test_release_deletes_only_our_own_lease(job_url):
+    clock = Clock()
+    old = Lease(job_url, holder="node-a", clock=clock)
+    old.acquire()
+    clock.now += 61
+    new = Lease(job_url, holder="node-b", clock=clock)
+    new.acquire()
+
+    old.release()
+    assert read_lease(job_url, clock=clock)["holder"] == "node-b"
+
+    new.release()
+    new.release()  # idempotent
+    assert read_lease(job_url) is None
+    Lease(job_url, holder="node-c", clock=clock).acquire()  # free at once, no waiting out a ttl
+
+
+def test_a_with_block_holds_the_job_and_gives_it_back(job_url):
+    clock = Clock()
+    with Lease(job_url, holder="node-a", clock=clock) as lease:
+        assert lease.held
+        with pytest.raises(LeaseHeld):
+            Lease(job_url, holder="node-b", clock=clock).acquire()
+    assert read_lease(job_url) is None
+
+
+def test_the_same_holder_may_acquire_again(job_url):
+    clock = Clock()
+    lease = Lease(job_url, holder="node-a", clock=clock)
+    lease.acquire()
+    since = read_lease(job_url)["since_epoch"]
+
+    clock.now += 10
+    lease.acquire()  # idempotent: extends, keeps since
+    shown = read_lease(job_url, clock=clock)
+    assert shown["since_epoch"] == since and shown["expires_epoch"] == clock.now + 60
+
+    # The same node after a restart (a new Lease, this very process): no waiting out the ttl.
+    restarted = Lease(job_url, holder="node-a", clock=clock)
+    restarted.acquire()
+    assert restarted.held
+    with pytest.raises(LeaseLost):
+        lease.renew()  # the pre-restart instance no longer holds it
+
+
+def test_the_same_holder_waits_while_its_other_process_on_this_host_lives(tmp_path):
+    url = str(tmp_path / "job")
+    clock = Clock()
+    body = {"holder": "node-a", "host": socket.gethostname(), "pid": os.getppid(),
+            "token": "theirs", "since": "-", "expires": "-",
+            "since_epoch": clock.now, "expires_epoch": clock.now + 60, "ttl_s": 60}
+    put_lease_body(url, body)
+    with pytest.raises(LeaseHeld):  # a second supervisor on this node: its pid is alive
+        Lease(url, holder="node-a", clock=clock).acquire()
+    with pytest.raises(LeaseHeld):  # another node with the same holder name
+        put_lease_body(url, dict(body, host="elsewhere", pid=12345))
+        Lease(url, holder="node-a", clock=clock).acquire()
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    put_lease_body(url, dict(body, pid=int(gone.stdout)))
+    Lease(url, holder="node-a", clock=clock).acquire()  # that process crashed: ours to retake
+    assert read_lease(url)["pid"] == os.getpid()
+
+
+def test_an_unreadable_lease_counts_as_expired(job_url):
+    Store(job_url).put_bytes("lease.json", b"{not json")
+    Lease(job_url, holder="node-a").acquire()
+    assert read_lease(job_url)["holder"] == "node-a"
+
+
+# --- races --------------------------------------------------------------------------------------
+
+def race(leases: list[Lease]) -> tuple[list[str], list[LeaseHeld]]:
+    """Every lease tries to acquire at the same moment; (winners' holders, refusals)."""
+    start = threading.Barrier(len(leases))
+    won: list[str] = []
+    refused: list[LeaseHeld] = []
+    errors: list[BaseException] = []
+
+    def contend(lease: Lease) -> None:
+        start.wait(30)
+        try:
+            lease.acquire()
+            won.append(lease.holder)
+        except LeaseHeld as exc:
+            refused.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=contend, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return won, refused
+
+
+def test_nodes_racing_for_a_job_over_s3_exactly_one_wins(s3_env):
+    for r in range(3):  # the first round in a fresh bucket, the others in a warm one
+        url = f"{s3_env.url}/race-{r}"
+        won, refused = race([Lease(url, holder=f"node-{i}") for i in range(8)])
+
+        assert len(won) == 1, won
+        assert len(refused) == 7
+        assert all(exc.holder["holder"] == won[0] and won[0] in str(exc) for exc in refused)
+        assert read_lease(url)["holder"] == won[0]
+
+
+def test_nodes_racing_to_take_over_an_expired_lease_over_s3_exactly_one_wins(s3_env):
+    url = f"{s3_env.url}/expired"
+    clock = Clock()
+    Lease(url, holder="dead-node", clock=clock).acquire()
+    later = Clock(clock.now + 61)
+
+    won, refused = race([Lease(url, holder=f"node-{i}", clock=later) for i in range(8)])
+
+    assert len(won) == 1, won
+    assert all(exc.holder["holder"] == won[0] for exc in refused)
+    assert read_lease(url)["holder"] == won[0]
+
+
+def test_threads_racing_over_a_local_folder_exactly_one_wins(tmp_path):
+    url = str(tmp_path / "job")
+    won, refused = race([Lease(url, holder=f"node-{i}") for i in range(8)])
+    assert len(won) == 1 and len(refused) == 7
+
+
+def _contend_in_process(url_fresh: str, url_expired: str, holder: str, start, results) -> None:
+    """In a child process: race for a fresh job, then for one with an expired lease."""
+    for url in (url_fresh, url_expired):
+        start.wait(60)
+        try:
+            Lease(url, holder=holder).acquire()
+            results.put((url, holder, "won"))
+        except LeaseHeld as exc:
+            results.put((url, holder, exc.holder["holder"]))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put((url, holder, f"error: {exc!r}"))
+
+
+def test_processes_racing_over_a_local_folder_exactly_one_wins(tmp_path):
+    fresh, expired = str(tmp_path / "fresh"), f"file://{tmp_path / 'expired'}"
+    Lease(expired, holder="dead-node", clock=Clock(0.0)).acquire()  # expired long ago
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_contend_in_process,
+                         args=(fresh, expired, f"node-{i}", start, results)) for i in range(4)]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in range(8)]
+    for p in procs:
+        p.join(60)
+
+    for url in (fresh, expired):
+        mine = [(holder, outcome) for u, holder, outcome in outcomes if u == url]
+        winners = [holder for holder, outcome in mine if outcome == "won"]
+        assert len(winners) == 1, mine
+        assert all(outcome == winners[0] for holder, outcome in mine if holder != winners[0]), mine
+        assert read_lease(url)["holder"] == winners[0]
+
+
+# --- storage failures ---------------------------------------------------------------------------
+
+def test_a_missing_bucket_fails_at_once(s3_env):
+    sleep = RecordingSleep()
+    with pytest.raises(StorageConfigError, match="bucket does not exist"):
+        Lease(f"s3://no-such-bucket-{s3_env.bucket}/run", holder="node-a", sleep=sleep).acquire()
+    with pytest.raises(StorageConfigError, match="bucket does not exist"):
+        read_lease(f"s3://no-such-bucket-{s3_env.bucket}/run")
+    assert sleep.delays == []
+
+
+def test_bad_credentials_fail_at_once(s3_env, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    sleep = RecordingSleep()
+    with pytest.raises(StorageConfigError, match="bad credentials"):
+        Lease(s3_env.url, holder="node-a", sleep=sleep).acquire()
+    assert sleep.delays == []
+
+
+def test_an_s3_server_that_ignores_conditional_writes_is_refused(s3_env, monkeypatch):
+    real_client = lease_module._s3_client
+
+    def client_whose_conditions_vanish():
+        client = real_client()
+
+        def strip(request, **_):  # as a server that ignores the headers would behave
+            for header in ("If-None-Match", "If-Match"):
+                if header in request.headers:
+                    del request.headers[header]
+
+        client.meta.events.register("before-sign.s3.PutObject", strip)
+        return client
+
+    monkeypatch.setattr(lease_module, "_s3_client", client_whose_conditions_vanish)
+    with pytest.raises(StorageConfigError, match="does not honour conditional writes"):
+        Lease(s3_env.url, holder="node-a").acquire()
+    assert read_lease(s3_env.url) is None
+    assert Store(s3_env.url).list() == []  # and the probe is gone
+
+
+def test_an_unreachable_store_is_retried_a_bounded_number_of_times(closed_port, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "anything")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "anything")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    sleep = RecordingSleep()
+    with pytest.raises(StorageUnavailable, match="3 time"):
+        Lease("s3://bucket/run", holder="node-a", retry_attempts=3, sleep=sleep).acquire()
+    assert len(sleep.delays) == 2
+
+
+def test_a_holder_that_cannot_renew_stops_itself_before_its_lease_expires(tmp_path):
+    job = tmp_path / "job"
+    clock = Clock()
+    lease = Lease(str(job), holder="node-a", clock=clock, ttl_s=60, renew_every_s=0.01)
+    lease.acquire()
+    expires = lease.expires_epoch
+    job.rename(tmp_path / "moved")
+    job.write_text("storage is broken now")  # every renewal fails from here on
+
+    reports: list[LeaseLost] = []
+    reported = threading.Event()
+    clock.now = expires - 0.005  # past the point where we must have renewed
+    lease.start_renewing(on_lost=lambda exc: (reports.append(exc), reported.set()))
+    assert reported.wait(30)
+    lease.release()
+
+    assert len(reports) == 1 and "could not renew before it expires" in str(reports[0])
+    assert lease.lost.is_set() and not lease.held
+
+
+class PausableProxy:
+    """A TCP proxy in front of the S3 server whose traffic can be held (a network partition or a
+    hung server: requests neither answered nor refused) and let go again."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                self.flowing.wait()  # held: bytes wait here until let go
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Drop every connection (a server waits for open ones when it stops)."""
+        self.flowing.set()
+        self._listener.close()
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def test_a_holder_whose_storage_hangs_stops_itself_before_its_lease_expires(s3_env, monkeypatch):
+    proxy = PausableProxy(s3_env.server.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    try:
+        clock = Clock()
+        lease = Lease(f"{s3_env.url}/hang", holder="node-a", clock=clock, ttl_s=60,
+                      renew_every_s=0.2)
+        lease.acquire()
+        proxy.flowing.clear()  # from now on storage answers nothing
+        clock.now = lease.expires_epoch - 0.1 - 0.05  # 50 ms before we must stop waiting
+
+        reports: list[LeaseLost] = []
+        reported = threading.Event()
+        lease.start_renewing(on_lost=lambda exc: (reports.append(exc), reported.set()))
+        assert reported.wait(30)
+        assert len(reports) == 1 and "did not answer" in str(reports[0])
+        assert lease.lost.is_set() and not lease.held
+        proxy.flowing.set()  # let the held renewal finish so that release() is not kept waiting
+        lease.release()
+    finally:
+        proxy.close()
+
+
+# --- settings -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, fix", [
+    (dict(holder=""), "holder must name this node"),
+    (dict(holder="n", ttl_s=0), "ttl_s must be > 0"),
+    (dict(holder="n", ttl_s=60, renew_every_s=30), "renew_every_s must be > 0 and < ttl_s / 2"),
+])
+def test_bad_settings_name_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix):
+        Lease("memory://job", **kwargs)
+
+
+def test_storage_without_compare_and_swap_is_refused():
+    with pytest.raises(StorageConfigError):
+        Lease("gs://bucket/job", holder="node-a")
+
+
+def test_a_local_lease_is_one_complete_file(tmp_path):
+    Lease(f"file://{tmp_path}", holder="node-a").acquire()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lease.json"]
+    body = json.loads((tmp_path / "lease.json").read_text())
+    assert set(body) >= {"holder", "host", "pid", "token", "since", "expires",
+                         "since_epoch", "expires_epoch"}
+    assert len(body["token"]) == 32

@@ -1,0 +1,117 @@
+"""Spot notices end a run with the last completed step durable in S3, fast; resume finishes it.
+
+Each test runs `grpo-run apply` as a real process against a real S3 server (SeaweedFS) and a
+local emulator of the cloud's metadata service, triggers the cloud's notice mid-training, and
+then resumes on a fresh node.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
+from test_resume import grpo_run, status, write_job
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 150
+CLOUDS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
+          "gcp": ("GRPO_RUN_GCP_METADATA_URL", GcpMetadataEmulator),
+          "azure": ("GRPO_RUN_AZURE_METADATA_URL", AzureScheduledEventsEmulator)}
+
+
+def start_apply(home: Path, job: Path, **env_extra) -> subprocess.Popen:
+    env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
+    return subprocess.Popen([sys.executable, "-m", "runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_training(home: Path, proc: subprocess.Popen, min_step: int = 2, timeout: float = 120) -> None:
+    """Until the node's record shows `min_step` completed steps (polled, bounded)."""
+    from state.record import Record
+
+    db = home / "runs" / "resumable" / "state.db"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if db.exists():
+            with Record(db) as record:
+                steps = record.steps()
+            if steps and steps[-1]["step"] >= min_step:
+                return
+        time.sleep(0.05)
+    raise AssertionError("training did not start in time")
+
+
+def preempt_then_resume(tmp_path, storage, trigger, **env_extra):
+    job = write_job(tmp_path, storage, maxSteps=STEPS, saveSteps=50)
+    proc = start_apply(tmp_path / "node-a", job, **env_extra)
+    wait_for_training(tmp_path / "node-a", proc)
+    noticed = time.monotonic()
+    trigger(proc)
+    out, err = proc.communicate(timeout=60)
+    exited = time.monotonic() - noticed
+    assert proc.returncode == 3, err[-3000:]
+    st = status(tmp_path / "node-x", storage)
+    assert st["phase"] == "Preempted"
+    durable = st["checkpoints"]["latestDurable"]
+    lost = st["step"] - durable
+    print(f"\nnotice -> durable: {st['lastNotice']['noticeToDurableSeconds']:.2f} s after the supervisor saw it; "
+          f"process exited {exited:.2f} s after the trigger; completed steps lost: {lost}")
+    assert lost == 0
+    assert exited <= 25        # inside the shortest (GCP/Azure, ~30 s) notice window
+    done = grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", storage)
+    final = status(tmp_path / "node-b", storage)
+    assert final["phase"] == "Succeeded" and final["step"] == STEPS, done.stdout
+    assert final["baseline"]["runs"] == 1                     # not re-run on the new node
+    assert [a["reason"] for a in final["attempts"]] == ["Preempted", "Succeeded"]
+    return st
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp", "azure"])
+def test_a_cloud_notice_checkpoints_durably_and_exits_preempted(tmp_path, s3_env, cloud):
+    var, emulator_class = CLOUDS[cloud]
+    with emulator_class() as emulator:
+        st = preempt_then_resume(tmp_path, s3_env.url, lambda proc: emulator.trigger_preempt(),
+                                 GRPO_RUN_NOTICES=cloud, **{var: emulator.url})
+    assert st["lastNotice"]["source"] == cloud
+
+
+def test_sigterm_to_the_supervisor_is_a_notice_too(tmp_path, s3_env):
+    st = preempt_then_resume(tmp_path, s3_env.url, lambda proc: proc.send_signal(signal.SIGTERM),
+                             GRPO_RUN_NOTICES="none")
+    assert st["lastNotice"]["source"] == "signal"
+
+
+def test_a_crashed_trainer_is_restarted_and_the_run_still_ends_byte_identical(tmp_path):
+    from test_resume import exported_bytes
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    grpo_run(reference / "home", "apply", "-f", str(write_job(reference)))
+    expected = exported_bytes(reference / "home", None, reference / "export")
+
+    crashing = tmp_path / "crashing"
+    crashing.mkdir()
+    proc = grpo_run(crashing / "home", "apply", "-f", str(write_job(crashing)), fault="backward@5/trainer",
+                    check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart 1 of 3 (crashes)" in proc.stderr
+    assert exported_bytes(crashing / "home", None, crashing / "export") == expected
+
+
+def test_two_nodes_resuming_one_job_at_once_never_both_train(tmp_path, s3_env):
+    job = write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=50)
+    first = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none")
+    wait_for_training(tmp_path / "node-a", first)
+    second = grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, check=False)
+    assert second.returncode == 5, second.stderr[-2000:]
+    assert "held by" in second.stderr
+    assert not (tmp_path / "node-b" / "runs" / "resumable" / "checkpoints").exists()   # trained nothing
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-2000:]
