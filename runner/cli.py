@@ -152,7 +152,7 @@ def _run(job, *, output: str | None, storage: str | None = None) -> int:
             print(f"{job.name}: already succeeded; nothing to do")
             print(_dump(get_job(job.name, storage), output), end="") if output else None
             return EXIT_OK
-        watchers = _watchers()
+        watchers = _watchers(job)
         progress = sys.stderr.isatty() or os.environ.get("GRPO_RUN_PROGRESS") == "1"
         result = Supervisor(spec, work_dir(job.name), watchers=watchers, progress=progress).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
@@ -166,6 +166,8 @@ def _run(job, *, output: str | None, storage: str | None = None) -> int:
     except LookupError as e:
         _error(str(e))
         return EXIT_FAILED
+    if result.exit_code == EXIT_OK and job.gpu:
+        _remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
         _error(f"{job.name} failed: {result.message or doc['status'].get('message', '')}")
     if output:
@@ -173,6 +175,17 @@ def _run(job, *, output: str | None, storage: str | None = None) -> int:
     else:
         print(_summary(job.name, doc["status"], result))
     return result.exit_code
+
+
+def _remember_step_time(job, status: dict) -> None:
+    """A finished run on a GPU teaches the estimates its measured step time (runs on a CPU, or
+    on a GPU other than spec.gpu says, would teach them wrong)."""
+    from runner.dryrun import record_measured_step_seconds
+
+    device = status.get("device") or ""
+    seconds = status.get("medianStepSeconds")
+    if device.startswith("cuda") and seconds:
+        record_measured_step_seconds(job.gpu, seconds, job.name)
 
 
 def _environment_here(job, url: str):
@@ -205,15 +218,22 @@ def _summary(name: str, status: dict, result) -> str:
     return "\n".join(lines)
 
 
-def _watchers():
-    """Spot-notice watchers: GRPO_RUN_NOTICES=auto (every cloud whose metadata service answers),
-    a comma-separated list of aws, gcp, azure, or none. SIGTERM/SIGINT always count."""
+def _watchers(job):
+    """Spot-notice watchers: spec.notices.clouds, else GRPO_RUN_NOTICES (auto: every cloud whose
+    metadata service answers; a comma-separated list of aws, gcp, azure; none). SIGTERM and
+    SIGINT always count. spec.notices.*MetadataURL override the GRPO_RUN_*_METADATA_URL variables."""
     from runner.notices import make_watchers
 
-    clouds = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    clouds: Any = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    if job.notices is not None:
+        clouds = job.notices.clouds
+        for var, url in job.notices.urls:
+            os.environ[var] = url     # this process (the supervisor) is the only reader
     if clouds == "none":
         return []
-    return make_watchers(clouds if clouds == "auto" else clouds.split(","))
+    if isinstance(clouds, str) and clouds != "auto":
+        clouds = clouds.split(",")
+    return make_watchers(clouds)
 
 
 def _already_succeeded(job, storage: str | None) -> bool:
@@ -276,6 +296,8 @@ def cmd_get(args: argparse.Namespace) -> int:
         names = [args.name]
     else:
         names = _local_jobs() if args.storage is None else _jobs_in(args.storage)
+    if args.watch:
+        return _watch(names, args)
     try:
         docs = [get_job(n, args.storage) for n in names]
     except LookupError as e:
@@ -287,6 +309,59 @@ def cmd_get(args: argparse.Namespace) -> int:
     else:
         print(table(docs))
     return EXIT_OK
+
+
+TERMINAL = ("Succeeded", "Failed", "Preempted", "BudgetExceeded")
+
+
+def _watch(names: list[str], args: argparse.Namespace, interval_s: float = 2.0) -> int:
+    """Print the job(s) again whenever phase or step changes, until every one has stopped."""
+    import time
+
+    from runner.status import table
+
+    last = None
+    while True:
+        try:
+            docs = [get_job(n, args.storage) for n in names]
+        except LookupError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        key = [(d["status"]["phase"], d["status"]["step"]) for d in docs]
+        if key != last:
+            if args.output:
+                for d in docs:
+                    print(_dump(d, args.output) + ("---" if args.output == "yaml" else ""), flush=True)
+            else:
+                print(table(docs) if last is None else table(docs).split("\n", 1)[1], flush=True)
+            last = key
+        if all(phase in TERMINAL for phase, _ in key):
+            return EXIT_OK
+        time.sleep(interval_s)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    """The trainer's log on this node; -f follows it until the job stops."""
+    import time
+
+    path = work_dir(args.name) / "logs" / "trainer.log"
+    if not path.exists():
+        _error(f"no log for {args.name!r} on this node ({path}); logs stay on the node that ran the job")
+        return EXIT_USAGE
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                print(chunk, end="", flush=True)
+            if not args.follow:
+                return EXIT_OK
+            try:
+                phase = get_job(args.name, None)["status"]["phase"]
+            except LookupError:
+                phase = None
+            if phase in TERMINAL and not chunk:
+                return EXIT_OK
+            time.sleep(0.5)
 
 
 def _local_jobs() -> list[str]:
@@ -350,12 +425,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("get", help="show jobs: phase, step, rewards", formatter_class=Help,
                        description="Show a TrainingJob as {apiVersion, kind, metadata, spec, status}.\n\nexample:\n"
                        "  grpo-run get tj tiny-arithmetic -o yaml\n"
+                       "  grpo-run get tj -w                      # follow every job on this node\n"
                        "  grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json")
     p.add_argument("resource", help="tj (TrainingJob)")
     p.add_argument("name", nargs="?", help="the job (all jobs when left out)")
     p.add_argument("--storage", help="read the job from this storage URL instead of this node's work folder")
     p.add_argument("-o", "--output", choices=("yaml", "json"), help="output format (default: a table)")
+    p.add_argument("-w", "--watch", action="store_true", help="print again on every change until the job stops")
     p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("logs", help="the trainer's log on this node", formatter_class=Help,
+                       description="Print the trainer's log for a job run on this node (progress every 5% "
+                       "of the steps, checkpoints, warnings).\n\nexample:\n"
+                       "  grpo-run logs tiny-arithmetic -f")
+    p.add_argument("name", help="the job")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job stops")
+    p.set_defaults(func=cmd_logs)
 
     p = sub.add_parser("export", help="write the final (or latest) adapter as standard PEFT files",
                        formatter_class=Help, description="Write the job's final adapter (or, before it "

@@ -23,7 +23,10 @@ KIND = "TrainingJob"
 RUNTIMES = ("grpo-lora",)
 GPU_NAMES = ("H100-SXM-80GB", "A100-80GB", "L40S", "RTX-4090", "RTX-A6000")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-SPEC_FIELDS = ["runtime", "model", "environment", "parameters", "maxCostUSD", "gpu", "pricing", "storage"]
+SPEC_FIELDS = ["runtime", "model", "environment", "parameters", "maxCostUSD", "gpu", "pricing", "storage", "notices"]
+NOTICE_CLOUDS = ("aws", "gcp", "azure")
+NOTICE_URLS = {"awsMetadataURL": "GRPO_RUN_AWS_METADATA_URL", "gcpMetadataURL": "GRPO_RUN_GCP_METADATA_URL",
+               "azureMetadataURL": "GRPO_RUN_AZURE_METADATA_URL"}
 PRICING_FIELDS = ["usdPerHour", "stepSeconds"]
 ENV_FIELDS = ["name", "reward", "tasks", "evalTasks", "path"]
 
@@ -71,6 +74,22 @@ class Pricing:
 
 
 @dataclass(frozen=True)
+class Notices:
+    """`spec.notices`: which clouds' spot notices to watch and where their metadata services are
+    (defaults: the GRPO_RUN_*_METADATA_URL variables, else the clouds' own addresses)."""
+    clouds: str | tuple[str, ...] = "auto"   # auto | none | a list of aws, gcp, azure
+    urls: tuple[tuple[str, str], ...] = ()    # (env var, URL) pairs from the *MetadataURL fields
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"clouds": self.clouds if isinstance(self.clouds, str) else list(self.clouds)}
+        by_var = dict(self.urls)
+        for key, var in NOTICE_URLS.items():
+            if var in by_var:
+                out[key] = by_var[var]
+        return out
+
+
+@dataclass(frozen=True)
 class TrainingJob:
     name: str
     model: str
@@ -81,6 +100,7 @@ class TrainingJob:
     gpu: str | None = None
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
+    notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
 
     def to_dict(self) -> dict[str, Any]:
         """The job as a manifest, every default filled in (what `get tj -o yaml` shows)."""
@@ -92,6 +112,8 @@ class TrainingJob:
                 spec[key] = getattr(self, key)
         if self.pricing is not None:
             spec["pricing"] = self.pricing.to_dict()
+        if self.notices is not None:
+            spec["notices"] = self.notices.to_dict()
         return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": self.name}, "spec": spec}
 
 
@@ -215,6 +237,31 @@ def _parse_pricing(raw: Any, problems: list[str]) -> Pricing | None:
     return Pricing(**values)
 
 
+def _parse_notices(raw: Any, problems: list[str]) -> Notices | None:
+    where = "spec.notices"
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        problems.append(f"{where}: must be a mapping like {{clouds: [aws]}} (got {_fmt(raw)})")
+        return None
+    problems += unknown_keys(raw, ["clouds", *NOTICE_URLS], where)
+    clouds = raw.get("clouds", "auto")
+    if isinstance(clouds, list) and clouds and all(c in NOTICE_CLOUDS for c in clouds):
+        clouds = tuple(clouds)
+    elif clouds not in ("auto", "none"):
+        problems.append(f"{where}.clouds: must be auto, none, or a list of {', '.join(NOTICE_CLOUDS)} (got {_fmt(clouds)})")
+        clouds = "auto"
+    urls = []
+    for key, var in NOTICE_URLS.items():
+        if key in raw:
+            url = raw[key]
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                problems.append(f"{where}.{key}: must be an http:// URL (got {_fmt(url)})")
+            else:
+                urls.append((var, url.rstrip("/")))
+    return Notices(clouds=clouds, urls=tuple(urls))
+
+
 def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
               check_files: bool = True) -> TrainingJob:
     """A TrainingJob from a parsed YAML document. Raises JobError listing every problem.
@@ -271,6 +318,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
     if gpu is not None and gpu not in GPU_NAMES:
         problems.append(f"spec.gpu: must be one of {', '.join(GPU_NAMES)} (got {_fmt(gpu)})")
     pricing = _parse_pricing(spec.get("pricing"), problems)
+    notices = _parse_notices(spec.get("notices"), problems)
     storage = spec.get("storage")
     if storage is not None and (not isinstance(storage, str) or not storage):
         problems.append(f"spec.storage: must be a URL such as s3://bucket/prefix or a folder (got {_fmt(storage)})")
@@ -299,7 +347,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
     if problems:
         raise JobError(source, problems)
     return TrainingJob(name=name, model=model, environment=env, parameters=params, runtime=runtime,
-                       maxCostUSD=max_cost, gpu=gpu, storage=storage, pricing=pricing)
+                       maxCostUSD=max_cost, gpu=gpu, storage=storage, pricing=pricing, notices=notices)
 
 
 def load_job(path: str | Path) -> TrainingJob:

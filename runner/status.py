@@ -39,6 +39,12 @@ def job_status(record: Record) -> dict[str, Any]:
     durable = [c["step"] for c in ckpts if c["durable"]]
     status["checkpoints"] = {"latest": ckpts[-1]["step"] if ckpts else None,
                              "latestDurable": max(durable) if durable else None}
+    if record.value("device"):
+        status["device"] = record.value("device")
+    if steps:
+        times = sorted(s["stepSeconds"] for s in steps if "stepSeconds" in s)
+        if times:
+            status["medianStepSeconds"] = round(times[len(times) // 2], 4)
     ledger = record.value("ledger", {}) or {}
     if ledger:
         status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)

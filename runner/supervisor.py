@@ -34,7 +34,8 @@ from checkpoint.store import Store
 from checkpoint.sync import Uploader, remote_discover
 from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
 from state.record import Phase, Record
-from trainer import run as child
+from trainer import child
+from trainer.run import RECORD, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _die_with_parent() -> None:
 class Supervisor:
     """Owns the trainer child process, the notice monitor and the end-of-attempt durability."""
 
-    def __init__(self, spec: child.RunSpec, work: Path, *, watchers: list[Watcher],
+    def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher],
                  notice_window_s: float = DEFAULT_NOTICE_WINDOW_S, limits: RestartLimits = RestartLimits(),
                  poll_interval_s: float = 1.0, progress: bool = False,
                  sleep: Callable[[float], None] | None = None) -> None:
@@ -116,7 +117,7 @@ class Supervisor:
         # by side on 2 cores. Sleeping waits cost nothing measurable alone. A user's setting wins.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
-        return subprocess.Popen([sys.executable, "-m", "trainer.run", str(spec_path)], env=env,
+        return subprocess.Popen([sys.executable, "-m", "trainer.child", str(spec_path)], env=env,
                                 start_new_session=True, preexec_fn=_die_with_parent)
 
     def _request_checkpoint(self, notice) -> None:
@@ -217,7 +218,7 @@ class Supervisor:
         elapsed = time.monotonic() - notice_at
         notice = monitor.notice
         source = notice.source if notice else "signal"
-        with Record(self.work / child.RECORD) as record:
+        with Record(self.work / RECORD) as record:
             open_attempts = [a for a in record.attempts() if a["ended"] is None]
             for a in open_attempts:       # the trainer was killed before it could say so
                 record.end_attempt(a["id"], "Preempted", f"notice from {source}")
@@ -251,15 +252,15 @@ class Supervisor:
     def _upload_record(self, record: Record) -> None:
         snap = self.work / "state.supervisor.db"
         record.snapshot(snap)
-        Store(self.spec.storage).put_file(snap, child.RECORD)
+        Store(self.spec.storage).put_file(snap, RECORD)
 
     def _record_message(self) -> str:
-        with Record(self.work / child.RECORD) as record:
+        with Record(self.work / RECORD) as record:
             job = record.job()
             return job["message"] if job else ""
 
     def _record_failure(self, message: str, kind: str) -> None:
-        with Record(self.work / child.RECORD) as record:
+        with Record(self.work / RECORD) as record:
             for a in record.attempts():
                 if a["ended"] is None:
                     record.end_attempt(a["id"], "Crashed", message)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import socket
 import sys
@@ -32,6 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from checkpoint.manifest import checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir
 from checkpoint.store import Store
@@ -48,6 +49,7 @@ progress_log = logging.getLogger("trainer.progress")   # the attempt's log file,
 
 RECORD = "state.db"
 BASELINE = "baseline.json"
+CHECKPOINT_RESERVE_S = 5.0   # budget held back for the final checkpoint and its upload
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
                   "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
 
@@ -242,6 +244,8 @@ class Attempt:
         self.trainer = GRPOTrainer(self.spec.model, self.spec.env, p, stop=self.stop,
                                    model_name=self.spec.model_name)
         self.uploader = Uploader(self.store, "checkpoints", keep=self.spec.keep_checkpoints)
+        device = self.trainer.device
+        self.record.set_value("device", f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else "cpu")
         if start:
             folder = checkpoint_dir(self.work / "checkpoints", start)
             self.trainer.load_state(folder)
@@ -422,11 +426,13 @@ class Attempt:
         self.record.set_value("ledger", ledger)
 
     def _over_budget(self, next_step_seconds: float) -> bool:
-        """Would the next step (assumed as long as the last) take the spend past maxCostUSD?"""
+        """Would the next step (assumed as long as the last) and the checkpoint that must follow
+        it take the spend past maxCostUSD? The stop itself costs time — writing the checkpoint
+        and waiting until it is durable — so that much is held back (CHECKPOINT_RESERVE_S)."""
         limit, rate = self.spec.max_cost_usd, self.spec.usd_per_hour
         if not limit or not rate:
             return False
-        return self._spent_usd() + next_step_seconds * rate / 3600 > limit
+        return self._spent_usd() + (next_step_seconds + CHECKPOINT_RESERVE_S) * rate / 3600 > limit
 
     def _save_final(self, step: int) -> None:
         """Final weights sealed like a checkpoint, under final/ locally and in storage, durable
@@ -504,96 +510,3 @@ def _progress_bar(total: int, initial: int, enabled: bool):
 
     return tqdm(total=total, initial=initial, desc="training", unit="step", disable=not enabled,
                 file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
-
-
-# --- the trainer as the supervisor's child process -------------------------------------------------
-# `python -m trainer.run WORK/runspec.json`. Exit statuses, read by runner.supervisor:
-CHILD_SUCCEEDED = 0
-CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
-CHILD_PREEMPTED = 3        # stopped on request (SIGTERM/SIGINT) with the last completed step durable
-CHILD_BUDGET = 4           # maxCostUSD reached; checkpoint durable
-CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every try: restarting cannot help
-CHILD_STORAGE_CONFIG = 11  # bad bucket or credentials: restarting cannot help
-CHILD_INFRA_ERROR = 12     # object storage unavailable past the retry budget: worth a restart
-PHASE_EXIT = {Phase.SUCCEEDED: CHILD_SUCCEEDED, Phase.PREEMPTED: CHILD_PREEMPTED,
-              Phase.BUDGET_EXCEEDED: CHILD_BUDGET}
-
-
-def child_main(argv: list[str] | None = None) -> int:
-    import signal
-
-    from checkpoint.store import StorageConfigError, StorageUnavailable
-
-    argv = sys.argv[1:] if argv is None else argv
-    spec_path = Path(argv[0])
-    spec = RunSpec.from_json(spec_path.read_text())
-    work = spec_path.parent
-    _child_logging(work)
-    stop = threading.Event()
-    attempt: Attempt | None = None
-
-    def on_stop(signum, frame):  # noqa: ARG001 - Event.set only; the main thread never waits on it
-        stop.set()
-
-    def on_checkpoint(signum, frame):  # noqa: ARG001
-        if attempt is not None:
-            attempt.checkpoint_requested = True
-
-    signal.signal(signal.SIGTERM, on_stop)
-    signal.signal(signal.SIGINT, on_stop)
-    signal.signal(signal.SIGUSR1, on_checkpoint)
-    progress = os.environ.get("GRPO_RUN_PROGRESS") == "1"
-    try:
-        attempt = Attempt(spec, work, stop=stop, progress=progress)
-        outcome = attempt.run()
-    except JobFailed as e:
-        log.error("%s", e)
-        return CHILD_CODE_ERROR
-    except StorageConfigError as e:
-        log.error("%s", e)
-        return CHILD_STORAGE_CONFIG
-    except StorageUnavailable as e:
-        log.error("%s", e)
-        return CHILD_INFRA_ERROR
-    except Exception:
-        log.exception("the trainer crashed")
-        return CHILD_CRASHED
-    if outcome.message:
-        log.info("%s", outcome.message)
-    return PHASE_EXIT[outcome.phase]
-
-
-def _child_logging(work: Path) -> None:
-    """Warnings and errors to the terminal; everything, progress lines included, to logs/."""
-    import warnings
-
-    logs = work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    to_file = logging.FileHandler(logs / "trainer.log")
-    to_file.setFormatter(fmt)
-    to_file.setLevel(logging.INFO)
-    to_terminal = logging.StreamHandler(sys.stderr)
-    to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    to_terminal.setLevel(logging.INFO)
-    to_terminal.addFilter(lambda r: r.name != "trainer.progress")
-    root = logging.getLogger()
-    root.setLevel(logging.WARNING)
-    root.addHandler(to_file)
-    root.addHandler(to_terminal)
-    for name in ("trainer", "checkpoint", "state"):
-        logging.getLogger(name).setLevel(logging.INFO)
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
-if __name__ == "__main__":
-    sys.exit(child_main())

@@ -115,3 +115,40 @@ def test_two_nodes_resuming_one_job_at_once_never_both_train(tmp_path, s3_env):
     assert not (tmp_path / "node-b" / "runs" / "resumable" / "checkpoints").exists()   # trained nothing
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
+
+
+def with_spec(job: Path, **fields) -> Path:
+    import yaml
+
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"].update(fields)
+    job.write_text(yaml.safe_dump(doc))
+    return job
+
+
+def test_an_aws_rebalance_recommendation_checkpoints_early_and_training_goes_on(tmp_path, s3_env):
+    with AwsImdsEmulator() as imds:
+        job = with_spec(write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=1000),
+                        notices={"clouds": ["aws"], "awsMetadataURL": imds.url})   # a job field, not env
+        proc = start_apply(tmp_path / "node-a", job)
+        wait_for_training(tmp_path / "node-a", proc)
+        imds.trigger_rebalance()
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    st = status(tmp_path / "node-a", s3_env.url)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    # saveSteps 1000 would never checkpoint: the one checkpoint is the rebalance's
+    assert 0 < st["checkpoints"]["latest"] < STEPS
+
+
+def test_max_cost_stops_the_run_with_a_durable_checkpoint(tmp_path, s3_env):
+    job = with_spec(write_job(tmp_path, s3_env.url, maxSteps=100000, saveSteps=100000),
+                    maxCostUSD=2.0, pricing={"usdPerHour": 360.0})      # $0.10 a second
+    proc = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), check=False)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    st = status(tmp_path / "node-a", s3_env.url)
+    assert st["phase"] == "BudgetExceeded" and "maxCostUSD" in st["message"]
+    assert 0 < st["step"] < 100000
+    assert st["checkpoints"]["latestDurable"] == st["step"]          # nothing completed is lost
+    assert st["costUSD"] <= 2.0
+    assert st["attempts"][-1]["reason"] == "BudgetExceeded"
