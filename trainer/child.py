@@ -87,7 +87,8 @@ def _child_logging(work: Path) -> None:
     to_terminal = logging.StreamHandler(sys.stderr)
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     to_terminal.setLevel(logging.INFO)
-    to_terminal.addFilter(lambda r: r.name != "trainer.progress")
+    # The terminal has the progress bar; it gets the phases (trainer.run) and any warning.
+    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "trainer.run")
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)

@@ -270,6 +270,7 @@ class Attempt:
         if self._last_write is not None:
             self._last_write.result()
         self._phase(Phase.FINAL_EVAL)
+        log.info("final evaluation on the same %d held-out tasks", len(self.spec.env.eval_tasks))
         final = self.trainer.evaluate(self.spec.env.eval_tasks).to_dict()
         self.record.record_eval("final", final, computed=True, fingerprint=baseline_fingerprint(self.spec))
         self._save_final(step)
@@ -305,8 +306,10 @@ class Attempt:
             log.warning(why)
             self.record.set_value("baselineCache", why)
         self._phase(Phase.BASELINE_EVAL)
+        log.info("baseline evaluation on %d held-out tasks", len(self.spec.env.eval_tasks))
         ev = self.trainer.evaluate(self.spec.env.eval_tasks)
         result = ev.to_dict()
+        log.info("baseline held-out mean reward %.3f (%d of %d tasks solved)", ev.meanReward, ev.solved, ev.tasks)
         self.record.record_eval("baseline", result, computed=True, fingerprint=fingerprint)
         self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint}).encode())
         if ev.no_signal:
