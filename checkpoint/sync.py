@@ -59,7 +59,13 @@ def download_latest(store: Store, dest_root: Path,
     silently send a run back to an older checkpoint.
     """
     dest_root = Path(dest_root)
-    for step in remote_discover(store, prefix):
+    durable, partial = _remote_checkpoints(store, prefix)
+    newest_durable = max(durable, default=-1)
+    for step in sorted(s for s in partial if s > newest_durable):
+        # Files without a manifest: an upload cut off (or a manifest deleted). Never used.
+        log.warning("skipping remote checkpoint %s/%s/%s: no manifest.json (a partial upload)",
+                    store.url, prefix, checkpoint_name(step))
+    for step in sorted(durable, reverse=True):
         name = checkpoint_name(step)
         where = f"{store.url}/{prefix}/{name}"
         try:
