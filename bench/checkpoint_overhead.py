@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -192,24 +193,19 @@ def run_once(config: str, storage: str, steps: int, s3_url: str | None) -> Measu
     job = dataclasses.replace(job, name=f"bench-{config}",
                               parameters=dataclasses.replace(job.parameters, maxSteps=steps, saveSteps=save))
     url = (f"{s3_url.rstrip('/')}/{uuid.uuid4().hex[:8]}" if storage == "s3" else str(home / "store")) + f"/{job.name}"
-    spec = build_run_spec(job, url)
-    attempt = Attempt(spec, home / "runs" / job.name, progress=False)
-    timed = _Timed(attempt)
-    outcome = attempt.run()
-    if outcome.phase != Phase.SUCCEEDED:
-        raise RuntimeError(f"{config}/{storage}: ended {outcome.phase} ({outcome.message})")
-    with attempt.record as record:
-        step_s = [s["stepSeconds"] for s in record.steps()]
-        ckpts = len(record.checkpoints())
-    _rmtree(home)
+    try:
+        attempt = Attempt(build_run_spec(job, url), home / "runs" / job.name, progress=False)
+        timed = _Timed(attempt)
+        outcome = attempt.run()
+        if outcome.phase != Phase.SUCCEEDED:
+            raise RuntimeError(f"{config}/{storage}: ended {outcome.phase} ({outcome.message})")
+        with attempt.record as record:
+            step_s = [s["stepSeconds"] for s in record.steps()]
+            ckpts = len(record.checkpoints())
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     return Measurement(config, storage, timed.intervals, timed.train_seconds, step_s, timed.snapshots, ckpts,
                        timed.cpu_seconds, timed.pending_writes)
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def ensure_bucket(url: str) -> None:
@@ -230,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="A/B pairs per storage (default 7)")
     ap.add_argument("--steps", type=int, default=60, help="training steps per attempt (default 60)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every attempt (default 2)")
+    ap.add_argument("--passive", action="store_true",
+                    help="OMP_WAIT_POLICY=PASSIVE before torch starts: stabler on a machine other processes share "
+                         "(OpenMP's spin-waiting collapses when the cores are oversubscribed); not the demo's default")
     ap.add_argument("--storage", choices=["local", "s3", "both", "auto"], default="auto",
                     help="auto (default): local, plus s3 when AWS_ENDPOINT_URL is set")
     ap.add_argument("--s3-url", default="s3://grpo-run-bench/checkpoint-overhead",
@@ -240,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import warnings
 
+    if args.passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"     # read once, when torch's OpenMP starts
     import torch
 
     torch.set_num_threads(args.threads)
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if "s3" in storages:
         ensure_bucket(args.s3_url)
     print(f"checkpoint overhead of saveSteps=1: {JOB.name}, {args.steps} steps x {args.rounds} rounds, "
-          f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cpus, storage {'+'.join(storages)}")
+          f"torch threads {torch.get_num_threads()}{' (OMP passive)' if args.passive else ''}, {os.cpu_count()} cpus, "
+          f"storage {'+'.join(storages)}")
     print("  ms/step = median interval between step starts on the training thread (the step, the record "
           "write, the snapshot pause);\n  stepSeconds = the record's median (train_step alone); snapshot = "
           "median in-thread pause;\n  ratio = ckpt / none of ms/step (of mean ms/step, of this process's CPU seconds per step)")

@@ -55,6 +55,16 @@ def test_apply_runs_the_phases_and_export_loads_with_plain_peft(tmp_path, capsys
     assert st["attempts"][0]["reason"] == "Succeeded"
     assert "rewardSignal" in st["diagnostics"]
 
+    capsys.readouterr()
+    assert main(["get", "tj", "cli-job", "-w"]) == EXIT_OK          # a finished job: printed once, done
+    watched = capsys.readouterr().out.splitlines()
+    assert watched[0].split() == ["NAME", "PHASE", "STEP", "BASELINE", "FINAL", "ATTEMPTS"]
+    assert watched[1].split()[:3] == ["cli-job", "Succeeded", "4/4"] and len(watched) == 2
+
+    assert main(["logs", "cli-job"]) == EXIT_OK
+    log = capsys.readouterr().out
+    assert "step 4/4 reward" in log and "baseline held-out mean reward" in log
+
     assert main(["export", "cli-job", "--out", str(tmp_path / "adapter")]) == EXIT_OK
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
 
