@@ -257,8 +257,6 @@ def _jobs_in(storage: str) -> list[str]:
 
 def _open_record(name: str, storage: str | None):
     """The job's record: the local work folder's when no storage is named, else the store's."""
-    import tempfile
-
     from checkpoint.store import Store
     from state.record import Record
 
@@ -266,12 +264,15 @@ def _open_record(name: str, storage: str | None):
     if storage is None and local.exists():
         return Record(local)
     store = Store(job_store_url(storage, name))
-    tmp = Path(tempfile.mkdtemp(prefix="grpo-run-get.")) / "state.db"
+    # A read-only copy, refreshed on every call (get_file replaces it atomically).
+    copy = _home() / "cache" / "records" / f"{name}.db"
+    for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):
+        leftover.unlink(missing_ok=True)    # an old copy's journal must never meet the new copy
     try:
-        store.get_file("state.db", tmp)
+        store.get_file("state.db", copy)
     except FileNotFoundError:
         raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
-    return Record(tmp)
+    return Record(copy)
 
 
 def get_job(name: str, storage: str | None) -> dict[str, Any]:
