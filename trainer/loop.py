@@ -217,7 +217,6 @@ class GRPOTrainer:
     def snapshot(self, step: int) -> "StateSnapshot":
         """Everything needed to continue after `step` completed steps, copied to CPU memory so
         training can go on while another thread writes it (the copy is the only pause)."""
-        import copy
         import random
 
         if self.params.method == "Full":
@@ -228,7 +227,7 @@ class GRPOTrainer:
 
             weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
             config = self.model.peft_config["default"]
-        optimizer = _to_cpu(copy.deepcopy(self.optimizer.state_dict()))
+        optimizer = _to_cpu(self.optimizer.state_dict())   # _to_cpu copies every tensor; no deepcopy
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         return StateSnapshot(step=step, method=self.params.method, seed=self.params.seed, weights=weights,

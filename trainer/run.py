@@ -49,6 +49,7 @@ progress_log = logging.getLogger("trainer.progress")   # the attempt's log file,
 
 RECORD = "state.db"
 BASELINE = "baseline.json"
+RECORD_SYNC_S = 10.0         # the record's upload after checkpoints, at most this often
 CHECKPOINT_RESERVE_S = 5.0   # budget held back for the final checkpoint and its upload
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
                   "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
@@ -171,6 +172,7 @@ class Attempt:
         self._record_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._last_write: Future | None = None
+        self._last_record_sync = 0.0
         self.trainer = None
         self.uploader: Uploader | None = None
         self.budget_exceeded = False
@@ -204,6 +206,7 @@ class Attempt:
             self.record.snapshot(snap)
             self.store.put_file(snap, RECORD)
 
+        self._last_record_sync = time.monotonic()
         done = self._record_sync.submit(upload)
         if wait:
             done.result()
@@ -392,8 +395,11 @@ class Attempt:
         for durable in self.uploader.durable_steps():
             self.record.add_checkpoint(durable, durable=True)
         self.uploader.submit(final)
-        self._update_reward_signal()
-        self._sync_record()
+        # The record's copy in storage trails by at most RECORD_SYNC_S between phase changes:
+        # uploading the whole database after every checkpoint cost more than the checkpoint.
+        if time.monotonic() - self._last_record_sync >= RECORD_SYNC_S:
+            self._update_reward_signal()
+            self._sync_record()
         return final
 
     def _stopped(self, step: int, phase: Phase, reason: str, message: str) -> Outcome:
