@@ -234,11 +234,9 @@ class GRPOTrainer:
                              peft_config=config, model_config=None if config else self.model.config,
                              optimizer=optimizer, scheduler=dict(self.scheduler.state_dict()), rng=rng)
 
-    def save_state(self, folder: Path, step: int) -> None:
-        write_snapshot(self.snapshot(step), folder)
-
     def load_state(self, folder: Path) -> int:
-        """Restore what `save_state` wrote; returns the number of completed steps."""
+        """Restore a checkpoint folder that `write_snapshot` wrote; returns the number of
+        completed steps."""
         import random
 
         from safetensors.torch import load_file
