@@ -173,6 +173,7 @@ class Attempt:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._last_write: Future | None = None
         self._last_record_sync = 0.0
+        self._earlier_usd: float | None = None   # spend of earlier attempts (read on first use)
         self.trainer = None
         self.uploader: Uploader | None = None
         self.budget_exceeded = False
@@ -423,9 +424,10 @@ class Attempt:
 
     def _spent_usd(self) -> float:
         """Every attempt's wall time at the GPU's rate: earlier attempts from the ledger, this one live."""
-        ledger = self.record.value("ledger", {}) or {}
-        earlier = sum(v["usd"] for k, v in ledger.items() if k != str(self.attempt))
-        return earlier + self._attempt_usd()
+        if self._earlier_usd is None:     # read once: only this attempt writes the ledger now
+            ledger = self.record.value("ledger", {}) or {}
+            self._earlier_usd = sum(v["usd"] for k, v in ledger.items() if k != str(self.attempt))
+        return self._earlier_usd + self._attempt_usd()
 
     def _write_ledger(self) -> None:
         ledger = dict(self.record.value("ledger", {}) or {})
