@@ -7,8 +7,9 @@ The demo job (examples/tiny-arithmetic.yaml) runs in-process as a real `trainer.
 twice per round, in alternating order (A B, B A, A B, ...) so drift on a noisy machine hits
 both configurations alike:
 
-    ckpt  saveSteps=1            a checkpoint after every step (snapshot, write, fsync,
-                                 manifest, upload; all but the snapshot off-thread)
+    ckpt  saveSteps=1            a checkpoint after every step (the copy into shared memory on
+                                 the training thread; writing, fsync, manifest and upload in
+                                 the checkpoint writer process)
     none  saveSteps > maxSteps   no checkpoint at all
 
 Each attempt gets a fresh GRPO_RUN_HOME (a temporary folder) and its own storage: local (a
@@ -17,12 +18,13 @@ variables (AWS_ENDPOINT_URL for SeaweedFS / MinIO; the bucket is created if miss
 
 What is measured, on the training thread, inside `Attempt._train`: the interval from the start
 of one step to the start of the next. That is the step's own work, plus what the thread does
-between steps (the record's SQLite write, the in-memory snapshot pause), plus whatever the
-background writer, uploader and record-sync threads take from it (the GIL, the cores). Model
+between steps (the record's SQLite write, the copy into the writer's buffer), plus whatever the
+checkpoint writer process and the record-sync thread take from it (the cores, the GIL). Model
 load, the baseline and final evaluations and the wait for the last upload are outside it. The
 median interval per attempt is the figure (robust to bursts of load from other processes); the
 mean over the phase is printed too. Also per attempt: the record's own `stepSeconds` (train_step
-alone: interference without the snapshot pause) and the snapshot pause itself.
+alone: interference without the checkpoint pause), the pause itself (`Attempt._checkpoint`), and
+the CPU time the writer process used per checkpoint.
 
 Overhead = median over rounds of (ckpt ms/step / none ms/step) - 1. Goal: <= 3%. Exit status 1
 when above it. `--profile` adds one instrumented attempt per storage: the wall and CPU time of
@@ -58,10 +60,10 @@ class Measurement:
     intervals: list[float]         # the training thread, start of step k to start of step k+1
     train_seconds: float           # the training thread, first step to last (Attempt._train)
     step_seconds: list[float]      # the record's stepSeconds (train_step alone)
-    snapshot_seconds: list[float]  # each in-thread snapshot pause
+    snapshot_seconds: list[float]  # each in-thread checkpoint pause (Attempt._checkpoint)
     checkpoints: int               # checkpoints the record lists
     cpu_seconds: float             # this process's CPU time (every thread) during the phase
-    pending_writes: int            # snapshots still queued for the writer when the phase ended
+    writer_cpu_seconds: float      # the checkpoint writer process's CPU time until the phase ended
 
     @property
     def per_step(self) -> float:
@@ -73,53 +75,55 @@ class Measurement:
     def mean_step(self) -> float:
         return self.train_seconds / max(len(self.intervals), 1)
 
-    @property
-    def cpu_step(self) -> float:
-        return self.cpu_seconds / max(len(self.intervals), 1)
 
 
 class _Timed:
-    """Times the training phase of one Attempt, each step boundary in it and each snapshot
+    """Times the training phase of one Attempt, each step boundary in it and each checkpoint
     pause, without changing what any of them does (wraps bound methods of this attempt only)."""
 
     def __init__(self, attempt) -> None:
-        self.train_seconds = self.cpu_seconds = 0.0
-        self.pending_writes = 0
+        self.train_seconds = self.cpu_seconds = self.writer_cpu_seconds = 0.0
         self.starts: list[float] = []
         self.snapshots: list[float] = []
-        inner_train = attempt._train
+        inner_train, inner_checkpoint = attempt._train, attempt._checkpoint
+
+        def checkpoint(step: int):
+            t = time.perf_counter()
+            try:
+                return inner_checkpoint(step)
+            finally:
+                self.snapshots.append(time.perf_counter() - t)
 
         def train(start: int) -> int:
             trainer = attempt.trainer
-            inner_step, inner_snapshot = trainer.train_step, trainer.snapshot
+            inner_step = trainer.train_step
 
             def train_step(step: int):
                 self.starts.append(time.perf_counter())
                 return inner_step(step)
 
-            def snapshot(step: int):
-                t = time.perf_counter()
-                try:
-                    return inner_snapshot(step)
-                finally:
-                    self.snapshots.append(time.perf_counter() - t)
-
-            trainer.train_step, trainer.snapshot = train_step, snapshot
-            t0, c0 = time.perf_counter(), time.process_time()
+            trainer.train_step = train_step
+            t0, c0, w0 = time.perf_counter(), time.process_time(), _cpu_of(attempt._writer._proc.pid)
             try:
                 return inner_train(start)
             finally:
                 end = time.perf_counter()
                 self.train_seconds, self.cpu_seconds = end - t0, time.process_time() - c0
-                self.pending_writes = attempt._writer._work_queue.qsize()
+                self.writer_cpu_seconds = _cpu_of(attempt._writer._proc.pid) - w0
                 self.starts.append(end)
-                del trainer.train_step, trainer.snapshot
+                del trainer.train_step
 
-        attempt._train = train
+        attempt._train, attempt._checkpoint = train, checkpoint
 
     @property
     def intervals(self) -> list[float]:
         return [b - a for a, b in zip(self.starts, self.starts[1:])]
+
+
+def _cpu_of(pid: int) -> float:
+    """A live process's CPU seconds (user + system) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Profile:
@@ -127,14 +131,14 @@ class Profile:
     piece of checkpoint work, by thread. Wraps functions by name where they exist; the
     wrappers cost microseconds, so profiled rounds are reported apart from the timed ones."""
 
-    TARGETS = [  # (module, attribute path): what runs per checkpoint, on which thread it runs
-        ("trainer.loop", "GRPOTrainer.snapshot"),
-        ("trainer.run", "write_snapshot"), ("trainer.run", "finalize_checkpoint"), ("trainer.run", "prune"),
-        ("trainer.run", "Attempt._update_reward_signal"), ("trainer.run", "Attempt._write_ledger"),
-        ("state.record", "Record.log_step"), ("state.record", "Record.add_checkpoint"),
-        ("state.record", "Record.set_value"), ("state.record", "Record.steps"), ("state.record", "Record.snapshot"),
-        ("checkpoint.sync", "Uploader._upload"), ("checkpoint.sync", "verify"),
-        ("checkpoint.sync", "Uploader._prune_remote"), ("checkpoint.store", "Store.put_file"),
+    TARGETS = [  # (module, attribute path): what runs per checkpoint in the trainer's process
+        ("trainer.run", "state_files"), ("trainer.run", "pack"),
+        ("checkpoint.writer", "CheckpointWriter.buffer"), ("checkpoint.writer", "CheckpointWriter.submit"),
+        ("checkpoint.writer", "CheckpointWriter.poll"),
+        ("trainer.run", "Attempt._note_writer_events"), ("trainer.run", "Attempt._update_reward_signal"),
+        ("trainer.run", "Attempt._write_ledger"), ("state.record", "Record.log_step"),
+        ("state.record", "Record.add_checkpoint"), ("state.record", "Record.set_value"),
+        ("state.record", "Record.steps"), ("state.record", "Record.snapshot"), ("checkpoint.store", "Store.put_file"),
     ]
 
     def __init__(self) -> None:
@@ -205,7 +209,7 @@ def run_once(config: str, storage: str, steps: int, s3_url: str | None) -> Measu
     finally:
         shutil.rmtree(home, ignore_errors=True)
     return Measurement(config, storage, timed.intervals, timed.train_seconds, step_s, timed.snapshots, ckpts,
-                       timed.cpu_seconds, timed.pending_writes)
+                       timed.cpu_seconds, timed.writer_cpu_seconds)
 
 
 def ensure_bucket(url: str) -> None:
@@ -226,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="A/B pairs per storage (default 7)")
     ap.add_argument("--steps", type=int, default=60, help="training steps per attempt (default 60)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every attempt (default 2)")
-    ap.add_argument("--passive", action="store_true",
-                    help="OMP_WAIT_POLICY=PASSIVE before torch starts: stabler on a machine other processes share "
-                         "(OpenMP's spin-waiting collapses when the cores are oversubscribed); not the demo's default")
+    ap.add_argument("--omp-wait", choices=["passive", "active", "unset"], default="passive",
+                    help="OMP_WAIT_POLICY for torch's threads. passive (default): what the supervisor gives the "
+                         "trainer unless the user set it, so what `grpo-run apply` runs with; active / unset: "
+                         "threads that spin while they wait, which leaves the checkpoint writer no idle CPU")
     ap.add_argument("--storage", choices=["local", "s3", "both", "auto"], default="auto",
                     help="auto (default): local, plus s3 when AWS_ENDPOINT_URL is set")
     ap.add_argument("--s3-url", default="s3://grpo-run-bench/checkpoint-overhead",
@@ -239,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import warnings
 
-    if args.passive:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"     # read once, when torch's OpenMP starts
+    if args.omp_wait == "unset":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()    # read once, when torch's OpenMP starts
     import torch
 
     torch.set_num_threads(args.threads)
@@ -259,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     if "s3" in storages:
         ensure_bucket(args.s3_url)
     print(f"checkpoint overhead of saveSteps=1: {JOB.name}, {args.steps} steps x {args.rounds} rounds, "
-          f"torch threads {torch.get_num_threads()}{' (OMP passive)' if args.passive else ''}, {os.cpu_count()} cpus, "
+          f"torch threads {torch.get_num_threads()}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"{os.cpu_count()} cpus, "
           f"storage {'+'.join(storages)}")
     print("  ms/step = median interval between step starts on the training thread (the step, the record "
-          "write, the snapshot pause);\n  stepSeconds = the record's median (train_step alone); snapshot = "
-          "median in-thread pause;\n  ratio = ckpt / none of ms/step (of mean ms/step, of this process's CPU seconds per step)")
+          "write, the checkpoint pause);\n  stepSeconds = the record's median (train_step alone); pause = "
+          "median in-thread checkpoint pause;\n  writer = the writer process's CPU ms per checkpoint;\n"
+          "  ratio = ckpt / none of ms/step (of mean ms/step, of CPU seconds per step of the trainer and its writer)")
     run_once("none", storages[0], 3, args.s3_url)     # warm-up: imports, first kernels; not counted
     worst = 0.0
     for storage in storages:
@@ -274,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             a, b = got["ckpt"], got["none"]
             ratios.append(a.per_step / b.per_step)
             mean_ratios.append(a.mean_step / b.mean_step)
-            cpu_ratios.append(a.cpu_step / b.cpu_step)
+            cpu_ratios.append((a.cpu_seconds + a.writer_cpu_seconds) / (b.cpu_seconds + b.writer_cpu_seconds)
+                              * len(b.intervals) / len(a.intervals))
             snap = statistics.median(a.snapshot_seconds) if a.snapshot_seconds else 0.0
             print(f"  [{storage}] round {r + 1} ({order[0]} first, load {os.getloadavg()[0]:.1f}): "
                   f"ckpt {a.per_step * 1e3:6.2f} ms/step (stepSeconds {statistics.median(a.step_seconds) * 1e3:6.2f}, "
-                  f"snapshot {snap * 1e3:5.2f}, {a.pending_writes} queued at the end)  "
+                  f"pause {snap * 1e3:5.2f}, writer {a.writer_cpu_seconds / max(a.checkpoints, 1) * 1e3:5.2f})  "
                   f"none {b.per_step * 1e3:6.2f} ms/step (stepSeconds {statistics.median(b.step_seconds) * 1e3:6.2f})  "
                   f"ratio {ratios[-1]:.3f} (means {mean_ratios[-1]:.3f}, cpu {cpu_ratios[-1]:.3f})", flush=True)
         med = statistics.median(ratios)

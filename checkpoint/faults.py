@@ -5,7 +5,8 @@ should restart from), once: a marker file in GRPO_RUN_FAULT_MARKER's folder reme
 
 Points: `sample` (mid-generation of step STEP, 0-based), `backward` (after the backward pass of
 step STEP, before the optimizer applies it), `upload` (after some files of checkpoint STEP are
-in object storage, before its manifest). Unset in normal runs: one dictionary lookup.
+in object storage, before its manifest; in the checkpoint writer, the trainer's own process).
+Unset in normal runs: one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+
+WRITER_ENV = "GRPO_RUN_WRITER_PARENT"   # set for the checkpoint writer: its trainer's pid
 
 
 def fault_point(point: str, step: int) -> None:
@@ -27,8 +30,18 @@ def fault_point(point: str, step: int) -> None:
         if Path(marker).exists():
             return
         Path(marker).write_text(wanted)
+    # In the checkpoint writer the trainer is the parent; either way it dies, and the writer with it.
+    trainer = os.getppid() if os.environ.get(WRITER_ENV) == str(os.getppid()) else os.getpid()
     if scope != "trainer":
         supervisor = os.environ.get("GRPO_RUN_SUPERVISOR_PID")
-        if supervisor and int(supervisor) == os.getppid():
+        if supervisor and int(supervisor) == _parent_of(trainer):
             os.kill(int(supervisor), signal.SIGKILL)
+    os.kill(trainer, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parent_of(pid: int) -> int:
+    if pid == os.getpid():
+        return os.getppid()
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])      # after "(comm)": state, ppid

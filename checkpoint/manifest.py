@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from .fsio import fsync_dir
 
@@ -164,7 +164,7 @@ def finalize_checkpoint(staging: Path, final: Path, *, step: int,
         size, digest = _hash_file(path, fsync=True)
         entries.append(ManifestFile(path.relative_to(staging).as_posix(), size, digest))
     for folder in sorted((p for p in staging.rglob("*") if p.is_dir()), reverse=True):
-        fsync_dir(folder)
+        fsync_dir(folder)         # staging itself once, below, when the manifest is in it
     manifest = Manifest(step=step, files=tuple(entries), created=utc_now(), meta=dict(meta or {}))
 
     # the manifest, last
@@ -255,26 +255,47 @@ def discover(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def prune(root: Path, keep: int = 3) -> None:
-    """Keep the newest `keep` verified checkpoints under `root`; remove the rest.
+def prune(root: Path, keep: int = 3, *, trusted: Collection[int] = ()) -> list[int]:
+    """Keep the newest `keep` verified checkpoints under `root`; remove the rest. Returns the
+    steps kept, newest first.
 
     Removes older verified checkpoints, checkpoint-named folders that do not verify, and
     leftovers (staging folders, download partials, interrupted deletions). The newest verified
-    checkpoint is never removed. Call it from the thread that writes checkpoints: a staging
-    folder being filled elsewhere would count as a leftover.
+    checkpoint is never removed. `trusted` names steps the caller sealed or verified itself in
+    this process (pass back what the last call returned, plus the step just sealed): they count
+    as verified without hashing every file again, which after every checkpoint cost more than
+    writing one. Call it from the thread that writes checkpoints: a staging folder being
+    filled elsewhere would count as a leftover.
 
     Raises ValueError if keep < 2 (one bad disk write must not leave a run with nothing)."""
     if keep < 2:
         raise ValueError(f"keep must be >= 2 (got {keep}): one checkpoint is one corruption "
                          f"away from none")
     root = Path(root)
-    valid = discover(root)
-    kept = {path for _, path in valid[:keep]}
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if folder in kept:
+    if not root.is_dir():
+        return []
+    named = sorted(((step_of(f), f) for f in root.iterdir() if step_of(f) is not None and f.is_dir()),
+                   reverse=True)
+    kept: list[tuple[int, Path]] = []
+    for step, folder in named:      # newest first; stop hashing once `keep` are found
+        if len(kept) == keep:
+            break
+        if step in trusted:
+            kept.append((step, folder))
+            continue
+        try:
+            verify(folder)
+        except CheckpointInvalid as exc:
+            log.warning("skipping checkpoint %s: %s", folder, exc.reason)
+            continue
+        kept.append((step, folder))
+    keep_paths = {folder for _, folder in kept}
+    for folder in sorted(root.iterdir()):
+        if folder in keep_paths:
             continue
         if step_of(folder) is not None or _LEFTOVER_RE.match(folder.name):
             remove_tree(folder)
+    return [step for step, _ in kept]
 
 
 def remove_tree(folder: Path) -> None:

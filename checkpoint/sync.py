@@ -19,6 +19,7 @@ import queue
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .faults import fault_point
@@ -122,25 +123,37 @@ class Uploader:
     re-raised by the next `submit`: a run without durable checkpoints should stop, not train on.
     """
 
-    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = 3) -> None:
+    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = 3, *,
+                 on_upload: Callable[[int, list[int], BaseException | None], None] | None = None) -> None:
+        """`on_upload(step, durable steps newest first, error or None)` is called from the
+        upload thread after each upload of a checkpoint ends, well or not."""
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (got {keep})")
         self.store = store
         self.prefix = remote_prefix.strip("/")
         self.keep = keep
+        self._on_upload = on_upload
         # The last upload's error; cleared when a later upload succeeds.
         self.error: BaseException | None = None
-        self._queue: queue.Queue[Path | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Path, Manifest | None] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._pending = 0
         self._closed = False
         self._last_submitted: int | None = None
         self._durable: list[int] = []
+        # What the store holds under the prefix, listed once at the first upload and then kept
+        # up to date here: listing after every upload cost more than the upload (one writer per
+        # job holds the lease, so nothing else adds checkpoints meanwhile).
+        self._remote: set[int] | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
         self._thread.start()
 
-    def submit(self, ckpt_dir: Path) -> None:
+    def submit(self, ckpt_dir: Path, manifest: Manifest | None = None) -> None:
         """Queue a finalized checkpoint folder (named ckpt-<step>) for upload; returns at once.
+
+        `manifest`: what `finalize_checkpoint` returned for it, when the caller sealed it just
+        now; the files are then uploaded without hashing them again. Without it the folder is
+        verified first.
 
         Raises ValueError for a folder not named like a checkpoint, RuntimeError after close(),
         and the stored StorageConfigError if an earlier upload hit one."""
@@ -155,7 +168,7 @@ class Uploader:
                 raise self.error
             self._pending += 1
             self._last_submitted = step
-        self._queue.put(ckpt_dir)
+        self._queue.put((ckpt_dir, manifest))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the queue is drained or `timeout` passes. True when nothing is pending
@@ -199,34 +212,41 @@ class Uploader:
             stop = None in batch
             dirs = [d for d in batch if d is not None]
             if dirs:
-                newest = max(dirs, key=lambda d: step_of(d) or -1)
-                for skipped in dirs:
-                    if skipped is not newest:
-                        log.info("checkpoint %s superseded by %s before upload", skipped, newest)
+                newest = max(dirs, key=lambda d: step_of(d[0]) or -1)
+                for skipped, _ in dirs:
+                    if skipped is not newest[0]:
+                        log.info("checkpoint %s superseded by %s before upload", skipped, newest[0])
+                error: BaseException | None = None
                 try:
-                    self._upload(newest)
+                    self._upload(*newest)
                 except BaseException as exc:  # kept for the trainer; the thread lives on
-                    log.error("uploading checkpoint %s to %s failed: %s", newest, self.store.url,
+                    log.error("uploading checkpoint %s to %s failed: %s", newest[0], self.store.url,
                               exc)
+                    error = exc
                     with self._cond:
                         self.error = exc
                 finally:
+                    if self._on_upload is not None:
+                        self._on_upload(step_of(newest[0]) or 0, self.durable_steps(), error)
                     with self._cond:
                         self._pending -= len(dirs)
                         self._cond.notify_all()
             if stop:
                 return
 
-    def _upload(self, folder: Path) -> None:
-        manifest = verify(folder)  # never upload what would not verify after download
+    def _upload(self, folder: Path, manifest: Manifest | None) -> None:
+        if manifest is None:
+            manifest = verify(folder)  # never upload what would not verify after download
+        elif manifest.step != step_of(folder):
+            raise ValueError(f"{folder}: the manifest given is for step {manifest.step}")
         step = manifest.step
         remote = f"{self.prefix}/{checkpoint_name(step)}"
         for i, entry in enumerate(manifest.files):
             self.store.put_file(folder / entry.path, f"{remote}/{entry.path}")
             if i == 0:
                 fault_point("upload", step)   # kill tests: some files up, no manifest yet
-        # the manifest, last: the exact bytes verified above
-        self.store.put_file(folder / MANIFEST_NAME, f"{remote}/{MANIFEST_NAME}")
+        # the manifest, last
+        self.store.put_bytes(f"{remote}/{MANIFEST_NAME}", manifest.to_json())
         log.info("checkpoint %d durable at %s/%s", step, self.store.url, remote)
         with self._cond:
             self._durable = sorted(set(self._durable) | {step}, reverse=True)
@@ -243,8 +263,16 @@ class Uploader:
             self._durable = durable
 
     def _prune_remote(self, newest_uploaded: int) -> list[int]:
-        steps, partial = _remote_checkpoints(self.store, self.prefix)
-        durable = sorted(steps, reverse=True)
+        if self._remote is None:
+            steps, partial = _remote_checkpoints(self.store, self.prefix)
+            # uploads cut short before the newest durable one will never be finished
+            newest = max(steps | {newest_uploaded})
+            for step in partial:
+                if step < newest:
+                    self.store.delete(f"{self.prefix}/{checkpoint_name(step)}")
+            self._remote = steps
+        self._remote.add(newest_uploaded)
+        durable = sorted(self._remote, reverse=True)
         for old in durable[self.keep:]:
             if old == newest_uploaded:  # pragma: no cover - keep >= 2 and it is the newest
                 continue
@@ -252,11 +280,7 @@ class Uploader:
             # manifest first: from this instant it is not a checkpoint, whatever else remains
             self.store.delete(f"{self.prefix}/{name}/{MANIFEST_NAME}")
             self.store.delete(f"{self.prefix}/{name}")
-        # uploads cut short before the newest durable one will never be finished
-        newest = durable[0] if durable else newest_uploaded
-        for step in partial:
-            if step < newest:
-                self.store.delete(f"{self.prefix}/{checkpoint_name(step)}")
+            self._remote.discard(old)
         return durable[: self.keep]
 
 

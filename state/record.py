@@ -126,6 +126,7 @@ class Record:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
+        self._in_transaction = False     # guarded by _lock
         conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30.0)
         conn.execute("PRAGMA journal_mode=WAL")   # readers (grpo-run get) never block the writer
         conn.execute("PRAGMA synchronous=FULL")   # a committed transition survives power loss
@@ -357,10 +358,22 @@ class Record:
     # --- internals -----------------------------------------------------------------------------
 
     @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Group several changes into one transaction (one commit, one fsync): all or none of
+        them are in the record. Nests: inner writes join the outermost transaction."""
+        with self._write():
+            yield
+
+    @contextmanager
     def _write(self) -> Iterator[None]:
-        """One transaction, taken with the write lock up front (no upgrade deadlocks)."""
+        """One transaction, taken with the write lock up front (no upgrade deadlocks); inside
+        `transaction` (same thread, the lock is re-entrant) it joins that one."""
         with self._lock:
+            if self._in_transaction:
+                yield
+                return
             self._conn.execute("BEGIN IMMEDIATE")
+            self._in_transaction = True
             try:
                 yield
             except BaseException:
@@ -368,6 +381,8 @@ class Record:
                 raise
             else:
                 self._conn.commit()
+            finally:
+                self._in_transaction = False
 
     def _migrate(self) -> None:
         with self._write():

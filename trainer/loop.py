@@ -12,7 +12,6 @@ exactly what an uninterrupted run would have done.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -92,6 +91,7 @@ class GRPOTrainer:
 
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
+        self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
         self.grader = Grader(env.reward_ref, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
                              memory_mb=params.rewardMemoryMB, retries=params.rewardRetries)
 
@@ -212,115 +212,25 @@ class GRPOTrainer:
 
     def save_weights(self, folder: Path) -> None:
         """The adapter in standard PEFT files (folder/adapter) or the full model (folder/model)."""
-        write_weights(self.snapshot(-1), folder)
+        from checkpoint.writer import write_files
+        from trainer.snapshot import pack, state_files
 
-    def snapshot(self, step: int) -> "StateSnapshot":
-        """Everything needed to continue after `step` completed steps, copied to CPU memory so
-        training can go on while another thread writes it (the copy is the only pause)."""
-        import random
+        layout, buffer = pack(state_files(self, -1, weights_only=True), bytearray)
+        write_files(folder, layout, buffer)
 
-        if self.params.method == "Full":
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-            config = None
-        else:
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors by their names in PEFT files (LoRA, QLoRA). Resolved once:
+        walking the whole model's state dict at every checkpoint cost more than copying the
+        adapter. The values share storage with the parameters, which the optimizer and
+        `load_state` update in place."""
+        if self._adapter is None:
             from peft import get_peft_model_state_dict
 
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()}
-            config = self.model.peft_config["default"]
-        optimizer = _to_cpu(self.optimizer.state_dict())   # _to_cpu copies every tensor; no deepcopy
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        return StateSnapshot(step=step, method=self.params.method, seed=self.params.seed, weights=weights,
-                             peft_config=config, model_config=None if config else self.model.config,
-                             optimizer=optimizer, scheduler=dict(self.scheduler.state_dict()), rng=rng)
+            self._adapter = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return self._adapter
 
     def load_state(self, folder: Path) -> int:
-        """Restore a checkpoint folder that `write_snapshot` wrote; returns the number of
-        completed steps."""
-        import random
+        """Restore a checkpoint folder; returns the number of completed steps (trainer.snapshot)."""
+        from trainer.snapshot import load_state
 
-        from safetensors.torch import load_file
-
-        if self.params.method == "Full":
-            for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
-                self.model.load_state_dict(load_file(shard, device=str(self.device)), strict=False)
-        else:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.model, load_file(folder / "adapter" / "adapter_model.safetensors",
-                                                            device=str(self.device)))
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device, weights_only=False))
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        rng = torch.load(folder / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
-        if rng["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        return int(json.loads((folder / "trainer_state.json").read_text())["step"])
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-@dataclass
-class StateSnapshot:
-    step: int
-    method: str
-    seed: int
-    weights: dict[str, torch.Tensor]
-    peft_config: Any
-    model_config: Any
-    optimizer: dict
-    scheduler: dict
-    rng: dict
-
-
-def write_weights(snap: StateSnapshot, folder: Path) -> None:
-    """The adapter in standard PEFT files (folder/adapter: adapter_config.json,
-    adapter_model.safetensors) or the full model in transformers' format (folder/model)."""
-    from safetensors.torch import save_file
-
-    if snap.method == "Full":
-        out = folder / "model"
-        out.mkdir(parents=True, exist_ok=True)
-        snap.model_config.save_pretrained(out)
-        # tied weights share storage; safetensors refuses aliases, so store each tensor once
-        seen: dict[int, str] = {}
-        unique = {}
-        for k, v in snap.weights.items():
-            if v.data_ptr() in seen:
-                continue
-            seen[v.data_ptr()] = k
-            unique[k] = v.contiguous()
-        save_file(unique, out / "model.safetensors", metadata={"format": "pt"})
-    else:
-        out = folder / "adapter"
-        out.mkdir(parents=True, exist_ok=True)
-        config = snap.peft_config.to_dict()
-        # Sets (target_modules resolved from "all-linear") serialise in hash order, which differs
-        # between processes; sorted, the same adapter gives the same bytes on every node.
-        config = {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in config.items()}
-        (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
-        save_file({k: v.contiguous() for k, v in snap.weights.items()}, out / "adapter_model.safetensors",
-                  metadata={"format": "pt"})
-
-
-def write_snapshot(snap: StateSnapshot, folder: Path) -> None:
-    """Write a snapshot as a checkpoint's files: the weights (write_weights), the optimizer,
-    scheduler, every RNG, and trainer_state.json. The caller seals the folder with a manifest."""
-    write_weights(snap, folder)
-    torch.save(snap.optimizer, folder / "optimizer.pt")
-    torch.save(snap.scheduler, folder / "scheduler.pt")
-    torch.save(snap.rng, folder / "rng.pt")
-    # The data position and the sampling generator are derived from (seed, step): the step is
-    # all a resumed run needs to see the same prompts and draw the same completions.
-    (folder / "trainer_state.json").write_text(json.dumps(
-        {"step": snap.step, "seed": snap.seed, "method": snap.method}, indent=2))
+        return load_state(self, folder)

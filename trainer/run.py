@@ -4,7 +4,8 @@ The phases, in order, each recorded in the run's SQLite record (state/):
 
     BaselineEval  held-out tasks, before any update; cached in object storage with a
                   fingerprint of what it depends on, so a resume never pays for it twice
-    Training      GRPO steps; a complete checkpoint every saveSteps, uploaded off-thread
+    Training      GRPO steps; a complete checkpoint every saveSteps, written and uploaded by
+                  the checkpoint writer process (checkpoint.writer)
     FinalEval     the same held-out tasks, after training
     Succeeded     final weights in storage
 
@@ -27,22 +28,24 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from checkpoint.manifest import checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir
-from checkpoint.store import Store
+from checkpoint.manifest import checkpoint_dir, discover, finalize_checkpoint, staging_dir
+from checkpoint.store import StorageConfigError, Store
 from checkpoint.sync import Uploader, download_latest
+from checkpoint.writer import CheckpointWriter
 from state.record import Phase, Record
 from trainer.config import GRPOParams, parse_parameters, to_yaml_dict
 from trainer.envs import Environment
 from trainer.grader import RewardFunctionError
 from trainer.grpo import GenerationInterrupted
-from trainer.loop import GRPOTrainer, write_snapshot
+from trainer.loop import GRPOTrainer
+from trainer.snapshot import pack, state_files
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger("trainer.progress")   # the attempt's log file, not the terminal
@@ -170,12 +173,12 @@ class Attempt:
         self.record.init_job(spec.name, spec.manifest)
         self._apply_spec_changes()
         self._record_sync = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._last_write: Future | None = None
+        self._writer: CheckpointWriter | None = None
+        self._last_checkpoint = 0
         self._last_record_sync = 0.0
-        self._earlier_usd: float | None = None   # spend of earlier attempts (read on first use)
+        self._ledger: dict[str, Any] | None = None   # the record's cost ledger (read on first use)
+        self._noted_durable: set[int] = set()    # durable checkpoints already marked in the record
         self.trainer = None
-        self.uploader: Uploader | None = None
         self.budget_exceeded = False
 
     def _apply_spec_changes(self) -> None:
@@ -244,10 +247,13 @@ class Attempt:
     def _run(self) -> Outcome:
 
         p = self.spec.params
+        logs = self.work / "logs" / "trainer.log"
+        # Started first: its imports and its store's first request overlap the model's loading.
+        self._writer = CheckpointWriter(self.work / "checkpoints", self.spec.storage, keep=self.spec.keep_checkpoints,
+                                        meta={"job": self.spec.name}, log_file=logs if logs.exists() else None)
         start, durable = self._restore_checkpoint()
         self.trainer = GRPOTrainer(self.spec.model, self.spec.env, p, stop=self.stop,
                                    model_name=self.spec.model_name)
-        self.uploader = Uploader(self.store, "checkpoints", keep=self.spec.keep_checkpoints)
         device = self.trainer.device
         self.record.set_value("device", f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else "cpu")
         if start:
@@ -256,7 +262,7 @@ class Attempt:
             log.info("resumed from the checkpoint at step %d", start)
             self.record.set_value("resumedFrom", start)
             if not durable:                  # written here before a crash, never uploaded
-                self.uploader.submit(folder)
+                self._writer.upload(start)
 
         baseline = self._baseline()
         if self.stop.is_set():
@@ -271,8 +277,6 @@ class Attempt:
             return self._stopped(step, Phase.PREEMPTED, "Preempted",
                                  f"stopped after step {step}; resume continues from there")
 
-        if self._last_write is not None:
-            self._last_write.result()
         self._phase(Phase.FINAL_EVAL)
         log.info("final evaluation on the same %d held-out tasks", len(self.spec.env.eval_tasks))
         final = self.trainer.evaluate(self.spec.env.eval_tasks).to_dict()
@@ -355,7 +359,11 @@ class Attempt:
                 step += 1
                 last_step_seconds = metrics["stepSeconds"]
                 metrics["costUSD"] = round(self._spent_usd(), 6)
-                self.record.log_step(step, metrics)
+                with self.record.transaction():      # one commit per step, the writer's news included
+                    self.record.log_step(step, metrics)
+                    failure = self._note_writer_events(self._writer.poll())
+                if failure is not None:
+                    raise failure
                 if step % max(1, p.maxSteps // 20) == 0:
                     progress_log.info("step %d/%d reward %.3f identical-groups %.2f length %.1f loss %.4f",
                                       step, p.maxSteps, metrics["rewardMean"], metrics["identicalGroups"],
@@ -370,47 +378,55 @@ class Attempt:
         self._update_reward_signal()
         return step
 
-    def _checkpoint(self, step: int) -> Future:
+    def _checkpoint(self, step: int) -> None:
         """Checkpoint after `step` completed steps. The training thread only copies the state
-        to memory; writing, fsync, the manifest and the upload happen on other threads, in
-        order, so training does not wait on the disk or the network."""
-        if self._last_write is not None and self._last_write.done():
-            self._last_write.result()        # a failed write (disk full, bad bucket) stops the run here
-        snap = self.trainer.snapshot(step)
-        self._last_write = self._writer.submit(self._write_checkpoint, snap)
-        return self._last_write
-
-    def _write_checkpoint(self, snap) -> Path:
-        root = self.work / "checkpoints"
-        final = checkpoint_dir(root, snap.step)
-        if not final.exists():
-            staging = staging_dir(root, snap.step)
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-            write_snapshot(snap, staging)
-            finalize_checkpoint(staging, final, step=snap.step, meta={"job": self.spec.name})
-            prune(root, keep=self.spec.keep_checkpoints)
-        self.record.add_checkpoint(snap.step, durable=False)
-        self._write_ledger()
-        for durable in self.uploader.durable_steps():
-            self.record.add_checkpoint(durable, durable=True)
-        self.uploader.submit(final)
+        into the checkpoint writer's shared buffer (waiting while the writer still reads the
+        previous one); writing, fsync, the manifest and the upload happen in the writer process,
+        so training waits on neither the disk nor the network, nor on their Python (the GIL)."""
+        layout, _ = pack(state_files(self.trainer, step), self._writer.buffer)
+        self._writer.submit(step, layout)
+        self._last_checkpoint = step
         # The record's copy in storage trails by at most RECORD_SYNC_S between phase changes:
         # uploading the whole database after every checkpoint cost more than the checkpoint.
         if time.monotonic() - self._last_record_sync >= RECORD_SYNC_S:
             self._update_reward_signal()
             self._sync_record()
-        return final
+
+    def _note_writer_events(self, events: list[dict[str, Any]]) -> Exception | None:
+        """Put what the checkpoint writer reports into the record (call inside a transaction).
+        Returns the error that must stop the run: a checkpoint that could not be written, or a
+        storage configuration error. A failed upload alone is retried with the next checkpoint."""
+        failure = None
+        for event in events:
+            if "sealed" in event:
+                self.record.add_checkpoint(event["sealed"], durable=False)
+                self._write_ledger()
+            elif "upload" in event:
+                for step in event["durable"]:
+                    if step not in self._noted_durable:
+                        self.record.add_checkpoint(step, durable=True)
+                        self._noted_durable.add(step)
+                if event["config"]:
+                    failure = StorageConfigError(event["error"])
+            elif "failed" in event:
+                failure = (StorageConfigError if event["config"] else RuntimeError)(
+                    f"checkpoint {event['failed']} could not be written: {event['error']}")
+        return failure
 
     def _stopped(self, step: int, phase: Phase, reason: str, message: str) -> Outcome:
         """Checkpoint the last completed step, wait until it is durable, end the attempt."""
         durable = None
         if step > 0:
-            self._checkpoint(step).result()
-            if self.uploader.wait():
+            if self._last_checkpoint != step:
+                self._checkpoint(step)
+            else:
+                self._writer.upload(step)      # written already; make sure of its upload
+            with self.record.transaction():
+                failure = self._note_writer_events(self._writer.wait_upload(step))
+            if failure is not None:
+                raise failure
+            if step in self._noted_durable:
                 durable = step
-                self.record.add_checkpoint(step, durable=True)
         self._write_ledger()
         self.record.end_attempt(self.attempt, reason, message)
         self._phase(phase, message)
@@ -424,13 +440,16 @@ class Attempt:
 
     def _spent_usd(self) -> float:
         """Every attempt's wall time at the GPU's rate: earlier attempts from the ledger, this one live."""
-        if self._earlier_usd is None:     # read once: only this attempt writes the ledger now
-            ledger = self.record.value("ledger", {}) or {}
-            self._earlier_usd = sum(v["usd"] for k, v in ledger.items() if k != str(self.attempt))
-        return self._earlier_usd + self._attempt_usd()
+        earlier = sum(v["usd"] for k, v in self._read_ledger().items() if k != str(self.attempt))
+        return earlier + self._attempt_usd()
+
+    def _read_ledger(self) -> dict[str, Any]:
+        if self._ledger is None:     # read once: only this attempt writes the ledger now
+            self._ledger = dict(self.record.value("ledger", {}) or {})
+        return self._ledger
 
     def _write_ledger(self) -> None:
-        ledger = dict(self.record.value("ledger", {}) or {})
+        ledger = self._read_ledger()
         ledger[str(self.attempt)] = {"seconds": round(time.monotonic() - self._t0, 3),
                                      "usd": round(self._attempt_usd(), 6),
                                      "usdPerHour": self.spec.usd_per_hour}
@@ -495,11 +514,10 @@ class Attempt:
         return steps[-1]["step"] if steps else 0
 
     def _shutdown(self) -> None:
-        self._writer.shutdown(wait=True)
-        if self.uploader is not None:
-            self.uploader.close()
-            for step in self.uploader.durable_steps():
-                self.record.add_checkpoint(step, durable=True)
+        if self._writer is not None:
+            events = self._writer.close()
+            with self.record.transaction():
+                self._note_writer_events(events)      # what is durable; errors were reported already
         if self.trainer is not None:
             self.trainer.close()
         self._sync_record()

@@ -51,10 +51,10 @@ def delete_manifest(client, bucket: str, ckpt: str) -> str:
 
 
 def truncate_optimizer(client, bucket: str, ckpt: str) -> str:
-    key = f"{ckpt}/optimizer.pt"
+    key = f"{ckpt}/training_state.safetensors"
     data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     client.put_object(Bucket=bucket, Key=key, Body=data[: len(data) // 2])
-    return f"optimizer.pt is {len(data) // 2} bytes, manifest says {len(data)}"
+    return f"training_state.safetensors is {len(data) // 2} bytes, manifest says {len(data)}"
 
 
 def resumed_from(s3_env, tmp_path: Path) -> int | None:

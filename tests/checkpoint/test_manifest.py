@@ -208,6 +208,11 @@ class FailingManifestStore(Store):
             raise StorageUnavailable(f"storage {self.url}: injected outage")
         super().put_file(local, key)
 
+    def put_bytes(self, key, data):
+        if key.endswith("manifest.json"):
+            raise StorageUnavailable(f"storage {self.url}: injected outage")
+        super().put_bytes(key, data)
+
 
 def test_an_uploaded_checkpoint_is_durable_and_identical_remotely(tmp_path):
     store = Store("memory://bucket/run")
