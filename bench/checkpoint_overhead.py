@@ -1,6 +1,6 @@
 """What checkpointing every step costs the training thread, measured side by side.
 
-    .venv/bin/python bench/checkpoint_overhead.py            # ~2 min on 2 quiet cores
+    .venv/bin/python bench/checkpoint_overhead.py            # ~4 min on 2 quiet cores
     .venv/bin/python bench/checkpoint_overhead.py --rounds 3 --storage both --profile
 
 The demo job (examples/tiny-arithmetic.yaml) runs in-process as a real `trainer.run.Attempt`,

@@ -97,7 +97,7 @@ class CheckpointWriter:
     def __init__(self, root: Path, storage: str, *, keep: int = 3, prefix: str = "checkpoints",
                  meta: dict[str, Any] | None = None, log_file: Path | None = None) -> None:
         self.root = Path(root)
-        self._fd = os.memfd_create("grpo-run-snapshot", 0)
+        self._fd = _shared_fd(self.root)
         self._size = 0
         self._map: mmap.mmap | None = None
         self._busy: int | None = None         # the step whose snapshot the writer is still reading
@@ -221,6 +221,19 @@ class CheckpointWriter:
                 continue
             self._events.append(event)
         return True
+
+
+def _shared_fd(root: Path) -> int:
+    """A file descriptor for the shared buffer: a memfd on Linux; elsewhere an unlinked file
+    under `root` (the page cache shares it just the same)."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("grpo-run-snapshot", 0)
+    import tempfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=".snapshot-buffer-", dir=root)
+    os.unlink(path)
+    return fd
 
 
 # --- the writer process ----------------------------------------------------------------------
