@@ -80,6 +80,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_t
     (tmp_path / "job.yaml").unlink()
     # 6 in practice; an upload still in flight at the kill leaves 4 newest, and the test holds
     durable = durable_steps(s3_env)
+    print("durable at the kill:", durable)
     assert len(durable) >= 2 and durable[0] >= 2 * SAVE, durable
     newest, before = durable[0], durable[1]
 
