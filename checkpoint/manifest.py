@@ -238,21 +238,7 @@ def discover(root: Path) -> list[tuple[int, Path]]:
 
     Each folder named like a checkpoint that does not verify is skipped with a warning naming
     it and why. A missing root has none."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for folder in root.iterdir():
-        step = step_of(folder)
-        if step is None or not folder.is_dir():
-            continue
-        try:
-            verify(folder)
-        except CheckpointInvalid as exc:
-            log.warning("skipping checkpoint %s: %s", folder, exc.reason)
-            continue
-        found.append((step, folder))
-    return sorted(found, reverse=True)
+    return [(step, folder) for step, folder in _named(Path(root)) if _verifies(folder)]
 
 
 def prune(root: Path, keep: int = 3, *, trusted: Collection[int] = ()) -> list[int]:
@@ -274,21 +260,12 @@ def prune(root: Path, keep: int = 3, *, trusted: Collection[int] = ()) -> list[i
     root = Path(root)
     if not root.is_dir():
         return []
-    named = sorted(((step_of(f), f) for f in root.iterdir() if step_of(f) is not None and f.is_dir()),
-                   reverse=True)
     kept: list[tuple[int, Path]] = []
-    for step, folder in named:      # newest first; stop hashing once `keep` are found
+    for step, folder in _named(root):      # newest first; stop hashing once `keep` are found
         if len(kept) == keep:
             break
-        if step in trusted:
+        if step in trusted or _verifies(folder):
             kept.append((step, folder))
-            continue
-        try:
-            verify(folder)
-        except CheckpointInvalid as exc:
-            log.warning("skipping checkpoint %s: %s", folder, exc.reason)
-            continue
-        kept.append((step, folder))
     keep_paths = {folder for _, folder in kept}
     for folder in sorted(root.iterdir()):
         if folder in keep_paths:
@@ -296,6 +273,24 @@ def prune(root: Path, keep: int = 3, *, trusted: Collection[int] = ()) -> list[i
         if step_of(folder) is not None or _LEFTOVER_RE.match(folder.name):
             remove_tree(folder)
     return [step for step, _ in kept]
+
+
+def _named(root: Path) -> list[tuple[int, Path]]:
+    """Folders under `root` named like checkpoints, newest step first (none if no root)."""
+    if not root.is_dir():
+        return []
+    return sorted(((step_of(f), f) for f in root.iterdir() if step_of(f) is not None and f.is_dir()),
+                  reverse=True)
+
+
+def _verifies(folder: Path) -> bool:
+    """Whether `verify` passes; if not, a warning names the folder and why."""
+    try:
+        verify(folder)
+    except CheckpointInvalid as exc:
+        log.warning("skipping checkpoint %s: %s", folder, exc.reason)
+        return False
+    return True
 
 
 def remove_tree(folder: Path) -> None:
