@@ -150,6 +150,9 @@ def load_state(trainer, folder: Path) -> int:
     settings or method changed since)."""
     from safetensors.torch import load_file
 
+    if not (folder / TRAINING_STATE).exists() and (folder / "optimizer.pt").exists():
+        raise ValueError(f"checkpoint {folder} was written by an earlier grpo-run (optimizer.pt, rng.pt), whose "
+                         "format this version does not read; run the job again under a new metadata.name")
     device = str(trainer.device)
     try:
         if trainer.params.method == "Full":

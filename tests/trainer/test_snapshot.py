@@ -65,3 +65,15 @@ def test_a_checkpoint_of_another_adapter_shape_is_refused_with_the_reason(make_t
     finally:
         a.close()
         b.close()
+
+
+def test_a_checkpoint_in_the_earlier_format_is_refused_with_what_to_do(make_trainer, tmp_path):
+    tr = make_trainer(small())
+    try:
+        tr.train_step(0)
+        folder = save(tr, 1, tmp_path / "ckpt")
+        (folder / TRAINING_STATE).rename(folder / "optimizer.pt")
+        with pytest.raises(ValueError, match="earlier grpo-run .* run the job again under a new metadata.name"):
+            tr.load_state(folder)
+    finally:
+        tr.close()
