@@ -241,10 +241,14 @@ class Record:
             self.db["steps"].upsert({"step": int(step), "metrics": _dumps(metrics),
                                      "logged": utc_now()}, pk="step")
 
-    def steps(self) -> list[dict]:
-        """[{"step": n, **metrics}] ordered by step."""
+    def steps(self, last: int | None = None) -> list[dict]:
+        """[{"step": n, **metrics}] ordered by step; only the newest `last` when given (the
+        query stops there instead of parsing the whole history)."""
         with self._lock:
-            rows = list(self.db["steps"].rows_where(order_by="step"))
+            if last is None:
+                rows = list(self.db["steps"].rows_where(order_by="step"))
+            else:
+                rows = list(self.db["steps"].rows_where(order_by="step desc", limit=last))[::-1]
         return [{"step": r["step"], **json.loads(r["metrics"])} for r in rows]
 
     # --- evaluations ---------------------------------------------------------------------------

@@ -486,7 +486,7 @@ class Attempt:
             uploader.close()
 
     def _update_reward_signal(self) -> None:
-        steps = self.record.steps()[-50:]
+        steps = self.record.steps(last=50)   # on the training thread: the window only
         if not steps:
             return
         frac = sum(s["identicalGroups"] for s in steps) / len(steps)
@@ -510,7 +510,7 @@ class Attempt:
                 self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
 
     def _last_step(self) -> int:
-        steps = self.record.steps()
+        steps = self.record.steps(last=1)
         return steps[-1]["step"] if steps else 0
 
     def _shutdown(self) -> None:

@@ -174,6 +174,13 @@ def test_steps_are_upserted_and_listed_in_order(record):
                               {"step": 2, "loss": 0.7, "reward": 0.3}]
 
 
+def test_the_newest_steps_alone_come_back_in_order(record):
+    for step in (3, 1, 4, 2, 5):
+        record.log_step(step, {"loss": float(step)})
+    assert [s["step"] for s in record.steps(last=2)] == [4, 5]
+    assert [s["step"] for s in record.steps(last=10)] == [1, 2, 3, 4, 5]
+
+
 def test_scalar_tensors_in_metrics_are_stored_as_numbers(record):
     numpy = pytest.importorskip("numpy")
     record.log_step(1, {"loss": numpy.float32(0.5), "rewards": numpy.array([1, 0])})
