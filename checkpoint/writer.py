@@ -263,11 +263,11 @@ def _serve(args) -> int:
             break
         step = request["step"]
         final = checkpoint_dir(root, step)
-        if request["op"] == "upload":
-            uploader.submit(final)
-            continue
         try:
             manifest = None
+            if request["op"] == "upload":   # sealed earlier (before a crash): upload it, verified
+                uploader.submit(final)
+                continue
             if final.exists():            # the same step again (a stop right after a checkpoint)
                 reply({"released": step})
             else:
