@@ -22,15 +22,16 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .faults import fault_point
 from .fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
     MANIFEST_NAME,
     CheckpointInvalid,
     Manifest,
     checkpoint_name,
+    newest_sealed,
     read_manifest,
     remove_tree,
+    sealed,
     step_of,
     verify,
 )
@@ -48,8 +49,29 @@ def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
     return sorted(_remote_checkpoints(store, prefix)[0], reverse=True)
 
 
-def download_latest(store: Store, dest_root: Path,
-                    prefix: str = "checkpoints") -> tuple[int, Path] | None:
+def restore_latest(store: Store, root: Path,
+                   prefix: str = "checkpoints") -> tuple[int, Path, Manifest, bool] | None:
+    """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
+    durable). A sealed local one at least as new as the newest in storage is used as it is
+    (durable False when storage lacks it: sealed here before a crash, never uploaded); else the
+    newest remote one that verifies is downloaded (download_latest). One listing of the store;
+    nothing is hashed twice. None when there is no checkpoint anywhere."""
+    local = newest_sealed(root)
+    durable, partial = _remote_checkpoints(store, prefix)
+    if local is not None and local[0] >= max(durable, default=-1):
+        step, folder, manifest = local
+        return step, folder, manifest, step in durable
+    got = download_latest(store, root, prefix, listed=(durable, partial))
+    if got is not None:
+        return got[0], got[1], read_manifest(got[1]), True
+    if local is not None:
+        step, folder, manifest = local
+        return step, folder, manifest, step in durable
+    return None
+
+
+def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
+                    listed: tuple[set[int], set[int]] | None = None) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -57,10 +79,11 @@ def download_latest(store: Store, dest_root: Path,
     downloading. Partial or corrupt remote checkpoints (a listed file missing, wrong size or
     sha256, a bad manifest) are skipped with a warning naming them, and the next older one is
     tried. Storage errors (StorageUnavailable, StorageConfigError) propagate: an outage must not
-    silently send a run back to an older checkpoint.
+    silently send a run back to an older checkpoint. `listed`: what `_remote_checkpoints`
+    returned, when the caller listed the store already.
     """
     dest_root = Path(dest_root)
-    durable, partial = _remote_checkpoints(store, prefix)
+    durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
     newest_durable = max(durable, default=-1)
     for step in sorted(s for s in partial if s > newest_durable):
         # Files without a manifest: an upload cut off (or a manifest deleted). Never used.
@@ -241,10 +264,8 @@ class Uploader:
             raise ValueError(f"{folder}: the manifest given is for step {manifest.step}")
         step = manifest.step
         remote = f"{self.prefix}/{checkpoint_name(step)}"
-        for i, entry in enumerate(manifest.files):
+        for entry in manifest.files:
             self.store.put_file(folder / entry.path, f"{remote}/{entry.path}")
-            if i == 0:
-                fault_point("upload", step)   # kill tests: some files up, no manifest yet
         # the manifest, last
         self.store.put_bytes(f"{remote}/{MANIFEST_NAME}", manifest.to_json())
         log.info("checkpoint %d durable at %s/%s", step, self.store.url, remote)
@@ -301,16 +322,15 @@ def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
 
 
 def _matches_local(folder: Path, manifest: Manifest) -> bool:
+    """A local folder sealed (or verified when downloaded) with the very same files: trusted
+    without hashing it again."""
     if not folder.is_dir():
         return False
     try:
-        local = read_manifest(folder)
-        if local.files != manifest.files or local.step != manifest.step:
-            return False
-        verify(folder)
-        return True
+        local = sealed(folder)
     except CheckpointInvalid:
         return False
+    return local.files == manifest.files and local.step == manifest.step
 
 
-__all__ = ["Uploader", "download_latest", "remote_discover"]
+__all__ = ["Uploader", "download_latest", "remote_discover", "restore_latest"]

@@ -1,25 +1,25 @@
 """The checkpoint writer: a process of its own that turns a snapshot in shared memory into a
-sealed local checkpoint and uploads it, so checkpoint I/O never holds the trainer's GIL.
+sealed local checkpoint, so checkpoint I/O never holds the trainer's GIL. Uploading is not its
+job: the supervisor (runner/) uploads what it seals.
 
-Why a process: in threads, every write, fsync, hash and upload request of a checkpoint hands
-Python's GIL back and forth with the training thread. On the demo's 50 ms steps on 2 cores that
-cost +26% per step with a checkpoint after every step, more than the work itself; in a process
-of its own the same work costs the trainer only the copy into shared memory.
+Why a process: in threads, every write, fsync and hash of a checkpoint hands Python's GIL back
+and forth with the training thread. On the demo's 50 ms steps on 2 cores that cost +26% per
+step with a checkpoint after every step, more than the work itself; in a process of its own the
+same work costs the trainer only the copy into shared memory.
 
     trainer (CheckpointWriter)                       writer (`python -m checkpoint.writer`)
     copy tensors into the shared buffer  --request-->  write the files from the buffer
     (waits only while the previous                     <--released--  (the buffer is free again)
-     snapshot is still being read)                     fsync, manifest, rename, prune
+     snapshot is still being read)                     fsync, manifest (sha256), rename, prune
                                          <--sealed---
-                                                       upload (Uploader: files, manifest last)
-                                         <--upload---  (durable steps, or the error)
 
 A request describes the checkpoint's files (`layout`): text, or safetensors files whose tensors
 lie at given offsets of the buffer. The buffer is a memfd (not /dev/shm, which containers often
 cap at 64 MiB) the writer inherits. Requests and replies are JSON lines on its stdin and stdout.
+Each checkpoint is hashed here, once, when it is sealed; everyone after trusts its manifest.
 
 The writer dies with the trainer (PR_SET_PDEATHSIG), ignores SIGINT (the trainer decides when to
-stop), and ends when its stdin closes or on a `close` request, after the queued uploads.
+stop), and ends when its stdin closes or on a `close` request, after what is queued.
 """
 
 from __future__ import annotations
@@ -34,16 +34,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .manifest import checkpoint_dir, finalize_checkpoint, prune, staging_dir
-from .faults import WRITER_ENV
-from .store import StorageConfigError, Store
-from .sync import Uploader
+from .procs import die_with_parent, python_env
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +80,18 @@ def write_files(folder: Path, layout: Layout, buffer: Any) -> None:
 class CheckpointWriter:
     """The trainer's side: owns the writer process, the shared buffer and the replies.
 
-        writer = CheckpointWriter(work / "checkpoints", storage_url, keep=3, meta={"job": name})
+        writer = CheckpointWriter(work / "checkpoints", keep=3, meta={"job": name})
         buf = writer.buffer(nbytes)              # waits until the previous snapshot was read
         ... copy tensors into buf ...
         writer.submit(step, layout)
-        for event in writer.poll(): ...          # {"sealed": step} / {"upload": step, ...}
+        for event in writer.poll(): ...          # {"sealed": step} / {"failed": step, ...}
 
     Events (dicts, in the order they happened): `{"sealed": step}` once the checkpoint is
-    sealed on the local disk; `{"upload": step, "durable": [steps], "error": str | None,
-    "config": bool}` after each upload; `{"failed": step, "error": str, "config": bool}` when a
-    checkpoint could not be written. Raises WriterDied when the process is gone unasked."""
+    sealed on the local disk; `{"failed": step, "error": str}` when it could not be written.
+    Raises WriterDied when the process is gone unasked."""
 
-    def __init__(self, root: Path, storage: str, *, keep: int = 3, prefix: str = "checkpoints",
-                 meta: dict[str, Any] | None = None, log_file: Path | None = None) -> None:
+    def __init__(self, root: Path, *, keep: int = 3, meta: dict[str, Any] | None = None,
+                 log_file: Path | None = None) -> None:
         self.root = Path(root)
         self._fd = _shared_fd(self.root)
         self._size = 0
@@ -104,15 +100,11 @@ class CheckpointWriter:
         self._events: list[dict[str, Any]] = []
         self._pending = b""
         args = [sys.executable, "-m", "checkpoint.writer", "--fd", str(self._fd), "--root", str(self.root),
-                "--storage", storage, "--prefix", prefix, "--keep", str(keep), "--parent", str(os.getpid()),
-                "--meta", json.dumps(meta or {})]
+                "--keep", str(keep), "--parent", str(os.getpid()), "--meta", json.dumps(meta or {})]
         if log_file is not None:
             args += ["--log", str(log_file)]
-        env = dict(os.environ)
-        env[WRITER_ENV] = str(os.getpid())     # fault injection: whose writer this is
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd],
-                                      env=env)
+                                      env=python_env())
         os.set_blocking(self._proc.stdout.fileno(), False)
 
     # --- requests ----------------------------------------------------------------------------
@@ -130,13 +122,9 @@ class CheckpointWriter:
         return self._map
 
     def submit(self, step: int, layout: Layout) -> None:
-        """Write the checkpoint of `step` from the buffer, seal it, then upload it."""
+        """Write the checkpoint of `step` from the buffer and seal it."""
         self._busy = step
         self._send({"op": "checkpoint", "step": step, "size": self._size, "files": layout})
-
-    def upload(self, step: int) -> None:
-        """Upload a sealed local checkpoint (one written before a crash and never uploaded)."""
-        self._send({"op": "upload", "step": step})
 
     # --- replies -----------------------------------------------------------------------------
 
@@ -146,17 +134,17 @@ class CheckpointWriter:
         events, self._events = self._events, []
         return events
 
-    def wait_upload(self, step: int, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Wait until an upload of `step` (or of a newer checkpoint) has ended, or `timeout`;
-        returns every event since the last poll (the caller sees whether it succeeded)."""
-        def uploaded() -> bool:
-            return any(e.get("upload", -1) >= step or e.get("failed", -1) >= step for e in self._events)
-        self._wait(uploaded, timeout)
+    def wait_sealed(self, step: int, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Wait until checkpoint `step` is sealed or has failed, or `timeout`; returns every
+        event since the last poll (the caller sees which)."""
+        def ended() -> bool:
+            return any(e.get("sealed", -1) >= step or e.get("failed", -1) >= step for e in self._events)
+        self._wait(ended, timeout)
         return self.poll()
 
     def close(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Let the writer finish what is queued (uploads included), then end it. Returns the
-        events not yet polled. Closing twice is harmless."""
+        """Let the writer finish what is queued, then end it. Returns the events not yet
+        polled. Closing twice is harmless."""
         if self._fd < 0:
             return []
         if self._proc.poll() is None:
@@ -244,17 +232,10 @@ def _serve(args) -> int:
     meta = json.loads(args.meta)
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                        # a stray print must not corrupt the replies
-    lock = threading.Lock()
 
     def reply(event: dict[str, Any]) -> None:
-        with lock:
-            replies.write(json.dumps(event) + "\n")
+        replies.write(json.dumps(event) + "\n")
 
-    def on_upload(step: int, durable: list[int], error: BaseException | None) -> None:
-        reply({"upload": step, "durable": durable, "error": None if error is None else str(error),
-               "config": isinstance(error, StorageConfigError)})
-
-    uploader = Uploader(Store(args.storage), args.prefix, keep=args.keep, on_upload=on_upload)
     buffer: mmap.mmap | None = None
     kept: list[int] = []
     for line in sys.stdin:
@@ -264,10 +245,6 @@ def _serve(args) -> int:
         step = request["step"]
         final = checkpoint_dir(root, step)
         try:
-            manifest = None
-            if request["op"] == "upload":   # sealed earlier (before a crash): upload it, verified
-                uploader.submit(final)
-                continue
             if final.exists():            # the same step again (a stop right after a checkpoint)
                 reply({"released": step})
             else:
@@ -283,15 +260,12 @@ def _serve(args) -> int:
                     write_files(staging, request["files"], buffer)
                 finally:
                     reply({"released": step})
-                manifest = finalize_checkpoint(staging, final, step=step, meta=meta)
+                finalize_checkpoint(staging, final, step=step, meta=meta)
                 kept = prune(root, keep=args.keep, trusted={*kept, step})
             reply({"sealed": step})
-            uploader.submit(final, manifest)
         except Exception as exc:     # reported to the trainer, which stops the run on it
             log.error("checkpoint %d could not be written: %s", step, exc)
-            reply({"failed": step, "error": f"{type(exc).__name__}: {exc}",
-                   "config": isinstance(exc, StorageConfigError)})
-    uploader.close()
+            reply({"failed": step, "error": f"{type(exc).__name__}: {exc}"})
     reply({"closed": True})
     return 0
 
@@ -317,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="grpo-run's checkpoint writer (started by the trainer)")
     ap.add_argument("--fd", type=int, required=True, help="the shared snapshot buffer (a memfd)")
     ap.add_argument("--root", required=True, help="the local checkpoints folder")
-    ap.add_argument("--storage", required=True, help="the job's folder in object storage")
-    ap.add_argument("--prefix", default="checkpoints")
     ap.add_argument("--keep", type=int, default=3)
     ap.add_argument("--parent", type=int, required=True, help="the trainer's pid: the writer dies with it")
     ap.add_argument("--meta", default="{}", help="JSON for every manifest's meta")
@@ -327,10 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _lower_priority()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
     if os.getppid() != args.parent:       # the trainer died before the line above
         return 1
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -12,12 +12,8 @@ from typing import Any, Sequence
 
 import yaml
 
-EXIT_OK = 0
-EXIT_FAILED = 1          # the job failed (reward function error, training error)
-EXIT_USAGE = 2           # bad arguments or a bad job file; nothing was started
-EXIT_PREEMPTED = 3       # stopped by a preemption notice or signal; `grpo-run resume` continues it
-EXIT_BUDGET = 4          # stopped at spec.maxCostUSD with a checkpoint; resume with a larger budget
-EXIT_HELD = 5            # another node holds the job; nothing was started here
+from runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE
+from state.record import RECORD_FILE, Phase
 
 DESCRIPTION = """\
 Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
@@ -100,8 +96,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from runner.job import JobError, parse_job
     from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+    from runner.books import fetch_record
+    from runner.job import JobError, parse_job
     from state.record import Record
 
     storage = args.storage or default_storage()
@@ -116,56 +113,55 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         store = Store(job_store_url(storage, name))
         store.check()
-        if not store.exists("state.db"):
-            _error(f"no job {name!r} in {storage}")
-            return EXIT_USAGE
-        local = work_dir(name)
-        local.mkdir(parents=True, exist_ok=True)
-        if not (local / "state.db").exists():
-            store.get_file("state.db", local / "state.db")
+        local = fetch_record(store, work_dir(name))
     except (StorageConfigError, StorageUnavailable) as e:
         _error(str(e))
         return EXIT_FAILED
-    with Record(local / "state.db") as record:
+    if local is None:
+        _error(f"no job {name!r} in {storage}")
+        return EXIT_USAGE
+    with Record(local) as record:
         job_doc = record.job()
     try:
         job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
     except JobError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
-    return _run(job, output=args.output, storage=storage)
+    return _run(job, output=args.output, storage=storage, store=store)
 
 
-def _run(job, *, output: str | None, storage: str | None = None) -> int:
+def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
-    spec.storage, else $GRPO_RUN_HOME/store). Returns the exit status."""
-    from checkpoint.store import StorageConfigError, StorageUnavailable
+    spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
+    The record is fetched from storage at most once, and read here afterwards."""
+    from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+    from runner.books import fetch_record
     from runner.job import build_run_spec
     from runner.supervisor import Supervisor
 
     storage = storage or job.storage
     url = job_store_url(storage, job.name)
+    work = work_dir(job.name)
     try:
-        local = _environment_here(job, url)
+        if store is None:
+            store = Store(url)
+            store.check()                      # a bad bucket or credentials fail before any work
+            fetch_record(store, work)          # a job begun elsewhere: its record, once
+        local = _environment_here(job, store)
         spec = build_run_spec(job, url, local=local)
-        if _already_succeeded(job, storage):
+        if _already_succeeded(job, work):
             print(f"{job.name}: already succeeded; nothing to do")
-            print(_dump(get_job(job.name, storage), output), end="") if output else None
+            print(_dump(_job_doc(work / RECORD_FILE), output), end="") if output else None
             return EXIT_OK
-        watchers = _watchers(job)
         progress = sys.stderr.isatty() or os.environ.get("GRPO_RUN_PROGRESS") == "1"
-        result = Supervisor(spec, work_dir(job.name), watchers=watchers, progress=progress).run()
+        result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
         _error(f"{job.name} was not started here: {result.message}")
         return EXIT_HELD
-    try:
-        doc = get_job(job.name, storage)
-    except LookupError as e:
-        _error(str(e))
-        return EXIT_FAILED
+    doc = _job_doc(work / RECORD_FILE)
     if result.exit_code == EXIT_OK and job.gpu:
         _remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
@@ -188,17 +184,16 @@ def _remember_step_time(job, status: dict) -> None:
         record_measured_step_seconds(job.gpu, seconds, job.name)
 
 
-def _environment_here(job, url: str):
-    """The job with its environment files on this node (fetched from storage on a fresh node),
-    after making sure storage holds them for the next node."""
-    from checkpoint.store import Store
+def _environment_here(job, store):
+    """The job with its environment files on this node: the user's own (copied to storage for
+    the next node), or, on a fresh node, fetched from storage (and not sent back)."""
     from runner.envfiles import localize_environment, upload_environment
 
     if job.environment.is_catalog:
         return job
-    store = Store(url)
     local = localize_environment(job, store, work_dir(job.name))
-    upload_environment(local, store)
+    if local is job:
+        upload_environment(job, store)
     return local
 
 
@@ -222,27 +217,29 @@ def _watchers(job):
     """Spot-notice watchers: spec.notices.clouds, else GRPO_RUN_NOTICES (auto: every cloud whose
     metadata service answers; a comma-separated list of aws, gcp, azure; none). SIGTERM and
     SIGINT always count. spec.notices.*MetadataURL override the GRPO_RUN_*_METADATA_URL variables."""
-    from runner.notices import make_watchers
+    from runner.metadata import make_watchers
 
     clouds: Any = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    urls: dict[str, str] = {}
     if job.notices is not None:
         clouds = job.notices.clouds
-        for var, url in job.notices.urls:
-            os.environ[var] = url     # this process (the supervisor) is the only reader
+        urls = dict(job.notices.urls)
     if clouds == "none":
         return []
     if isinstance(clouds, str) and clouds != "auto":
         clouds = clouds.split(",")
-    return make_watchers(clouds)
+    return make_watchers(clouds, base_urls=urls)
 
 
-def _already_succeeded(job, storage: str | None) -> bool:
-    """The job finished earlier (here or on another node) with this very spec."""
-    try:
-        with _open_record(job.name, storage) as record:
-            done = record.job()
-    except LookupError:
+def _already_succeeded(job, work: Path) -> bool:
+    """The job finished earlier (here or on another node) with this very spec: its record,
+    fetched into `work` if it was begun elsewhere, says so."""
+    from state.record import Record
+
+    if not (work / RECORD_FILE).exists():
         return False
+    with Record(work / RECORD_FILE) as record:
+        done = record.job()
     return bool(done) and done["phase"] == "Succeeded" and done["spec"] == job.to_dict()
 
 
@@ -252,7 +249,7 @@ def _jobs_in(storage: str) -> list[str]:
     from checkpoint.store import Store
 
     store = Store(storage)
-    return sorted({k.split("/")[0] for k in store.list("") if k.endswith("/state.db") and k.count("/") == 1})
+    return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
 
 
 def _open_record(name: str, storage: str | None):
@@ -260,7 +257,7 @@ def _open_record(name: str, storage: str | None):
     from checkpoint.store import Store
     from state.record import Record
 
-    local = work_dir(name) / "state.db"
+    local = work_dir(name) / RECORD_FILE
     if storage is None and local.exists():
         return Record(local)
     store = Store(job_store_url(storage, name))
@@ -269,7 +266,7 @@ def _open_record(name: str, storage: str | None):
     for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):
         leftover.unlink(missing_ok=True)    # an old copy's journal must never meet the new copy
     try:
-        store.get_file("state.db", copy)
+        store.get_file(RECORD_FILE, copy)
     except FileNotFoundError:
         raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
     return Record(copy)
@@ -277,11 +274,23 @@ def _open_record(name: str, storage: str | None):
 
 def get_job(name: str, storage: str | None) -> dict[str, Any]:
     """The job as {apiVersion, kind, metadata, spec, status}."""
+    with _open_record(name, storage) as record:
+        return _as_doc(record)
+
+
+def _job_doc(path: Path) -> dict[str, Any]:
+    """The job as `get tj` shows it, from a record on this node."""
+    from state.record import Record
+
+    with Record(path) as record:
+        return _as_doc(record)
+
+
+def _as_doc(record) -> dict[str, Any]:
     from runner.status import job_status
 
-    with _open_record(name, storage) as record:
-        job = record.job()
-        status = job_status(record)
+    job = record.job()
+    status = job_status(record)
     spec = job["spec"]
     return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
             "spec": spec.get("spec"), "status": status}
@@ -312,7 +321,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-TERMINAL = ("Succeeded", "Failed", "Preempted", "BudgetExceeded")
+TERMINAL = tuple(str(p) for p in (Phase.SUCCEEDED, Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED))
 
 
 def _watch(names: list[str], args: argparse.Namespace, interval_s: float = 2.0) -> int:
@@ -367,7 +376,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def _local_jobs() -> list[str]:
     runs = _home() / "runs"
-    return sorted(p.name for p in runs.iterdir() if (p / "state.db").exists()) if runs.exists() else []
+    return sorted(p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()) if runs.exists() else []
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -401,7 +410,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-run", description=DESCRIPTION, formatter_class=Help)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more (INFO; twice for DEBUG)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("apply", help="run a TrainingJob in the foreground (or print its estimate)",
@@ -464,29 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(verbose: int) -> None:
-    level = logging.WARNING if not verbose else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # Libraries' own progress bars and advice would drown ours.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # "no `kernels` package" on CPU: harmless
-    import warnings
+def _configure_logging(verbose: bool) -> None:
+    from trainer.logs import quiet_libraries
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
-    warnings.filterwarnings("ignore", message=r".*is deprecated.*", category=FutureWarning)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    quiet_libraries()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _configure_logging(1 if args.verbose else 0)
+    _configure_logging(args.verbose)
     logging.getLogger("trainer").setLevel(logging.INFO)
     logging.getLogger("runner").setLevel(logging.INFO)
     try:

@@ -44,6 +44,8 @@ from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, Literal
 
+from trainer.config import METHODS
+
 __all__ = [
     "ACTIVATION_KV_MULTIPLE",
     "GPUS",
@@ -273,7 +275,6 @@ def _normalise_targets(targets: Sequence[str]) -> tuple[str, ...]:
 # --- memory -------------------------------------------------------------------------------------
 
 Method = Literal["LoRA", "QLoRA", "Full"]
-_METHODS: tuple[str, ...] = ("LoRA", "QLoRA", "Full")
 _FROZEN_BYTES = {"LoRA": Decimal(2), "QLoRA": Decimal("0.5")}
 _TRAINED_BYTES = Decimal(16)  # mixed-precision Adam (ZeRO)
 _REFERENCE_BYTES = Decimal(2)
@@ -358,8 +359,8 @@ def memory_estimate(
     size or completion length, a negative beta or prompt length, and a config without the
     Llama-style keys the count needs (all missing keys are named at once).
     """
-    if method not in _METHODS:
-        raise ValueError(f"method: must be one of {', '.join(_METHODS)} (got {method!r})")
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {', '.join(METHODS)} (got {method!r})")
     if method != "Full" and lora_r < 1:
         raise ValueError(f"lora.r: must be >= 1 (got {lora_r})")
     if beta < 0:

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from runner.estimate import GPUS
 from trainer.config import GRPOParams, coerce, parse_parameters, to_yaml_dict, unknown_keys
 from trainer.envs import CATALOG
 from trainer.tinymodel import TINY_NAMES, TINY_PREFIX, is_tiny
@@ -21,7 +22,6 @@ from trainer.tinymodel import TINY_NAMES, TINY_PREFIX, is_tiny
 API_VERSION = "grpo-run/v1"
 KIND = "TrainingJob"
 RUNTIMES = ("grpo-lora",)
-GPU_NAMES = ("H100-SXM-80GB", "A100-80GB", "L40S", "RTX-4090", "RTX-A6000")
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 SPEC_FIELDS = ["runtime", "model", "environment", "parameters", "maxCostUSD", "gpu", "pricing", "storage", "notices"]
 NOTICE_CLOUDS = ("aws", "gcp", "azure")
@@ -315,8 +315,8 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
             problems.append(f"spec.maxCostUSD: must be a number > 0 (got {_fmt(spec['maxCostUSD'])}); leave it out for no limit")
             max_cost = None
     gpu = spec.get("gpu")
-    if gpu is not None and gpu not in GPU_NAMES:
-        problems.append(f"spec.gpu: must be one of {', '.join(GPU_NAMES)} (got {_fmt(gpu)})")
+    if gpu is not None and gpu not in GPUS:
+        problems.append(f"spec.gpu: must be one of {', '.join(GPUS)} (got {_fmt(gpu)})")
     pricing = _parse_pricing(spec.get("pricing"), problems)
     notices = _parse_notices(spec.get("notices"), problems)
     storage = spec.get("storage")
@@ -374,9 +374,9 @@ def build_environment(job: TrainingJob):
 
 
 def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None):
-    """What the trainer needs for one attempt at `job`, its outputs under `storage_url`.
+    """What the supervisor needs for `job`, its outputs under `storage_url`.
     `local`: the same job with its environment files where they are on this node."""
-    from trainer.run import RunSpec
+    from runner.supervisor import RunSpec
     from trainer.tinymodel import ensure_model
 
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),

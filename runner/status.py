@@ -6,7 +6,7 @@ from typing import Any
 
 from state.record import Record
 
-EVAL_KEYS = ("meanReward", "tasks", "solved", "runs", "source")
+EVAL_KEYS = ("meanReward", "tasks", "solved", "runs", "source", "batches", "reusedBatches")
 
 
 def _eval(record: Record, kind: str) -> dict[str, Any] | None:

@@ -1,21 +1,26 @@
-"""The supervisor: one per node. It starts the trainer as a child process and owns everything
-outside it — spot notices, the guarantee that the last checkpoint is durable, restarts.
+"""The supervisor: one per node. It owns everything that outlives a trainer process — the lease,
+the run's books (record, ledger, budget, baseline cache), restoring the newest durable checkpoint
+before the trainer starts, uploading every checkpoint the trainer seals, spot notices, restarts.
+The trainer (`python -m trainer.child`) trains from the local folder and reports events.
 
+    start:   lease -> restore the newest durable checkpoint into work/checkpoints -> the plan
+             (baseline cached? evaluation batches already done? the budget as a deadline)
+             -> the trainer, its events read on a pipe by one thread
+    events:  step -> the record; sealed -> upload (manifest trusted, last); eval -> the record
+             and the baseline cache; final -> uploaded before the job is called Succeeded
     notice (AWS/GCP/Azure metadata, SIGTERM/SIGINT)
-        -> SIGTERM to the trainer: it abandons the step in flight, checkpoints the last
-           completed step, waits until it is durable in object storage, and exits 3
-        -> if the trainer does not finish inside the notice window, it is killed and the
-           supervisor uploads the newest local checkpoint itself
+        -> SIGTERM to the trainer: it abandons the step or evaluation batch in flight, seals the
+           last completed step and exits; its upload started the moment it was sealed
+        -> if the trainer does not finish inside the notice window it is killed, and the newest
+           sealed local checkpoint is uploaded as it is
         -> the attempt is recorded as Preempted; the supervisor exits with EXIT_PREEMPTED
     rebalance recommendation (AWS) -> SIGUSR1: checkpoint at the next step, keep training
     trainer crash -> restart with backoff, counted by kind, each kind with its own limit
-
-Exit statuses (also in `grpo-run --help`): 0 succeeded, 1 failed, 3 preempted, 4 budget exceeded.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import logging
 import os
 import signal
@@ -26,27 +31,42 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from checkpoint.fsio import atomic_write_bytes
 from checkpoint.lease import Lease, LeaseHeld, LeaseLost
-from checkpoint.manifest import discover
-from checkpoint.store import Store
-from checkpoint.sync import Uploader, remote_discover
+from checkpoint.manifest import newest_sealed, sealed
+from checkpoint.procs import python_env
+from checkpoint.store import StorageConfigError, StorageUnavailable, Store
+from checkpoint.sync import Uploader, restore_latest
+from runner.books import Books
+from runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
+from runner.fingerprint import baseline_fingerprint, final_fingerprint
 from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
-from state.record import Phase, Record
-from trainer import child
-from trainer.run import RECORD, RunSpec
+from state.record import Phase
+from trainer import child, faults
+from trainer.run import Plan
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_PREEMPTED = 3
-EXIT_BUDGET = 4
-EXIT_HELD = 5            # another node holds the job (fencing); nothing was started here
-
 # The shortest notice (GCP, Azure) is ~30 s; leave room for the upload after a forced kill.
 DEFAULT_NOTICE_WINDOW_S = 25.0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the supervisor needs for a job, resolved by the caller (runner.job) from the
+    TrainingJob."""
+    name: str
+    manifest: dict[str, Any]         # the job as the user wrote it, defaults filled (never credentials)
+    model: str                       # what from_pretrained takes: a hub id or a folder
+    env: Any                         # trainer.envs.Environment
+    params: Any                      # trainer.config.GRPOParams
+    storage: str                     # URL of this job's folder in object storage
+    keep_checkpoints: int = 3
+    model_name: str | None = None    # the model as the user named it (saved adapters say this)
+    usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
+    max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
 
 
 @dataclass(frozen=True)
@@ -71,29 +91,28 @@ class SupervisorResult:
 
 
 def node_name() -> str:
-    """Who holds a job's lease: this host (its name is the instance's name on the clouds)."""
+    """Who holds a job's lease and runs its attempts: this host (on the clouds, the instance)."""
     return socket.gethostname()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: if the supervisor dies (node lost, SIGKILL), so does the
-    trainer — never an orphan training on without anyone watching notices."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+class _Restart(Exception):
+    """This attempt ended in a way worth another: `kind` names its restart limit."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
 
 
 class Supervisor:
-    """Owns the trainer child process, the notice monitor and the end-of-attempt durability."""
+    """Owns the trainer child process, the notice monitor, the uploads and the run's books."""
 
-    def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher],
+    def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher], store: Store | None = None,
                  notice_window_s: float = DEFAULT_NOTICE_WINDOW_S, limits: RestartLimits = RestartLimits(),
                  poll_interval_s: float = 1.0, progress: bool = False,
                  sleep: Callable[[float], None] | None = None) -> None:
         self.spec = spec
         self.work = Path(work)
+        self.store = store or Store(spec.storage)
         self.watchers = watchers
         self.notice_window_s = notice_window_s
         self.limits = limits
@@ -101,44 +120,301 @@ class Supervisor:
         self.progress = progress
         self.preempt = threading.Event()
         self._sleep = sleep or self.preempt.wait   # a backoff ends early on a notice
+        self._wake = threading.Event()             # the trainer ended, or a notice came
         self._child: subprocess.Popen | None = None
-
-    # --- the child -------------------------------------------------------------------------------
-
-    def _start_child(self) -> subprocess.Popen:
-        self.work.mkdir(parents=True, exist_ok=True)
-        spec_path = self.work / "runspec.json"
-        spec_path.write_text(self.spec.to_json())
-        env = dict(os.environ)
-        env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
-        env["GRPO_RUN_SUPERVISOR_PID"] = str(os.getpid())
-        # OpenMP threads that spin while waiting turn a busy CPU node (the grader, the uploader,
-        # a second process) into 10x slower steps: measured 177 s vs 30 s for two tiny runs side
-        # by side on 2 cores. Sleeping waits cost nothing measurable alone. A user's setting wins.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
-        return subprocess.Popen([sys.executable, "-m", "trainer.child", str(spec_path)], env=env,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-
-    def _request_checkpoint(self, notice) -> None:
-        log.info("rebalance recommendation from %s: checkpointing early", notice.source)
-        if self._child is not None and self._child.poll() is None:
-            self._child.send_signal(signal.SIGUSR1)
+        self._child_done = threading.Event()
+        self._fatal: BaseException | None = None   # a storage configuration error from an upload
+        self._durable = 0                          # newest step durable in storage
+        self._noted_durable: set[int] = set()
+        self._fingerprints: dict[str, str] = {}
+        self._attempt_events: dict[str, Any] = {}  # this attempt's `stopped`, `failed`, `final` events
+        self.books: Books | None = None
+        self.uploads: Uploader | None = None
 
     # --- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> SupervisorResult:
-        """Hold the job's lease, then supervise the trainer until it ends or a notice comes."""
+        """Hold the job's lease, then supervise trainers until the job ends or a notice comes."""
         lease = Lease(self.spec.storage, holder=node_name(), stop=self.preempt)
         try:
             lease.acquire()
         except LeaseHeld as e:
             return SupervisorResult(EXIT_HELD, "Held", str(e))
         lease.start_renewing(on_lost=self._lease_lost)
+        if faults.wanted():
+            faults.arm_uploads(self.store)
         try:
+            self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
+                               usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
+            self.uploads = Uploader(self.store, "checkpoints", keep=self.spec.keep_checkpoints,
+                                    on_upload=self._uploaded)
             return self._supervise()
         finally:
+            if self.uploads is not None:
+                self.uploads.close()
+            if self.books is not None:
+                self.books.close()
             lease.release()
+
+    def _supervise(self) -> SupervisorResult:
+        monitor = NoticeMonitor(self.watchers, preempt=self.preempt, on_rebalance=self._request_checkpoint,
+                                poll_interval_s=self.poll_interval_s)
+        restore = install_signal_handlers(self.preempt, on_notice=monitor.report) \
+            if threading.current_thread() is threading.main_thread() else (lambda: None)
+        threading.Thread(target=lambda: (self.preempt.wait(), self._wake.set()), name="notice-wake",
+                         daemon=True).start()
+        restarts = {"crashes": 0, "infrastructure": 0}
+        backoff = self.limits.backoff_s
+        try:
+            with monitor:
+                self.books.close_dangling_attempts()
+                while True:
+                    try:
+                        return self._attempt(monitor, restarts)
+                    except _Restart as why:
+                        restarts[why.kind] += 1
+                        limit = getattr(self.limits, why.kind)
+                        if restarts[why.kind] > limit:
+                            message = f"{why}; {why.kind} restart limit ({limit}) reached"
+                            self._end(Phase.FAILED, "Crashed", message, restart_limit=why.kind)
+                            return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
+                        log.warning("%s; restart %d of %d (%s) in %.0f s", why, restarts[why.kind], limit,
+                                    why.kind, backoff)
+                        self._sleep(backoff)
+                        backoff = min(backoff * 2, 60.0)
+                        if self.preempt.is_set():
+                            self._end(Phase.PREEMPTED, "Preempted", f"notice from {_source(monitor)} between attempts")
+                            return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=_source(monitor),
+                                                    durable_step=self._durable, restarts=restarts)
+        finally:
+            restore()
+            if self._child is not None and self._child.poll() is None:
+                self._child.kill()
+                self._child.wait()
+
+    def _attempt(self, monitor: NoticeMonitor, restarts: dict[str, int]) -> SupervisorResult:
+        """One trainer process, from restoring its checkpoint to recording how it ended. Raises
+        _Restart when that is worth another attempt."""
+        books = self.books
+        try:
+            start = self._restore()
+        except StorageUnavailable as e:
+            raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None
+        books.start_attempt(node_name())
+        if start:
+            books.record.set_value("resumedFrom", start)
+        self._start_child(self._plan(start))
+        while not (self._child_done.is_set() or self.preempt.is_set()):
+            self._wake.wait()
+            self._wake.clear()
+        if self.preempt.is_set():
+            return self._preempted(monitor, restarts)
+        return self._ended(self._child.returncode, restarts)
+
+    def _ended(self, code: int, restarts: dict[str, int]) -> SupervisorResult:
+        """The trainer exited on its own: done, stopped at the deadline, or failed."""
+        stopped, failed = self._attempt_events.get("stopped"), self._attempt_events.get("failed")
+        if code == child.CHILD_DONE:
+            return self._succeeded(restarts)
+        if code == child.CHILD_STOPPED and self._fatal is None:
+            step = self._wait_durable()
+            if stopped and stopped.get("reason") == "deadline":
+                message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}; "
+                           f"stopped after step {stopped['step'] or 0} with a checkpoint (resume with a larger budget)")
+                self._end(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
+                return SupervisorResult(EXIT_BUDGET, "BudgetExceeded", message, durable_step=step, restarts=restarts)
+            message = f"stopped after step {step}; resume continues from there"
+            self._end(Phase.PREEMPTED, "Preempted", message)
+            return SupervisorResult(EXIT_PREEMPTED, "Preempted", message, durable_step=step, restarts=restarts)
+        if self._fatal is not None:
+            message = str(self._fatal)
+        elif code == child.CHILD_CODE_ERROR:
+            message = failed["message"] if failed else "the reward function failed"
+        else:
+            why = f"trainer exited with status {code}" if code >= 0 else \
+                f"trainer killed by {signal.Signals(-code).name}"
+            if failed:
+                why += f" ({failed['message']})"
+            self.books.end_attempt("Crashed", why)
+            raise _Restart("crashes", why)
+        self._end(Phase.FAILED, "Failed", message)
+        return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
+
+    def _succeeded(self, restarts: dict[str, int], **notice: Any) -> SupervisorResult:
+        final = self._attempt_events.get("final")
+        if final is None:
+            raise _Restart("crashes", "the trainer exited without its final weights")
+        folder = Path(final["path"])
+        with Uploader(self.store, "final", keep=2) as uploader:
+            uploader.submit(folder, sealed(folder))
+            if not uploader.wait():
+                raise _Restart("infrastructure", f"the final weights could not be uploaded: {uploader.error}")
+        books = self.books
+        b, f = books.record.eval("baseline"), books.record.eval("final")
+        books.update_reward_signal()
+        message = f"final held-out reward {f['meanReward']:.3f} (baseline {b['meanReward']:.3f})" if b and f else ""
+        self._end(Phase.SUCCEEDED, "Succeeded", message)
+        return SupervisorResult(EXIT_OK, "Succeeded", message, restarts=restarts, **notice)
+
+    def _preempted(self, monitor: NoticeMonitor, restarts: dict[str, int]) -> SupervisorResult:
+        """A notice: stop the trainer inside the window (SIGTERM, then SIGKILL), make the newest
+        sealed checkpoint durable, record the attempt as preempted."""
+        notice_at = time.monotonic()
+        source = _source(monitor)
+        log.warning("preemption notice (%s): stopping the trainer at the last completed step", source)
+        if self._child.poll() is None:
+            self._child.send_signal(signal.SIGTERM)
+        if not self._child_done.wait(self.notice_window_s):
+            log.error("the trainer did not stop within %.0f s; killing it", self.notice_window_s)
+            self._child.kill()
+            self._child_done.wait()
+        durable = self._wait_durable()
+        elapsed = time.monotonic() - notice_at
+        self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(elapsed, 3),
+                                                   "durableStep": durable})
+        notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
+        if self._child.returncode == child.CHILD_DONE:     # it finished before it heard
+            return self._succeeded(restarts, **notice)
+        log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
+        self._end(Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, "
+                                                f"durable; resume continues from there")
+        return SupervisorResult(EXIT_PREEMPTED, "Preempted", restarts=restarts, **notice)
+
+    def _end(self, phase: Phase, reason: str, message: str, restart_limit: str | None = None) -> None:
+        """Close the attempt and the phase in one go, and wait until storage has the record."""
+        books = self.books
+        with books.record.transaction():
+            if books.attempt is not None:
+                books.end_attempt(reason, message)
+            if restart_limit:
+                books.record.set_value("restartLimit", {"kind": restart_limit, "message": message})
+            books.record.set_phase(phase, message)
+        books.sync(wait=True)
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    def _restore(self) -> int:
+        """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
+        one sealed here before a crash is kept and uploaded); its step, 0 for none."""
+        got = restore_latest(self.store, self.work / "checkpoints")
+        if got is None:
+            return 0
+        step, folder, manifest, durable = got
+        if durable:
+            self._note_durable([step])
+        else:
+            log.info("checkpoint %d was sealed here but never uploaded; uploading it", step)
+            self.uploads.submit(folder, manifest)
+        return step
+
+    def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
+        """From the upload thread, after each upload ended."""
+        self._note_durable(durable)
+        if isinstance(error, StorageConfigError) and self._fatal is None:
+            self._fatal = error
+            log.error("%s; stopping the trainer", error)
+            if self._child is not None and self._child.poll() is None:
+                self._child.send_signal(signal.SIGTERM)
+
+    def _note_durable(self, steps: list[int]) -> None:
+        new = [s for s in steps if s not in self._noted_durable]
+        if not new:
+            return
+        with self.books.record.transaction():
+            for s in new:
+                self.books.record.add_checkpoint(s, durable=True)
+        self._noted_durable.update(new)
+        self._durable = max(self._durable, *new)
+        self.books.sync_soon()
+
+    def _wait_durable(self) -> int:
+        """The newest sealed local checkpoint made durable; its step (or the newest durable one
+        when that upload fails). A checkpoint the trainer sealed but could not report (it was
+        killed) is uploaded too, its manifest trusted: nothing is hashed inside a notice window."""
+        found = newest_sealed(self.work / "checkpoints")
+        if found is not None and found[0] > self._durable and found[0] not in self._submitted():
+            self.uploads.submit(found[1], found[2])
+        self.uploads.wait()
+        self._note_durable(self.uploads.durable_steps())
+        return self._durable
+
+    def _submitted(self) -> set[int]:
+        return set(self._attempt_events.get("sealedSteps", ()))
+
+    # --- the trainer process ------------------------------------------------------------------------
+
+    def _plan(self, start: int) -> Plan:
+        spec, books = self.spec, self.books
+        fp = baseline_fingerprint(spec.model, spec.env, spec.params)
+        self._fingerprints = {"baseline": fp, "final": final_fingerprint(fp, spec.manifest)}
+        cached = books.cached_baseline(fp)
+        done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
+        return Plan(name=spec.name, model=spec.model, env=spec.env, params=spec.params, model_name=spec.model_name,
+                    keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
+                    eval_done={kind: batches for kind, batches in done.items() if batches},
+                    stop_by=books.stop_by())
+
+    def _start_child(self, plan: Plan) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        plan_path = self.work / child.PLAN_FILE
+        atomic_write_bytes(plan_path, plan.to_json().encode())
+        read_fd, write_fd = os.pipe()
+        env = python_env()
+        env[child.EVENTS_FD_ENV] = str(write_fd)
+        env[child.PARENT_ENV] = str(os.getpid())
+        env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
+        # OpenMP threads that spin while waiting turn a busy CPU node (the grader, the writer, the
+        # uploads, a second process) into 10x slower steps: measured 177 s vs 30 s for two tiny
+        # runs side by side on 2 cores. Sleeping waits cost nothing measurable. A user's setting wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self._attempt_events = {}
+        self._child_done.clear()
+        try:
+            # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
+            self._child = subprocess.Popen([sys.executable, "-m", "trainer.child", str(plan_path)], env=env,
+                                           pass_fds=[write_fd], start_new_session=True)
+        finally:
+            os.close(write_fd)
+        threading.Thread(target=self._read_events, args=(read_fd, self._child), name="trainer-events",
+                         daemon=True).start()
+
+    def _read_events(self, fd: int, proc: subprocess.Popen) -> None:
+        """The trainer's events, one JSON line each, until it exits (its end of the pipe closes)."""
+        with os.fdopen(fd, "r") as lines:
+            for line in lines:
+                try:
+                    self._on_event(json.loads(line))
+                except Exception:   # a bad line or a record error must not stop the reading
+                    log.exception("could not handle the trainer's event %s", line.strip()[:200])
+        proc.wait()
+        self._child_done.set()
+        self._wake.set()
+
+    def _on_event(self, ev: dict[str, Any]) -> None:
+        books, kind = self.books, ev["event"]
+        if kind == "step":
+            books.log_step(ev["step"], ev["metrics"])
+            books.sync_soon()
+        elif kind == "sealed":
+            books.record.add_checkpoint(ev["step"], durable=False)
+            self._attempt_events.setdefault("sealedSteps", []).append(ev["step"])
+            folder = Path(ev["path"])
+            self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
+        elif kind == "phase":
+            books.phase(Phase(ev["phase"]))
+        elif kind == "evalBatch":
+            books.add_eval_batch(ev["kind"], self._fingerprints[ev["kind"]], ev["batch"], ev["rewards"])
+        elif kind == "eval":
+            books.record_eval(ev["kind"], ev["result"], self._fingerprints[ev["kind"]], no_signal=ev["noSignal"])
+        elif kind == "started":
+            books.record.set_value("device", ev["device"])
+        elif kind in ("stopped", "failed", "final"):
+            self._attempt_events[kind] = ev
+
+    def _request_checkpoint(self, notice) -> None:
+        log.info("rebalance recommendation from %s: checkpointing early", notice.source)
+        if self._child is not None and self._child.poll() is None:
+            self._child.send_signal(signal.SIGUSR1)
 
     def _lease_lost(self, lost: LeaseLost) -> None:
         """Another node took the job over: a stale holder must not write another byte."""
@@ -146,124 +422,6 @@ class Supervisor:
         if self._child is not None and self._child.poll() is None:
             self._child.kill()
 
-    def _supervise(self) -> SupervisorResult:
-        monitor = NoticeMonitor(self.watchers, preempt=self.preempt, on_rebalance=self._request_checkpoint,
-                                poll_interval_s=self.poll_interval_s)
-        restore = install_signal_handlers(self.preempt, on_notice=monitor.report) \
-            if threading.current_thread() is threading.main_thread() else (lambda: None)
-        restarts = {"crashes": 0, "infrastructure": 0}
-        backoff = self.limits.backoff_s
-        try:
-            with monitor:
-                while True:
-                    self._child = self._start_child()
-                    code, notice_at = self._wait_child(monitor)
-                    if notice_at is not None:
-                        return self._preempted(monitor, notice_at, code, restarts)
-                    if code == child.CHILD_SUCCEEDED:
-                        return SupervisorResult(EXIT_OK, "Succeeded", restarts=restarts)
-                    if code == child.CHILD_PREEMPTED:
-                        return SupervisorResult(EXIT_PREEMPTED, "Preempted", restarts=restarts)
-                    if code == child.CHILD_BUDGET:
-                        return SupervisorResult(EXIT_BUDGET, "BudgetExceeded", restarts=restarts)
-                    if code in (child.CHILD_CODE_ERROR, child.CHILD_STORAGE_CONFIG):
-                        return SupervisorResult(EXIT_FAILED, "Failed", self._record_message(), restarts=restarts)
-                    kind = "infrastructure" if code == child.CHILD_INFRA_ERROR else "crashes"
-                    restarts[kind] += 1
-                    limit = getattr(self.limits, kind)
-                    why = f"trainer exited with status {code}" if code >= 0 else \
-                        f"trainer killed by {signal.Signals(-code).name}"
-                    if restarts[kind] > limit:
-                        message = f"{why}; {kind} restart limit ({limit}) reached"
-                        self._record_failure(message, kind)
-                        return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
-                    log.warning("%s; restart %d of %d (%s) in %.0f s", why, restarts[kind], limit, kind, backoff)
-                    self._sleep(backoff)
-                    backoff = min(backoff * 2, 60.0)
-                    if self.preempt.is_set():
-                        return self._preempted(monitor, time.monotonic(), None, restarts)
-        finally:
-            restore()
-            if self._child is not None and self._child.poll() is None:
-                self._child.kill()
-                self._child.wait()
 
-    def _wait_child(self, monitor: NoticeMonitor) -> tuple[int, float | None]:
-        """Wait for the child to exit, or for a notice. On a notice: stop the child inside the
-        window (SIGTERM, then SIGKILL). Returns (exit status, monotonic time of the notice)."""
-        assert self._child is not None
-        while True:
-            try:
-                return self._child.wait(timeout=0.2), None
-            except subprocess.TimeoutExpired:
-                pass
-            if self.preempt.is_set():
-                notice_at = time.monotonic()
-                log.warning("preemption notice (%s): stopping the trainer at the last completed step",
-                            monitor.notice.source if monitor.notice else "signal")
-                self._child.send_signal(signal.SIGTERM)
-                try:
-                    code = self._child.wait(timeout=self.notice_window_s)
-                except subprocess.TimeoutExpired:
-                    log.error("the trainer did not stop within %.0f s; killing it", self.notice_window_s)
-                    self._child.kill()
-                    code = self._child.wait()
-                return code, notice_at
-
-    def _preempted(self, monitor: NoticeMonitor, notice_at: float, code: int | None,
-                   restarts: dict[str, int]) -> SupervisorResult:
-        """Make sure the newest local checkpoint is durable (the trainer normally did it) and
-        record the attempt as preempted."""
-        durable = self._ensure_durable()
-        elapsed = time.monotonic() - notice_at
-        notice = monitor.notice
-        source = notice.source if notice else "signal"
-        with Record(self.work / RECORD) as record:
-            open_attempts = [a for a in record.attempts() if a["ended"] is None]
-            for a in open_attempts:       # the trainer was killed before it could say so
-                record.end_attempt(a["id"], "Preempted", f"notice from {source}")
-            job = record.job()
-            if job and job["phase"] not in (Phase.PREEMPTED, Phase.SUCCEEDED):
-                record.set_phase(Phase.PREEMPTED, f"notice from {source}; durable at step {durable}")
-            record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(elapsed, 3),
-                                            "durableStep": durable})
-            self._upload_record(record)
-        log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
-        return SupervisorResult(EXIT_PREEMPTED if code != child.CHILD_SUCCEEDED else EXIT_OK,
-                                "Preempted" if code != child.CHILD_SUCCEEDED else "Succeeded",
-                                notice=source, notice_to_durable_s=elapsed, durable_step=durable,
-                                restarts=restarts)
-
-    def _ensure_durable(self) -> int | None:
-        """The newest verified local checkpoint, uploaded if it is not in storage yet."""
-        store = Store(self.spec.storage)
-        local = discover(self.work / "checkpoints") if (self.work / "checkpoints").exists() else []
-        remote = remote_discover(store, "checkpoints")
-        newest_remote = remote[0] if remote else None
-        if not local or (newest_remote is not None and newest_remote >= local[0][0]):
-            return newest_remote
-        step, folder = local[0]
-        with Uploader(store, "checkpoints", keep=self.spec.keep_checkpoints) as uploader:
-            uploader.submit(folder)
-            if uploader.wait():
-                return step
-        return newest_remote
-
-    def _upload_record(self, record: Record) -> None:
-        snap = self.work / "state.supervisor.db"
-        record.snapshot(snap)
-        Store(self.spec.storage).put_file(snap, RECORD)
-
-    def _record_message(self) -> str:
-        with Record(self.work / RECORD) as record:
-            job = record.job()
-            return job["message"] if job else ""
-
-    def _record_failure(self, message: str, kind: str) -> None:
-        with Record(self.work / RECORD) as record:
-            for a in record.attempts():
-                if a["ended"] is None:
-                    record.end_attempt(a["id"], "Crashed", message)
-            record.set_value("restartLimit", {"kind": kind, "message": message})
-            record.set_phase(Phase.FAILED, message)
-            self._upload_record(record)
+def _source(monitor: NoticeMonitor) -> str:
+    return monitor.notice.source if monitor.notice else "signal"

@@ -30,6 +30,8 @@ from typing import Any
 
 import sqlite_utils
 
+RECORD_FILE = "state.db"     # the record's name, in a job's work folder and in its storage folder
+
 
 class Phase(str, enum.Enum):
     PENDING = "Pending"                 # accepted, nothing run yet
@@ -56,8 +58,9 @@ ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     # Training -> BaselineEval: a node killed without a word leaves Training recorded; the next
     # attempt re-evaluates the baseline when its cache no longer matches the (edited) job.
     Phase.TRAINING: frozenset({Phase.FINAL_EVAL, Phase.BASELINE_EVAL, *_STOPPED}),
-    # FinalEval -> BaselineEval: likewise, a kill during the final evaluation.
-    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, Phase.BASELINE_EVAL, *_STOPPED}),
+    # FinalEval -> BaselineEval / Training: likewise, a kill during the final evaluation, resumed
+    # from a checkpoint before the last step.
+    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, Phase.BASELINE_EVAL, Phase.TRAINING, *_STOPPED}),
     # resume: back to whichever phase was interrupted
     Phase.PREEMPTED: frozenset({*_ACTIVE, Phase.FAILED, Phase.BUDGET_EXCEEDED}),
     Phase.FAILED: frozenset({*_ACTIVE}),

@@ -50,6 +50,7 @@ class GRPOParams:
     trainTasks: int | None = None      # catalog environments: train tasks (None: the environment's default)
     evalTasks: int | None = None       # catalog environments: held-out tasks (None: the environment's default)
     evalTemperature: float = 0.0       # 0 = greedy decoding for evaluation
+    evalBatchSize: int = 64            # held-out tasks per evaluation batch (a stopped evaluation resumes by batch)
     gradientCheckpointing: bool = True
     maxGradNorm: float = 1.0
     weightDecay: float = 0.0
@@ -96,6 +97,7 @@ CHECKS: dict[str, Check] = {
     "trainTasks": _at_least(1),
     "evalTasks": _at_least(1),
     "evalTemperature": _at_least(0),
+    "evalBatchSize": _at_least(1),
     "maxGradNorm": _above(0),
     "weightDecay": _at_least(0),
     "warmupSteps": _at_least(0),

@@ -19,7 +19,6 @@ import os
 import re
 import select
 import signal
-import site
 import struct
 import subprocess
 import sys
@@ -30,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Callable, Literal, Mapping, Sequence
+
+from checkpoint.procs import python_env
 
 _HEADER = struct.Struct(">I")  # must match trainer.grader_worker
 _MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
@@ -476,13 +477,7 @@ def _resolve_ref(ref: str) -> str:
 
 
 def _worker_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The worker runs `-m trainer.grader_worker`: make sure it finds this very package, whether it
-    # is installed or imported from a source tree the child would not otherwise see.
-    package_root = str(Path(__file__).resolve().parent.parent)
-    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if os.path.realpath(package_root) not in installed:  # never put site-packages before the stdlib
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env = python_env()     # the worker runs `-m trainer.grader_worker` from this very package
     # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
     # reserve address space that counts against memory_mb.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+from trainer.config import LOSS_TYPES
+
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, unbiased: bool, scale: bool = True) -> Tensor:

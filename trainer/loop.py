@@ -1,9 +1,10 @@
 """The GRPO training loop: one object that owns the policy, its optimizer and the grader.
 
 Read `train_step` top to bottom: it is SPEC §1 — sample a group, score, advantages, update.
-A stop request (preemption) is honoured in exactly two places: between tokens while sampling
-(`GenerationInterrupted`: the half-generated step is abandoned) and between steps (the caller's
-loop). The last *completed* step is what a checkpoint holds.
+Inside this object a stop request (preemption) is honoured between tokens while sampling, in
+training and in evaluation, and between evaluation batches: either raises
+`GenerationInterrupted`, and the half-done step or batch is abandoned. Between steps it is the
+caller's (trainer.run.train). The last *completed* step is what a checkpoint holds.
 
 Determinism: everything random in step s is seeded from (seed, s) — the prompts it sees, the
 sampling generator, torch's global RNG (LoRA dropout) — so a run resumed at step s replays
@@ -16,13 +17,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from checkpoint.faults import fault_point
 from trainer import grpo
 from trainer.config import GRPOParams
 from trainer.envs import Environment, Task
@@ -30,8 +29,6 @@ from trainer.grader import Grader
 from trainer.policy import load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters
 
 log = logging.getLogger(__name__)
-
-EVAL_BATCH = 64
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -58,6 +55,8 @@ class EvalResult:
     tasks: int
     solved: int                 # tasks with reward 1.0
     rewards: tuple[float, ...]
+    batches: int = 1            # evaluation batches in all
+    reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
 
     @property
     def no_signal(self) -> bool:
@@ -65,7 +64,8 @@ class EvalResult:
         return len(set(self.rewards)) <= 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved}
+        return {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
+                "batches": self.batches, "reusedBatches": self.reusedBatches}
 
 
 class GRPOTrainer:
@@ -107,33 +107,45 @@ class GRPOTrainer:
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
-    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator, step: int | None):
-        """Sample completions; `step` set means training, where a stop request abandons it."""
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator):
+        """Sample completions; a stop request between two tokens abandons them
+        (GenerationInterrupted)."""
         self.model.eval()
-        should_stop = None
-        if step is not None:
-            def stop_requested() -> bool:
-                fault_point("sample", step)
-                return self.stop.is_set()
-            should_stop = stop_requested
         return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=self.params.maxCompletionLength,
                            temperature=temperature, eos_id=self.tokenizer.eos_token_id,
-                           pad_id=self.tokenizer.pad_token_id, generator=generator, should_stop=should_stop)
+                           pad_id=self.tokenizer.pad_token_id, generator=generator,
+                           should_stop=lambda: self.stop.is_set())
 
     # --- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, tasks: Sequence[Task]) -> EvalResult:
-        """Mean reward on held-out tasks (greedy by default), scored by the grader."""
-        p = self.params
-        gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1))
+    def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Sequence[float]] | None = None,
+                 on_batch: Callable[[int, list[float]], None] | None = None) -> EvalResult:
+        """Mean reward on held-out tasks (greedy by default), scored by the grader, in batches
+        of evalBatchSize. Batch i's rewards in `done` (from an attempt that was stopped part-way)
+        are taken as they are; every batch computed here goes to `on_batch(i, rewards)`. Each
+        batch draws from its own generator, seeded from (seed, i), so a batch computes the same
+        whichever batches came before it. Raises GenerationInterrupted on a stop request between
+        batches or between two tokens; the batches finished before it were reported."""
+        p, done = self.params, done or {}
         rewards: list[float] = []
-        for start in range(0, len(tasks), EVAL_BATCH):
-            chunk = list(tasks[start:start + EVAL_BATCH])
+        starts = range(0, len(tasks), p.evalBatchSize)
+        for i, start in enumerate(starts):
+            if i in done:
+                rewards += list(done[i])
+                continue
+            if self.stop.is_set():               # preemption honoured between evaluation batches
+                raise grpo.GenerationInterrupted()
+            chunk = list(tasks[start:start + p.evalBatchSize])
+            gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
             ids, mask = self._encode([t["prompt"] for t in chunk])
-            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen, step=None)
-            rewards += self.grader.score(self._decode(comp, cmask), chunk)
+            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen)
+            batch = self.grader.score(self._decode(comp, cmask), chunk)
+            if on_batch is not None:
+                on_batch(i, batch)
+            rewards += batch
         return EvalResult(meanReward=float(np.mean(rewards)), tasks=len(tasks),
-                          solved=sum(1 for r in rewards if r == 1.0), rewards=tuple(rewards))
+                          solved=sum(1 for r in rewards if r == 1.0), rewards=tuple(rewards),
+                          batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done))
 
     # --- one GRPO step -------------------------------------------------------------------
 
@@ -150,7 +162,7 @@ class GRPOTrainer:
 
         # sample a group
         prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [B*G, P]
-        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen, step=step)
+        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen)
         texts = self._decode(comp_ids, comp_mask)
         t_sampled = time.perf_counter()
 
@@ -177,7 +189,6 @@ class GRPOTrainer:
             loss = grpo.reduce_loss(per_token, comp_mask, p.lossType, p.maxCompletionLength)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            fault_point("backward", step)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), p.maxGradNorm)
             self.optimizer.step()
         self.scheduler.step()
@@ -208,15 +219,7 @@ class GRPOTrainer:
             return grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
                                             self.params.temperature)
 
-    # --- state for checkpoints -----------------------------------------------------------
-
-    def save_weights(self, folder: Path) -> None:
-        """The adapter in standard PEFT files (folder/adapter) or the full model (folder/model)."""
-        from checkpoint.writer import write_files
-        from trainer.snapshot import pack, state_files
-
-        layout, buffer = pack(state_files(self, -1, weights_only=True), bytearray)
-        write_files(folder, layout, buffer)
+    # --- state for checkpoints (trainer.snapshot reads it) ----------------------------
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors by their names in PEFT files (LoRA, QLoRA). Resolved once:
@@ -228,9 +231,3 @@ class GRPOTrainer:
 
             self._adapter = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return self._adapter
-
-    def load_state(self, folder: Path) -> int:
-        """Restore a checkpoint folder; returns the number of completed steps (trainer.snapshot)."""
-        from trainer.snapshot import load_state
-
-        return load_state(self, folder)

@@ -1,6 +1,7 @@
 """The checkpoint writer process: a snapshot in the shared buffer becomes a sealed local
-checkpoint and then a durable one in storage; the buffer is reused only once read; failures are
-reported, never swallowed; and the writer never outlives its trainer."""
+checkpoint, which the supervisor's uploader makes durable in storage trusting its manifest; the
+buffer is reused only once read; failures are reported, never swallowed; and the writer never
+outlives its trainer."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.manifest import checkpoint_dir, verify
+from checkpoint.manifest import checkpoint_dir, sealed, verify
 from checkpoint.store import Store
-from checkpoint.sync import remote_discover
+from checkpoint.sync import Uploader, remote_discover
 from checkpoint.writer import CheckpointWriter, WriterDied, write_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,17 +43,31 @@ def floats_in(path: Path) -> list[float]:
 
 @pytest.fixture
 def writer(tmp_path):
-    w = CheckpointWriter(tmp_path / "local", str(tmp_path / "store"), keep=2, meta={"job": "t"})
+    w = CheckpointWriter(tmp_path / "local", keep=2, meta={"job": "t"})
     yield w
     w.close()
 
 
+def upload_sealed(folder: Path, storage: str) -> dict:
+    """What the supervisor does with a sealed checkpoint: upload it, its manifest trusted."""
+    reports = []
+    uploader = Uploader(Store(storage), on_upload=lambda step, durable, error: reports.append(
+        {"upload": step, "durable": durable, "error": None if error is None else str(error),
+         "config": type(error).__name__ == "StorageConfigError"}))
+    try:
+        uploader.submit(folder, sealed(folder))
+        uploader.wait(timeout=60)
+    finally:
+        uploader.close()
+    return reports[-1]
+
+
 def test_a_snapshot_in_the_buffer_becomes_a_sealed_checkpoint_and_then_a_durable_one(writer, tmp_path):
     writer.submit(1, put_floats(writer, [1.0, 2.0, 3.0]))
-    events = writer.wait_upload(1, timeout=60)
+    events = writer.wait_sealed(1, timeout=60)
 
     assert {"sealed": 1} in events
-    upload = next(e for e in events if "upload" in e)
+    upload = upload_sealed(checkpoint_dir(tmp_path / "local", 1), str(tmp_path / "store"))
     assert upload == {"upload": 1, "durable": [1], "error": None, "config": False}
     local = checkpoint_dir(tmp_path / "local", 1)
     assert verify(local).meta == {"job": "t"}
@@ -65,7 +80,7 @@ def test_the_buffer_is_handed_back_only_after_the_writer_has_read_the_snapshot(w
     writer.submit(1, put_floats(writer, [1.0] * 1000))
     writer.submit(2, put_floats(writer, [2.0] * 1000))    # overwrites the buffer: must wait first
     writer.submit(3, put_floats(writer, [3.0] * 1000))
-    writer.wait_upload(3, timeout=60)
+    writer.wait_sealed(3, timeout=60)
 
     for step in (2, 3):    # keep=2: step 1 was pruned
         assert floats_in(checkpoint_dir(tmp_path / "local", step) / "weights.safetensors") == [float(step)] * 1000
@@ -75,7 +90,7 @@ def test_the_buffer_is_handed_back_only_after_the_writer_has_read_the_snapshot(w
 def test_the_buffer_grows_when_a_snapshot_needs_more_room(writer, tmp_path):
     writer.submit(1, put_floats(writer, [1.0]))
     writer.submit(2, put_floats(writer, [2.0] * 100_000))
-    writer.wait_upload(2, timeout=60)
+    writer.wait_sealed(2, timeout=60)
     assert floats_in(checkpoint_dir(tmp_path / "local", 2) / "weights.safetensors") == [2.0] * 100_000
 
 
@@ -83,40 +98,36 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_with_the_reason(writer,
     layout = put_floats(writer, [1.0])
     layout["weights.safetensors"]["tensors"][0][4] = 1 << 40          # beyond the buffer
     writer.submit(7, layout)
-    events = writer.wait_upload(7, timeout=60)
+    events = writer.wait_sealed(7, timeout=60)
 
     failed = next(e for e in events if "failed" in e)
-    assert failed["failed"] == 7 and "outside the snapshot buffer" in failed["error"] and not failed["config"]
+    assert failed["failed"] == 7 and "outside the snapshot buffer" in failed["error"]
     assert not checkpoint_dir(tmp_path / "local", 7).exists()
     writer.submit(8, put_floats(writer, [8.0]))                       # and the writer goes on
-    assert {"sealed": 8} in writer.wait_upload(8, timeout=60)
+    assert {"sealed": 8} in writer.wait_sealed(8, timeout=60)
 
 
-def test_a_bucket_that_does_not_exist_is_reported_as_a_configuration_error(tmp_path, s3_env):
-    writer = CheckpointWriter(tmp_path / "local", f"s3://no-such-bucket-{os.getpid()}/run", keep=2)
-    try:
-        writer.submit(1, put_floats(writer, [1.0]))
-        events = writer.wait_upload(1, timeout=60)
-    finally:
-        writer.close()
-    upload = next(e for e in events if "upload" in e)
+def test_a_bucket_that_does_not_exist_is_reported_as_a_configuration_error(writer, tmp_path, s3_env):
+    writer.submit(1, put_floats(writer, [1.0]))
+    writer.wait_sealed(1, timeout=60)
+    upload = upload_sealed(checkpoint_dir(tmp_path / "local", 1), f"s3://no-such-bucket-{os.getpid()}/run")
     assert upload["config"] and "bucket does not exist" in upload["error"] and upload["durable"] == []
 
 
 def test_a_writer_that_was_killed_is_reported_not_waited_for(writer):
     writer.submit(1, put_floats(writer, [1.0]))
-    writer.wait_upload(1, timeout=60)
+    writer.wait_sealed(1, timeout=60)
     writer._proc.kill()
     with pytest.raises(WriterDied, match="checkpoint writer process ended"):
         writer.submit(2, put_floats(writer, [2.0]))
-        writer.wait_upload(2, timeout=60)
+        writer.wait_sealed(2, timeout=60)
 
 
 def test_the_writer_dies_with_its_trainer(tmp_path):
     script = (
         "import sys, time\n"
         "from checkpoint.writer import CheckpointWriter\n"
-        f"w = CheckpointWriter({str(tmp_path / 'local')!r}, {str(tmp_path / 'store')!r})\n"
+        f"w = CheckpointWriter({str(tmp_path / 'local')!r})\n"
         "print(w._proc.pid, flush=True)\n"
         "time.sleep(600)\n")
     trainer = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
@@ -134,7 +145,7 @@ def test_the_writer_dies_with_its_trainer(tmp_path):
 def test_write_files_in_process_gives_the_same_bytes_as_the_writer(writer, tmp_path):
     layout = put_floats(writer, [0.5, -1.5])
     writer.submit(1, layout)
-    writer.wait_upload(1, timeout=60)
+    writer.wait_sealed(1, timeout=60)
     here = tmp_path / "here"
     write_files(here, layout, bytearray(struct.pack("<2f", 0.5, -1.5)))
     there = checkpoint_dir(tmp_path / "local", 1)

@@ -18,16 +18,8 @@ from emulators import (  # tests/emulators.py; tests/ is on sys.path via tests/c
     closed_port_url,
 )
 
-from runner.notices import (
-    AwsWatcher,
-    AzureWatcher,
-    GcpWatcher,
-    Notice,
-    NoticeMonitor,
-    Watcher,
-    install_signal_handlers,
-    make_watchers,
-)
+from runner.metadata import AwsWatcher, AzureWatcher, GcpWatcher, make_watchers
+from runner.notices import Notice, NoticeMonitor, Watcher, install_signal_handlers
 
 INTERVAL = 0.02  # seconds between polls in these tests
 WAIT = 5.0  # upper bound on any wait; reached only when a test is failing

@@ -1,0 +1,224 @@
+"""The run's books, kept by the supervisor: the SQLite record on this node (state/) and its copy
+in object storage, the cost ledger and the budget, the cached baseline and the evaluation
+batches a stopped attempt finished.
+
+Storage layout of a job's folder that this module writes: `state.db` (a snapshot of the record,
+refreshed at every phase change and at most every RECORD_SYNC_S otherwise) and `baseline.json`
+(the baseline evaluation with its fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from checkpoint.store import Store
+from state.record import RECORD_FILE, Phase, Record
+
+log = logging.getLogger("runner.supervisor")
+
+BASELINE = "baseline.json"
+RECORD_SYNC_S = 10.0         # the record's upload between phase changes, at most this often
+CHECKPOINT_RESERVE_S = 5.0   # budget held back for the last checkpoint, its upload and the exit
+REWARD_WINDOW = 50           # steps the reward-signal diagnostic looks back over
+NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
+                  "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
+
+
+def fetch_record(store: Store, work: Path) -> Path | None:
+    """The job's record on this node: the local one if there is one (this node ran the job),
+    else downloaded from storage, once. None when storage has none either (a new job)."""
+    local = Path(work) / RECORD_FILE
+    if local.exists():
+        return local
+    try:
+        store.get_file(RECORD_FILE, local)
+    except FileNotFoundError:
+        return None
+    return local
+
+
+class Books:
+    """Owns the job's Record on this node, its uploads, and the ledger of the current attempt."""
+
+    def __init__(self, store: Store, work: Path, *, name: str, manifest: dict[str, Any],
+                 usd_per_hour: float | None, max_cost_usd: float | None) -> None:
+        self.store = store
+        self.work = Path(work)
+        self.usd_per_hour = usd_per_hour
+        self.max_cost_usd = max_cost_usd
+        fetch_record(store, self.work)
+        self.record = Record(self.work / RECORD_FILE)
+        self.record.init_job(name, manifest)
+        self._apply_spec_changes(name, manifest)
+        self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
+        self._last_sync = 0.0
+        self.attempt: int | None = None
+        self._t0 = time.monotonic()
+        self._earlier_usd = 0.0
+
+    def _apply_spec_changes(self, name: str, manifest: dict[str, Any]) -> None:
+        """`apply` of an edited job file continues the job under the new spec (kubectl apply);
+        a finished job is not reopened. Raises ValueError for that case."""
+        job = self.record.job()
+        if job["spec"] == manifest:
+            return
+        changed = sorted(_diff(job["spec"], manifest))
+        if job["phase"] == Phase.SUCCEEDED:
+            raise ValueError(f"job {name!r} already succeeded with a different spec (changed: "
+                             f"{', '.join(changed)}); give the new job its own metadata.name")
+        log.warning("job %s continues with a changed spec: %s", name, ", ".join(changed))
+        self.record.set_spec(manifest)
+
+    # --- the copy in storage ---------------------------------------------------------------------
+
+    def sync(self, *, wait: bool = False) -> None:
+        """Upload a snapshot of the record, in the background unless `wait`."""
+        def upload() -> None:      # one worker: snapshots never race each other
+            snap = self.work / "state.snapshot.db"
+            self.record.snapshot(snap)
+            self.store.put_file(snap, RECORD_FILE)
+
+        self._last_sync = time.monotonic()
+        done: Future = self._sync_pool.submit(upload)
+        if wait:
+            done.result()
+
+    def sync_soon(self) -> None:
+        """Upload the record unless it was uploaded less than RECORD_SYNC_S ago."""
+        if time.monotonic() - self._last_sync >= RECORD_SYNC_S:
+            self.update_reward_signal()
+            self.sync()
+
+    def phase(self, phase: Phase, message: str = "") -> None:
+        """Phase changes are rare and are what a new node reads first: wait until stored."""
+        self.record.set_phase(phase, message)
+        self.sync(wait=True)
+
+    def close(self) -> None:
+        self._sync_pool.shutdown(wait=True)
+        self.record.close()
+
+    # --- attempts and the ledger -----------------------------------------------------------------
+
+    def close_dangling_attempts(self) -> None:
+        for a in self.record.attempts():
+            if a["ended"] is None:
+                self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
+
+    def start_attempt(self, node: str) -> int:
+        ledger = self.record.value("ledger", {}) or {}
+        self._earlier_usd = sum(v["usd"] for v in ledger.values())
+        self._t0 = time.monotonic()
+        self.attempt = self.record.start_attempt(node)
+        self.write_ledger()
+        self.sync(wait=True)
+        return self.attempt
+
+    def end_attempt(self, reason: str, message: str = "") -> None:
+        with self.record.transaction():
+            self.write_ledger()
+            self.record.end_attempt(self.attempt, reason, message)
+
+    def attempt_usd(self) -> float:
+        return (time.monotonic() - self._t0) * (self.usd_per_hour or 0.0) / 3600
+
+    def spent_usd(self) -> float:
+        """Every attempt's wall time at the GPU's rate: earlier attempts from the ledger, this one live."""
+        return self._earlier_usd + self.attempt_usd()
+
+    def write_ledger(self) -> None:
+        ledger = dict(self.record.value("ledger", {}) or {})
+        ledger[str(self.attempt)] = {"seconds": round(time.monotonic() - self._t0, 3),
+                                     "usd": round(self.attempt_usd(), 6), "usdPerHour": self.usd_per_hour}
+        self.record.set_value("ledger", ledger)
+
+    def stop_by(self) -> float | None:
+        """maxCostUSD as a time: the time.monotonic() past which no training step may end, so the
+        spend (every attempt's wall time x the rate) stays within it. What the stop itself costs
+        — the last checkpoint, its upload, the exit — is held back (CHECKPOINT_RESERVE_S)."""
+        limit, rate = self.max_cost_usd, self.usd_per_hour
+        if not limit or not rate:
+            return None
+        return self._t0 + (limit - self._earlier_usd) * 3600 / rate - CHECKPOINT_RESERVE_S
+
+    # --- steps and checkpoints -------------------------------------------------------------------
+
+    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
+        self.record.log_step(step, {**metrics, "costUSD": round(self.spent_usd(), 6)})
+
+    def update_reward_signal(self) -> None:
+        steps = self.record.steps(last=REWARD_WINDOW)
+        if not steps:
+            return
+        frac = sum(s["identicalGroups"] for s in steps) / len(steps)
+        signal = {"identicalGroupFraction": round(frac, 4), "window": len(steps)}
+        if frac >= 0.5:
+            signal["warning"] = (f"{frac:.0%} of groups in the last {len(steps)} steps had identical rewards "
+                                 "and taught nothing; raise numGenerations or temperature, or use an easier task")
+        self.record.set_value("rewardSignal", signal)
+
+    # --- evaluations -----------------------------------------------------------------------------
+
+    def cached_baseline(self, fingerprint: str) -> dict[str, Any] | None:
+        """The baseline computed earlier for this very fingerprint (the record's, else the one in
+        storage), recorded as reused; None when it must be computed (said why when a cache for
+        other settings was there)."""
+        cached = self.record.eval("baseline")
+        if cached is None or cached.get("fingerprint") != fingerprint:
+            try:
+                doc = json.loads(self.store.get_bytes(BASELINE))
+                cached = doc if isinstance(doc, dict) else cached
+            except FileNotFoundError:
+                pass
+        if cached is not None and cached.get("fingerprint") == fingerprint:
+            result = {k: cached[k] for k in ("meanReward", "tasks", "solved", "batches", "reusedBatches")
+                      if k in cached}
+            self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
+            log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
+            return result
+        if cached is not None:
+            why = ("the cached baseline was computed for another model, environment, eval tasks or "
+                   "generation settings; evaluating again")
+            log.warning(why)
+            self.record.set_value("baselineCache", why)
+        return None
+
+    def record_eval(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
+        self.record.record_eval(kind, result, computed=True, fingerprint=fingerprint)
+        if kind == "baseline":
+            self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint}).encode())
+            if no_signal:
+                warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
+                log.warning(warning)
+                self.record.set_value("baselineWarning", warning)
+        self.sync(wait=True)
+
+    def eval_batches(self, kind: str, fingerprint: str) -> dict[int, list[float]]:
+        """Evaluation batches of `kind` an earlier attempt finished for this fingerprint."""
+        saved = self.record.value(f"evalBatches.{kind}") or {}
+        if saved.get("fingerprint") != fingerprint:
+            return {}
+        return {int(i): r for i, r in saved["batches"].items()}
+
+    def add_eval_batch(self, kind: str, fingerprint: str, batch: int, rewards: list[float]) -> None:
+        saved = self.record.value(f"evalBatches.{kind}") or {}
+        if saved.get("fingerprint") != fingerprint:
+            saved = {"fingerprint": fingerprint, "batches": {}}
+        saved["batches"][str(batch)] = rewards
+        self.record.set_value(f"evalBatches.{kind}", saved)
+        self.sync_soon()
+
+
+def _diff(old: Any, new: Any, path: str = "") -> list[str]:
+    """Dotted paths where two manifests differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in set(old) | set(new):
+            out += _diff(old.get(key), new.get(key), f"{path}.{key}" if path else key)
+        return out
+    return [] if old == new else [path]

@@ -1,0 +1,8 @@
+"""`grpo-run`'s exit statuses, defined once (the CLI's --help, the supervisor, deploy/ say them)."""
+
+EXIT_OK = 0
+EXIT_FAILED = 1          # the job failed (reward function error, training error)
+EXIT_USAGE = 2           # bad arguments or a bad job file; nothing was started
+EXIT_PREEMPTED = 3       # stopped by a preemption notice or signal; `grpo-run resume` continues it
+EXIT_BUDGET = 4          # stopped at spec.maxCostUSD with a checkpoint; resume with a larger budget
+EXIT_HELD = 5            # another node holds the job; nothing was started here

@@ -1,0 +1,64 @@
+"""What an evaluation depends on, as a fingerprint: a cached result is reused only when the
+fingerprint it was stored with matches the job's now."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.config import GRPOParams
+from trainer.envs import Environment
+
+
+def model_identity(model: str) -> Any:
+    """What names a model's weights: a hub id as given; for a folder, its config and a sampled
+    hash of every weight file (64 KiB at 64 evenly spaced offsets, plus the size). Re-saving
+    trained weights into the same folder changes it; copying the folder to a new node does not.
+    Hashing every byte of a 16 GB model at each start would cost more than it protects."""
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        return model
+    files = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix not in (".safetensors", ".bin", ".pt", ".gguf"):
+            continue
+        size, h = f.stat().st_size, hashlib.sha256()
+        with open(f, "rb") as fh:
+            for i in range(64):
+                fh.seek(size * i // 64)
+                h.update(fh.read(64 * 1024))
+        files[f.name] = [size, h.hexdigest()]
+    return {"config": json.loads((folder / "config.json").read_text()), "weights": files}
+
+
+def reward_identity(ref: str) -> str:
+    """A file reward by its content (the same file fetched to another path on a new node is the
+    same reward); a module reward by its name."""
+    module, _, func = ref.rpartition(":")
+    if module.endswith(".py") and Path(module).is_file():
+        return f"sha256:{hashlib.sha256(Path(module).read_bytes()).hexdigest()}:{func}"
+    return ref
+
+
+def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
+    """sha256 over everything the baseline evaluation depends on: the model's identity, the
+    environment's reward and eval tasks, the generation settings, the batching and the seed."""
+    payload = {
+        "model": model_identity(model), "method": p.method, "environment": env.name,
+        "reward": reward_identity(env.reward_ref), "evalTasks": list(env.eval_tasks),
+        "maxCompletionLength": p.maxCompletionLength, "evalTemperature": p.evalTemperature,
+        "evalBatchSize": p.evalBatchSize, "seed": p.seed,
+    }
+    return _sha(payload)
+
+
+def final_fingerprint(baseline: str, manifest: dict[str, Any]) -> str:
+    """The final evaluation's: the baseline's, and the whole job as written (the trained weights
+    follow from it and the seed)."""
+    return _sha({"baseline": baseline, "job": manifest.get("spec")})
+
+
+def _sha(payload: Any) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

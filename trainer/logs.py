@@ -1,0 +1,47 @@
+"""Logging for grpo-run's processes: the trainer's file and terminal, and quieter libraries."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+
+def trainer_logging(work: Path) -> None:
+    """Warnings and errors to the terminal; everything, progress lines included, to logs/."""
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    to_file = logging.FileHandler(logs / "trainer.log")
+    to_file.setFormatter(fmt)
+    to_file.setLevel(logging.INFO)
+    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    to_terminal.setLevel(logging.INFO)
+    # The terminal has the progress bar; it gets the phases (trainer.run) and any warning.
+    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "trainer.run")
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    root.addHandler(to_file)
+    root.addHandler(to_terminal)
+    for name in ("trainer", "checkpoint"):
+        logging.getLogger(name).setLevel(logging.INFO)
+    quiet_libraries()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def quiet_libraries() -> None:
+    """Libraries' own progress bars and advice would drown ours (the CLI calls this too)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # "no `kernels` package" on CPU: harmless
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")
+    warnings.filterwarnings("ignore", message=r".*is deprecated.*", category=FutureWarning)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
