@@ -50,6 +50,11 @@ def atomic_write_bytes(dest: Path, data: bytes) -> None:
     fsync_dir(dest.parent)
 
 
+def atomic_write_text(dest: Path, text: str) -> None:
+    """`dest` holds either its old content or all of `text` (UTF-8), never a part."""
+    atomic_write_bytes(Path(dest), text.encode("utf-8"))
+
+
 def atomic_copy(src: Path, dest: Path) -> None:
     """Copy `src` to `dest` so `dest` is never seen half-written."""
     dest.parent.mkdir(parents=True, exist_ok=True)

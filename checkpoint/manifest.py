@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Collection
 
-from .fsio import fsync_dir
+from .fsio import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +167,8 @@ def finalize_checkpoint(staging: Path, final: Path, *, step: int,
         fsync_dir(folder)         # staging itself once, below, when the manifest is in it
     manifest = Manifest(step=step, files=tuple(entries), created=utc_now(), meta=dict(meta or {}))
 
-    # the manifest, last
-    tmp = staging / f".{MANIFEST_NAME}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, staging / MANIFEST_NAME)
-    fsync_dir(staging)
+    # the manifest, last (temporary name, fsync, rename, fsync the folder)
+    atomic_write_bytes(staging / MANIFEST_NAME, manifest.to_json())
 
     # publish under the final name
     final.parent.mkdir(parents=True, exist_ok=True)

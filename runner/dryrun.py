@@ -17,13 +17,12 @@ import contextlib
 import json
 import logging
 import math
-import os
 import statistics
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
+from checkpoint.fsio import atomic_write_text
 from runner.estimate import (
     ACTIVATION_KV_MULTIPLE,
     GPUS,
@@ -153,7 +152,7 @@ def record_measured_step_seconds(gpu: str, seconds: float, job: str) -> None:
         runs = gpus.setdefault(gpu, [])
         runs.append({"job": job, "stepSeconds": float(seconds), "finishedAt": _iso(_utcnow())})
         del runs[:-MEASURED_WINDOW]
-        _write_atomic(path, json.dumps({"version": 1, "gpus": gpus}, indent=2) + "\n")
+        atomic_write_text(path, json.dumps({"version": 1, "gpus": gpus}, indent=2) + "\n")
 
 
 def _load_measured(path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -174,26 +173,6 @@ def _load_measured(path: Path) -> dict[str, list[dict[str, Any]]]:
 def _valid_run(run: Any) -> bool:
     s = run.get("stepSeconds") if isinstance(run, dict) else None
     return isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ from typing import Any
 
 import sqlite_utils
 
+from checkpoint.fsio import fsync_dir, fsync_file
+
 RECORD_FILE = "state.db"     # the record's name, in a job's work folder and in its storage folder
 
 
@@ -334,19 +336,11 @@ class Record:
                 target.commit()
             finally:
                 target.close()
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
-        fd = os.open(dest.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(dest.parent)
 
     def applied_migrations(self) -> list[str]:
         with self._lock:
