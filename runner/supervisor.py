@@ -45,6 +45,8 @@ from runner.fingerprint import baseline_fingerprint, final_fingerprint
 from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
 from state.record import Phase
 from trainer import child, faults
+from trainer.config import GRPOParams
+from trainer.envs import Environment
 from trainer.run import Plan
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,8 @@ class RunSpec:
     name: str
     manifest: dict[str, Any]         # the job as the user wrote it, defaults filled (never credentials)
     model: str                       # what from_pretrained takes: a hub id or a folder
-    env: Any                         # trainer.envs.Environment
-    params: Any                      # trainer.config.GRPOParams
+    env: Environment
+    params: GRPOParams
     storage: str                     # URL of this job's folder in object storage
     keep_checkpoints: int = 3
     model_name: str | None = None    # the model as the user named it (saved adapters say this)
@@ -128,6 +130,7 @@ class Supervisor:
         self._noted_durable: set[int] = set()
         self._fingerprints: dict[str, str] = {}
         self._attempt_events: dict[str, Any] = {}  # this attempt's `stopped`, `failed`, `final` events
+        self._sealed: set[int] = set()             # checkpoints this attempt's trainer sealed (and we submitted)
         self.books: Books | None = None
         self.uploads: Uploader | None = None
 
@@ -332,14 +335,11 @@ class Supervisor:
         when that upload fails). A checkpoint the trainer sealed but could not report (it was
         killed) is uploaded too, its manifest trusted: nothing is hashed inside a notice window."""
         found = newest_sealed(self.work / "checkpoints")
-        if found is not None and found[0] > self._durable and found[0] not in self._submitted():
+        if found is not None and found[0] > self._durable and found[0] not in self._sealed:
             self.uploads.submit(found[1], found[2])
         self.uploads.wait()
         self._note_durable(self.uploads.durable_steps())
         return self._durable
-
-    def _submitted(self) -> set[int]:
-        return set(self._attempt_events.get("sealedSteps", ()))
 
     # --- the trainer process ------------------------------------------------------------------------
 
@@ -367,7 +367,7 @@ class Supervisor:
         # uploads, a second process) into 10x slower steps: measured 177 s vs 30 s for two tiny
         # runs side by side on 2 cores. Sleeping waits cost nothing measurable. A user's setting wins.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self._attempt_events = {}
+        self._attempt_events, self._sealed = {}, set()
         self._child_done.clear()
         try:
             # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
@@ -397,7 +397,7 @@ class Supervisor:
             books.sync_soon()
         elif kind == "sealed":
             books.record.add_checkpoint(ev["step"], durable=False)
-            self._attempt_events.setdefault("sealedSteps", []).append(ev["step"])
+            self._sealed.add(ev["step"])
             folder = Path(ev["path"])
             self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
         elif kind == "phase":
