@@ -10,23 +10,11 @@ thread; a lease left unrenewed past its expiry (the node died) is taken over by 
      "since": "2025-01-01T00:00:00Z", "expires": "2025-01-01T00:01:00Z",
      "since_epoch": 1735689600.0, "expires_epoch": 1735689660.0, "ttl_s": 60.0}
 
-Every change is a compare-and-swap on the storage itself, never read-then-write:
-
-* S3: conditional writes. Create with `PutObject If-None-Match: *`; renew, and take over an
-  expired lease, with `PutObject If-Match: <ETag read>`; release with `DeleteObject If-Match`.
-  A 412 PreconditionFailed (or 409 ConditionalRequestConflict) means another writer got there
-  first. AWS S3 has honoured these since 2024; SeaweedFS 4.x does too (tests/checkpoint/
-  test_lease.py races eight writers against it). A server that ignored the headers would make
-  this a last-writer-wins lock, so before its first write a Lease proves the server honours
-  them on a probe object and refuses to go on (StorageConfigError) if it does not.
-  Calls go through boto3 directly (s3fs has no conditional put); the endpoint and credentials
-  come from the standard chain (`AWS_ENDPOINT_URL`, ...), as for `Store`.
-* Local folder / file://: every change happens under an exclusive `flock` on the job folder
-  itself (no sidecar file that a cleanup could delete while it is held); a new lease is
-  published with `os.link` from a complete temporary file (fails with EEXIST like O_EXCL, and a
-  reader never sees half a lease), a replacement with fsync + rename. Atomic between processes
-  on one machine; over NFS it is only as good as the server's lock support.
-* memory:// (unit tests): one process-wide lock.
+Every change is a compare-and-swap on the storage itself, never read-then-write
+(checkpoint.cas): S3 conditional writes (If-None-Match / If-Match on the ETag read, proven
+honoured by the server on a probe object before the first write), an exclusive flock on a local
+folder, one lock for memory://. gs:// is refused (checkpoint.cas says why). A lost
+compare-and-swap means another writer got there first: the lease reads again and decides anew.
 
 What the lease guarantees, and what it assumes:
 
@@ -38,8 +26,8 @@ What the lease guarantees, and what it assumes:
   every 20 s) that is 50 s after the last successful renewal, 10 s before expiry; node clocks
   must agree to well within those 10 s.
 * It cannot stop a holder that is frozen (a suspended VM) and wakes after its lease was taken:
-  the first renewal then reports `LeaseLost`, up to `renew_every_s` later. Checkpoint uploads
-  that must never come from a stale holder should check `Lease.held` right before they start.
+  the first renewal then reports `LeaseLost`, up to `renew_every_s` later. Writes that must
+  never come from a stale holder go through checkpoint.fenced, which checks `Lease.held` first.
 
 Raises, besides `LeaseHeld` and `LeaseLost`: `StorageConfigError` at once for configuration
 errors (missing bucket, bad credentials, unsupported URL); `StorageUnavailable` when transient
@@ -48,9 +36,7 @@ errors persist past a bounded number of attempts.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import fcntl
 import json
 import logging
 import os
@@ -58,35 +44,13 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
+from collections.abc import Callable
+from typing import Any
 
-from tenacity import (
-    RetryError,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    stop_when_event_set,
-    wait_exponential,
-)
-
-from .fsio import TMP_MARKER, fsync_dir, temp_sibling
-from .store import (
-    Store,
-    StorageConfigError,
-    StorageUnavailable,
-    _config_reason,  # one classification of storage errors for the whole package
-    _describe,
-    _is_transient,
-)
+from .cas import Conflict, Unsupported, open_cas
+from .retry import RetryPolicy, StorageConfigError, StorageUnavailable, backoff
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 LEASE_KEY = "lease.json"
 # How many times one acquire / renew / release re-reads after losing a compare-and-swap before
@@ -130,8 +94,8 @@ def read_lease(store_url: str, key: str = LEASE_KEY, *, clock: Callable[[], floa
 
     The stored body without its token, plus `"expired": bool` by `clock`. Raises
     StorageConfigError / StorageUnavailable as `Lease` does."""
-    cas = _open_cas(store_url, key)
-    current = _Calls(store_url, attempts=3).run("read", cas.read)
+    cas = open_cas(store_url, key)
+    current = _retries(store_url, attempts=3).call("read", cas.read)
     if current is None:
         return None
     body = _public(_parse(current[0]))
@@ -184,8 +148,8 @@ class Lease:
         self.ttl_s = float(ttl_s)
         self.renew_every_s = float(renew_every_s)
         self._clock = clock
-        self._cas = _open_cas(store_url, key)
-        self._calls = _Calls(store_url, attempts=retry_attempts, stop=stop, sleep=sleep)
+        self._cas = open_cas(store_url, key)
+        self._calls = _retries(store_url, attempts=retry_attempts, stop=stop, sleep=sleep)
         self._host = socket.gethostname()
         # Set once the lease is known lost (taken over, removed, or unrenewable); cleared by a
         # successful acquire. The training loop may poll it instead of using on_lost.
@@ -227,7 +191,7 @@ class Lease:
             current = None
             for _ in range(_MAX_ROUNDS):
                 now = self._clock()
-                current = self._calls.run("read", self._cas.read)
+                current = self._calls.call("read", self._cas.read)
                 # Our token there: already ours, or an earlier attempt whose answer got lost.
                 if current is not None and _parse(current[0]).get("token") == candidate:
                     self._adopt(_parse(current[0]), current[1])
@@ -238,16 +202,16 @@ class Lease:
                 data = _dump(body)
                 try:
                     if current is None:
-                        version = self._calls.run("create", lambda: self._cas.create(data))
+                        version = self._calls.call("create", lambda: self._cas.create(data))
                     else:
                         theirs = _parse(current[0])
                         if not self._may_take_over(theirs, now):
                             raise LeaseHeld(self.url, theirs, now)
-                        version = self._calls.run(
+                        version = self._calls.call(
                             "take over", lambda v=current[1]: self._cas.replace(data, v))
                         log.warning("lease %s: took over from %s", self.url,
                                     describe_holder(theirs, now))
-                except _Conflict:
+                except Conflict:
                     continue  # another writer changed it between our read and write: look again
                 self._adopt(body, version)
                 self.lost.clear()
@@ -294,16 +258,16 @@ class Lease:
                 return
             try:
                 for _ in range(_MAX_ROUNDS):
-                    current = self._calls.run("read", self._cas.read)
+                    current = self._calls.call("read", self._cas.read)
                     if current is None or _parse(current[0]).get("token") != body["token"]:
                         return  # gone, or someone else's now
                     try:
-                        self._calls.run("release", lambda v=current[1]: self._cas.delete(v))
+                        self._calls.call("release", lambda v=current[1]: self._cas.delete(v))
                         log.info("lease %s: released by %s", self.url, self.holder)
                         return
-                    except _Conflict:
+                    except Conflict:
                         continue
-            except (StorageUnavailable, StorageConfigError, _Unsupported) as exc:
+            except (StorageUnavailable, StorageConfigError, Unsupported) as exc:
                 log.warning("lease %s: could not release (%s); it expires by itself at %s",
                             self.url, exc, body["expires"])
 
@@ -327,11 +291,11 @@ class Lease:
         data = _dump(body)
         for _ in range(_MAX_ROUNDS):
             try:
-                version = self._calls.run(
+                version = self._calls.call(
                     "renew", lambda v=self._version: self._cas.replace(data, v),
                     budget_s=self.renew_every_s / 2)
-            except _Conflict:
-                current = self._calls.run("read", self._cas.read, budget_s=self.renew_every_s / 2)
+            except Conflict:
+                current = self._calls.call("read", self._cas.read, budget_s=self.renew_every_s / 2)
                 theirs = _parse(current[0]) if current is not None else None
                 if theirs is not None and theirs.get("token") == body["token"]:
                     # Ours still: an earlier write of ours whose answer got lost.
@@ -425,328 +389,21 @@ class Lease:
         self.lost.set()
 
 
-# --- compare-and-swap backends ------------------------------------------------------------------
-
-class _Conflict(Exception):
-    """The compare failed: another writer changed (or created, or removed) the lease first."""
-
-
 class _Hung(TimeoutError):
     """A renewal did not finish by the time we had to stop waiting for it."""
 
 
-class _Unsupported(Exception):
-    """The server refused a conditional request as not implemented."""
-
-
-class _Cas(Protocol):
-    """One object with compare-and-swap. `version` is opaque: an ETag, or the bytes themselves."""
-
-    def read(self) -> tuple[bytes, Any] | None: ...
-    def create(self, data: bytes) -> Any: ...                 # _Conflict if it exists
-    def replace(self, data: bytes, version: Any) -> Any: ...  # _Conflict unless still `version`
-    def delete(self, version: Any) -> None: ...               # _Conflict unless still `version`
-
-
-def _open_cas(url: str, key: str) -> _Cas:
-    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/") or \
-            any(p in ("", ".", "..") for p in key.split("/")):
-        raise ValueError(f"lease key must be a relative '/'-separated path (got {key!r})")
-    store = Store(url)  # validates the URL: StorageConfigError for a bad or unsupported one
-    if store.protocol == "s3":
-        parts = urlsplit(url)
-        prefix = parts.path.strip("/")
-        return _S3Cas(url, parts.netloc, f"{prefix}/{key}" if prefix else key)
-    if store.protocol == "file":
-        raw = url.split("://", 1)[1] if "://" in url else url
-        return _LocalCas(Path(os.path.abspath(os.path.expanduser(raw))) / key)
-    if store.protocol == "memory":
-        return _MemoryCas(store, key)
-    raise StorageConfigError(f"lease on {url}: {store.protocol}:// has no compare-and-swap here; "
-                             f"keep the job on s3://, a local folder, or memory://")
-
-
-class _S3Cas:
-    """S3 conditional writes through boto3."""
-
-    def __init__(self, url: str, bucket: str, key: str) -> None:
-        self.url, self.bucket, self.key = url, bucket, key
-        self._client = _s3_client()
-        self._checked = False
-
-    def check_conditional_writes(self) -> None:
-        """Prove once that the server honours If-None-Match and If-Match on PutObject, on a
-        probe object beside the lease: a server that ignores them would let two nodes both
-        "win". StorageConfigError if it does not."""
-        if self._checked:
-            return
-        probe = f"{self.key.rpartition('/')[0]}/{TMP_MARKER}lease-probe-{secrets.token_hex(8)}"
-        probe = probe.lstrip("/")
-        put = self._client.put_object
-        try:
-            put(Bucket=self.bucket, Key=probe, Body=b"1", IfNoneMatch="*")
-            for condition in ({"IfNoneMatch": "*"}, {"IfMatch": '"' + "0" * 32 + '"'}):
-                try:
-                    put(Bucket=self.bucket, Key=probe, Body=b"2", **condition)
-                except Exception as exc:
-                    if _s3_status(exc) in (409, 412):
-                        continue
-                    raise
-                raise StorageConfigError(
-                    f"lease on {self.url}: this S3 server does not honour conditional writes "
-                    f"({'If-None-Match' if 'IfNoneMatch' in condition else 'If-Match'} on "
-                    f"PutObject was ignored), so two nodes could both train this job; use AWS "
-                    f"S3, SeaweedFS >= 4, or another server that supports them")
-        finally:
-            try:
-                self._client.delete_object(Bucket=self.bucket, Key=probe)
-            except Exception as exc:  # a stray probe is hidden from listings; say so only
-                log.warning("lease on %s: could not delete probe %s: %s", self.url, probe,
-                            _describe(exc))
-        self._checked = True
-
-    def read(self) -> tuple[bytes, Any] | None:
-        try:
-            reply = self._client.get_object(Bucket=self.bucket, Key=self.key)
-        except Exception as exc:
-            if _s3_code(exc) == "NoSuchKey":  # NoSuchBucket stays an error (a config error)
-                return None
-            raise
-        return reply["Body"].read(), reply["ETag"]
-
-    def create(self, data: bytes) -> Any:
-        self.check_conditional_writes()
-        return self._put(data, IfNoneMatch="*")
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        self.check_conditional_writes()
-        return self._put(data, IfMatch=version)
-
-    def delete(self, version: Any) -> None:
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=version)
-        except Exception as exc:
-            code, status = _s3_code(exc), _s3_status(exc)
-            if code == "NoSuchKey":
-                return
-            if status in (409, 412):
-                raise _Conflict() from exc
-            if code == "NotImplemented" or status == 501:
-                raise _Unsupported(f"{self.url}: the server does not support conditional "
-                                   f"DeleteObject ({_describe(exc)})") from exc
-            raise
-
-    def _put(self, data: bytes, **condition: str) -> Any:
-        try:
-            reply = self._client.put_object(Bucket=self.bucket, Key=self.key, Body=data,
-                                             ContentType="application/json", **condition)
-        except Exception as exc:
-            status = _s3_status(exc)
-            if status in (409, 412):  # PreconditionFailed / ConditionalRequestConflict
-                raise _Conflict() from exc
-            if status == 404 and _s3_code(exc) == "NoSuchKey":  # If-Match on a deleted object
-                raise _Conflict() from exc
-            if _s3_code(exc) == "NotImplemented" or status == 501:
-                raise StorageConfigError(
-                    f"lease on {self.url}: this S3 server does not support conditional writes "
-                    f"(If-None-Match / If-Match on PutObject), so two nodes could both train "
-                    f"({_describe(exc)})") from exc
-            raise
-        return reply["ETag"]
-
-
-_S3_CLIENTS = threading.Lock()
-_S3_LOADER: Any = None
-
-
-def _s3_client() -> Any:
-    """A new S3 client from the standard chain (credentials and endpoint read now, from the
-    environment as it is), sharing one parsed copy of botocore's data files: parsing them is
-    most of the ~130 ms a fresh client costs."""
-    global _S3_LOADER
-    import boto3
-    import botocore.session
-    from botocore.config import Config
-    from botocore.loaders import create_loader
-
-    with _S3_CLIENTS:  # creating clients is not thread-safe; using them is
-        if _S3_LOADER is None:
-            _S3_LOADER = create_loader()
-        core = botocore.session.Session()
-        core.register_component("data_loader", _S3_LOADER)
-        return boto3.session.Session(botocore_session=core).client("s3", config=Config(
-            retries={"total_max_attempts": 1, "mode": "standard"},  # ours decide
-            connect_timeout=5, read_timeout=20))
-
-
-class _LocalCas:
-    """A file in a local folder; every change under an exclusive flock on that folder."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def read(self) -> tuple[bytes, Any] | None:
-        try:
-            data = self.path.read_bytes()  # writes are rename / link: never half a file
-        except FileNotFoundError:
-            return None
-        return data, data
-
-    def create(self, data: bytes) -> Any:
-        with self._locked():
-            tmp = self._write_temp(data)
-            try:
-                os.link(tmp, self.path)  # EEXIST if there is one: O_EXCL, with full content
-            except FileExistsError:
-                raise _Conflict() from None
-            finally:
-                tmp.unlink(missing_ok=True)
-            fsync_dir(self.path.parent)
-        return data
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        with self._locked():
-            if self.read() != (version, version):
-                raise _Conflict()
-            tmp = self._write_temp(data)
-            try:
-                os.replace(tmp, self.path)
-            finally:
-                tmp.unlink(missing_ok=True)
-            fsync_dir(self.path.parent)
-        return data
-
-    def delete(self, version: Any) -> None:
-        with self._locked():
-            current = self.read()
-            if current is None:
-                return
-            if current[0] != version:
-                raise _Conflict()
-            self.path.unlink()
-            fsync_dir(self.path.parent)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        folder = self.path.parent
-        if folder.exists() and not folder.is_dir():
-            raise StorageConfigError(f"lease folder {folder} exists and is not a folder")
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also if we are killed
-            yield
-        finally:
-            os.close(fd)
-
-    def _write_temp(self, data: bytes) -> Path:
-        tmp = temp_sibling(self.path)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
-
-
-_MEMORY_LOCK = threading.Lock()
-
-
-class _MemoryCas:
-    """memory:// for unit tests: one lock for the whole process."""
-
-    def __init__(self, store: Store, key: str) -> None:
-        self.store, self.key = store, key
-
-    def read(self) -> tuple[bytes, Any] | None:
-        with _MEMORY_LOCK:
-            try:
-                data = self.store.get_bytes(self.key)
-            except FileNotFoundError:
-                return None
-            return data, data
-
-    def create(self, data: bytes) -> Any:
-        with _MEMORY_LOCK:
-            if self.store.exists(self.key):
-                raise _Conflict()
-            self.store.put_bytes(self.key, data)
-            return data
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        with _MEMORY_LOCK:
-            if not self.store.exists(self.key) or self.store.get_bytes(self.key) != version:
-                raise _Conflict()
-            self.store.put_bytes(self.key, data)
-            return data
-
-    def delete(self, version: Any) -> None:
-        with _MEMORY_LOCK:
-            if not self.store.exists(self.key):
-                return
-            if self.store.get_bytes(self.key) != version:
-                raise _Conflict()
-            self.store.delete(self.key)
-
-
-# --- retries ------------------------------------------------------------------------------------
-
-@dataclass
-class _Calls:
-    """Bounded retries of transient storage errors; configuration errors raised at once."""
-
-    url: str
-    attempts: int = 5
-    stop: threading.Event | None = None
-    sleep: Callable[[float], None] = time.sleep
-
-    def run(self, op: str, fn: Callable[[], T], budget_s: float = 30.0) -> T:
-        stop = stop_after_attempt(max(1, self.attempts)) | stop_after_delay(budget_s)
-        if self.stop is not None:
-            stop = stop | stop_when_event_set(self.stop)
-
-        def attempt() -> T:
-            try:
-                return fn()
-            except (_Conflict, _Unsupported, StorageConfigError):
-                raise
-            except Exception as exc:
-                reason = _config_reason(exc)
-                if reason is not None:
-                    raise StorageConfigError(
-                        f"lease on {self.url}: {reason} ({op}: {_describe(exc)})") from exc
-                raise
-
-        retrying = Retrying(
-            retry=retry_if_exception(_is_transient), stop=stop,
-            wait=wait_exponential(multiplier=0.25, min=0.25, max=4), sleep=self.sleep,
-            before_sleep=lambda state: log.warning(
-                "lease on %s: %s failed (attempt %d: %s); retrying", self.url, op,
-                state.attempt_number,
-                _describe(state.outcome.exception() if state.outcome else None)),
-            reraise=False,
-        )
-        try:
-            return retrying(attempt)
-        except RetryError as exc:
-            last = exc.last_attempt.exception()
-            raise StorageUnavailable(f"lease on {self.url}: {op} failed "
-                                     f"{exc.last_attempt.attempt_number} time(s): {_describe(last)}"
-                                     ) from last
+def _retries(url: str, *, attempts: int, stop: threading.Event | None = None,
+             sleep: Callable[[float], None] | None = None) -> RetryPolicy:
+    """The package's retry policy (checkpoint.retry) for lease calls: at most `attempts` tries
+    within 30 s (a renewal: within half a renewal interval), backing off from 0.25 s to 4 s. A
+    lost compare-and-swap is an answer, not an error: never retried here."""
+    return RetryPolicy(f"lease on {url}", budget_s=30.0, stop=stop, sleep=sleep,
+                       attempts=attempts, wait=backoff(0.25, 4.0), logger=log,
+                       passthrough=(Conflict, Unsupported))
 
 
 # --- small helpers ------------------------------------------------------------------------------
-
-def _s3_code(exc: BaseException) -> str:
-    response = getattr(exc, "response", None)
-    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
-
-
-def _s3_status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-
 
 def _pid_alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:

@@ -1,25 +1,21 @@
-"""Object storage for checkpoints: one `Store` over fsspec for a storage URL.
+"""Object storage for a job's folder (checkpoints, the record, the lease, the baseline, the
+environment files): one `Store` over fsspec for a storage URL.
 
 URLs: `s3://bucket/prefix` (s3fs; the standard AWS credential chain, and `AWS_ENDPOINT_URL` /
 `AWS_ENDPOINT_URL_S3` for MinIO, SeaweedFS or R2 -- botocore reads those itself), `gs://bucket/prefix`
 (needs gcsfs), `file:///abs/path` or a plain local path, and `memory://name` for unit tests.
 
-Two kinds of failure, handled oppositely:
-
-* configuration errors (bucket missing, access denied, bad or missing credentials, bad URL) raise
-  `StorageConfigError` at once: retrying cannot fix them and a run should not start on them;
-* transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried with
-  exponential backoff until `retry_seconds` have passed or the `stop` event is set (the node is
-  being preempted), then raise `StorageUnavailable`.
-
-Anything else (a missing key, a bug) propagates unchanged. Retries live here and nowhere below:
-botocore's and s3fs's own retry loops are switched off so that the stop event and the injectable
-sleep govern every wait.
+Every call goes through the package's one retry policy (checkpoint.retry): configuration errors
+(bucket missing, access denied, bad or missing credentials, bad URL) raise `StorageConfigError`
+at once; transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried
+with exponential backoff and jitter until `retry_seconds` have passed or the `stop` event is set
+(the node is being preempted), then raise `StorageUnavailable`. Anything else (a missing key, a
+bug) propagates unchanged. botocore's and s3fs's own retry loops are switched off here so that
+the stop event and the injectable sleep govern every wait.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -30,57 +26,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from tenacity import (
-    RetryCallState,
-    RetryError,
-    Retrying,
-    retry_if_exception,
-    stop_after_delay,
-    stop_when_event_set,
-    wait_exponential,
-)
-
 from .fsio import TMP_MARKER, atomic_copy, atomic_write_bytes, fsync_dir, fsync_file, temp_sibling
+from .retry import RetryPolicy, StorageConfigError, StorageUnavailable, config_reason
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# S3 error codes that mean "try again later" even when the HTTP status is below 500.
-_THROTTLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-    "RequestTimeout", "RequestTimeoutException", "ServiceUnavailable", "InternalError",
-    "XAmzContentSHA256Mismatch",
-})
-# S3 error codes that are the user's configuration, mapped to what to tell them.
-_CONFIG_CODES = {
-    "NoSuchBucket": "bucket does not exist",
-    "InvalidBucketName": "invalid bucket name",
-    "AccessDenied": "access denied (check the credentials' permissions on this bucket)",
-    "AllAccessDisabled": "access denied (all access to this bucket is disabled)",
-    "AccountProblem": "access denied (account problem)",
-    "InvalidAccessKeyId": "bad credentials (the access key id is not known to the server)",
-    "SignatureDoesNotMatch": "bad credentials (the secret key does not match the access key id)",
-    "ExpiredToken": "expired credentials (refresh the session token)",
-    "InvalidToken": "bad credentials (invalid session token)",
-    "RequestTimeTooSkewed": "this machine's clock is too far off for request signing",
-    "PermanentRedirect": "bucket is in another region (set AWS_DEFAULT_REGION or AWS_REGION)",
-    "AuthorizationHeaderMalformed": "bad credentials or wrong region in the request signature",
-}
-
-
-class StorageConfigError(RuntimeError):
-    """The storage URL cannot work as configured; raised at once, never retried.
-
-    The message says what is wrong and names the URL (never credentials)."""
-
-
-class StorageUnavailable(RuntimeError):
-    """Transient storage errors persisted past the retry budget, or retries were stopped."""
-
-
-class _Stopped(Exception):
-    """Internal: the stop event was set between attempts."""
+__all__ = ["Store", "StorageConfigError", "StorageUnavailable"]
 
 
 class Store:
@@ -101,16 +54,12 @@ class Store:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.url = url
-        self._stop = stop
         if retry_seconds < 0:
             raise ValueError(f"retry_seconds must be >= 0 (got {retry_seconds})")
-        self._retry_seconds = float(retry_seconds)
-        # With the real sleep and a stop event, wait on the event so a preemption ends a backoff
-        # at once instead of after it.
-        if sleep is time.sleep and stop is not None:
-            self._sleep: Callable[[float], Any] = stop.wait
-        else:
-            self._sleep = sleep
+        # With the real sleep and a stop event the policy waits on the event, so a preemption
+        # ends a backoff at once instead of after it.
+        self._retry = RetryPolicy(f"storage {url}", budget_s=float(retry_seconds), stop=stop,
+                                  sleep=sleep, logger=log)
         self._bucket_confirmed = False
         self.protocol, self._root, self._fs = _open_filesystem(url)
         self._local = self.protocol == "file"
@@ -209,6 +158,12 @@ class Store:
         finally:
             self.delete(probe)
 
+    def fs_path(self, key: str) -> tuple[Any, str]:
+        """(this store's fsspec filesystem, its path for `key`), for a primitive this class does
+        not wrap: the lease's compare-and-swap (checkpoint.cas). Calls made on them bypass the
+        retry policy. ValueError for a key that is not a relative path."""
+        return self._fs, self._path(key)
+
     # --- helpers --------------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
@@ -231,7 +186,7 @@ class Store:
         try:
             found = self._fs.find(path, withdirs=False, detail=True)
         except FileNotFoundError as exc:
-            if _config_reason(exc) is not None:
+            if config_reason(exc) is not None:
                 raise
             return []
         # s3fs answers an empty prefix that is still a "directory" (SeaweedFS keeps emptied
@@ -247,7 +202,7 @@ class Store:
             else:
                 self._fs.rm_file(path)
         except FileNotFoundError as exc:
-            if _config_reason(exc) is not None:
+            if config_reason(exc) is not None:
                 raise
         finally:
             self._fs.invalidate_cache()
@@ -264,61 +219,29 @@ class Store:
         self._bucket_confirmed = True
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run `fn` with the retry policy; translate failures into this module's exceptions."""
-        started = time.monotonic()
-        stop = stop_after_delay(self._retry_seconds)
-        if self._stop is not None:
-            stop = stop | stop_when_event_set(self._stop)
+        """Run `fn` under the retry policy (checkpoint.retry): StorageConfigError at once,
+        StorageUnavailable once transient errors outlast the budget or the stop event."""
+        return self._retry.call(f"{op} {key!r}", fn)
 
-        def attempt() -> T:
-            if self._stop is not None and self._stop.is_set() and attempts_made[0] > 0:
-                raise _Stopped()  # set during the backoff: no further attempt
-            attempts_made[0] += 1
-            try:
-                return fn()
-            except Exception as exc:
-                last_error[0] = exc
-                reason = _config_reason(exc)
-                if reason is not None:
-                    raise StorageConfigError(
-                        f"storage {self.url}: {reason} ({op} {key!r}: {_describe(exc)})"
-                    ) from exc
-                raise
 
-        attempts_made = [0]
-        last_error: list[BaseException | None] = [None]
-        retrying = Retrying(
-            retry=retry_if_exception(_is_transient),
-            stop=stop,
-            wait=wait_exponential(multiplier=0.5, min=0.5, max=15),
-            sleep=self._sleep,
-            before_sleep=lambda state: self._log_retry(op, key, state),
-            reraise=False,
-        )
-        try:
-            return retrying(attempt)
-        except RetryError as exc:
-            last = exc.last_attempt.exception()
-            elapsed = time.monotonic() - started
-            why = ("retries stopped: preemption requested"
-                   if self._stop is not None and self._stop.is_set()
-                   else f"retry budget of {self._retry_seconds:g}s spent")
-            raise StorageUnavailable(
-                f"storage {self.url}: {op} {key!r} failed {attempts_made[0]} time(s) over "
-                f"{elapsed:.1f}s ({why}): {_describe(last)}"
-            ) from last
-        except _Stopped:
-            raise StorageUnavailable(
-                f"storage {self.url}: {op} {key!r} failed {attempts_made[0]} time(s) over "
-                f"{time.monotonic() - started:.1f}s (retries stopped: preemption requested): "
-                f"{_describe(last_error[0])}"
-            ) from last_error[0]
+_BOTOCORE_LOADER: Any = None
 
-    def _log_retry(self, op: str, key: str, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        delay = state.next_action.sleep if state.next_action else 0.0
-        log.warning("storage %s: %s %r failed (attempt %d: %s); retrying in %.1fs",
-                    self.url, op, key, state.attempt_number, _describe(exc), delay)
+
+def _aws_session() -> Any:
+    """A new aiobotocore session (credentials and endpoint are read when its client is made,
+    from the environment as it is then) sharing one parsed copy of botocore's data files:
+    parsing them is most of what a fresh client costs, and every Store and lease makes one.
+    Clients are made on fsspec's one event-loop thread, so the loader is never used by two
+    threads at once."""
+    global _BOTOCORE_LOADER
+    from aiobotocore.session import AioSession
+    from botocore.loaders import create_loader
+
+    if _BOTOCORE_LOADER is None:
+        _BOTOCORE_LOADER = create_loader()
+    session = AioSession()
+    session.register_component("data_loader", _BOTOCORE_LOADER)
+    return session
 
 
 # --- opening a URL ------------------------------------------------------------------------------
@@ -362,6 +285,7 @@ def _open_filesystem(url: str) -> tuple[str, str, Any]:
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True,
             use_listings_cache=False,
+            session=_aws_session(),
             config_kwargs={
                 "retries": {"total_max_attempts": 1, "mode": "standard"},
                 "connect_timeout": 5,
@@ -387,93 +311,3 @@ def _open_filesystem(url: str) -> tuple[str, str, Any]:
         f"storage URL {url}: unsupported scheme {scheme!r} "
         f"(use s3://bucket/prefix, gs://bucket/prefix, file:///path or a local path)"
     )
-
-
-# --- classifying errors -------------------------------------------------------------------------
-
-def _client_errors(exc: BaseException | None):
-    """ClientError-like exceptions (with a `.response` dict) in the cause chain of `exc`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict) and "Error" in response:
-            yield response
-        exc = exc.__cause__ or exc.__context__
-
-
-def _config_reason(exc: BaseException) -> str | None:
-    """What the user must fix, if `exc` is a configuration error; None otherwise."""
-    if isinstance(exc, StorageConfigError):
-        return str(exc)
-    try:
-        from botocore import exceptions as bx
-    except ImportError:  # pragma: no cover - botocore is a dependency
-        bx = None
-    if bx is not None:
-        if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
-            return "missing or incomplete credentials (set AWS_ACCESS_KEY_ID and " \
-                   "AWS_SECRET_ACCESS_KEY, a profile, or an instance role)"
-        if isinstance(exc, (bx.CredentialRetrievalError, bx.ProfileNotFound)):
-            return "credentials could not be loaded"
-        if isinstance(exc, bx.NoRegionError):
-            return "no region configured (set AWS_DEFAULT_REGION)"
-        if isinstance(exc, bx.ParamValidationError):
-            return "invalid request parameters (check the bucket name in the URL)"
-    for response in _client_errors(exc):
-        code = str(response["Error"].get("Code", ""))
-        if code in _CONFIG_CODES:
-            return _CONFIG_CODES[code]
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status in (401, 403):
-            return f"access denied (HTTP {status})"
-    code = getattr(exc, "code", None)  # gcsfs HttpError and friends
-    if isinstance(code, int) and code in (401, 403):
-        return f"access denied (HTTP {code})"
-    if isinstance(exc, PermissionError):
-        return "access denied"
-    return None
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """Worth another try: the network or the service hiccupped, not the configuration."""
-    if isinstance(exc, (StorageConfigError, _Stopped, FileNotFoundError)):
-        return False
-    try:
-        from botocore import exceptions as bx
-        if isinstance(exc, (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError)):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import aiohttp
-        if isinstance(exc, aiohttp.ClientError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    from fsspec.exceptions import FSTimeoutError
-    if isinstance(exc, (ConnectionError, TimeoutError, FSTimeoutError)):
-        return True
-    for response in _client_errors(exc):
-        code = str(response["Error"].get("Code", ""))
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        if code in _THROTTLE_CODES or status >= 500 or status == 429:
-            return True
-    code = getattr(exc, "code", None)
-    if isinstance(code, int) and (code >= 500 or code == 429):
-        return True
-    if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNREFUSED,
-                                                   errno.ETIMEDOUT, errno.EPIPE):
-        return True
-    return False
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "no error"
-    text = f"{exc.__class__.__name__}: {str(exc) or '-'}"
-    for response in _client_errors(exc):  # the S3 error code says more than errno
-        code = response["Error"].get("Code")
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return f"{text} (S3 {code}, HTTP {status})"
-    return text

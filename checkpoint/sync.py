@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -38,8 +37,6 @@ from .manifest import (
 from .store import Store, StorageConfigError
 
 log = logging.getLogger(__name__)
-
-_REMOTE_CKPT_RE = re.compile(r"^ckpt-(\d{8,})/(.+)$")
 
 
 def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
@@ -311,12 +308,12 @@ def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
     seen: set[int] = set()
     with_manifest: set[int] = set()
     for key in store.list(prefix):
-        match = _REMOTE_CKPT_RE.match(key[len(prefix) + 1:] if prefix else key)
-        if not match:
+        folder, _, path = (key[len(prefix) + 1:] if prefix else key).partition("/")
+        step = step_of(Path(folder))
+        if step is None or not path:
             continue
-        step = int(match.group(1))
         seen.add(step)
-        if match.group(2) == MANIFEST_NAME:
+        if path == MANIFEST_NAME:
             with_manifest.add(step)
     return with_manifest, seen - with_manifest
 

@@ -176,7 +176,7 @@ class Books:
             except FileNotFoundError:
                 pass
         if cached is not None and cached.get("fingerprint") == fingerprint:
-            result = {k: cached[k] for k in ("meanReward", "tasks", "solved", "batches", "reusedBatches")
+            result = {k: cached[k] for k in ("meanReward", "rewards", "tasks", "solved", "batches", "reusedBatches")
                       if k in cached}
             self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
@@ -198,14 +198,23 @@ class Books:
                 self.record.set_value("baselineWarning", warning)
         self.sync(wait=True)
 
-    def eval_batches(self, kind: str, fingerprint: str) -> dict[int, list[float]]:
+    def add_held_out(self, step: int, result: dict[str, Any]) -> None:
+        """An evaluation on the held-out tasks after `step` (every evalSteps): the curve `get tj`
+        shows as status.heldOut while the job runs."""
+        curve = [e for e in self.record.value("heldOut") or [] if e["step"] != step]
+        curve.append({"step": step, **{k: result[k] for k in ("meanReward", "rewards", "solved") if k in result}})
+        self.record.set_value("heldOut", sorted(curve, key=lambda e: e["step"]))
+        self.sync_soon()
+
+    def eval_batches(self, kind: str, fingerprint: str) -> dict[int, dict[str, list[float]]]:
         """Evaluation batches of `kind` an earlier attempt finished for this fingerprint."""
         saved = self.record.value(f"evalBatches.{kind}") or {}
         if saved.get("fingerprint") != fingerprint:
             return {}
         return {int(i): r for i, r in saved["batches"].items()}
 
-    def add_eval_batch(self, kind: str, fingerprint: str, batch: int, rewards: list[float]) -> None:
+    def add_eval_batch(self, kind: str, fingerprint: str, batch: int, rewards: dict[str, list[float]]) -> None:
+        """Keep batch `batch`'s scores ({reward name: one per task}) for a resume to reuse."""
         saved = self.record.value(f"evalBatches.{kind}") or {}
         if saved.get("fingerprint") != fingerprint:
             saved = {"fingerprint": fingerprint, "batches": {}}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -10,27 +9,40 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import click
 import yaml
 
-from runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE
-from state.record import RECORD_FILE, Phase
+from runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from state.record import RECORD_FILE, STOPPED, TERMINAL, Phase
 
-DESCRIPTION = """\
-Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
-
-  grpo-run apply -f examples/tiny-arithmetic.yaml      train in the foreground
-  grpo-run get tj tiny-arithmetic                       phase, step, rewards
-  grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
-
-Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
-(continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job.
-Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
-the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
-"""
+# -h as well as --help (as argparse had); help up to 100 columns wide, as the examples are
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+FORMAT = click.Choice(["yaml", "json"])
 
 
-class Help(argparse.RawDescriptionHelpFormatter):
-    pass
+@click.group(context_settings=CONTEXT)
+@click.option("-v", "--verbose", is_flag=True, help="log more (INFO)")
+def cli(verbose: bool) -> None:
+    """Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
+
+    \b
+      grpo-run apply -f examples/tiny-arithmetic.yaml      train in the foreground
+      grpo-run get tj tiny-arithmetic                       phase, step, rewards
+      grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
+
+    \b
+    Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
+    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job.
+    Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
+    the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
+    """
+    from trainer.logs import quiet_libraries
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    quiet_libraries()
+    logging.getLogger("trainer").setLevel(logging.INFO)
+    logging.getLogger("runner").setLevel(logging.INFO)
 
 
 def _home() -> Path:
@@ -63,13 +75,24 @@ def _error(message: str) -> None:
 
 # --- apply / resume ------------------------------------------------------------------------------
 
-def cmd_apply(args: argparse.Namespace) -> int:
+@cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
+@click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
+@click.option("--dry-run", is_flag=True, help="validate and print the job with its estimate; start nothing (exit 2 when apply would refuse it)")
+@click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
+def cmd_apply(file: str, dry_run: bool, output: str | None) -> int:
+    """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
+
+    \b
+    example:
+      grpo-run apply -f examples/tiny-arithmetic.yaml
+      grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job
+    """
     from runner.job import JobError, load_job
 
     try:
-        job = load_job(args.file)
+        job = load_job(file)
     except FileNotFoundError:
-        _error(f"no such job file: {args.file}")
+        _error(f"no such job file: {file}")
         return EXIT_USAGE
     except JobError as e:
         print(str(e), file=sys.stderr)
@@ -79,30 +102,42 @@ def cmd_apply(args: argparse.Namespace) -> int:
     try:
         est = estimate(job)
     except (LookupError, ValueError) as e:     # config.json not found here / not readable
-        if args.dry_run:
+        if dry_run:
             _error(str(e))
             return EXIT_USAGE
         est = None                               # a real run may still fetch the model
     refusal = check_fits(est) if est else None
+    if dry_run:                                  # the whole job, with why it does not fit if it does not
+        doc = job.to_dict()
+        doc["status"] = {"phase": str(Phase.PENDING), "estimate": {**est, "refusal": refusal} if refusal else est}
+        print(_dump(doc, output or "yaml"), end="")
     if refusal:                                  # refused before anything starts, with the numbers
         print(refusal, file=sys.stderr)
-        return EXIT_USAGE
-    if args.dry_run:
-        doc = job.to_dict()
-        doc["status"] = {"phase": "Pending", "estimate": est}
-        print(_dump(doc, args.output or "yaml"), end="")
+        return EXIT_USAGE                        # what apply would answer
+    if dry_run:
         return EXIT_OK
-    return _run(job, output=args.output)
+    return _run(job, output=output)
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+@cli.command("resume", short_help="continue a job from object storage alone")
+@click.argument("name", required=False)
+@click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
+@click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
+def cmd_resume(name: str | None, storage: str | None, output: str | None) -> int:
+    """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
+    object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
+
+    \b
+    example:
+      grpo-run resume my-grpo-lora --storage s3://bucket/prefix
+    """
     from checkpoint.store import Store, StorageConfigError, StorageUnavailable
     from runner.books import fetch_record
     from runner.job import JobError, parse_job
     from state.record import Record
 
-    storage = args.storage or default_storage()
-    names = [args.name] if args.name else _jobs_in(storage)
+    storage = storage or default_storage()
+    names = [name] if name else _jobs_in(storage)
     if not names:
         _error(f"no jobs in {storage}")
         return EXIT_USAGE
@@ -127,7 +162,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     except JobError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
-    return _run(job, output=args.output, storage=storage, store=store)
+    return _run(job, output=output, storage=storage, store=store)
 
 
 def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
@@ -189,8 +224,6 @@ def _environment_here(job, store):
     the next node), or, on a fresh node, fetched from storage (and not sent back)."""
     from runner.envfiles import localize_environment, upload_environment
 
-    if job.environment.is_catalog:
-        return job
     local = localize_environment(job, store, work_dir(job.name))
     if local is job:
         upload_environment(job, store)
@@ -199,7 +232,7 @@ def _environment_here(job, store):
 
 def _summary(name: str, status: dict, result) -> str:
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
-    if status.get("message") and status["phase"] != "Succeeded":
+    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
         lines.append(f"  {status['message']}")
     b, f = status.get("baseline"), status.get("final")
     if b and f:
@@ -208,7 +241,7 @@ def _summary(name: str, status: dict, result) -> str:
     if result.notice_to_durable_s is not None:
         lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
                      f"{result.notice_to_durable_s:.2f} s")
-    if status["phase"] in ("Preempted", "BudgetExceeded", "Failed"):
+    if status["phase"] in STOPPED:
         lines.append(f"  continue with: grpo-run resume {name}")
     return "\n".join(lines)
 
@@ -240,7 +273,7 @@ def _already_succeeded(job, work: Path) -> bool:
         return False
     with Record(work / RECORD_FILE) as record:
         done = record.job()
-    return bool(done) and done["phase"] == "Succeeded" and done["spec"] == job.to_dict()
+    return bool(done) and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict()
 
 
 # --- get / export ---------------------------------------------------------------------------------
@@ -296,35 +329,51 @@ def _as_doc(record) -> dict[str, Any]:
             "spec": spec.get("spec"), "status": status}
 
 
-def cmd_get(args: argparse.Namespace) -> int:
+@cli.command("get", short_help="show jobs: phase, step, rewards")
+@click.argument("resource")
+@click.argument("name", required=False)
+@click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")
+@click.option("-o", "--output", type=FORMAT, help="output format (default: a table)")
+@click.option("-w", "--watch", is_flag=True, help="print again on every change until the job stops")
+def cmd_get(resource: str, name: str | None, storage: str | None, output: str | None, watch: bool) -> int:
+    """Show a TrainingJob as {apiVersion, kind, metadata, spec, status}. RESOURCE: tj (TrainingJob);
+    NAME: the job (all jobs when left out).
+
+    \b
+    example:
+      grpo-run get tj tiny-arithmetic -o yaml
+      grpo-run get tj -w                      # follow every job on this node
+      grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json
+    """
     from runner.status import table
 
-    if args.resource not in ("tj", "trainingjob", "trainingjobs"):
-        _error(f"unknown resource {args.resource!r}: use tj (TrainingJob)")
+    # checked here rather than by click.Choice: the error keeps naming the fix, as it always has
+    if resource not in ("tj", "trainingjob", "trainingjobs"):
+        _error(f"unknown resource {resource!r}: use tj (TrainingJob)")
         return EXIT_USAGE
-    if args.name:
-        names = [args.name]
+    if name:
+        names = [name]
     else:
-        names = _local_jobs() if args.storage is None else _jobs_in(args.storage)
-    if args.watch:
-        return _watch(names, args)
+        names = _local_jobs() if storage is None else _jobs_in(storage)
+    if watch:
+        return _watch(names, storage, output)
     try:
-        docs = [get_job(n, args.storage) for n in names]
+        docs = [get_job(n, storage) for n in names]
     except LookupError as e:
         _error(str(e))
         return EXIT_USAGE
-    if args.output:
-        out = docs[0] if args.name else {"apiVersion": "v1", "kind": "List", "items": docs}
-        print(_dump(out, args.output), end="")
+    if output:
+        out = docs[0] if name else {"apiVersion": "v1", "kind": "List", "items": docs}
+        print(_dump(out, output), end="")
     else:
         print(table(docs))
     return EXIT_OK
 
 
-TERMINAL = tuple(str(p) for p in (Phase.SUCCEEDED, Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED))
+TERMINAL_PHASES = tuple(str(p) for p in TERMINAL)
 
 
-def _watch(names: list[str], args: argparse.Namespace, interval_s: float = 2.0) -> int:
+def _watch(names: list[str], storage: str | None, output: str | None, interval_s: float = 2.0) -> int:
     """Print the job(s) again whenever phase or step changes, until every one has stopped."""
     import time
 
@@ -333,43 +382,51 @@ def _watch(names: list[str], args: argparse.Namespace, interval_s: float = 2.0) 
     last = None
     while True:
         try:
-            docs = [get_job(n, args.storage) for n in names]
+            docs = [get_job(n, storage) for n in names]
         except LookupError as e:
             _error(str(e))
             return EXIT_USAGE
         key = [(d["status"]["phase"], d["status"]["step"]) for d in docs]
         if key != last:
-            if args.output:
+            if output:
                 for d in docs:
-                    print(_dump(d, args.output) + ("---" if args.output == "yaml" else ""), flush=True)
+                    print(_dump(d, output) + ("---" if output == "yaml" else ""), flush=True)
             else:
                 print(table(docs) if last is None else table(docs).split("\n", 1)[1], flush=True)
             last = key
-        if all(phase in TERMINAL for phase, _ in key):
+        if all(phase in TERMINAL_PHASES for phase, _ in key):
             return EXIT_OK
         time.sleep(interval_s)
 
 
-def cmd_logs(args: argparse.Namespace) -> int:
-    """The trainer's log on this node; -f follows it until the job stops."""
+@cli.command("logs", short_help="the trainer's log on this node")
+@click.argument("name")
+@click.option("-f", "--follow", is_flag=True, help="keep printing until the job stops")
+def cmd_logs(name: str, follow: bool) -> int:
+    """Print the trainer's log for a job run on this node (progress every 5% of the steps, checkpoints, warnings).
+
+    \b
+    example:
+      grpo-run logs tiny-arithmetic -f
+    """
     import time
 
-    path = work_dir(args.name) / "logs" / "trainer.log"
+    path = work_dir(name) / "logs" / "trainer.log"
     if not path.exists():
-        _error(f"no log for {args.name!r} on this node ({path}); logs stay on the node that ran the job")
+        _error(f"no log for {name!r} on this node ({path}); logs stay on the node that ran the job")
         return EXIT_USAGE
     with open(path, encoding="utf-8", errors="replace") as f:
         while True:
             chunk = f.read()
             if chunk:
                 print(chunk, end="", flush=True)
-            if not args.follow:
+            if not follow:
                 return EXIT_OK
             try:
-                phase = get_job(args.name, None)["status"]["phase"]
+                phase = get_job(name, None)["status"]["phase"]
             except LookupError:
                 phase = None
-            if phase in TERMINAL and not chunk:
+            if phase in TERMINAL_PHASES and not chunk:
                 return EXIT_OK
             time.sleep(0.5)
 
@@ -379,119 +436,68 @@ def _local_jobs() -> list[str]:
     return sorted(p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()) if runs.exists() else []
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+@cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
+@click.argument("name")
+@click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
+@click.option("--out", required=True, metavar="DIR", help="folder to write (created)")
+def cmd_export(name: str, storage: str | None, out: str) -> int:
+    """Write the job's final adapter (or, before it finished, the newest durable checkpoint's) as
+    standard PEFT files (adapter_config.json, adapter_model.safetensors).
+
+    \b
+    example:
+      grpo-run export tiny-arithmetic --out ./adapter
+      python -c "from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')"
+    """
     from runner.export import export_weights
 
     try:
-        what = export_weights(job_store_url(args.storage, args.name), Path(args.out))
+        what = export_weights(job_store_url(storage, name), Path(out))
     except LookupError as e:
         _error(str(e))
         return EXIT_USAGE
-    print(f"wrote {what} of {args.name} to {args.out}")
+    print(f"wrote {what} of {name} to {out}")
     return EXIT_OK
 
 
-def cmd_tiny_model(args: argparse.Namespace) -> int:
+@cli.command("tiny-model", short_help="build the tiny local demo model (tiny:char) into a folder")
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="folder to write")
+@click.option("--seed", type=int, default=0, help="initialisation seed (default 0)")
+def cmd_tiny_model(out_dir: str, seed: int) -> int:
+    """Build a tiny Qwen3-style causal LM with a character tokenizer, saved with save_pretrained, for trying
+    grpo-run without downloads.
+
+    \b
+    example:
+      grpo-run tiny-model --out ./tiny-model
+    """
     from trainer.tinymodel import build_tiny_model
 
-    out = Path(args.out)
+    out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         _error(f"{out} exists and is not empty")
         return EXIT_USAGE
     if out.exists():
         out.rmdir()
-    build_tiny_model(out, seed=args.seed)
+    build_tiny_model(out, seed=seed)
     print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
     return EXIT_OK
 
 
-# --- parser ---------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-run", description=DESCRIPTION, formatter_class=Help)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more (INFO)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    p = sub.add_parser("apply", help="run a TrainingJob in the foreground (or print its estimate)",
-                       formatter_class=Help, description="Run a TrainingJob in the foreground on this node: "
-                       "baseline evaluation, GRPO training, final evaluation.\n\nexample:\n"
-                       "  grpo-run apply -f examples/tiny-arithmetic.yaml\n"
-                       "  grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job")
-    p.add_argument("-f", "--file", required=True, help="the job file (YAML, kind: TrainingJob)")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the job; start nothing")
-    p.add_argument("-o", "--output", choices=("yaml", "json"), help="print the job (with status) in this format")
-    p.set_defaults(func=cmd_apply)
-
-    p = sub.add_parser("resume", help="continue a job from object storage alone", formatter_class=Help,
-                       description="Continue a job from its newest durable checkpoint in object storage, on "
-                       "any node (an empty local disk is fine). The baseline evaluation is reused.\n\nexample:\n"
-                       "  grpo-run resume my-grpo-lora --storage s3://bucket/prefix")
-    p.add_argument("name", nargs="?", help="the job (optional when the storage holds one job)")
-    p.add_argument("--storage", help="storage URL (default: $GRPO_RUN_HOME/store)")
-    p.add_argument("-o", "--output", choices=("yaml", "json"), help="print the job (with status) when done")
-    p.set_defaults(func=cmd_resume)
-
-    p = sub.add_parser("get", help="show jobs: phase, step, rewards", formatter_class=Help,
-                       description="Show a TrainingJob as {apiVersion, kind, metadata, spec, status}.\n\nexample:\n"
-                       "  grpo-run get tj tiny-arithmetic -o yaml\n"
-                       "  grpo-run get tj -w                      # follow every job on this node\n"
-                       "  grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json")
-    p.add_argument("resource", help="tj (TrainingJob)")
-    p.add_argument("name", nargs="?", help="the job (all jobs when left out)")
-    p.add_argument("--storage", help="read the job from this storage URL instead of this node's work folder")
-    p.add_argument("-o", "--output", choices=("yaml", "json"), help="output format (default: a table)")
-    p.add_argument("-w", "--watch", action="store_true", help="print again on every change until the job stops")
-    p.set_defaults(func=cmd_get)
-
-    p = sub.add_parser("logs", help="the trainer's log on this node", formatter_class=Help,
-                       description="Print the trainer's log for a job run on this node (progress every 5% "
-                       "of the steps, checkpoints, warnings).\n\nexample:\n"
-                       "  grpo-run logs tiny-arithmetic -f")
-    p.add_argument("name", help="the job")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job stops")
-    p.set_defaults(func=cmd_logs)
-
-    p = sub.add_parser("export", help="write the final (or latest) adapter as standard PEFT files",
-                       formatter_class=Help, description="Write the job's final adapter (or, before it "
-                       "finished, the newest durable checkpoint's) as standard PEFT files "
-                       "(adapter_config.json, adapter_model.safetensors).\n\nexample:\n"
-                       "  grpo-run export tiny-arithmetic --out ./adapter\n"
-                       "  python -c \"from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')\"")
-    p.add_argument("name", help="the job")
-    p.add_argument("--storage", help="storage URL (default: $GRPO_RUN_HOME/store)")
-    p.add_argument("--out", required=True, help="folder to write (created)")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("tiny-model", help="build the tiny local demo model (tiny:char) into a folder",
-                       formatter_class=Help, description="Build a tiny Qwen3-style causal LM with a character "
-                       "tokenizer, saved with save_pretrained, for trying grpo-run without downloads.\n\n"
-                       "example:\n  grpo-run tiny-model --out ./tiny-model")
-    p.add_argument("--out", required=True, help="folder to write")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
-    p.set_defaults(func=cmd_tiny_model)
-    return parser
-
-
-def _configure_logging(verbose: bool) -> None:
-    from trainer.logs import quiet_libraries
-
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    quiet_libraries()
-
+# --- entry point ---------------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _configure_logging(args.verbose)
-    logging.getLogger("trainer").setLevel(logging.INFO)
-    logging.getLogger("runner").setLevel(logging.INFO)
+    """Run one command (argv: default sys.argv[1:]) and return its exit status, which the console script
+    exits with; --help returns EXIT_OK and a usage error EXIT_USAGE (never SystemExit, as argparse did)."""
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
+        return cli.main(args=None if argv is None else list(argv), prog_name="grpo-run", standalone_mode=False)
+    except click.UsageError as e:
+        e.show()
+        return EXIT_USAGE
+    except click.Abort:                 # Ctrl-C; click has already ended the ^C line on stderr
         _error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`status.estimate` for `grpo-run apply --dry-run` (SPEC §3, §6): what a job will cost and
 whether it fits its GPU, before anything is spent.
 
-The numbers come from `runner.estimate` (memory from the model's config.json alone, cost from
-the GPU table). This module finds the inputs -- the model's config, the user's overrides, the
-user's own measured step times -- and shapes the answer:
+The numbers come from `runner.memory` (memory from the model's config.json alone) and
+`runner.estimate` (cost from the GPU table). This module finds the inputs -- the model's config,
+the user's overrides, the user's own measured step times -- and shapes the answer:
 
     model_config(job.model)                  config.json as a dict (no weights, no network)
     estimate(job)                            the status.estimate dict
@@ -23,16 +23,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from checkpoint.fsio import atomic_write_text
-from runner.estimate import (
-    ACTIVATION_KV_MULTIPLE,
-    GPUS,
-    USABLE_MEMORY_FRACTION,
-    cost_estimate,
-    lookup_gpu,
-    memory_estimate,
-    needed_gb,
-)
+from runner.estimate import GPUS, cost_estimate, lookup_gpu
 from runner.job import TrainingJob
+from runner.memory import USABLE_MEMORY_FRACTION, memory_estimate
 from trainer.tinymodel import ensure_model, grpo_run_home, is_tiny
 
 log = logging.getLogger(__name__)
@@ -219,6 +212,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         # not counted (their length is the environment's, unknown here); SPEC §3 counts the same.
         num_generations=p.numGenerations,
         max_completion_length=p.maxCompletionLength,
+        prompts_per_step=p.promptsPerStep,
+        micro_batch_size=p.microBatchSize,
+        gradient_checkpointing=p.gradientCheckpointing,
         gpu=job.gpu,
     )
     out: dict[str, Any] = {
@@ -276,8 +272,8 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     if gpu is None or memory.get("fits") is not False:
         return None
     card = lookup_gpu(gpu)
-    total, kv = memory["totalGB"], memory["kvCacheGB"]
-    need = needed_gb(total, kv)
+    total, need = memory["totalGB"], memory["neededGB"]
+    sampling, update = memory["samplingGB"], memory["updateGB"]
     usable = card.memory_gb * USABLE_MEMORY_FRACTION
     method = estimate.get("method")
     bigger = [g.name for g in GPUS.values() if need <= g.memory_gb * USABLE_MEMORY_FRACTION]
@@ -289,9 +285,12 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     elif method == "LoRA":
         options.append("use method: QLoRA (a 4-bit base, about a quarter of the "
                        f"{memory['weightsGB']:.1f} GB of weights)")
-    if kv > 0:
-        options.append("lower numGenerations or maxCompletionLength (the KV cache and activations "
-                       "grow with the group's tokens)")
+    if sampling >= update and sampling > 0:
+        options.append("lower promptsPerStep, numGenerations or maxCompletionLength (sampling holds the KV "
+                       "cache of every completion of the step at once)")
+    elif update > 0:
+        options.append(f"lower microBatchSize (now {memory['microBatchSize']}) or maxCompletionLength (the "
+                       "update holds one micro-batch's logits and activations)")
     if bigger:
         options.append("choose a bigger GPU: " + _or(bigger) + (" fits" if len(bigger) == 1 else " fit")
                        + " as is")
@@ -300,10 +299,10 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
                        "usable)")
     return (
         f"{gpu} cannot hold this run: it needs about {need:.1f} GB ({total:.1f} GB of weights, "
-        f"trainable state and reference + {kv:.1f} GB of KV cache for one group + "
-        f"{kv * ACTIVATION_KV_MULTIPLE:.1f} GB of activations, {ACTIVATION_KV_MULTIPLE}x the KV "
-        f"cache), and {gpu} has {usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of "
-        f"{card.memory_gb:.0f} GB). Nothing was started. To fit: " + "; ".join(options) + "."
+        f"trainable state and reference + the larger of {sampling:.1f} GB of KV cache while sampling "
+        f"and {update:.1f} GB for the update of a micro-batch of {memory['microBatchSize']}), and {gpu} has "
+        f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card.memory_gb:.0f} GB). "
+        "Nothing was started. To fit: " + "; ".join(options) + "."
     )
 
 

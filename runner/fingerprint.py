@@ -44,13 +44,19 @@ def reward_identity(ref: str) -> str:
 
 def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
     """sha256 over everything the baseline evaluation depends on: the model's identity, the
-    environment's reward and eval tasks, the generation settings, the batching and the seed."""
+    environment's rewards (with their weights) and eval tasks, the generation settings, the batching and the seed."""
     payload = {
         "model": model_identity(model), "method": p.method, "environment": env.name,
-        "reward": reward_identity(env.reward_ref), "evalTasks": list(env.eval_tasks),
+        "rewards": [[r.name, reward_identity(r.ref), r.weight] for r in env.rewards],
+        "evalTasks": list(env.eval_tasks),
         "maxCompletionLength": p.maxCompletionLength, "evalTemperature": p.evalTemperature,
         "evalBatchSize": p.evalBatchSize, "seed": p.seed,
+        # how prompts are rendered and completions end
+        "systemPrompt": p.systemPrompt, "chatTemplateKwargs": p.chatTemplateKwargs,
+        "repetitionPenalty": p.repetitionPenalty, "stopStrings": list(p.stopStrings),
     }
+    if p.evalTemperature > 0:           # greedy evaluation draws nothing: top-k / top-p do not matter
+        payload.update(topK=p.topK, topP=p.topP)
     return _sha(payload)
 
 

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runner.notices import DEFAULT_REQUEST_TIMEOUT_S, MAX_GCP_LONG_POLL_S, Notice, Source, Watcher
+from runner.notices import CLOUDS, DEFAULT_REQUEST_TIMEOUT_S, MAX_GCP_LONG_POLL_S, Notice, Source, Watcher
 
 __all__ = ["AWS_METADATA_URL_ENV", "AZURE_METADATA_URL_ENV", "CLOUDS", "GCP_METADATA_URL_ENV",
            "AwsWatcher", "AzureWatcher", "GcpWatcher", "make_watchers"]
@@ -38,8 +38,6 @@ _DEFAULT_URLS = {
     GCP_METADATA_URL_ENV: "http://metadata.google.internal",
     AZURE_METADATA_URL_ENV: "http://169.254.169.254",
 }
-
-CLOUDS: tuple[str, ...] = ("aws", "gcp", "azure")
 
 
 # --- HTTP ---------------------------------------------------------------------------------------

@@ -25,10 +25,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
-__all__ = ["DEFAULT_POLL_INTERVAL_S", "DEFAULT_REQUEST_TIMEOUT_S", "MAX_POLL_INTERVAL_S", "Notice",
-           "NoticeMonitor", "Watcher", "install_signal_handlers"]
+__all__ = ["CLOUDS", "DEFAULT_POLL_INTERVAL_S", "DEFAULT_REQUEST_TIMEOUT_S", "MAX_POLL_INTERVAL_S",
+           "Notice", "NoticeMonitor", "Watcher", "install_signal_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ DEFAULT_REQUEST_TIMEOUT_S = 1.0
 # A GCP long poll hangs at most this long, so that stopping a monitor is prompt.
 MAX_GCP_LONG_POLL_S = 2
 
-Source = Literal["aws", "gcp", "azure", "signal"]
+Cloud = Literal["aws", "gcp", "azure"]  # the clouds whose metadata services runner.metadata asks
+CLOUDS: tuple[Cloud, ...] = get_args(Cloud)
+Source = Literal[Cloud, "signal"]
 Kind = Literal["preempt", "rebalance"]
 
 

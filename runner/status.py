@@ -6,12 +6,18 @@ from typing import Any
 
 from state.record import Record
 
-EVAL_KEYS = ("meanReward", "tasks", "solved", "runs", "source", "batches", "reusedBatches")
+EVAL_KEYS = ("meanReward", "rewards", "tasks", "solved", "runs", "source", "batches", "reusedBatches")
 
 
 def _eval(record: Record, kind: str) -> dict[str, Any] | None:
     ev = record.eval(kind)
     return None if ev is None else {k: ev[k] for k in EVAL_KEYS if k in ev}
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    return round(v, 4) if isinstance(v, float) else v
 
 
 def job_status(record: Record) -> dict[str, Any]:
@@ -25,6 +31,8 @@ def job_status(record: Record) -> dict[str, Any]:
         status["baseline"] = baseline
     if final:
         status["final"] = final
+    if record.value("heldOut"):
+        status["heldOut"] = record.value("heldOut")     # every evalSteps, while training
     diagnostics: dict[str, Any] = {}
     if record.value("rewardSignal") is not None:
         diagnostics["rewardSignal"] = record.value("rewardSignal")
@@ -34,7 +42,7 @@ def job_status(record: Record) -> dict[str, Any]:
         status["diagnostics"] = diagnostics
     if steps:
         last = steps[-1]
-        status["lastStep"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in last.items()}
+        status["lastStep"] = {k: _rounded(v) for k, v in last.items()}
     ckpts = record.checkpoints()
     durable = [c["step"] for c in ckpts if c["durable"]]
     status["checkpoints"] = {"latest": ckpts[-1]["step"] if ckpts else None,

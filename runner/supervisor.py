@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from checkpoint.fenced import FencedStore
 from checkpoint.fsio import atomic_write_bytes
 from checkpoint.lease import Lease, LeaseHeld, LeaseLost
 from checkpoint.manifest import newest_sealed, sealed
 from checkpoint.procs import python_env
+from checkpoint.retry import backoff, nth_wait
 from checkpoint.store import StorageConfigError, StorageUnavailable, Store
 from checkpoint.sync import Uploader, restore_latest
 from runner.books import Books
@@ -78,7 +80,7 @@ class RestartLimits:
     restarted: the same input fails the same way."""
     crashes: int = 3            # the trainer process died or raised unexpectedly
     infrastructure: int = 5     # object storage unavailable past its own retries
-    backoff_s: float = 2.0      # doubled after each restart, at most 60 s
+    backoff_s: float = 2.0      # doubled after each restart, at most 60 s (plus jitter: checkpoint.retry)
 
 
 @dataclass
@@ -144,6 +146,9 @@ class Supervisor:
         except LeaseHeld as e:
             return SupervisorResult(EXIT_HELD, "Held", str(e))
         lease.start_renewing(on_lost=self._lease_lost)
+        # Every upload from here on (checkpoints, prunes, the record, the final weights) checks
+        # that the lease is still ours right before it starts: a stale holder writes nothing.
+        self.store = FencedStore(self.store, lease)
         if faults.wanted():
             faults.arm_uploads(self.store)
         try:
@@ -152,6 +157,9 @@ class Supervisor:
             self.uploads = Uploader(self.store, "checkpoints", keep=self.spec.keep_checkpoints,
                                     on_upload=self._uploaded)
             return self._supervise()
+        except LeaseLost as e:     # an upload found the job taken over: it belongs to another node now
+            log.error("%s", e)
+            return SupervisorResult(EXIT_HELD, "Held", str(e))
         finally:
             if self.uploads is not None:
                 self.uploads.close()
@@ -167,7 +175,7 @@ class Supervisor:
         threading.Thread(target=lambda: (self.preempt.wait(), self._wake.set()), name="notice-wake",
                          daemon=True).start()
         restarts = {"crashes": 0, "infrastructure": 0}
-        backoff = self.limits.backoff_s
+        wait = backoff(self.limits.backoff_s, 60.0)    # tenacity's exponential wait + jitter, as storage's
         try:
             with monitor:
                 self.books.close_dangling_attempts()
@@ -181,10 +189,10 @@ class Supervisor:
                             message = f"{why}; {why.kind} restart limit ({limit}) reached"
                             self._end(Phase.FAILED, "Crashed", message, restart_limit=why.kind)
                             return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
+                        delay = nth_wait(wait, sum(restarts.values()))
                         log.warning("%s; restart %d of %d (%s) in %.0f s", why, restarts[why.kind], limit,
-                                    why.kind, backoff)
-                        self._sleep(backoff)
-                        backoff = min(backoff * 2, 60.0)
+                                    why.kind, delay)
+                        self._sleep(delay)
                         if self.preempt.is_set():
                             self._end(Phase.PREEMPTED, "Preempted", f"notice from {_source(monitor)} between attempts")
                             return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=_source(monitor),
@@ -313,6 +321,8 @@ class Supervisor:
     def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
         """From the upload thread, after each upload ended."""
         self._note_durable(durable)
+        if isinstance(error, LeaseLost):       # refused by the fence before the renewal thread said so
+            self._lease_lost(error)
         if isinstance(error, StorageConfigError) and self._fatal is None:
             self._fatal = error
             log.error("%s; stopping the trainer", error)
@@ -406,6 +416,8 @@ class Supervisor:
             books.add_eval_batch(ev["kind"], self._fingerprints[ev["kind"]], ev["batch"], ev["rewards"])
         elif kind == "eval":
             books.record_eval(ev["kind"], ev["result"], self._fingerprints[ev["kind"]], no_signal=ev["noSignal"])
+        elif kind == "heldOut":
+            books.add_held_out(ev["step"], ev["result"])
         elif kind == "started":
             books.record.set_value("device", ev["device"])
         elif kind in ("stopped", "failed", "final"):

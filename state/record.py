@@ -51,6 +51,8 @@ class Phase(str, enum.Enum):
 
 _ACTIVE = (Phase.BASELINE_EVAL, Phase.TRAINING, Phase.FINAL_EVAL)
 _STOPPED = (Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED)
+STOPPED = _STOPPED                                      # ended without succeeding: resume may continue it
+TERMINAL = (Phase.SUCCEEDED, *_STOPPED)                 # no attempt is running
 
 # Allowed moves (besides staying in the same phase, always allowed: a resumed attempt re-enters
 # the phase a hard kill left recorded, and the message may change).

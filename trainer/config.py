@@ -1,15 +1,20 @@
-"""The trainer's parameters: a frozen dataclass that knows its YAML names, defaults and limits.
+"""The trainer's parameters: frozen pydantic models that know their YAML names, defaults and limits.
 
-`spec.parameters` of a TrainingJob is parsed here. Every problem is collected and reported
-together, each naming the field, what was given and what is allowed, e.g.
+`spec.parameters` of a TrainingJob is validated here (pydantic v2, strict types, unknown keys
+forbidden). `problems_in` turns a ValidationError into the house error format, one line per
+problem, each naming the field, what was given and what is allowed, e.g.
 `spec.parameters.numGenerations: must be >= 2 (got 1): GRPO needs a group to compare`.
 """
 
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+import typing
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 METHODS = ("LoRA", "QLoRA", "Full")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -17,198 +22,289 @@ STD_CONVENTIONS = ("sample", "population")
 SCHEDULERS = ("constant", "linear", "cosine")
 
 
-@dataclass(frozen=True)
-class LoraParams:
-    r: int = 8
+# Elements of one chunk of logits upcast to fp32 at a time by the selective log-softmax (256 MB);
+# with Qwen3's 151,936-token vocabulary that is ~440 token positions.
+LOGPROB_CHUNK_ELEMENTS = 2**26
+# The share of a device one micro-batch's logits and their gradient may take when
+# microBatchSize is left to the trainer: a quarter of a GPU, 2 GiB of a CPU's memory.
+GPU_LOGITS_SHARE = 0.25
+CPU_LOGITS_BYTES = 2 * 1024**3
+
+
+def default_micro_batch(completions: int, logit_positions: int, vocab: int, itemsize: int,
+                        device_bytes: int | None) -> int:
+    """Completions per forward/backward when the job leaves microBatchSize out: as many as keep
+    one micro-batch's logits and their gradient (2 x positions x vocab x itemsize bytes per
+    completion) within GPU_LOGITS_SHARE of a GPU of `device_bytes`, or CPU_LOGITS_BYTES on a CPU
+    (device_bytes None). Depends on the device's size, not its free memory, so every node of the
+    same kind picks the same size and a resumed run replays the same arithmetic."""
+    budget = int(device_bytes * GPU_LOGITS_SHARE) if device_bytes else CPU_LOGITS_BYTES
+    return max(1, min(completions, budget // (2 * logit_positions * vocab * itemsize)))
+
+
+class Strict(BaseModel):
+    """A frozen model whose fields take only their own types (YAML's `true` is never a count,
+    "3" is never a number) and whose unknown keys are errors: a typo is never silently ignored."""
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+def problem(text: str) -> PydanticCustomError:
+    """An error in the house format, raised from a validator: `text` is the whole message."""
+    return PydanticCustomError("problem", "{text}", {"text": text})
+
+
+def problems_at(title: str, found: list[tuple[tuple[str, ...], str]],
+                also: list[Any] = ()) -> ValidationError:
+    """Several problems at once from one validator, each at its own field (a location relative to
+    the model being validated), after those pydantic already found (`also`, `ValidationError.errors()`)."""
+    details: list[InitErrorDetails] = []
+    for err in also:
+        custom = err["type"] == "problem"
+        detail = InitErrorDetails(type=problem(err["msg"]) if custom else err["type"], loc=err["loc"],
+                                  input=err.get("input"))
+        if "ctx" in err and not custom:
+            detail["ctx"] = err["ctx"]
+        details.append(detail)
+    details += [InitErrorDetails(type=problem(text), loc=loc, input=None) for loc, text in found]
+    return ValidationError.from_exception_data(title, details)
+
+
+class LoraParams(Strict):
+    r: int = Field(8, ge=1)
     alpha: float | None = None          # None: 2 x r
-    dropout: float = 0.0
+    dropout: float = Field(0.0, ge=0, le=0.99)
     targetModules: str | tuple[str, ...] = "all-linear"
+
+    @field_validator("targetModules", mode="before")
+    @classmethod
+    def _modules(cls, v: Any) -> Any:
+        if v == "all-linear":
+            return v
+        if isinstance(v, (list, tuple)) and v and all(isinstance(x, str) and x for x in v):
+            return tuple(v)
+        raise problem(f"must be \"all-linear\" or a list of module names like [q_proj, v_proj] (got {fmt(v)})")
 
     @property
     def scaling_alpha(self) -> float:
         return self.alpha if self.alpha is not None else 2.0 * self.r
 
 
-@dataclass(frozen=True)
-class GRPOParams:
+class GRPOParams(Strict):
     """`spec.parameters`. Names are the YAML names (camelCase), as users write them."""
-    numGenerations: int = 4            # G, completions per prompt
-    beta: float = 0.0                  # KL coefficient; 0 loads/computes no reference at all
-    maxCompletionLength: int = 64      # tokens per completion
-    lora: LoraParams = field(default_factory=LoraParams)
-    method: str = "LoRA"               # LoRA | QLoRA | Full
-    saveSteps: int = 25                # checkpoint every N steps
-    maxSteps: int = 200                # training steps
-    learningRate: float = 1e-5
-    temperature: float = 1.0           # sampling temperature during training
-    promptsPerStep: int = 8            # B, prompts per step (B x G completions)
-    epsilon: float = 0.2               # PPO clip range
-    numIterations: int = 1             # updates per generated batch (mu); >1 makes clipping bite
-    lossType: str = "grpo"             # grpo | dapo | dr_grpo
-    advantageStd: str = "sample"       # sample (n-1, as TRL) | population (n)
+    numGenerations: int = Field(4, ge=2, json_schema_extra={"why": "GRPO needs a group to compare"})  # G
+    beta: float = Field(0.0, ge=0)     # KL coefficient; 0 loads/computes no reference at all
+    maxCompletionLength: int = Field(64, ge=1)   # tokens per completion
+    maskTruncatedCompletions: bool = False       # DAPO: completions cut at maxCompletionLength get no loss (still scored)
+    systemPrompt: str | None = Field(None, min_length=1)  # prepended as a system message (unless a task has its own)
+    chatTemplateKwargs: dict[str, Any] = Field(default_factory=dict, json_schema_extra={"like": "{enable_thinking: false}"})
+    lora: LoraParams = Field(default_factory=LoraParams, json_schema_extra={"like": "{r: 8}"})
+    method: Literal[METHODS] = "LoRA"
+    saveSteps: int = Field(25, ge=1)   # checkpoint every N steps
+    maxSteps: int = Field(200, ge=1)   # training steps
+    learningRate: float = Field(1e-5, gt=0)
+    temperature: float = Field(1.0, gt=0)        # sampling temperature during training
+    topP: float = Field(1.0, gt=0, le=1)         # nucleus sampling: the most likely tokens up to this mass (1 = off)
+    topK: int = Field(0, ge=0)                   # sample among the K most likely tokens (0 = off)
+    repetitionPenalty: float = Field(1.0, gt=0)  # > 1 discourages tokens already in the prompt or completion (HF's)
+    stopStrings: tuple[str, ...] = ()            # a completion ends at the token that completes one (kept in the text)
+    promptsPerStep: int = Field(8, ge=1)         # B, prompts per step (B x G completions)
+    microBatchSize: int | None = Field(None, ge=1)  # completions per forward/backward (None: from the model and device)
+    epsilon: float = Field(0.2, ge=0, le=1)      # PPO clip range
+    numIterations: int = Field(1, ge=1)          # updates per generated batch (mu); >1 makes clipping bite
+    lossType: Literal[LOSS_TYPES] = "grpo"
+    advantageStd: Literal[STD_CONVENTIONS] = "sample"   # sample (n-1, as TRL) | population (n)
     seed: int = 0
-    trainTasks: int | None = None      # catalog environments: train tasks (None: the environment's default)
-    evalTasks: int | None = None       # catalog environments: held-out tasks (None: the environment's default)
-    evalTemperature: float = 0.0       # 0 = greedy decoding for evaluation
-    evalBatchSize: int = 64            # held-out tasks per evaluation batch (a stopped evaluation resumes by batch)
+    trainTasks: int | None = Field(None, ge=1)   # catalog environments: train tasks (None: the environment's default)
+    evalTasks: int | None = Field(None, ge=1)    # catalog environments: held-out tasks (None: the environment's default)
+    evalTemperature: float = Field(0.0, ge=0)    # 0 = greedy decoding for evaluation
+    evalSteps: int | None = Field(None, ge=1)    # held-out evaluation every N training steps too (None: only before and after)
+    evalBatchSize: int = Field(64, ge=1)         # held-out tasks per evaluation batch (a stopped evaluation resumes by batch)
     gradientCheckpointing: bool = True
-    maxGradNorm: float = 1.0
-    weightDecay: float = 0.0
-    warmupSteps: int = 0
-    lrScheduler: str = "constant"      # constant | linear | cosine
-    rewardTimeoutSeconds: float = 10.0  # per completion, in the grader
-    rewardMemoryMB: int = 2048          # grader process memory limit
-    rewardRetries: int = 2              # extra tries after a reward-function failure
+    maxGradNorm: float = Field(1.0, gt=0)
+    weightDecay: float = Field(0.0, ge=0)
+    warmupSteps: int = Field(0, ge=0)
+    lrScheduler: Literal[SCHEDULERS] = "constant"
+    rewardTimeoutSeconds: float = Field(10.0, gt=0)   # per completion, in the grader
+    rewardMemoryMB: int = Field(2048, ge=64)          # grader process memory limit
+    rewardRetries: int = Field(2, ge=0)               # extra tries after a reward-function failure
+
+    @field_validator("stopStrings", mode="before")
+    @classmethod
+    def _stop_strings(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)) and all(isinstance(x, str) and x for x in v):
+            return tuple(v)
+        raise problem(f"must be a list of non-empty strings like [\"</answer>\"] (got {fmt(v)})")
+
+    @field_validator("chatTemplateKwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v: Any) -> Any:
+        # They travel to the trainer as JSON (trainer.run.Plan): only what JSON keeps as it is.
+        if not isinstance(v, dict):
+            return v                                  # pydantic's own "must be a mapping"
+        for key, value in v.items():
+            if not isinstance(key, str):
+                raise problem(f"keys must be strings (got {fmt(key)})")
+            if key in TEMPLATE_OWN_ARGUMENTS:
+                raise problem(f"{key} is set by the trainer itself; remove it (template arguments only, "
+                              "e.g. {enable_thinking: false})")
+            if not _json_like(value):
+                raise problem(f"{key}: must be text, a number, true/false, null, or a list or mapping of "
+                              f"those (got {fmt(value)})")
+        return {k: _plain(x) for k, x in v.items()}
 
 
-Check = Callable[[Any], str | None]
+# Arguments of tokenizer.apply_chat_template that the trainer sets (or that change what it returns).
+TEMPLATE_OWN_ARGUMENTS = ("conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                          "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+                          "max_length", "tokenizer_kwargs")
 
 
-def _at_least(lo: float) -> Check:
-    return lambda v: None if v >= lo else f"must be >= {lo}"
+def _json_like(v: Any) -> bool:
+    if v is None or isinstance(v, (str, bool, int)):
+        return True
+    if isinstance(v, float):
+        return v == v and abs(v) != float("inf")
+    if isinstance(v, (list, tuple)):
+        return all(_json_like(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _json_like(x) for k, x in v.items())
 
 
-def _above(lo: float) -> Check:
-    return lambda v: None if v > lo else f"must be > {lo}"
+def _plain(v: Any) -> Any:
+    """A JSON-like value with tuples as lists: as it comes back from JSON or YAML."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
-def _within(lo: float, hi: float) -> Check:
-    return lambda v: None if lo <= v <= hi else f"must be between {lo} and {hi}"
+# --- errors in the house format ---------------------------------------------------------------------
+
+_TYPES = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be true or false",
+          "string_type": "must be a string"}
 
 
-def _one_of(choices: tuple[str, ...]) -> Check:
-    return lambda v: None if v in choices else "must be one of " + ", ".join(choices)
-
-
-CHECKS: dict[str, Check] = {
-    "numGenerations": _at_least(2),
-    "beta": _at_least(0),
-    "maxCompletionLength": _at_least(1),
-    "method": _one_of(METHODS),
-    "saveSteps": _at_least(1),
-    "maxSteps": _at_least(1),
-    "learningRate": _above(0),
-    "temperature": _above(0),
-    "promptsPerStep": _at_least(1),
-    "epsilon": _within(0, 1),
-    "numIterations": _at_least(1),
-    "lossType": _one_of(LOSS_TYPES),
-    "advantageStd": _one_of(STD_CONVENTIONS),
-    "trainTasks": _at_least(1),
-    "evalTasks": _at_least(1),
-    "evalTemperature": _at_least(0),
-    "evalBatchSize": _at_least(1),
-    "maxGradNorm": _above(0),
-    "weightDecay": _at_least(0),
-    "warmupSteps": _at_least(0),
-    "lrScheduler": _one_of(SCHEDULERS),
-    "rewardTimeoutSeconds": _above(0),
-    "rewardMemoryMB": _at_least(64),
-    "rewardRetries": _at_least(0),
-}
-# Why a limit exists, where it is not obvious; appended after the value given.
-WHY = {"numGenerations": "GRPO needs a group to compare"}
-LORA_CHECKS: dict[str, Check] = {"r": _at_least(1), "dropout": _within(0, 0.99)}
-
-
-def type_name(t: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(t, str(t))
-
-
-def coerce(value: Any, t: Any) -> tuple[Any, str | None]:
-    """Value as type t, or an error. YAML's ints are accepted where numbers are wanted; bools never
-    pass as numbers (`true` for a step count is a mistake, not 1)."""
-    if t is bool:
-        return (value, None) if isinstance(value, bool) else (None, "must be true or false")
-    if isinstance(value, bool):
-        return None, f"must be {type_name(t)}"
-    if t is int:
-        return (value, None) if isinstance(value, int) else (None, "must be an integer")
-    if t is float:
-        return (float(value), None) if isinstance(value, (int, float)) else (None, "must be a number")
-    if t is str:
-        return (value, None) if isinstance(value, str) else (None, "must be a string")
-    raise TypeError(t)
-
-
-def unknown_keys(raw: Mapping[str, Any], known: list[str], where: str) -> list[str]:
-    problems = []
-    for key in raw:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean {close[0]}?" if close else "; allowed: " + ", ".join(known)
-            problems.append(f"{where}.{key}: unknown field{hint}")
-    return problems
-
-
-def _fmt(v: Any) -> str:
+def fmt(v: Any) -> str:
+    """A value as the user wrote it: strings quoted, YAML's booleans lower-case."""
     return repr(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def parse_lora(raw: Any, where: str, problems: list[str]) -> LoraParams:
-    if raw is None:
-        return LoraParams()
-    if not isinstance(raw, Mapping):
-        problems.append(f"{where}: must be a mapping like {{r: 8}} (got {_fmt(raw)})")
-        return LoraParams()
-    names = [f.name for f in fields(LoraParams)]
-    problems += unknown_keys(raw, names, where)
-    values: dict[str, Any] = {}
-    for key, t in (("r", int), ("alpha", float), ("dropout", float)):
-        if key in raw:
-            v, err = coerce(raw[key], t)
-            err = err or LORA_CHECKS.get(key, lambda _: None)(v)
-            if err:
-                problems.append(f"{where}.{key}: {err} (got {_fmt(raw[key])})")
-            else:
-                values[key] = v
-    if "targetModules" in raw:
-        tm = raw["targetModules"]
-        if tm == "all-linear":
-            values["targetModules"] = tm
-        elif isinstance(tm, list) and tm and all(isinstance(x, str) for x in tm):
-            values["targetModules"] = tuple(tm)
+def _num(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def _field(root: type[BaseModel], loc: tuple) -> tuple[type[BaseModel] | None, Any]:
+    """The model holding the field at `loc` (under `root`) and that field's FieldInfo (or None)."""
+    model: type[BaseModel] | None = root
+    info = None
+    for i, part in enumerate(loc):
+        if model is None or part not in model.model_fields:
+            return model if i == len(loc) - 1 else None, None
+        info = model.model_fields[part]
+        if i < len(loc) - 1:
+            model = _model_of(info.annotation)
+    return model, info
+
+
+def _choices(annotation: Any) -> list[str]:
+    """The values a Literal (or an optional Literal) allows, in order."""
+    if typing.get_origin(annotation) is Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return [c for a in typing.get_args(annotation) for c in _choices(a)]
+
+
+def _extra(info: Any, key: str) -> str | None:
+    extra = info.json_schema_extra if info is not None and isinstance(info.json_schema_extra, dict) else {}
+    return extra.get(key)
+
+
+def _bounds(info: Any) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for m in info.metadata if info is not None else ():
+        for name in ("ge", "gt", "le", "lt"):
+            if isinstance(m, getattr(annotated_types, name.capitalize())):
+                found[name] = getattr(m, name)
+    return found
+
+
+def _message(err: dict[str, Any], root: type[BaseModel]) -> str | None:
+    kind, loc, got = err["type"], tuple(err["loc"]), err.get("input")
+    holder, info = _field(root, loc)
+    if kind == "problem":
+        return err["msg"]
+    if kind == "extra_forbidden":
+        known = list(holder.model_fields) if holder is not None else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        return "unknown field" + (f"; did you mean {close[0]}?" if close else "; allowed: " + ", ".join(known))
+    if kind == "missing":
+        return "required" + (f": {_extra(info, 'required')}" if _extra(info, "required") else "")
+    if kind in _TYPES:
+        text = _TYPES[kind]
+        if kind == "float_type" and isinstance(got, str):
+            try:
+                float(got)
+                text += f" (got {fmt(got)}): YAML reads {got} as text; write it with a dot, e.g. 1.0e-5"
+                return text
+            except ValueError:
+                pass
+    elif kind == "literal_error":
+        text = "must be one of " + ", ".join(_choices(info.annotation if info is not None else None))
+    elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        b = _bounds(info)
+        if "ge" in b and "le" in b:
+            text = f"must be between {_num(b['ge'])} and {_num(b['le'])}"
         else:
-            problems.append(f"{where}.targetModules: must be \"all-linear\" or a list of module names like [q_proj, v_proj] (got {_fmt(tm)})")
-    return LoraParams(**values)
+            op, bound = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+                         "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}[kind]
+            text = f"must be {op} {_num(err['ctx'][bound])}"
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        like = _extra(info, "like")
+        text = "must be a mapping" + (f" like {like}" if like else "")
+    else:
+        text = err["msg"][0].lower() + err["msg"][1:]
+    why = _extra(info, "why")
+    return f"{text} (got {fmt(got)})" + (f": {why}" if why else "")
+
+
+def problems_in(error: ValidationError, where: str, root: type[BaseModel]) -> list[str]:
+    """`error` (from validating `root` at `where`) as one line per problem, in the house format."""
+    out: list[str] = []
+    for err in error.errors(include_url=False):
+        path = ".".join([where, *map(str, err["loc"])] if where else map(str, err["loc"]))
+        line = f"{path}: {_message(err, root)}"
+        if line not in out:
+            out.append(line)
+    return out
 
 
 def parse_parameters(raw: Any, where: str, problems: list[str]) -> GRPOParams:
-    """`spec.parameters` -> GRPOParams; problems are appended, never raised."""
+    """`spec.parameters` -> GRPOParams; problems are appended, never raised (the defaults stand in
+    for fields that had one, so later checks still see the rest)."""
     if raw is None:
         return GRPOParams()
-    if not isinstance(raw, Mapping):
-        problems.append(f"{where}: must be a mapping of parameters (got {_fmt(raw)})")
+    if not isinstance(raw, dict):
+        problems.append(f"{where}: must be a mapping of parameters (got {fmt(raw)})")
         return GRPOParams()
-    names = [f.name for f in fields(GRPOParams)]
-    problems += unknown_keys(raw, names, where)
-    values: dict[str, Any] = {}
-    types = {f.name: f.type for f in fields(GRPOParams)}
-    for key, value in raw.items():
-        if key not in names:
-            continue
-        if key == "lora":
-            values["lora"] = parse_lora(value, f"{where}.lora", problems)
-            continue
-        t = {"int": int, "int | None": int, "float": float, "str": str, "bool": bool}[types[key]]
-        v, err = coerce(value, t)
-        err = err or CHECKS.get(key, lambda _: None)(v)
-        if err:
-            why = f": {WHY[key]}" if key in WHY else ""
-            problems.append(f"{where}.{key}: {err} (got {_fmt(value)}){why}")
-        else:
-            values[key] = v
-    return GRPOParams(**values)
+    try:
+        return GRPOParams.model_validate(raw)
+    except ValidationError as e:
+        problems += problems_in(e, where, GRPOParams)
+        bad = {err["loc"][0] for err in e.errors()}
+        return GRPOParams.model_validate({k: v for k, v in raw.items() if k not in bad})
 
 
 def to_yaml_dict(params: GRPOParams) -> dict[str, Any]:
     """The parameters as a user would write them (every default filled in)."""
-    out: dict[str, Any] = {}
-    for f in fields(params):
-        v = getattr(params, f.name)
-        if isinstance(v, LoraParams):
-            v = {"r": v.r, "alpha": v.scaling_alpha, "dropout": v.dropout,
-                 "targetModules": v.targetModules if isinstance(v.targetModules, str) else list(v.targetModules)}
-        if v is not None:       # None: "the environment's default", written by leaving it out
-            out[f.name] = v
+    out = params.model_dump(exclude_none=True)   # None: "the environment's default", written by leaving it out
+    lora = params.lora
+    out["lora"] = {"r": lora.r, "alpha": lora.scaling_alpha, "dropout": lora.dropout,
+                   "targetModules": lora.targetModules if isinstance(lora.targetModules, str) else list(lora.targetModules)}
+    out["stopStrings"] = list(params.stopStrings)
     return out

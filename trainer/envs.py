@@ -1,12 +1,16 @@
 """Environments: tasks to train and evaluate on, and the reward that scores a completion.
 
-An environment is data (train tasks, held-out eval tasks) plus a reward function named by a
-`module:function` (or `file.py:function`) reference, because rewards are computed in the
-grader's own process, never in the trainer's. A reward has the signature
-`reward(completion: str, task: dict) -> float`; every task is a JSON object with a `prompt`.
+An environment is data (train tasks, held-out eval tasks) plus one or more reward functions,
+each named by a `module:function` (or `file.py:function`) reference and weighted, because
+rewards are computed in the grader's own process, never in the trainer's. A reward has the
+signature `reward(completion: str, task: dict) -> float`; the step's reward of a completion is
+the weighted sum. Every task is a JSON object with a `prompt`: a string, or a list of chat
+messages (`{"role": ..., "content": ...}`) that the tokenizer's chat template renders.
 
-Catalog environments generate their tasks deterministically from a seed, train and eval from
-disjoint sets, so the held-out score is honest.
+Catalog environments make their tasks deterministically from a seed, train and eval from
+disjoint sets, so the held-out score is honest. `arithmetic` and `graph-coloring` speak a
+compact format only the tiny demo model answers; `gsm8k` is GSM8K in natural language, for real
+instruct models, loaded with `datasets` (from the hub, or offline from `dataFiles`).
 """
 
 from __future__ import annotations
@@ -15,18 +19,36 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 Task = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class Reward:
+    name: str          # how metrics and the record name it
+    ref: str           # "module:function" or "/path/file.py:function", run by the grader
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class Environment:
     name: str
-    reward_ref: str                  # "module:function" or "/path/file.py:function", run by the grader
+    rewards: tuple[Reward, ...]      # the first is the primary one: `solved` counts its 1.0s
     train_tasks: tuple[Task, ...]
     eval_tasks: tuple[Task, ...]
     search_path: tuple[str, ...] = ()  # prepended to sys.path in the grader for user modules
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "rewards": [[r.name, r.ref, r.weight] for r in self.rewards],
+                "train_tasks": list(self.train_tasks), "eval_tasks": list(self.eval_tasks),
+                "search_path": list(self.search_path)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Environment":
+        return cls(name=d["name"], rewards=tuple(Reward(n, ref, w) for n, ref, w in d["rewards"]),
+                   train_tasks=tuple(d["train_tasks"]), eval_tasks=tuple(d["eval_tasks"]),
+                   search_path=tuple(d["search_path"]))
 
 
 # --- arithmetic: (a + b) mod 10 ------------------------------------------------------------
@@ -100,26 +122,79 @@ def graph_coloring_reward(completion: str, task: Task) -> float:
     return ok / len(edges)
 
 
-CATALOG = {
-    "arithmetic": (arithmetic_tasks, "trainer.envs:arithmetic_reward"),
-    "graph-coloring": (graph_coloring_tasks, "trainer.envs:graph_coloring_reward"),
+# --- gsm8k: grade-school math in words ---------------------------------------------------------
+
+GSM8K_HUB = ("openai/gsm8k", "main")
+GSM8K_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def gsm8k_tasks(seed: int, n_train: int | None, n_eval: int | None,
+                data_files: Mapping[str, str] | None = None) -> tuple[list[Task], list[Task]]:
+    """GSM8K (`question`, `answer` ending in `#### N`): the prompt is the question and the
+    instruction to box the answer, as Qwen's math models are prompted. Train from the `train`
+    split, held out from `test`; `data_files` ({train: PATH, test: PATH}, Parquet / JSON(L) /
+    CSV) instead of the hub. None: every task; a count takes a seeded sample."""
+    from trainer.data import load_split, sample
+
+    def tasks(split: str, n: int | None, salt: int) -> list[Task]:
+        rows = load_split(data_files or GSM8K_HUB[0], split, config=None if data_files else GSM8K_HUB[1])
+        for i, row in enumerate(rows):
+            if not isinstance(row.get("question"), str) or "####" not in str(row.get("answer", "")):
+                raise ValueError(f"gsm8k {split} row {i}: needs GSM8K's columns question and answer "
+                                 f"(ending in '#### N'); got columns {', '.join(row)}")
+        try:
+            chosen = sample(rows, n, seed + salt)
+        except ValueError as e:
+            raise ValueError(f"spec.parameters.{'trainTasks' if split == 'train' else 'evalTasks'}: {e} "
+                             f"in gsm8k's {split} split") from None
+        return [{"prompt": f"{r['question']}\n{GSM8K_INSTRUCTION}", "question": r["question"], "answer": r["answer"]}
+                for r in chosen]
+
+    return tasks("train", n_train, 0), tasks("test", n_eval, 1)
+
+
+@dataclass(frozen=True)
+class CatalogEnvironment:
+    make: Callable[..., tuple[list[Task], list[Task]]]   # (seed, n_train, n_eval[, data_files]) -> tasks
+    rewards: Mapping[str, str]                          # the rewards it offers, by name
+    default: tuple[tuple[str, float], ...]              # (name, weight) used when the job names none
+    data: bool = False                                  # loads a data set: dataFiles, else the hub
+
+
+CATALOG: dict[str, CatalogEnvironment] = {
+    "arithmetic": CatalogEnvironment(arithmetic_tasks, {"correct": "trainer.envs:arithmetic_reward"},
+                                     (("correct", 1.0),)),
+    "graph-coloring": CatalogEnvironment(graph_coloring_tasks, {"proper": "trainer.envs:graph_coloring_reward"},
+                                         (("proper", 1.0),)),
+    "gsm8k": CatalogEnvironment(gsm8k_tasks, {"correct": "trainer.rewards:math_correct",
+                                              "format": "trainer.rewards:boxed_format"},
+                                (("correct", 1.0),), data=True),
 }
 
 
-def catalog_environment(name: str, *, seed: int, n_train: int | None = None, n_eval: int | None = None) -> Environment:
-    """A catalog environment's tasks (None: the environment's default counts). Raises ValueError."""
-    make, ref = CATALOG[name]
-    train, held_out = make(seed, n_train, n_eval)
-    return Environment(name=name, reward_ref=ref, train_tasks=tuple(train), eval_tasks=tuple(held_out))
+def catalog_environment(name: str, *, seed: int, n_train: int | None = None, n_eval: int | None = None,
+                        rewards: tuple[tuple[str, float], ...] | None = None,
+                        data_files: Mapping[str, str] | None = None) -> Environment:
+    """A catalog environment's tasks (None: the environment's default counts) with its rewards by
+    (name or ref, weight) (None: its default). Raises ValueError for counts that do not fit or
+    data that is not the environment's."""
+    entry = CATALOG[name]
+    train, held_out = (entry.make(seed, n_train, n_eval, data_files) if entry.data
+                       else entry.make(seed, n_train, n_eval))
+    chosen = tuple(Reward(_reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
+    return Environment(name=name, rewards=chosen, train_tasks=tuple(train), eval_tasks=tuple(held_out))
+
+
+def _reward_name(ref: str) -> str:
+    """A reward's name in metrics: a catalog name as is, a ref by its function's name."""
+    return ref.rpartition(":")[2] if ":" in ref else ref
 
 
 # --- user environments -----------------------------------------------------------------------
 
 def read_tasks(path: Path) -> list[Task]:
-    """Tasks from a JSONL file, one JSON object with a string `prompt` per line.
-
-    Raises ValueError naming the file and line for anything else.
-    """
+    """Tasks from a JSONL file, one JSON object with a `prompt` per line (a string or a list of
+    chat messages). Raises ValueError naming the file and line for anything else."""
     tasks: list[Task] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -129,15 +204,36 @@ def read_tasks(path: Path) -> list[Task]:
                 task = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
-                raise ValueError(f"{path}:{lineno}: each task must be a JSON object with a string \"prompt\"")
+            problem = prompt_problem(task)
+            if problem:
+                raise ValueError(f"{path}:{lineno}: {problem}")
             tasks.append(task)
     if not tasks:
         raise ValueError(f"{path}: no tasks")
     return tasks
 
 
-def user_environment(*, name: str, reward_ref: str, tasks: list[Task], eval_tasks: list[Task],
-                     search_path: tuple[str, ...] = ()) -> Environment:
-    return Environment(name=name, reward_ref=reward_ref, train_tasks=tuple(tasks),
+def prompt_problem(task: Any) -> str | None:
+    """What is wrong with a task's prompt, or None: a string, or a non-empty list of
+    {role, content} messages with string values."""
+    if not isinstance(task, dict) or "prompt" not in task:
+        return "each task must be a JSON object with a \"prompt\""
+    prompt = task["prompt"]
+    if isinstance(prompt, str):
+        return None
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt)):
+        return None
+    return "\"prompt\" must be a string or a list of chat messages like [{\"role\": \"user\", \"content\": \"...\"}]"
+
+
+def user_environment(*, name: str, rewards: tuple[Reward, ...] | None = None, reward_ref: str | None = None,
+                     tasks: list[Task], eval_tasks: list[Task], search_path: tuple[str, ...] = ()) -> Environment:
+    """Your own environment: `rewards`, or one `reward_ref` (weight 1)."""
+    if rewards is None:
+        if reward_ref is None:
+            raise ValueError("an environment needs rewards or a reward_ref")
+        rewards = (Reward(_reward_name(reward_ref), reward_ref, 1.0),)
+    return Environment(name=name, rewards=tuple(rewards), train_tasks=tuple(tasks),
                        eval_tasks=tuple(eval_tasks), search_path=search_path)

@@ -19,6 +19,8 @@ import signal
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from checkpoint.manifest import MANIFEST_NAME, checkpoint_name
+
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
 
@@ -74,11 +76,11 @@ def arm_uploads(store: Any) -> None:
     if fault is None or fault.point != "upload":
         return
     put_file = store.put_file
-    prefix = f"checkpoints/ckpt-{fault.step:08d}/"
+    prefix = f"checkpoints/{checkpoint_name(fault.step)}/"
 
     def put_then(local: Any, key: str, *args: Any, **kwargs: Any) -> Any:
         result = put_file(local, key, *args, **kwargs)
-        if key.startswith(prefix) and not key.endswith("manifest.json"):
+        if key.startswith(prefix) and not key.endswith(MANIFEST_NAME):
             _fire(fault, parent_is_supervisor=False)
         return result
 

@@ -1,12 +1,13 @@
 """The sandboxed grader: scores completions with the user's reward function in another process.
 
-The trainer never grades itself. A worker process (`trainer.grader_worker`) imports the reward
-function once and then scores one batch per request, with no network, a memory limit and a time
-limit per completion. A reward function that raises, hangs, returns something that is not a
-finite number, or kills its process is an infrastructure failure: it is retried (the worker is
-restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
-`RewardFunctionError` carrying the function's own error. It is never recorded as a reward of 0,
-which would silently teach the policy that the completion was wrong.
+The trainer never grades itself. A worker process (`trainer.grader_worker`, started and spoken
+to through `trainer.grader_process`) imports the reward function once and then scores one batch
+per request, with no network, a memory limit and a time limit per completion. A reward function
+that raises, hangs, returns something that is not a finite number, or kills its process is an
+infrastructure failure: it is retried (the worker is restarted when it died or hung) and, if it
+keeps failing, `Grader.score` raises `RewardFunctionError` carrying the function's own error. It
+is never recorded as a reward of 0, which would silently teach the policy that the completion
+was wrong.
 
     with Grader("my_env.rewards:exact_match", timeout_s=5) as grader:
         rewards = grader.score(completions, tasks)      # [B*G] floats, one round trip
@@ -17,27 +18,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
-import struct
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
-from checkpoint.procs import python_env
+from trainer.grader_process import WorkerGone, WorkerOverdue, WorkerProcess
 
-_HEADER = struct.Struct(">I")  # must match trainer.grader_worker
-_MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
-_MAX_CRASH_LOG_CHARS = 8_000
 _IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-# faulthandler's frame lines for the worker's own code and the `-m` machinery under it
-_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader_worker\.py|<frozen runpy>)", line \d+ in ')
 
 NetworkSandbox = Literal["auto", "netns", "python"]
 FailureKind = Literal["exception", "timeout", "invalid", "hung", "crashed"]
@@ -63,14 +54,6 @@ class _Failure:
 
     kind: FailureKind
     detail: str
-
-
-class _WorkerGone(Exception):
-    """The worker closed its end of the pipe: it exited or was killed."""
-
-
-class _Overdue(Exception):
-    """The worker did not answer by the deadline."""
 
 
 class Grader:
@@ -122,7 +105,7 @@ class Grader:
             problems.append(f"retries: must be >= 0 (got {retries})")
         if retry_wait_s < 0:
             problems.append(f"retry_wait_s: must be >= 0 (got {retry_wait_s})")
-        if network not in ("auto", "netns", "python"):
+        if network not in get_args(NetworkSandbox):
             problems.append(f"network: must be 'auto', 'netns' or 'python' (got {network!r})")
         if problems:
             raise ValueError("; ".join(problems))
@@ -140,7 +123,7 @@ class Grader:
         self._sleep = sleep
         self._lock = threading.Lock()  # one batch at a time: the pipe carries one conversation
         self._closed = False
-        self._worker: _Worker | None = None
+        self._worker: WorkerProcess | None = None
         self._sandbox = ""
         # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
         self._worker = self._start_worker()
@@ -219,10 +202,10 @@ class Grader:
 
     # internals ---------------------------------------------------------------------------------
 
-    def _start_worker(self) -> _Worker:
+    def _start_worker(self) -> WorkerProcess:
         """A fresh worker with the reward function loaded. Load failures are not retried:
         importing the same module again fails the same way."""
-        worker = _Worker.spawn(
+        worker = WorkerProcess.spawn(
             {
                 "ref": self._ref,
                 "search_path": self._search_path,
@@ -233,9 +216,9 @@ class Grader:
         )
         try:
             hello = worker.read(time.monotonic() + self._load_timeout_s)
-        except _WorkerGone:
+        except WorkerGone:
             hello = {"type": "died"}
-        except _Overdue:
+        except WorkerOverdue:
             worker.abort(self._kill_grace_s)
             detail = (
                 f"importing it took longer than load_timeout_s={self._load_timeout_s:g}"
@@ -270,15 +253,15 @@ class Grader:
         outcomes: dict[int, float | _Failure] = {}
         try:
             worker.send({"items": [items[i] for i in pending]})
-        except _WorkerGone:
+        except WorkerGone:
             pass  # it died while idle or mid-request; reading reports how
         for i in pending:
             try:
                 frame = worker.read(time.monotonic() + self.timeout_s + self._kill_grace_s)
-            except _WorkerGone:
+            except WorkerGone:
                 outcomes[i] = self._restart_after(worker, "crashed")
                 break
-            except _Overdue:
+            except WorkerOverdue:
                 outcomes[i] = self._restart_after(worker, "hung")
                 break
             if "ok" not in frame:
@@ -287,7 +270,7 @@ class Grader:
             outcomes[i] = float(frame["ok"])
         return outcomes
 
-    def _restart_after(self, worker: _Worker, kind: Literal["crashed", "hung"]) -> _Failure:
+    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> _Failure:
         """Put the dead or stuck worker down (the next pass starts a new one) and say what happened."""
         if kind == "hung":
             # SIGABRT first: faulthandler in the worker prints where the code is stuck.
@@ -331,122 +314,6 @@ class Grader:
         )
 
 
-class _Worker:
-    """One worker process and its pipes: spawning, framing, deadlines, killing."""
-
-    def __init__(
-        self, proc: subprocess.Popen, request_fd: int, response_fd: int, crash_file: IO[bytes]
-    ) -> None:
-        self._proc = proc
-        self._request_fd = request_fd
-        self._response_fd = response_fd
-        self._crash_file = crash_file
-
-    @classmethod
-    def spawn(cls, settings: dict[str, Any]) -> _Worker:
-        request_r, request_w = os.pipe()
-        response_r, response_w = os.pipe()
-        # faulthandler in the worker writes fatal-signal stack dumps here; anonymous, so nothing
-        # to clean up on disk.
-        crash_file = tempfile.TemporaryFile()
-        config = dict(settings, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno())
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "trainer.grader_worker", json.dumps(config)],
-                pass_fds=(request_r, response_w, crash_file.fileno()),
-                stdin=subprocess.DEVNULL,
-                env=_worker_env(),
-            )
-        except BaseException:
-            for fd in (request_r, request_w, response_r, response_w):
-                os.close(fd)
-            crash_file.close()
-            raise
-        # Only the child keeps these ends, so its death shows up here as EOF.
-        os.close(request_r)
-        os.close(response_w)
-        return cls(proc, request_w, response_r, crash_file)
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    def send(self, message: dict) -> None:
-        payload = json.dumps(message).encode()
-        data = memoryview(_HEADER.pack(len(payload)) + payload)
-        try:
-            while data:
-                data = data[os.write(self._request_fd, data) :]
-        except (BrokenPipeError, OSError) as error:
-            raise _WorkerGone() from error
-
-    def read(self, deadline: float) -> dict:
-        """The next frame; raises _WorkerGone on EOF and _Overdue past the deadline."""
-        (length,) = _HEADER.unpack(self._read_exactly(_HEADER.size, deadline))
-        if length > _MAX_FRAME_BYTES:
-            raise _WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
-        try:
-            return json.loads(self._read_exactly(length, deadline))
-        except ValueError:
-            raise _WorkerGone() from None
-
-    def _read_exactly(self, n: int, deadline: float) -> bytes:
-        buffer = bytearray()
-        poller = select.poll()  # not select.select: a trainer can hold more than 1024 fds
-        poller.register(self._response_fd, select.POLLIN)
-        while len(buffer) < n:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not poller.poll(remaining_ms):
-                raise _Overdue()
-            chunk = os.read(self._response_fd, n - len(buffer))
-            if not chunk:
-                raise _WorkerGone()
-            buffer += chunk
-        return bytes(buffer)
-
-    def crash_log(self) -> str:
-        """What faulthandler wrote in the worker (stack dumps on fatal signals), if anything,
-        without the worker's own frames below the user's."""
-        try:
-            data = os.pread(self._crash_file.fileno(), _MAX_CRASH_LOG_CHARS * 4, 0)
-        except (OSError, ValueError):
-            return ""
-        lines = data.decode(errors="replace").splitlines(keepends=True)
-        kept = [line for line in lines if not _WORKER_FRAME.match(line)]
-        return "".join(kept)[-_MAX_CRASH_LOG_CHARS:]
-
-    def abort(self, grace_s: float) -> None:
-        """SIGABRT (faulthandler dumps the stack, then the process dies); SIGKILL if it won't."""
-        if self._proc.poll() is None:
-            try:
-                self._proc.send_signal(signal.SIGABRT)
-                self._proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass  # SIGABRT ignored too; kill() below cannot be
-        self.kill()
-
-    def kill(self) -> None:
-        """SIGKILL, reap, close our ends. Idempotent."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
-        for fd_name in ("_request_fd", "_response_fd"):
-            fd = getattr(self, fd_name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, fd_name, -1)
-        # The crash log stays open: the error message reads it after the kill.
-
-    def release(self) -> None:
-        """kill(), and close the crash log too."""
-        self.kill()
-        self._crash_file.close()
-
-
 # helpers ---------------------------------------------------------------------------------------
 
 
@@ -474,15 +341,6 @@ def _resolve_ref(ref: str) -> str:
             ref=ref,
         )
     return ref
-
-
-def _worker_env() -> dict[str, str]:
-    env = python_env()     # the worker runs `-m trainer.grader_worker` from this very package
-    # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
-    # reserve address space that counts against memory_mb.
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, "1")
-    return env
 
 
 def _encode_items(completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[list[Any]]:

@@ -7,13 +7,13 @@ Every function here has a hand-computed test in tests/trainer/test_grpo_math.py.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-from trainer.config import LOSS_TYPES
-
+from trainer.config import LOGPROB_CHUNK_ELEMENTS, LOSS_TYPES
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, unbiased: bool, scale: bool = True) -> Tensor:
@@ -42,13 +42,35 @@ def identical_group_fraction(rewards: Tensor, group_size: int) -> float:
     return same.float().mean().item()
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, *,
+                   chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> Tensor:
     """Log-probability of each sampled token under logits scaled as they were when sampling.
 
     logits [N, T, V], tokens [N, T] -> [N, T]. Temperature 0 (greedy) is treated as 1.
+    A selective log-softmax: `logit[token] - logsumexp(logits)`, over chunks of token positions,
+    so the full-vocabulary log-softmax [N, T, V] in fp32 never exists. Under autograd each chunk
+    is recomputed in backward instead of kept (activation checkpointing), so what stays alive
+    is the model's own logits and one fp32 chunk.
     """
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    t = temperature if temperature > 0 else 1.0
+    n, length, vocab = logits.shape
+    if n * length * vocab <= chunk_elements:
+        return _selected_logprobs(logits, tokens, t)
+    width = max(1, chunk_elements // (n * vocab))                    # positions per chunk
+    keep = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for chunk, toks in zip(logits.split(width, dim=1), tokens.split(width, dim=1)):   # [N, w, V], [N, w]
+        if keep:
+            parts.append(checkpoint(_selected_logprobs, chunk, toks, t, use_reentrant=False))
+        else:
+            parts.append(_selected_logprobs(chunk, toks, t))
+    return torch.cat(parts, dim=1)                                    # [N, T]
+
+
+def _selected_logprobs(logits: Tensor, tokens: Tensor, temperature: float) -> Tensor:
+    scaled = logits.float() / temperature                             # [N, w, V]
+    picked = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)      # [N, w]
+    return picked - torch.logsumexp(scaled, dim=-1)                   # [N, w]
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
@@ -71,66 +93,146 @@ def clipped_token_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, eps
     return loss, clipped < unclipped
 
 
-def reduce_loss(per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int) -> Tensor:
+def reduce_loss(per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int, *,
+                completions: int | None = None, tokens: int | None = None) -> Tensor:
     """Per-token loss [N, T] and completion mask [N, T] -> scalar, named as in the literature.
 
     grpo:    mean over each completion's tokens, then mean over completions (DeepSeekMath).
     dapo:    sum over all tokens of the batch / their count (token-level, DAPO).
     dr_grpo: sum over all tokens / (N x maxCompletionLength), a constant (Dr. GRPO).
+
+    For a micro-batch of a larger batch, pass the whole batch's `completions` (N) and `tokens`
+    (unmasked tokens): the micro-batches' losses, and so their gradients, then sum to the whole
+    batch's.
     """
     mask = mask.to(per_token.dtype)
+    n = per_token.size(0) if completions is None else completions
     if loss_type == "grpo":
-        return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / n
     if loss_type == "dapo":
-        return (per_token * mask).sum() / mask.sum().clamp_min(1)
+        count = mask.sum().clamp_min(1) if tokens is None else max(tokens, 1)
+        return (per_token * mask).sum() / count
     if loss_type == "dr_grpo":
-        return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+        return (per_token * mask).sum() / (n * max_completion_length)
     raise ValueError(f"loss type {loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    """Consecutive slices of at most `size` of n completions (the last may be shorter)."""
+    return [slice(start, min(start + size, n)) for start in range(0, n, max(1, size))]
 
 
 class GenerationInterrupted(Exception):
     """Sampling was abandoned because a stop (preemption) was requested between tokens."""
 
 
+class Completions(NamedTuple):
+    ids: Tensor          # [N, T] completion tokens, pad after a completion ends
+    mask: Tensor         # [N, T] 1 up to and including the token that ended it (EOS or a stop string's last)
+    truncated: Tensor    # [N] bool: cut at max_new_tokens without an EOS or a stop string
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Hugging Face's repetition penalty (CTRL): for each token already seen in that row, a
+    positive logit is divided by `penalty`, a negative one multiplied by it.
+    logits [N, V] (float), seen [N, V] bool -> [N, V]."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits of each row (ties with the k-th kept, as transformers does);
+    the rest become -inf. logits [N, V] -> [N, V]."""
+    k = min(k, logits.size(-1))
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]                  # [N, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches
+    p (always at least the most likely one); the rest become -inf. logits [N, V] -> [N, V]."""
+    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)   # [N, V]
+    probs = torch.softmax(ordered, dim=-1)
+    before = probs.cumsum(dim=-1) - probs                              # mass of the more likely tokens
+    drop_sorted = before >= p                                          # the set had reached p already
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
-           eos_id: int, pad_id: int, generator: torch.Generator | None,
-           should_stop: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor]:
+           eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | None,
+           top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+           finished: Callable[[Tensor, Tensor], Tensor] | None = None,
+           should_stop: Callable[[], bool] | None = None) -> Completions:
     """Autoregressive sampling with a KV cache and an explicit generator (so it can be replayed).
 
-    prompt_ids, prompt_mask [N, P] (left-padded). Returns completion ids [N, T<=max_new_tokens]
-    (pad after the first EOS) and completion mask [N, T] (1 up to and including the first EOS).
-    Temperature 0 is greedy. Raises GenerationInterrupted when `should_stop()` turns true.
+    prompt_ids, prompt_mask [N, P] (left-padded). A completion ends at the first token in
+    `eos_ids`, or at the token for which `finished(tokens [N, t], running [N] bool) -> [N] bool`
+    says so (stop strings: the callback sees the tokens so far and answers for the running
+    rows; the others are ignored). Returns Completions: ids [N, T<=max_new_tokens], mask [N, T],
+    truncated [N].
+
+    Each next token: repetition penalty on the raw logits (`repetition_penalty`, 1 = off; the
+    prompt's tokens and those generated so far count, padding does not), then temperature, then
+    top-k (0 = off), then top-p (1 = off), then one multinomial draw with `generator`. Temperature 0
+    is greedy: argmax after the repetition penalty only. With the filters off the draws are
+    exactly those of plain temperature sampling, so seeded runs replay unchanged. The update's
+    log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
+    not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
+    `should_stop()` turns true.
     """
     n = prompt_ids.size(0)
     cache_arg = _cache_argument(model)
     position_ids = (prompt_mask.cumsum(-1) - 1).clamp_min(0)          # [N, P]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
+                **_last_logits(model, 1))                             # not [N, P, V]: only the last position
     past, logits = _cache_of(out), out.logits[:, -1]                  # [N, V]
     attention = prompt_mask
     next_pos = position_ids[:, -1:] + 1                               # [N, 1]
     done = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=prompt_ids.device)
+    rows = torch.arange(n, device=prompt_ids.device)
+    seen = None
+    if repetition_penalty != 1.0:                                     # [N, V]: tokens seen so far
+        seen = torch.zeros(n, logits.size(-1), dtype=torch.bool, device=prompt_ids.device)
+        keep = prompt_mask.bool()
+        seen[rows.unsqueeze(1).expand_as(prompt_ids)[keep], prompt_ids[keep]] = True
     tokens, masks = [], []
     for _ in range(max_new_tokens):
         if should_stop is not None and should_stop():
             raise GenerationInterrupted()
+        if seen is not None:
+            logits = apply_repetition_penalty(logits.float(), seen, repetition_penalty)
         if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            scaled = logits.float() / temperature
+            if top_k > 0:
+                scaled = top_k_filter(scaled, top_k)
+            if top_p < 1.0:
+                scaled = top_p_filter(scaled, top_p)
+            probs = torch.softmax(scaled, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)   # [N]
         else:
             nxt = logits.argmax(dim=-1)
         masks.append(~done)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens.append(nxt)
-        done = done | (nxt == eos_id)
+        ended = torch.isin(nxt, eos)
+        if finished is not None:
+            running = ~(done | ended)
+            if bool(running.any()):
+                ended = ended | (finished(torch.stack(tokens, dim=1), running) & running)
+        done = done | ended
         if bool(done.all()):
             break
+        if seen is not None:
+            seen[rows, nxt] = True
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(input_ids=nxt.unsqueeze(1), attention_mask=attention, position_ids=next_pos,
                     use_cache=True, **{cache_arg: past})
         past, logits = _cache_of(out), out.logits[:, -1]
         next_pos = next_pos + 1
-    return torch.stack(tokens, dim=1), torch.stack(masks, dim=1).long()
+    return Completions(torch.stack(tokens, dim=1), torch.stack(masks, dim=1).long(), ~done)
 
 
 def _cache_argument(model) -> str:
@@ -144,12 +246,25 @@ def _cache_of(out):
     return out["cache"] if "cache" in out else out["past_key_values"]
 
 
+def _last_logits(model, k: int) -> dict[str, int]:
+    """Ask the model for logits of its last k positions only (`logits_to_keep`, transformers >=
+    4.50; `num_logits_to_keep` before), where its forward takes it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(type(base).forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: k}
+    return {}
+
+
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float) -> Tensor:
-    """Log-probs of the completion tokens given their prompts: [N, T]. Differentiable."""
+    """Log-probs of the completion tokens given their prompts: [N, T]. Differentiable.
+    Logits are computed for the completion's positions only, never for the prompt's."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)              # [N, P+T]
     mask = torch.cat([prompt_mask, completion_mask], dim=1)           # [N, P+T]
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
-    p = prompt_ids.size(1)
-    return token_logprobs(logits[:, p - 1:-1], completion_ids, temperature)   # [N, T]
+    t = completion_ids.size(1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                   **_last_logits(model, t + 1)).logits              # [N, T+1, V] (or [N, P+T, V])
+    return token_logprobs(logits[:, -t - 1:-1], completion_ids, temperature)   # [N, T]

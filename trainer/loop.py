@@ -13,6 +13,7 @@ exactly what an uninterrupted run would have done.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,10 +24,12 @@ import numpy as np
 import torch
 
 from trainer import grpo
-from trainer.config import GRPOParams
+from trainer.config import GRPOParams, default_micro_batch
 from trainer.envs import Environment, Task
-from trainer.grader import Grader
-from trainer.policy import load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters
+from trainer.scoring import Scorer
+from trainer.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device,
+                            trainable_parameters)
+from trainer.prompts import Prompt, PromptEncoder
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +54,13 @@ def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int
 
 @dataclass(frozen=True)
 class EvalResult:
-    meanReward: float
+    meanReward: float           # of the weighted sum
     tasks: int
-    solved: int                 # tasks with reward 1.0
-    rewards: tuple[float, ...]
+    solved: int                 # tasks the primary (first) reward scored 1.0
+    rewards: tuple[float, ...]  # the weighted sum per task
     batches: int = 1            # evaluation batches in all
     reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
+    byReward: Mapping[str, float] | None = None   # each reward function's mean
 
     @property
     def no_signal(self) -> bool:
@@ -64,8 +68,11 @@ class EvalResult:
         return len(set(self.rewards)) <= 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
-                "batches": self.batches, "reusedBatches": self.reusedBatches}
+        out = {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
+               "batches": self.batches, "reusedBatches": self.reusedBatches}
+        if self.byReward is not None:
+            out["rewards"] = {k: round(v, 6) for k, v in self.byReward.items()}
+        return out
 
 
 class GRPOTrainer:
@@ -92,60 +99,95 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
-        self.grader = Grader(env.reward_ref, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
+        self.scorer = Scorer(env.rewards, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
                              memory_mb=params.rewardMemoryMB, retries=params.rewardRetries)
 
     def close(self) -> None:
-        self.grader.close()
+        self.scorer.close()
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _encode(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
-        return enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+    @functools.cached_property
+    def prompts(self) -> PromptEncoder:
+        """Task prompts (text or chat messages) to ids, through the tokenizer's chat template."""
+        return PromptEncoder(self.tokenizer, system_prompt=self.params.systemPrompt,
+                             template_kwargs=self.params.chatTemplateKwargs)
+
+    @functools.cached_property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a completion: the generation config's and the tokenizer's."""
+        return eos_token_ids(self.tokenizer.name_or_path, self.tokenizer)
+
+    def _encode(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and attention mask [N, P]; raises ValueError for a prompt the
+        tokenizer cannot render (messages without a chat template)."""
+        ids, mask = self.prompts.encode(prompts)
+        return ids.to(self.device), mask.to(self.device)
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
-    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator):
-        """Sample completions; a stop request between two tokens abandons them
-        (GenerationInterrupted)."""
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator) -> grpo.Completions:
+        """Sample completions (ids, mask, truncated); a stop request between two tokens abandons
+        them (GenerationInterrupted)."""
+        p = self.params
         self.model.eval()
-        return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=self.params.maxCompletionLength,
-                           temperature=temperature, eos_id=self.tokenizer.eos_token_id,
-                           pad_id=self.tokenizer.pad_token_id, generator=generator,
-                           should_stop=lambda: self.stop.is_set())
+        return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=p.maxCompletionLength,
+                           temperature=temperature, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
+                           generator=generator, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                           finished=self._stop_strings_check(), should_stop=lambda: self.stop.is_set())
+
+    def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """grpo.sample's `finished` for stopStrings (None without any): a running row is finished
+        once one of them appears in the text of its newest tokens. Only that tail is decoded: as
+        many tokens as the longest stop string has UTF-8 bytes, plus one, because every token
+        (special tokens aside, which decoding skips) decodes to at least one byte, so a stop string
+        completed by the newest token lies inside it. Only the completion counts, not the prompt."""
+        stops = self.params.stopStrings
+        if not stops:
+            return None
+        window = max(len(s.encode("utf-8")) for s in stops) + 1
+
+        def finished(tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:   # [N, t], [N] -> [N]
+            tails = self.tokenizer.batch_decode(tokens[running][:, -window:].tolist(), skip_special_tokens=True)
+            out = torch.zeros_like(running)
+            out[running] = torch.tensor([any(s in text for s in stops) for text in tails], device=running.device)
+            return out
+        return finished
 
     # --- evaluation ----------------------------------------------------------------------
 
-    def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Sequence[float]] | None = None,
-                 on_batch: Callable[[int, list[float]], None] | None = None) -> EvalResult:
-        """Mean reward on held-out tasks (greedy by default), scored by the grader, in batches
-        of evalBatchSize. Batch i's rewards in `done` (from an attempt that was stopped part-way)
-        are taken as they are; every batch computed here goes to `on_batch(i, rewards)`. Each
-        batch draws from its own generator, seeded from (seed, i), so a batch computes the same
-        whichever batches came before it. Raises GenerationInterrupted on a stop request between
-        batches or between two tokens; the batches finished before it were reported."""
+    def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
+                 on_batch: Callable[[int, dict[str, list[float]]], None] | None = None) -> EvalResult:
+        """Mean reward on held-out tasks (greedy by default), scored by the graders, in batches
+        of evalBatchSize. Batch i's scores in `done` (from an attempt that was stopped part-way)
+        are taken as they are; every batch computed here goes to `on_batch(i, {reward: scores})`.
+        Each batch draws from its own generator, seeded from (seed, i), so a batch computes the
+        same whichever batches came before it. Raises GenerationInterrupted on a stop request
+        between batches or between two tokens; the batches finished before it were reported."""
         p, done = self.params, done or {}
-        rewards: list[float] = []
+        by_reward: dict[str, list[float]] = {r.name: [] for r in self.scorer.rewards}
         starts = range(0, len(tasks), p.evalBatchSize)
         for i, start in enumerate(starts):
             if i in done:
-                rewards += list(done[i])
-                continue
-            if self.stop.is_set():               # preemption honoured between evaluation batches
-                raise grpo.GenerationInterrupted()
-            chunk = list(tasks[start:start + p.evalBatchSize])
-            gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
-            ids, mask = self._encode([t["prompt"] for t in chunk])
-            comp, cmask = self._generate(ids, mask, p.evalTemperature, gen)
-            batch = self.grader.score(self._decode(comp, cmask), chunk)
-            if on_batch is not None:
-                on_batch(i, batch)
-            rewards += batch
-        return EvalResult(meanReward=float(np.mean(rewards)), tasks=len(tasks),
-                          solved=sum(1 for r in rewards if r == 1.0), rewards=tuple(rewards),
-                          batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done))
+                batch = done[i]
+            else:
+                if self.stop.is_set():               # preemption honoured between evaluation batches
+                    raise grpo.GenerationInterrupted()
+                chunk = list(tasks[start:start + p.evalBatchSize])
+                gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
+                ids, mask = self._encode([t["prompt"] for t in chunk])
+                comp, cmask, _ = self._generate(ids, mask, p.evalTemperature, gen)
+                batch = self.scorer.score(self._decode(comp, cmask), chunk)    # {reward: [scores]}
+                if on_batch is not None:
+                    on_batch(i, batch)
+            for name in by_reward:
+                by_reward[name] += list(batch[name])
+        totals = self.scorer.total(by_reward)
+        return EvalResult(meanReward=float(np.mean(totals)), tasks=len(tasks),
+                          solved=sum(1 for r in by_reward[self.scorer.primary] if r == 1.0), rewards=tuple(totals),
+                          batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done),
+                          byReward={k: float(np.mean(v)) for k, v in by_reward.items()})
 
     # --- one GRPO step -------------------------------------------------------------------
 
@@ -161,34 +203,51 @@ class GRPOTrainer:
         group = [t for t in tasks for _ in range(p.numGenerations)]          # B*G, each prompt G times
 
         # sample a group
+        # (topK, topP and repetitionPenalty shape the draws only: the update's log-probabilities are
+        # of the temperature-scaled distribution, as in TRL)
         prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [B*G, P]
-        comp_ids, comp_mask = self._generate(prompt_ids, prompt_mask, p.temperature, gen)
+        comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gen)  # [B*G, T], [B*G]
         texts = self._decode(comp_ids, comp_mask)
         t_sampled = time.perf_counter()
 
-        # score (in the grader's process; a failure raises, never becomes a 0)
-        rewards = torch.tensor(self.grader.score(texts, group), dtype=torch.float32)   # [B*G]
+        # score (in the graders' processes; a failure raises, never becomes a 0)
+        by_reward = self.scorer.score(texts, group)                                    # {name: [B*G]}
+        rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [B*G], weighted sum
 
         # advantages
         adv = grpo.group_advantages(rewards, p.numGenerations, unbiased=p.advantageStd == "sample",
                                     scale=p.lossType != "dr_grpo").to(self.device)     # [B*G]
 
-        # update
+        # update, micro-batch by micro-batch: gradients accumulate over the step's B*G
+        # completions, so the update equals one over all of them (up to float rounding)
         self.model.train()
-        ref_logps = self._reference_logprobs(prompt_ids, prompt_mask, comp_ids, comp_mask) if p.beta > 0 else None
-        old_logps = None
+        # maskTruncatedCompletions (DAPO's overlong filtering): a completion cut at maxCompletionLength
+        # gets no loss, since its end was never seen; it was scored and counts in the metrics. As in
+        # TRL, it still counts among the n completions that grpo and dr_grpo divide by.
+        loss_mask = comp_mask * (~truncated).long().unsqueeze(1) if p.maskTruncatedCompletions else comp_mask
+        n, tokens = comp_ids.size(0), int(loss_mask.sum())
+        parts = [self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl)
+                 for sl in grpo.micro_batches(n, self.micro_batch_size(n, comp_ids.size(1) + 1))]
+        refs = [self._reference_logprobs(*part[1:]) for part in parts] if p.beta > 0 else None
+        olds: list[torch.Tensor | None] = [None] * len(parts)
         for _ in range(p.numIterations):
-            logps = grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
-                                             p.temperature)                             # [B*G, T]
-            if old_logps is None:
-                old_logps = logps.detach()      # the sampling policy: ratio is exactly 1 on iteration 1
-            per_token, clipped = grpo.clipped_token_loss(logps, old_logps, adv, p.epsilon)
-            if ref_logps is not None:
-                kl = grpo.k3_kl(logps, ref_logps)
-                per_token = per_token + p.beta * kl
-            loss = grpo.reduce_loss(per_token, comp_mask, p.lossType, p.maxCompletionLength)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = clipped_tokens = kl_sum = 0.0
+            for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
+                logps = grpo.completion_logprobs(self.model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
+                l_mask = loss_mask[sl, :c_mask.size(1)]                                  # [m, T]
+                if olds[j] is None:
+                    olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
+                per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
+                if refs is not None:
+                    kl = grpo.k3_kl(logps, refs[j])
+                    per_token = per_token + p.beta * kl
+                    kl_sum += (kl.detach() * l_mask).sum().item()
+                part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
+                                             completions=n, tokens=tokens)
+                part_loss.backward()
+                loss += part_loss.item()
+                clipped_tokens += (clipped.float() * l_mask).sum().item()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(self.model), p.maxGradNorm)
             self.optimizer.step()
         self.scheduler.step()
@@ -197,18 +256,41 @@ class GRPOTrainer:
         metrics = {
             "rewardMean": rewards.mean().item(),
             "rewardStd": rewards.std(unbiased=False).item(),
+            "rewards": {name: float(np.mean(scores)) for name, scores in by_reward.items()},
             "identicalGroups": grpo.identical_group_fraction(rewards, p.numGenerations),
             "completionLength": mask.sum(1).mean().item(),
-            "loss": loss.item(),
-            "clipRatio": ((clipped.float() * mask).sum() / mask.sum().clamp_min(1)).item(),
+            "truncatedFraction": truncated.float().mean().item(),   # cut at maxCompletionLength
+            "loss": loss,
+            "clipRatio": clipped_tokens / max(tokens, 1),
             "gradNorm": float(grad_norm),
             "learningRate": self.scheduler.get_last_lr()[0],
+            "microBatches": len(parts),
             "sampleSeconds": t_sampled - t0,
             "stepSeconds": time.perf_counter() - t0,
         }
-        if ref_logps is not None:
-            metrics["kl"] = ((kl.detach() * mask).sum() / mask.sum().clamp_min(1)).item()
+        if refs is not None:
+            metrics["kl"] = kl_sum / max(tokens, 1)
         return metrics
+
+    def micro_batch_size(self, n: int, logit_positions: int) -> int:
+        """Completions per forward/backward: spec.parameters.microBatchSize, else
+        trainer.config.default_micro_batch for this model on this device."""
+        if self.params.microBatchSize is not None:
+            return min(self.params.microBatchSize, n)
+        vocab = self.model.get_output_embeddings().weight.size(0)
+        device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
+                        if self.device.type == "cuda" else None)
+        return default_micro_batch(n, logit_positions, vocab, compute_dtype(self.device).itemsize, device_bytes)
+
+    @staticmethod
+    def _trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl: slice):
+        """Micro-batch `sl`, without the prompt padding columns (left) and completion padding
+        columns (right) that none of its rows use: positions come from the mask, so the
+        log-probabilities are the same, for less memory when its completions are short."""
+        p_mask, c_mask = prompt_mask[sl], comp_mask[sl]
+        first = p_mask.size(1) - int(p_mask.sum(1).max())             # prompts are left-padded
+        last = int(c_mask.sum(1).max())                               # completions are right-padded
+        return sl, prompt_ids[sl, first:], p_mask[:, first:], comp_ids[sl, :last], c_mask[:, :last]
 
     @torch.no_grad()
     def _reference_logprobs(self, prompt_ids, prompt_mask, comp_ids, comp_mask) -> torch.Tensor:

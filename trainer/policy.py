@@ -56,6 +56,24 @@ def load_tokenizer(model_path: str):
     return tok
 
 
+def eos_token_ids(model_path: str, tokenizer) -> tuple[int, ...]:
+    """Every token id that ends a completion: the model's generation config's `eos_token_id` (an
+    int, or a list as in Qwen's instruct models, [<|im_end|>, <|endoftext|>]) and the tokenizer's
+    EOS, in that order, each once. A model without generation_config.json has the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids: list[int] = []
+    try:
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:                    # no generation_config.json (or no such file on the hub)
+        configured = None
+    if configured is not None:
+        ids += [int(i) for i in (configured if isinstance(configured, (list, tuple)) else [configured])]
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
 def load_policy(model_path: str, params: GRPOParams, device: torch.device):
     """The model to train, on `device`, with only the trainable parameters requiring grad.
 

@@ -14,9 +14,10 @@ Events, in the order they happen (each a JSON object with "event" and these fiel
 
     started    step (the checkpoint resumed from, 0 for none), device
     phase      phase: BaselineEval | Training | FinalEval
-    evalBatch  kind (baseline | final), batch, rewards       (each batch as it is finished)
-    eval       kind, result {meanReward, tasks, solved, batches, reusedBatches}, noSignal
+    evalBatch  kind (baseline | final), batch, rewards {reward name: scores}   (each batch as it is finished)
+    eval       kind, result {meanReward, rewards, tasks, solved, batches, reusedBatches}, noSignal
     step       step (completed steps), metrics
+    heldOut    step, result                  (the held-out evaluation every evalSteps, while training)
     sealed     step, path                    (a checkpoint sealed on the local disk)
     final      step, path                    (the final weights sealed on the local disk)
     stopped    step, phase, reason: requested | deadline
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from checkpoint.manifest import checkpoint_dir
 from trainer.checkpointing import Checkpointer
 from trainer.config import GRPOParams, parse_parameters, to_yaml_dict
 from trainer.envs import Environment
@@ -42,6 +44,10 @@ from trainer.loop import GRPOTrainer
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger("trainer.progress")   # the job's log file, not the terminal
+
+# The phases this process reports, named as state.record.Phase names them: the supervisor turns
+# each into the record's phase (the trainer cannot import state; a test keeps the names in step).
+BASELINE_EVAL, TRAINING, FINAL_EVAL = "BaselineEval", "Training", "FinalEval"
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class Plan:
     model_name: str | None = None         # the model as the user named it (saved adapters say this)
     keep_checkpoints: int = 3
     baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
-    eval_done: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # finished batches by kind
+    eval_done: dict[str, dict[int, dict[str, list[float]]]] = field(default_factory=dict)  # finished batches by kind
     stop_by: float | None = None          # time.monotonic() past which no step may end (the budget, as time)
 
     def to_json(self) -> str:
@@ -64,8 +70,7 @@ class Plan:
             "keep_checkpoints": self.keep_checkpoints, "baseline": self.baseline,
             "eval_done": {k: {str(i): r for i, r in v.items()} for k, v in self.eval_done.items()},
             "stop_by": self.stop_by, "params": to_yaml_dict(self.params),
-            "env": {"name": env.name, "reward_ref": env.reward_ref, "train_tasks": list(env.train_tasks),
-                    "eval_tasks": list(env.eval_tasks), "search_path": list(env.search_path)},
+            "env": env.to_dict(),
         })
 
     @classmethod
@@ -76,8 +81,7 @@ class Plan:
         if problems:
             raise ValueError("; ".join(problems))
         e = doc.pop("env")
-        env = Environment(name=e["name"], reward_ref=e["reward_ref"], train_tasks=tuple(e["train_tasks"]),
-                          eval_tasks=tuple(e["eval_tasks"]), search_path=tuple(e["search_path"]))
+        env = Environment.from_dict(e)
         doc["eval_done"] = {k: {int(i): r for i, r in v.items()} for k, v in doc["eval_done"].items()}
         return cls(env=env, params=params, **doc)
 
@@ -128,10 +132,10 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
         if plan.baseline:
-            events.emit("phase", phase="BaselineEval")
+            events.emit("phase", phase=BASELINE_EVAL)
             log.info("baseline evaluation on %d held-out tasks", len(plan.env.eval_tasks))
             if evaluate(trainer, plan, "baseline", events) is None:
-                return _stopped(events, checkpoints, None, "BaselineEval")
+                return _stopped(events, checkpoints, None, BASELINE_EVAL)
 
         start = checkpoints.load_latest()
         device = trainer.device
@@ -140,21 +144,20 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
             log.info("resumed from the checkpoint at step %d", start)
 
         if start < p.maxSteps:
-            events.emit("phase", phase="Training")
+            events.emit("phase", phase=TRAINING)
         step, why = train(trainer, plan, start, checkpoints, events, requests, progress)
         if why is not None:
-            return _stopped(events, checkpoints, step, "Training", why)
+            return _stopped(events, checkpoints, step, TRAINING, why)
 
-        events.emit("phase", phase="FinalEval")
+        events.emit("phase", phase=FINAL_EVAL)
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
         if evaluate(trainer, plan, "final", events) is None:
-            return _stopped(events, checkpoints, step, "FinalEval")
+            return _stopped(events, checkpoints, step, FINAL_EVAL)
         final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True})
         events.emit("final", step=step, path=str(final))
         return Ending("done", step)
     finally:
-        for sealed in checkpoints.close():
-            events.emit("sealed", step=sealed, path=str(checkpoints.root / f"ckpt-{sealed:08d}"))
+        _report_sealed(events, checkpoints, checkpoints.close())
         if trainer is not None:
             trainer.close()
 
@@ -184,6 +187,12 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 asked, requests.checkpoint = requests.checkpoint, False   # a rebalance notice
                 checkpoints.save(step, force=asked)
             _report_sealed(events, checkpoints, checkpoints.sealed())
+            if p.evalSteps and step % p.evalSteps == 0 and step < p.maxSteps:
+                try:                                   # the held-out curve while training
+                    ev = trainer.evaluate(plan.env.eval_tasks)
+                except GenerationInterrupted:          # this step's evaluation is given up, not the step
+                    return step, "requested"
+                events.emit("heldOut", step=step, result=ev.to_dict())
         return step, None
     finally:
         bar.close()
@@ -192,7 +201,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
 def evaluate(trainer: GRPOTrainer, plan: Plan, kind: str, events: Events) -> dict[str, Any] | None:
     """The held-out evaluation `kind`, each batch reported as it is finished; batches an earlier
     attempt finished are reused. None when a stop request interrupted it."""
-    def on_batch(i: int, rewards: list[float]) -> None:
+    def on_batch(i: int, rewards: dict[str, list[float]]) -> None:
         events.emit("evalBatch", kind=kind, batch=i, rewards=rewards)
 
     try:
@@ -221,7 +230,7 @@ def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase:
 
 def _report_sealed(events: Events, checkpoints: Checkpointer, steps: list[int]) -> None:
     for sealed in steps:
-        events.emit("sealed", step=sealed, path=str(checkpoints.root / f"ckpt-{sealed:08d}"))
+        events.emit("sealed", step=sealed, path=str(checkpoint_dir(checkpoints.root, sealed)))
 
 
 def _gpu_name(device) -> str:

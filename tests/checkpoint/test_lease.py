@@ -15,7 +15,6 @@ import threading
 
 import pytest
 
-import checkpoint.lease as lease_module
 from checkpoint.lease import Lease, LeaseHeld, LeaseLost, read_lease
 from checkpoint.store import Store, StorageConfigError, StorageUnavailable
 
@@ -341,20 +340,22 @@ def test_bad_credentials_fail_at_once(s3_env, monkeypatch):
 
 
 def test_an_s3_server_that_ignores_conditional_writes_is_refused(s3_env, monkeypatch):
-    real_client = lease_module._s3_client
+    import s3fs
 
-    def client_whose_conditions_vanish():
-        client = real_client()
+    real_set_session = s3fs.S3FileSystem.set_session
 
-        def strip(request, **_):  # as a server that ignores the headers would behave
-            for header in ("If-None-Match", "If-Match"):
-                if header in request.headers:
-                    del request.headers[header]
+    def strip(request, **_):  # as a server that ignores the headers would behave
+        for header in ("If-None-Match", "If-Match"):
+            if header in request.headers:
+                del request.headers[header]
 
-        client.meta.events.register("before-sign.s3.PutObject", strip)
+    async def client_whose_conditions_vanish(self, *args, **kwargs):
+        client = await real_set_session(self, *args, **kwargs)
+        client.meta.events.register("before-sign.s3.PutObject", strip,
+                                    unique_id="conditions-vanish")
         return client
 
-    monkeypatch.setattr(lease_module, "_s3_client", client_whose_conditions_vanish)
+    monkeypatch.setattr(s3fs.S3FileSystem, "set_session", client_whose_conditions_vanish)
     with pytest.raises(StorageConfigError, match="does not honour conditional writes"):
         Lease(s3_env.url, holder="node-a").acquire()
     assert read_lease(s3_env.url) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -257,15 +258,17 @@ def test_a_preemption_cuts_a_real_backoff_short(refusing_url):
     long_backoff = threading.Event()
 
     class OnLongBackoff(logging.Handler):
-        def emit(self, record):
-            if "retrying in 4.0s" in record.getMessage():
+        def emit(self, record):  # the fourth backoff: 4 s plus jitter
+            waited = re.search(r"retrying in (\d+\.\d)s", record.getMessage())
+            if waited and float(waited.group(1)) >= 4.0:
                 long_backoff.set()
 
     handler = OnLongBackoff()
     logging.getLogger("checkpoint.store").addHandler(handler)
     store = Store(refusing_url, stop=stop, retry_seconds=600)  # the real sleep
     outcome: list[BaseException] = []
-    worker = threading.Thread(target=lambda: outcome.extend(_raised(lambda: store.list(""))))
+    worker = threading.Thread(target=lambda: outcome.extend(_raised(lambda: store.list(""))),
+                              daemon=True)  # a failed wait must not keep pytest for 600 s
     try:
         worker.start()
         assert long_backoff.wait(30)

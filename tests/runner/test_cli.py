@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, build_parser, main
+from runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
 
 SMALL = {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 4, "maxSteps": 4, "saveSteps": 2,
          "evalTasks": 6, "learningRate": 0.002}
@@ -136,9 +136,23 @@ def test_a_missing_job_file_is_a_usage_error(tmp_path, capsys):
     assert "no such job file" in capsys.readouterr().err
 
 
-def test_every_command_documents_itself_with_an_example():
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) >= {"apply", "resume", "get", "export", "tiny-model"}
-    for name, cmd in sub.choices.items():
-        assert "example" in cmd.format_help(), name
+def test_every_command_documents_itself_with_an_example(capsys):
+    assert set(cli.commands) >= {"apply", "resume", "get", "logs", "export", "tiny-model"}
+    capsys.readouterr()
+    assert main(["--help"]) == EXIT_OK
+    overview = f" {' '.join(capsys.readouterr().out.split())} "   # one line, whatever the terminal's width
+    for name, command in cli.commands.items():               # a new command is covered by being added
+        summary = command.get_short_help_str(limit=1000)
+        assert summary and "\n" not in summary and f" {name} {summary} " in overview, name
+        assert main([name, "--help"]) == EXIT_OK, name
+        example = capsys.readouterr().out.split("example:\n", 1)
+        assert len(example) == 2, f"{name} --help has no example: block"
+        assert f"grpo-run {name} " in example[1].split("\n\n", 1)[0], name
+
+
+@pytest.mark.parametrize("argv", [[], ["bogus"], ["get", "tj", "-o", "xml"], ["apply"],
+                                  ["tiny-model", "--out", "x", "--seed", "abc"]])
+def test_a_bad_command_line_is_a_usage_error_and_starts_nothing(argv, capsys):
+    assert main(argv) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == "" and "Usage: grpo-run" in err

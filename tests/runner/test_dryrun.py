@@ -3,7 +3,6 @@ the user's overrides and measured step times, and the refusal of a job that cann
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,8 +20,8 @@ from runner.dryrun import (
     model_config,
     record_measured_step_seconds,
 )
-from runner.estimate import format_count
 from runner.job import JobError, Pricing, TrainingJob, parse_job
+from runner.memory import format_count
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +57,7 @@ def make_job(model, *, method="LoRA", beta=0.0, **kw) -> TrainingJob:
     """A parsed job with `method` and `beta` set afterwards, so a QLoRA estimate needs no
     bitsandbytes kernel on this machine (parse_job checks one; the estimate does not)."""
     job = parse_job(manifest(model, **kw))
-    return dataclasses.replace(job, parameters=dataclasses.replace(job.parameters, method=method, beta=beta))
+    return job.model_copy(update={"parameters": job.parameters.model_copy(update={"method": method, "beta": beta})})
 
 
 # --- the CLI ---------------------------------------------------------------------------------------
@@ -117,6 +116,9 @@ def test_dry_run_prints_spec_s_lora_estimate_and_1000_h100_steps_cost_33_cents(c
     assert est["memory"] == {"parameters": 8_190_735_360, "trainableParameters": 21_823_488,
                              "weightsGB": 16.4, "trainableStateGB": 0.35, "referenceGB": 0.0,
                              "totalGB": 16.8, "kvCacheBytesPerToken": 147_456, "kvCacheGB": 1.2,
+                             # 8 prompts x 8 completions; micro-batches of 32 keep their logits
+                             # within a quarter of the H100's 80 GB
+                             "microBatchSize": 32, "samplingGB": 9.7, "updateGB": 35.4, "neededGB": 52.2,
                              "fits": True}
     start = datetime.fromisoformat(est["startTime"].replace("Z", "+00:00"))
     assert start.tzinfo is not None and abs((datetime.now(timezone.utc) - start).total_seconds()) < 60
@@ -127,11 +129,17 @@ def test_a_full_8b_fine_tune_on_an_rtx_4090_is_refused_with_the_numbers(capsys, 
 
     rc, out, err = apply(capsys, job_file, "json")
 
-    assert rc == EXIT_USAGE and out == ""
-    assert "RTX-4090 cannot hold this run: it needs about 131.2 GB" in err
+    assert rc == EXIT_USAGE                       # what apply answers: refused, nothing started
+    assert "RTX-4090 cannot hold this run: it needs about 134.2 GB (131.2 GB of weights" in err
     assert "21.6 GB usable" in err
     assert "method: LoRA or QLoRA" in err and "no single GPU in the table fits it" in err
     assert "Nothing was started" in err
+    # the dry run still prints the whole job with its estimate, so -o json gives a user the numbers
+    doc = json.loads(out)
+    assert doc["spec"]["parameters"]["method"] == "Full" and doc["status"]["phase"] == "Pending"
+    est = doc["status"]["estimate"]
+    assert est["memory"]["fits"] is False and est["memory"]["neededGB"] == 134.2
+    assert est["refusal"] == err.strip()
 
 
 def test_the_tiny_demo_model_is_estimated_offline_in_yaml(capsys, tmp_path):
@@ -298,18 +306,25 @@ def test_a_run_that_fits_is_not_refused(qwen3_8b):
     assert check_fits(estimate(make_job(qwen3_8b, method="QLoRA", gpu="L40S", parameters=SPEC_RUN))) is None
 
 
-def test_an_8b_qlora_group_of_8x1024_is_refused_on_a_24_gb_card_naming_cards_that_fit(qwen3_8b):
-    refusal = check_fits(estimate(make_job(qwen3_8b, method="QLoRA", gpu="RTX-4090", parameters=SPEC_RUN)))
-    assert refusal.startswith("RTX-4090 cannot hold this run: it needs about 23.7 GB (4.5 GB of weights")
-    assert "1.2 GB of KV cache for one group + 18.0 GB of activations" in refusal
-    assert "lower numGenerations or maxCompletionLength" in refusal
-    assert "H100-SXM-80GB, A100-80GB, L40S or RTX-A6000 fit as is" in refusal
+def test_a_step_whose_kv_cache_does_not_fit_is_refused_naming_cards_that_fit(qwen3_8b):
+    # 8 prompts x 8 completions x 4,096 tokens, all sampled at once: 38.7 GB of KV cache.
+    run = {**SPEC_RUN, "maxCompletionLength": 4096}
+    refusal = check_fits(estimate(make_job(qwen3_8b, method="QLoRA", gpu="RTX-4090", parameters=run)))
+    assert refusal.startswith("RTX-4090 cannot hold this run: it needs about 43.2 GB (4.5 GB of weights")
+    assert "the larger of 38.7 GB of KV cache while sampling and 9.4 GB for the update of a micro-batch of 2" in refusal
+    assert "lower promptsPerStep, numGenerations or maxCompletionLength" in refusal
+    assert "H100-SXM-80GB, A100-80GB, L40S or RTX-A6000 fit as is" in refusal   # 43.2 GB usable on 48 GB
     assert "method: QLoRA" not in refusal  # it already is
+
+
+def test_an_8b_qlora_group_of_8x1024_fits_a_24_gb_card_in_micro_batches(qwen3_8b):
+    est = estimate(make_job(qwen3_8b, method="QLoRA", gpu="RTX-4090", parameters=SPEC_RUN))
+    assert check_fits(est) is None and est["memory"]["microBatchSize"] == 9 and est["memory"]["neededGB"] == 15.0
 
 
 def test_a_lora_run_too_big_for_its_card_suggests_qlora(qwen3_8b):
     refusal = check_fits(estimate(make_job(qwen3_8b, gpu="RTX-4090", parameters=SPEC_RUN)))
-    assert "needs about 36.0 GB" in refusal and "use method: QLoRA" in refusal
+    assert "needs about 27.3 GB" in refusal and "use method: QLoRA" in refusal
 
 
 # --- the model's config -------------------------------------------------------------------------

@@ -122,3 +122,32 @@ def test_qlora_is_checked_before_anything_runs(monkeypatch):
     monkeypatch.setattr(policy, "check_qlora", broken)
     found = problems(job(parameters={"method": "QLoRA"}))
     assert found == ["spec.parameters.method: QLoRA cannot run here: bitsandbytes has no working NF4 kernel for cpu"]
+
+
+def test_a_yaml_exponent_without_a_dot_is_named_with_the_fix(tmp_path):
+    # PyYAML reads 1e-5 as the string "1e-5" (YAML 1.1 wants 1.0e-5): say so instead of "not a number".
+    (tmp_path / "j.yaml").write_text(yaml.safe_dump(job()).replace("spec:\n", "spec:\n  parameters: {learningRate: 1e-5}\n"))
+    with pytest.raises(JobError) as e:
+        load_job(tmp_path / "j.yaml")
+    assert e.value.problems == ["spec.parameters.learningRate: must be a number (got '1e-5'): YAML reads 1e-5 "
+                                "as text; write it with a dot, e.g. 1.0e-5"]
+
+
+def test_task_files_on_a_catalog_environment_are_one_problem_each():
+    found = problems(job(environment={"name": "arithmetic", "tasks": "nope.jsonl"}))
+    assert found == ["spec.environment.tasks: only for environments with your own reward "
+                     "(catalog environment 'arithmetic' makes its own tasks)"]
+
+
+def test_a_valid_job_round_trips_through_its_manifest():
+    first = parse_job(job(pricing={"usdPerHour": 2}, notices={"clouds": ["gcp"], "gcpMetadataURL": "http://127.0.0.1:9/"},
+                          parameters={"lora": {"r": 4, "targetModules": ["q_proj"]}}))
+    again = parse_job(first.to_dict())
+    assert again.to_dict() == first.to_dict() and again.notices.urls == (("GRPO_RUN_GCP_METADATA_URL", "http://127.0.0.1:9"),)
+    assert again.parameters.lora.targetModules == ("q_proj",)
+
+
+def test_the_real_first_job_in_examples_is_valid_offline():
+    j = load_job(REPO / "examples" / "gsm8k-qwen2.5-0.5b.yaml")
+    assert (j.model, j.environment.name, j.parameters.maxCompletionLength) == ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", 512)
+    assert [(r.label, r.weight) for r in j.environment.rewards] == [("correct", 1.0), ("format", 0.2)]

@@ -5,7 +5,6 @@ local emulator of the cloud's metadata service, triggers the cloud's notice mid-
 then resumes on a fresh node.
 """
 
-import json
 import os
 import signal
 import subprocess

@@ -1,0 +1,298 @@
+"""Compare-and-swap on one object: the primitive under the job's lease (checkpoint.lease).
+
+`open_cas(url, key)` returns a `Cas` for the object `key` under a storage URL. Every change is a
+compare-and-swap on the storage itself, never read-then-write; `version` is opaque to callers.
+
+* s3://: conditional writes through the Store's own s3fs filesystem (one client, one set of
+  credentials and timeouts): create with `pipe_file(mode="create")` (PutObject
+  `If-None-Match: *`), replace with `PutObject If-Match: <ETag read>`, delete with
+  `DeleteObject If-Match`. A 412 PreconditionFailed (or 409 ConditionalRequestConflict) is a
+  `Conflict`: another writer got there first. AWS S3 has honoured these since 2024; SeaweedFS 4.x
+  does too. A server that ignored the headers would make the lease a last-writer-wins lock, so
+  before its first write an S3Cas proves the server honours them on a probe object and refuses
+  to go on (StorageConfigError) if it does not.
+* local folder / file://: every change under an exclusive `flock` on the folder itself (no
+  sidecar file that a cleanup could delete while it is held); a new object is published with
+  `os.link` from a complete temporary file (EEXIST like O_EXCL, and a reader never sees half of
+  it), a replacement with fsync + rename. Atomic between processes on one machine; over NFS only
+  as good as the server's lock support.
+* memory:// (unit tests): one process-wide lock.
+* gs:// is refused: gcsfs writes conditionally only to create (`mode="create"`, i.e.
+  `ifGenerationMatch=0`, marked experimental in gcsfs itself); it has no precondition for
+  replacing or deleting a given generation, which renewing and releasing a lease need.
+
+These calls make one attempt each; the lease retries them under the package's retry policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from .fsio import TMP_MARKER, fsync_dir, temp_sibling
+from .retry import StorageConfigError, describe, s3_code, s3_status
+from .store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Conflict(Exception):
+    """The compare failed: another writer changed (or created, or removed) the object first."""
+
+
+class Unsupported(Exception):
+    """The server refused a conditional request as not implemented."""
+
+
+class Cas(Protocol):
+    """One object with compare-and-swap. `version` is opaque: an ETag, or the bytes themselves."""
+
+    def read(self) -> tuple[bytes, Any] | None: ...           # None when there is none
+    def create(self, data: bytes) -> Any: ...                 # Conflict if it exists
+    def replace(self, data: bytes, version: Any) -> Any: ...  # Conflict unless still `version`
+    def delete(self, version: Any) -> None: ...               # Conflict unless still `version`
+
+
+def open_cas(url: str, key: str) -> Cas:
+    """The compare-and-swap object `key` under the storage URL. StorageConfigError for a bad or
+    unsupported URL (gs:// among them), ValueError for a key that is not a relative path."""
+    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) and "://" in url else ""
+    if scheme in ("gs", "gcs"):
+        raise StorageConfigError(
+            f"lease on {url}: gs:// has no compare-and-swap here: gcsfs can only create an "
+            f"object if absent (ifGenerationMatch=0), not replace or delete the generation that "
+            f"was read, which renewing, taking over and releasing a lease need; keep the "
+            f"job's storage on s3://, a local folder, or memory://")
+    store = Store(url)  # validates the URL: StorageConfigError for a bad or unsupported one
+    if store.protocol == "s3":
+        return S3Cas(store, key)
+    if store.protocol == "file":
+        return LocalCas(Path(store.fs_path(key)[1]))
+    if store.protocol == "memory":
+        store.fs_path(key)  # the key's validation
+        return MemoryCas(store, key)
+    raise StorageConfigError(f"lease on {url}: {store.protocol}:// has no compare-and-swap here; "
+                             f"keep the job on s3://, a local folder, or memory://")
+
+
+class S3Cas:
+    """S3 conditional requests through the store's s3fs filesystem (its retries are off)."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.url = store.url
+        self.fs, self.path = store.fs_path(key)
+        self.bucket, self.key, _ = self.fs.split_path(self.path)
+        self._checked = False
+
+    def check_conditional_writes(self) -> None:
+        """Prove once that the server honours If-None-Match and If-Match on PutObject, on a
+        probe object beside the lease: a server that ignores them would let two nodes both
+        "win". StorageConfigError if it does not."""
+        if self._checked:
+            return
+        probe = f"{self.path.rpartition('/')[0]}/{TMP_MARKER}lease-probe-{secrets.token_hex(8)}"
+        try:
+            self.fs.pipe_file(probe, b"1", mode="create")
+            for condition in ({"mode": "create"}, {"IfMatch": '"' + "0" * 32 + '"'}):
+                try:
+                    self.fs.pipe_file(probe, b"2", **condition)
+                except Exception as exc:
+                    if _is_conflict(exc):
+                        continue
+                    raise
+                raise StorageConfigError(
+                    f"lease on {self.url}: this S3 server does not honour conditional writes "
+                    f"({'If-None-Match' if 'mode' in condition else 'If-Match'} on PutObject "
+                    f"was ignored), so two nodes could both train this job; use AWS S3, "
+                    f"SeaweedFS >= 4, or another server that supports them")
+        finally:
+            try:
+                self.fs.rm_file(probe)
+            except Exception as exc:  # a stray probe is hidden from listings; say so only
+                log.warning("lease on %s: could not delete probe %s: %s", self.url, probe,
+                            describe(exc))
+        self._checked = True
+
+    def read(self) -> tuple[bytes, Any] | None:
+        # One GET for the bytes and their ETag together: an ETag read separately could belong
+        # to a newer object than the bytes, and a replace against it would then succeed.
+        try:
+            reply = self.fs.call_s3("get_object", Bucket=self.bucket, Key=self.key)
+        except FileNotFoundError as exc:
+            if s3_code(exc) == "NoSuchKey":  # NoSuchBucket stays an error (a config error)
+                return None
+            raise
+        from fsspec.asyn import sync
+
+        body = reply["Body"]
+        try:
+            data = sync(self.fs.loop, body.read)
+        finally:
+            body.close()
+        return data, reply["ETag"]
+
+    def create(self, data: bytes) -> Any:
+        self.check_conditional_writes()
+        return self._put(data, mode="create")
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        self.check_conditional_writes()
+        return self._put(data, IfMatch=version)
+
+    def delete(self, version: Any) -> None:
+        try:
+            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version)
+        except Exception as exc:
+            if s3_code(exc) == "NoSuchKey":
+                return
+            if _is_conflict(exc):
+                raise Conflict() from exc
+            if _not_implemented(exc):
+                raise Unsupported(f"{self.url}: the server does not support conditional "
+                                  f"DeleteObject ({describe(exc)})") from exc
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def _put(self, data: bytes, **condition: str) -> Any:
+        try:
+            reply = self.fs.pipe_file(self.path, data, ContentType="application/json",
+                                      **condition)
+        except Exception as exc:
+            if _is_conflict(exc):
+                raise Conflict() from exc
+            if s3_status(exc) == 404 and s3_code(exc) == "NoSuchKey":  # If-Match, object gone
+                raise Conflict() from exc
+            if _not_implemented(exc):
+                raise StorageConfigError(
+                    f"lease on {self.url}: this S3 server does not support conditional writes "
+                    f"(If-None-Match / If-Match on PutObject), so two nodes could both train "
+                    f"({describe(exc)})") from exc
+            raise
+        return reply["ETag"]
+
+
+def _is_conflict(exc: BaseException) -> bool:
+    """412 PreconditionFailed or 409 ConditionalRequestConflict: another writer was first."""
+    return s3_status(exc) in (409, 412)
+
+
+def _not_implemented(exc: BaseException) -> bool:
+    return s3_code(exc) == "NotImplemented" or s3_status(exc) == 501
+
+
+class LocalCas:
+    """A file in a local folder; every change under an exclusive flock on that folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> tuple[bytes, Any] | None:
+        try:
+            data = self.path.read_bytes()  # writes are rename / link: never half a file
+        except FileNotFoundError:
+            return None
+        return data, data
+
+    def create(self, data: bytes) -> Any:
+        with self._locked():
+            tmp = self._write_temp(data)
+            try:
+                os.link(tmp, self.path)  # EEXIST if there is one: O_EXCL, with full content
+            except FileExistsError:
+                raise Conflict() from None
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(self.path.parent)
+        return data
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        with self._locked():
+            if self.read() != (version, version):
+                raise Conflict()
+            tmp = self._write_temp(data)
+            try:
+                os.replace(tmp, self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(self.path.parent)
+        return data
+
+    def delete(self, version: Any) -> None:
+        with self._locked():
+            current = self.read()
+            if current is None:
+                return
+            if current[0] != version:
+                raise Conflict()
+            self.path.unlink()
+            fsync_dir(self.path.parent)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        folder = self.path.parent
+        if folder.exists() and not folder.is_dir():
+            raise StorageConfigError(f"lease folder {folder} exists and is not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by close, also if we are killed
+            yield
+        finally:
+            os.close(fd)
+
+    def _write_temp(self, data: bytes) -> Path:
+        tmp = temp_sibling(self.path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class MemoryCas:
+    """memory:// for unit tests: one lock for the whole process."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store, self.key = store, key
+
+    def read(self) -> tuple[bytes, Any] | None:
+        with _MEMORY_LOCK:
+            try:
+                data = self.store.get_bytes(self.key)
+            except FileNotFoundError:
+                return None
+            return data, data
+
+    def create(self, data: bytes) -> Any:
+        with _MEMORY_LOCK:
+            if self.store.exists(self.key):
+                raise Conflict()
+            self.store.put_bytes(self.key, data)
+            return data
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        with _MEMORY_LOCK:
+            if not self.store.exists(self.key) or self.store.get_bytes(self.key) != version:
+                raise Conflict()
+            self.store.put_bytes(self.key, data)
+            return data
+
+    def delete(self, version: Any) -> None:
+        with _MEMORY_LOCK:
+            if not self.store.exists(self.key):
+                return
+            if self.store.get_bytes(self.key) != version:
+                raise Conflict()
+            self.store.delete(self.key)

@@ -1,0 +1,56 @@
+"""Writes to a job's folder only while this node holds the job's lease.
+
+A holder can lose its lease without stopping at once: a VM frozen past its expiry wakes up still
+training, or renewals fail until the self-fencing margin is used up. Another node may own the
+job by then, and a checkpoint, a record or a prune from the stale holder would overwrite or
+delete what the new holder wrote. So every write checks `Lease.held` right before it starts:
+
+    store = FencedStore(Store(url), lease)
+    Uploader(store, "checkpoints")           # each file, the manifest, each prune: fenced
+    store.put_file(snapshot, "state.db")     # LeaseLost once the lease is lost
+
+Reads pass through unchanged (restoring a checkpoint harms no one). The check cannot stop a
+single write already under way, and it knows of a takeover only once a renewal has found it
+(`Lease.held`: at most `renew_every_s` later for a holder that was frozen).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .lease import Lease, LeaseLost
+from .store import Store
+
+
+class FencedStore:
+    """A Store whose put_file, put_bytes and delete raise LeaseLost, writing nothing, once
+    `lease` is no longer held. Everything else is the wrapped Store's."""
+
+    def __init__(self, store: Store, lease: Lease) -> None:
+        self.store = store
+        self.lease = lease
+
+    def __getattr__(self, name: str) -> Any:  # reads, url, protocol, ...: the store's own
+        return getattr(self.store, name)
+
+    def __repr__(self) -> str:
+        return f"FencedStore({self.store!r}, {self.lease!r})"
+
+    def put_file(self, local: Path, key: str) -> None:
+        self._check(f"upload of {key}")
+        self.store.put_file(local, key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._check(f"upload of {key}")
+        self.store.put_bytes(key, data)
+
+    def delete(self, prefix_or_key: str) -> None:
+        self._check(f"delete of {prefix_or_key}")
+        self.store.delete(prefix_or_key)
+
+    def _check(self, what: str) -> None:
+        if not self.lease.held:
+            raise LeaseLost(f"lease on {self.lease.url} is no longer held by {self.lease.holder} "
+                            f"(taken over, or not renewed in time): the {what} was refused so "
+                            f"that a stale holder writes nothing into the job's folder")

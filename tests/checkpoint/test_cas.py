@@ -1,0 +1,61 @@
+"""Compare-and-swap, the lease's primitive: every backend refuses a write against a version that
+is no longer current, and says so with Conflict; gs:// is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoint.cas import Conflict, open_cas
+from checkpoint.store import StorageConfigError
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def url(request, tmp_path) -> str:
+    if request.param == "memory":
+        return "memory://jobs/cas"
+    if request.param == "local":
+        return str(tmp_path / "jobs" / "cas")
+    return request.getfixturevalue("s3_env").url + "/cas"
+
+
+def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
+    cas = open_cas(url, "lease.json")
+    assert cas.read() is None
+
+    first = cas.create(b"one")
+    with pytest.raises(Conflict):
+        cas.create(b"again")                      # exists already
+    assert cas.read() == (b"one", first)
+
+    second = cas.replace(b"two", first)
+    with pytest.raises(Conflict):
+        cas.replace(b"three", first)              # someone else's write came in between
+    with pytest.raises(Conflict):
+        cas.delete(first)
+    assert cas.read() == (b"two", second)
+
+    cas.delete(second)
+    assert cas.read() is None
+    with pytest.raises(Conflict):
+        cas.replace(b"four", second)              # removed meanwhile
+    assert cas.read() is None
+    assert cas.create(b"five") is not None        # free again
+
+
+def test_two_objects_under_one_url_are_independent(url):
+    a, b = open_cas(url, "a.json"), open_cas(url, "b.json")
+    a.create(b"a")
+    b.create(b"b")
+    assert a.read()[0] == b"a" and b.read()[0] == b"b"
+
+
+@pytest.mark.parametrize("gs_url", ["gs://bucket/job", "gcs://bucket/job"])
+def test_gcs_is_refused_with_the_reason_and_what_to_use(gs_url):
+    # Whether or not gcsfs is installed: it writes conditionally only to create an object.
+    with pytest.raises(StorageConfigError, match=r"ifGenerationMatch=0.*s3://, a local folder"):
+        open_cas(gs_url, "lease.json")
+
+
+def test_a_key_must_be_a_relative_path():
+    with pytest.raises(ValueError):
+        open_cas("memory://jobs/cas", "../lease.json")
