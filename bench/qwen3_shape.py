@@ -45,7 +45,10 @@ def main() -> int:
     from trainer.config import GRPOParams
     from trainer.envs import catalog_environment
     from trainer.loop import GRPOTrainer
+    from trainer.policy import fix_mmap_threshold
     from trainer.tinymodel import build_chat_model
+
+    fix_mmap_threshold()                 # as the trainer process of `grpo-run apply` does
 
     t0 = time.perf_counter()
     model = args.model or str(build_chat_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-shaped", config=QWEN3_0_6B))

@@ -8,7 +8,9 @@ vocabulary, not the body, is what the logits cost) samples B x G completions of 
 (G = 8; random weights almost never emit EOS, so every completion runs to the limit) and takes
 one training step on the CPU. Each configuration runs in a fresh process, so its peak is its
 own: `peak` is the process's maximum resident set (getrusage), `step` the part of it the step
-added over the resident set just before the step.
+added over the resident set just before the step. Each process fixes glibc's mmap threshold as
+the trainer process does (trainer.policy.fix_mmap_threshold); `--sliding-mmap` leaves glibc's
+default, to see what that costs.
 
 With `microBatchSize: 4` the step holds one micro-batch's logits and their gradient at a time:
 its peak should stay flat (within 15%) as B x G grows. `microBatchSize = B x G` is the
@@ -35,7 +37,7 @@ GROUP = 8
 COMPLETION_TOKENS = 256
 
 
-def one(model: str, completions: int, micro: int) -> dict:
+def one(model: str, completions: int, micro: int, fixed_mmap: bool = True) -> dict:
     """One training step in this process; its peak memory."""
     import psutil
     import torch
@@ -43,7 +45,10 @@ def one(model: str, completions: int, micro: int) -> dict:
     from trainer.config import GRPOParams
     from trainer.envs import user_environment
     from trainer.loop import GRPOTrainer
+    from trainer.policy import fix_mmap_threshold
 
+    if fixed_mmap:
+        fix_mmap_threshold()             # as the trainer process of `grpo-run apply` does
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     folder = Path(tempfile.mkdtemp())
     (folder / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
@@ -68,10 +73,11 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32], help="B x G values (multiples of 8)")
     ap.add_argument("--micro", type=int, nargs="+", default=[4], help="micro-batch sizes to measure")
     ap.add_argument("--no-single", action="store_true", help="skip the single-batch comparison")
-    ap.add_argument("--one", nargs=3, metavar=("MODEL", "COMPLETIONS", "MICRO"), help=argparse.SUPPRESS)
+    ap.add_argument("--sliding-mmap", action="store_true", help="keep glibc's sliding mmap threshold")
+    ap.add_argument("--one", nargs=4, metavar=("MODEL", "COMPLETIONS", "MICRO", "MMAP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]), args.one[3] == "fixed")))
         return 0
 
     from trainer.tinymodel import build_chat_model
@@ -82,8 +88,8 @@ def main() -> int:
         runs += [(n, n) for n in args.sizes]
     results = []
     for n, m in runs:
-        out = subprocess.run([sys.executable, __file__, "--one", str(model), str(n), str(m)],
-                             capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run([sys.executable, __file__, "--one", str(model), str(n), str(m),
+                              "sliding" if args.sliding_mmap else "fixed"], capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             sys.stderr.write(out.stderr)
             return 2

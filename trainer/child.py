@@ -34,7 +34,9 @@ CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every t
 
 def child_main(argv: list[str] | None = None) -> int:
     from trainer import faults
+    from trainer.policy import fix_mmap_threshold
 
+    fix_mmap_threshold()                 # before the model's allocations: see trainer.policy
     argv = sys.argv[1:] if argv is None else argv
     plan_path = Path(argv[0])
     plan = Plan.from_json(plan_path.read_text())
