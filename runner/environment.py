@@ -204,6 +204,9 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
             if isinstance(fn, str) and ":" not in fn and fn not in entry.rewards:
                 found.append((("rewards", i, "function"), f"{name} has no reward {fn!r}: it has "
                               + ", ".join(entry.rewards) + "; or give module:function"))
+        labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
+        for label in sorted({x for x in labels if x and labels.count(x) > 1}):
+            found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
         return found
     if not has & {"reward", "rewards", "tasks", "dataset", "dataFiles"}:
         found.append((("name",), f"unknown catalog environment (got {name!r}): available: "
@@ -219,6 +222,9 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
         if isinstance(fn, str) and ":" not in fn:
             found.append((("rewards", i, "function"), f"must be module:function or file.py:function (got {fn!r}); "
                           "reward names are for catalog environments"))
+    labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
+    for label in sorted({x for x in labels if x and labels.count(x) > 1}):
+        found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
     sources = sorted(has & {"tasks", "dataset", "dataFiles"})
     if len(sources) > 1:
         found.append(((sources[1],), f"give one source of tasks: tasks, dataset or dataFiles (got {', '.join(sources)})"))
@@ -229,7 +235,21 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
         found.append((("evalTasks",), f"required with reward: {TASKS_HINT}; or heldOutFraction to hold out part of tasks"))
     if "evalTasks" in has and sources != ["tasks"]:
         found.append((("evalTasks",), "goes with tasks; with dataset or dataFiles the held-out tasks are evalSplit"))
+    if "heldOutFraction" in has and "evalTasks" in has:
+        found.append((("heldOutFraction",), "give evalTasks or heldOutFraction, not both"))
+    if "datasetConfig" in has and "dataset" not in has:
+        found.append((("datasetConfig",), "goes with dataset (the data set's subset)"))
+    for key in ("trainSplit", "evalSplit"):
+        if key in has and sources == ["tasks"]:
+            found.append(((key,), "goes with dataset or dataFiles; a tasks file is one split"))
     return found
+
+
+def _label(reward: dict[str, Any]) -> str | None:
+    """The name a reward is recorded under (RewardSpec.label), from what was written."""
+    fn = reward.get("function")
+    name = reward.get("name") or (fn.rpartition(":")[2] if isinstance(fn, str) else None)
+    return name if isinstance(name, str) else None
 
 
 def environment_of(env: EnvironmentSpec, p: GRPOParams):

@@ -12,8 +12,13 @@ from trainer.config import GRPOParams
 from trainer.envs import Environment
 
 
+RENDERING_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+
 def model_identity(model: str) -> Any:
-    """What names a model's weights: a hub id as given; for a folder, its config and a sampled
+    """What names a model's weights and how its prompts render: a hub id as given; for a folder,
+    its config, the tokenizer / chat template / generation config files (whole), and a sampled
     hash of every weight file (64 KiB at 64 evenly spaced offsets, plus the size). Re-saving
     trained weights into the same folder changes it; copying the folder to a new node does not.
     Hashing every byte of a 16 GB model at each start would cost more than it protects."""
@@ -30,7 +35,10 @@ def model_identity(model: str) -> Any:
                 fh.seek(size * i // 64)
                 h.update(fh.read(64 * 1024))
         files[f.name] = [size, h.hexdigest()]
-    return {"config": json.loads((folder / "config.json").read_text()), "weights": files}
+    # how prompts are rendered and where completions end: the chat template, the tokenizer, EOS ids
+    rendering = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())
+                 if f.name in RENDERING_FILES}
+    return {"config": json.loads((folder / "config.json").read_text()), "weights": files, "rendering": rendering}
 
 
 def reward_identity(ref: str) -> str:

@@ -200,10 +200,13 @@ class TrainingJob(Strict):
                 except ValueError as e:
                     found.append((("parameters", "evalTasks"), str(e)))
         else:
-            for key, file in (("trainTasks", "tasks"), ("evalTasks", "evalTasks")):
+            for key in ("trainTasks", "evalTasks"):
                 if getattr(params, key) is not None:
-                    found.append((("parameters", key), f"only for catalog environments; your environment's "
-                                  f"{file} file sets them"))
+                    found.append((("parameters", key), "only for catalog environments; your environment's "
+                                  "own tasks set them"))
+        if params.evalSteps is not None and params.evalSteps >= params.maxSteps:
+            found.append((("parameters", "evalSteps"), f"must be < maxSteps ({params.maxSteps}) to evaluate while "
+                          "training; the final evaluation runs after the last step anyway"))
         if params.method == "QLoRA" and not found:
             from trainer.policy import QLoRAUnavailable, check_qlora, pick_device
 

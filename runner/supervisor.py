@@ -359,7 +359,11 @@ class Supervisor:
         self._fingerprints = {"baseline": fp, "final": final_fingerprint(fp, spec.manifest)}
         cached = books.cached_baseline(fp)
         done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
-        return Plan(name=spec.name, model=spec.model, env=spec.env, params=spec.params, model_name=spec.model_name,
+        params = spec.params
+        chosen = books.record.value("microBatchSize")     # the first attempt's choice: a resume keeps it
+        if params.microBatchSize is None and chosen:
+            params = params.model_copy(update={"microBatchSize": int(chosen)})
+        return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
                     stop_by=books.stop_by())
@@ -420,6 +424,7 @@ class Supervisor:
             books.add_held_out(ev["step"], ev["result"])
         elif kind == "started":
             books.record.set_value("device", ev["device"])
+            books.record.set_value("microBatchSize", ev.get("microBatchSize"))
         elif kind in ("stopped", "failed", "final"):
             self._attempt_events[kind] = ev
 

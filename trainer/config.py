@@ -205,6 +205,8 @@ def _field(root: type[BaseModel], loc: tuple) -> tuple[type[BaseModel] | None, A
     model: type[BaseModel] | None = root
     info = None
     for i, part in enumerate(loc):
+        if isinstance(part, int):            # an item of a list field: the item's model holds the rest
+            continue
         if model is None or part not in model.model_fields:
             return model if i == len(loc) - 1 else None, None
         info = model.model_fields[part]

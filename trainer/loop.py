@@ -227,7 +227,7 @@ class GRPOTrainer:
         loss_mask = comp_mask * (~truncated).long().unsqueeze(1) if p.maskTruncatedCompletions else comp_mask
         n, tokens = comp_ids.size(0), int(loss_mask.sum())
         parts = [self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl)
-                 for sl in grpo.micro_batches(n, self.micro_batch_size(n, comp_ids.size(1) + 1))]
+                 for sl in grpo.micro_batches(n, self.micro_batch_size)]
         refs = [self._reference_logprobs(*part[1:]) for part in parts] if p.beta > 0 else None
         olds: list[torch.Tensor | None] = [None] * len(parts)
         for _ in range(p.numIterations):
@@ -272,15 +272,21 @@ class GRPOTrainer:
             metrics["kl"] = kl_sum / max(tokens, 1)
         return metrics
 
-    def micro_batch_size(self, n: int, logit_positions: int) -> int:
-        """Completions per forward/backward: spec.parameters.microBatchSize, else
-        trainer.config.default_micro_batch for this model on this device."""
-        if self.params.microBatchSize is not None:
-            return min(self.params.microBatchSize, n)
+    @functools.cached_property
+    def micro_batch_size(self) -> int:
+        """Completions per forward/backward, one figure for the whole run:
+        spec.parameters.microBatchSize, else trainer.config.default_micro_batch for this model on
+        this device at full completion length. The supervisor records it at the first start and
+        passes it back on a resume, so a run resumed on another kind of node keeps its arithmetic."""
+        p = self.params
+        completions = p.promptsPerStep * p.numGenerations
+        if p.microBatchSize is not None:
+            return min(p.microBatchSize, completions)
         vocab = self.model.get_output_embeddings().weight.size(0)
         device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                         if self.device.type == "cuda" else None)
-        return default_micro_batch(n, logit_positions, vocab, compute_dtype(self.device).itemsize, device_bytes)
+        return default_micro_batch(completions, p.maxCompletionLength + 1, vocab,
+                                   compute_dtype(self.device).itemsize, device_bytes)
 
     @staticmethod
     def _trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl: slice):

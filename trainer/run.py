@@ -12,7 +12,7 @@ says `stopped`, and the supervisor makes that checkpoint durable.
 
 Events, in the order they happen (each a JSON object with "event" and these fields):
 
-    started    step (the checkpoint resumed from, 0 for none), device
+    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize
     phase      phase: BaselineEval | Training | FinalEval
     evalBatch  kind (baseline | final), batch, rewards {reward name: scores}   (each batch as it is finished)
     eval       kind, result {meanReward, rewards, tasks, solved, batches, reusedBatches}, noSignal
@@ -139,7 +139,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
 
         start = checkpoints.load_latest()
         device = trainer.device
-        events.emit("started", step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu")
+        events.emit("started", step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
+                    microBatchSize=trainer.micro_batch_size)
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 
@@ -168,7 +169,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
     stopped early: "requested" | "deadline" | None)."""
     p = plan.params
     bar = _Progress(p.maxSteps, start, progress)
-    step, last_seconds = start, 0.0
+    step, last_seconds, eval_seconds = start, 0.0, 0.0
     try:
         while step < p.maxSteps:
             if requests.stop.is_set():                 # preemption: honoured here, between steps
@@ -188,10 +189,15 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 checkpoints.save(step, force=asked)
             _report_sealed(events, checkpoints, checkpoints.sealed())
             if p.evalSteps and step % p.evalSteps == 0 and step < p.maxSteps:
+                if plan.stop_by is not None and time.monotonic() + eval_seconds > plan.stop_by:
+                    log.info("held-out evaluation after step %d skipped: it would end past the budget", step)
+                    continue
+                t0 = time.monotonic()
                 try:                                   # the held-out curve while training
                     ev = trainer.evaluate(plan.env.eval_tasks)
                 except GenerationInterrupted:          # this step's evaluation is given up, not the step
                     return step, "requested"
+                eval_seconds = time.monotonic() - t0
                 events.emit("heldOut", step=step, result=ev.to_dict())
         return step, None
     finally:

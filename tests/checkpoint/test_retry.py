@@ -81,12 +81,23 @@ def test_a_preemption_during_a_backoff_ends_retries_without_another_try():
 
 
 def test_the_default_sleep_is_the_stop_event_so_a_notice_ends_the_wait():
-    stop = threading.Event()
-    stop.set()  # already preempted: the real wait returns at once, and no second try follows
+    class NoticeDuringTheWait(threading.Event):
+        """The preemption event; the notice arrives while the policy waits on it."""
+        def __init__(self):
+            super().__init__()
+            self.waits = []
+
+        def wait(self, timeout=None):
+            self.waits.append(timeout)
+            self.set()
+            return True
+
+    stop = NoticeDuringTheWait()
     fn = Flaky(ConnectionResetError("reset"))
     with pytest.raises(StorageUnavailable, match="preemption requested"):
         RetryPolicy("storage x", budget_s=600, stop=stop).call("get", fn)
-    assert fn.calls == 1
+    # the backoff was a wait on the event itself (not time.sleep), and no second try followed it
+    assert fn.calls == 1 and len(stop.waits) == 1 and stop.waits[0] >= 0.5
 
 
 def test_a_configuration_error_fails_at_once_and_says_what_to_fix():

@@ -118,3 +118,58 @@ def test_the_baseline_fingerprint_covers_the_data_and_the_weights(tmp_path, rewa
     write(tmp_path, "all.parquet", [{**r, "answer": r["answer"] + " "} for r in ROWS], "parquet")
     doc["spec"]["environment"]["rewards"][1]["weight"] = 0.5
     assert baseline_fingerprint("m", build_environment(parse_job(doc, base=tmp_path)), p) != first
+
+
+def test_fields_that_would_be_ignored_are_named(tmp_path, reward_file):
+    write(tmp_path, "all.parquet", ROWS, "parquet")
+    with pytest.raises(JobError) as e:
+        parse_job(job(name="s", reward=reward_file, tasks="all.parquet", evalTasks="all.parquet", heldOutFraction=0.1,
+                      datasetConfig="main", evalSplit="validation"), base=tmp_path)
+    assert e.value.problems == [
+        "spec.environment.heldOutFraction: give evalTasks or heldOutFraction, not both",
+        "spec.environment.datasetConfig: goes with dataset (the data set's subset)",
+        "spec.environment.evalSplit: goes with dataset or dataFiles; a tasks file is one split"]
+
+
+def test_two_rewards_recorded_under_one_name_are_refused(tmp_path, reward_file):
+    with pytest.raises(JobError) as e:
+        parse_job(job(name="gsm8k", rewards=["correct", "correct"]))
+    assert e.value.problems == ["spec.environment.rewards: two rewards are named 'correct': "
+                                "give one of them a name (name: ...)"]
+    doc = job(name="gsm8k", rewards=["correct", {"function": "correct", "name": "again", "weight": 0.5}])
+    assert [r.label for r in parse_job(doc).environment.rewards] == ["correct", "again"]
+
+
+def test_a_problem_inside_a_list_item_names_the_fields_it_allows():
+    with pytest.raises(JobError) as e:
+        parse_job(job(name="gsm8k", rewards=[{"fnction": "correct"}]))
+    assert "spec.environment.rewards.0.fnction: unknown field; did you mean function?" in e.value.problems
+    assert any(p.startswith("spec.environment.rewards.0.function: required: module:function") for p in e.value.problems)
+
+
+def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, reward_file):
+    from checkpoint.store import Store
+    from runner.envfiles import localize_environment, upload_environment
+
+    write(tmp_path, "train.parquet", ROWS[:20], "parquet")
+    write(tmp_path, "test.parquet", ROWS[20:], "parquet")
+    doc = job(name="s", rewards=[reward_file, {"function": "rewards.py:short", "weight": 0.5}],
+              dataFiles={"train": "train.parquet", "test": "test.parquet"}, columns={"prompt": "question"})
+    here = parse_job(doc, base=tmp_path)
+    store = Store(str(tmp_path / "store"))
+    upload_environment(here, store)
+    for name in ("train.parquet", "test.parquet", "rewards.py"):
+        (tmp_path / name).unlink()                                   # a fresh node has none of them
+    there = localize_environment(parse_job(here.to_dict(), check_files=False), store, tmp_path / "node")
+    env = build_environment(there)
+    assert len(env.train_tasks) == 20 and len(env.eval_tasks) == 10
+    assert all(r.ref.startswith(str(tmp_path / "node")) for r in env.rewards)
+
+
+def test_a_save_to_disk_folder_missing_on_the_node_is_named(tmp_path, reward_file):
+    from checkpoint.store import Store
+    from runner.envfiles import localize_environment
+
+    doc = job(name="s", reward=reward_file, dataset=str(tmp_path / "gone"))
+    with pytest.raises(LookupError, match="spec.environment.dataset: the folder .*gone is not on this node"):
+        localize_environment(parse_job(doc, check_files=False), Store(str(tmp_path / "store")), tmp_path / "node")

@@ -151,3 +151,9 @@ def test_the_real_first_job_in_examples_is_valid_offline():
     j = load_job(REPO / "examples" / "gsm8k-qwen2.5-0.5b.yaml")
     assert (j.model, j.environment.name, j.parameters.maxCompletionLength) == ("Qwen/Qwen2.5-0.5B-Instruct", "gsm8k", 512)
     assert [(r.label, r.weight) for r in j.environment.rewards] == [("correct", 1.0), ("format", 0.2)]
+
+
+def test_evaluating_while_training_needs_steps_to_evaluate_between():
+    found = problems(job(parameters={"evalSteps": 200, "maxSteps": 200}))
+    assert found == ["spec.parameters.evalSteps: must be < maxSteps (200) to evaluate while training; "
+                     "the final evaluation runs after the last step anyway"]
