@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="example:\n  .venv/bin/python bench/checkpoint_overhead.py --rounds 7 --steps 60")
     ap.add_argument("--rounds", type=int, default=7, help="A/B pairs per storage (default 7)")
     ap.add_argument("--steps", type=int, default=60, help="training steps per attempt (default 60)")
-    ap.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS for every trainer (default 2)")
-    ap.add_argument("--omp-wait", choices=["passive", "active", "unset"], default="passive",
-                    help="OMP_WAIT_POLICY for torch's threads. passive (default): what the supervisor gives the "
-                         "trainer unless the user set it, so what `grpo-run apply` runs with; active / unset: "
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every trainer (default: what the supervisor "
+                                                "gives it, runner.supervisor.trainer_threads)")
+    ap.add_argument("--omp-wait", choices=["passive", "active", "unset"],
+                    help="OMP_WAIT_POLICY for torch's threads (default: the supervisor's choice); active / unset: "
                          "threads that spin while they wait, which leaves the checkpoint writer no idle CPU")
     ap.add_argument("--storage", choices=["local", "s3", "both", "auto"], default="auto",
                     help="auto (default): local, plus s3 when AWS_ENDPOINT_URL is set")
@@ -126,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where s3 attempts write (the bucket is created if missing)")
     args = ap.parse_args(argv)
 
-    env = {**os.environ, "GRPO_RUN_NOTICES": "none", "OMP_NUM_THREADS": str(args.threads),
+    env = {**os.environ, "GRPO_RUN_NOTICES": "none",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    if args.omp_wait == "unset":
-        env.pop("OMP_WAIT_POLICY", None)
-    else:
+    for var in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        env.pop(var, None)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.omp_wait not in (None, "unset"):
         env["OMP_WAIT_POLICY"] = args.omp_wait.upper()
 
     storages = {"local": ["local"], "s3": ["s3"], "both": ["local", "s3"],
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if "s3" in storages:
         ensure_bucket(args.s3_url)
     print(f"checkpoint overhead of saveSteps=1: {JOB.name} under `grpo-run apply`, {args.steps} steps x "
-          f"{args.rounds} rounds, OMP_NUM_THREADS {args.threads}, OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"{args.rounds} rounds, OMP_NUM_THREADS {env.get('OMP_NUM_THREADS', 'the supervisor’s')}, "
+          f"OMP_WAIT_POLICY {env.get('OMP_WAIT_POLICY', 'the supervisor’s')}, "
           f"{os.cpu_count()} cpus, storage {'+'.join(storages)}")
     print("  ms/step = median interval between consecutive steps in the record; stepSeconds = the record's "
           "median (train_step alone);\n  ratio = ckpt / none of ms/step (and of the mean interval)")
