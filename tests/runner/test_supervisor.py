@@ -105,7 +105,8 @@ def test_a_crashed_trainer_is_restarted_and_the_run_still_ends_byte_identical(tm
 
 
 def test_two_nodes_resuming_one_job_at_once_never_both_train(tmp_path, s3_env):
-    job = write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=50)
+    # long enough that node A is still training when node B's CLI has started (steps take ~30 ms)
+    job = write_job(tmp_path, s3_env.url, maxSteps=1000, saveSteps=250)
     first = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none")
     wait_for_training(tmp_path / "node-a", first)
     second = grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, check=False)
