@@ -194,7 +194,7 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
         _error(str(e))
         return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
-        _error(f"{job.name} was not started here: {result.message}")
+        _error(f"{job.name}: another node holds the job, so this node stops here: {result.message}")
         return EXIT_HELD
     doc = _job_doc(work / RECORD_FILE)
     if result.exit_code == EXIT_OK and job.gpu:
