@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from trainer.config import GRPOParams, Strict, fmt, problem, problems_at
-from trainer.envs import CATALOG
+from trainer.envs import CATALOG, reward_name
 
 
 def base_folder(info: ValidationInfo) -> Path:
@@ -90,7 +90,7 @@ class RewardSpec(Strict):
 
     @property
     def label(self) -> str:
-        return self.name or (self.function.rpartition(":")[2] if ":" in self.function else self.function)
+        return self.name or reward_name(self.function)
 
 
 class EnvironmentSpec(Strict):
@@ -171,7 +171,7 @@ class EnvironmentSpec(Strict):
     def reward_list(self) -> tuple[tuple[str, str, float], ...]:
         """(name, ref or catalog reward name, weight) of each reward; () for a catalog default."""
         if self.reward is not None:
-            return ((self.reward.rpartition(":")[2], self.reward, 1.0),)
+            return ((reward_name(self.reward), self.reward, 1.0),)
         return tuple((r.label, r.function, r.weight) for r in self.rewards)
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
 def _label(reward: dict[str, Any]) -> str | None:
     """The name a reward is recorded under (RewardSpec.label), from what was written."""
     fn = reward.get("function")
-    name = reward.get("name") or (fn.rpartition(":")[2] if isinstance(fn, str) else None)
+    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else None)
     return name if isinstance(name, str) else None
 
 

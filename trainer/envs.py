@@ -181,11 +181,11 @@ def catalog_environment(name: str, *, seed: int, n_train: int | None = None, n_e
     entry = CATALOG[name]
     train, held_out = (entry.make(seed, n_train, n_eval, data_files) if entry.data
                        else entry.make(seed, n_train, n_eval))
-    chosen = tuple(Reward(_reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
+    chosen = tuple(Reward(reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
     return Environment(name=name, rewards=chosen, train_tasks=tuple(train), eval_tasks=tuple(held_out))
 
 
-def _reward_name(ref: str) -> str:
+def reward_name(ref: str) -> str:
     """A reward's name in metrics: a catalog name as is, a ref by its function's name."""
     return ref.rpartition(":")[2] if ":" in ref else ref
 
@@ -234,6 +234,6 @@ def user_environment(*, name: str, rewards: tuple[Reward, ...] | None = None, re
     if rewards is None:
         if reward_ref is None:
             raise ValueError("an environment needs rewards or a reward_ref")
-        rewards = (Reward(_reward_name(reward_ref), reward_ref, 1.0),)
+        rewards = (Reward(reward_name(reward_ref), reward_ref, 1.0),)
     return Environment(name=name, rewards=tuple(rewards), train_tasks=tuple(tasks),
                        eval_tasks=tuple(eval_tasks), search_path=search_path)
