@@ -6,7 +6,6 @@ Every function here has a hand-computed test in tests/trainer/test_grpo_math.py.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -14,6 +13,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import LOGPROB_CHUNK_ELEMENTS, LOSS_TYPES
+from trainer.decode import decoder_for, last_logits
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, unbiased: bool, scale: bool = True) -> Tensor:
@@ -117,9 +117,23 @@ def reduce_loss(per_token: Tensor, mask: Tensor, loss_type: str, max_completion_
     raise ValueError(f"loss type {loss_type!r}: expected one of {', '.join(LOSS_TYPES)}")
 
 
-def micro_batches(n: int, size: int) -> list[slice]:
-    """Consecutive slices of at most `size` of n completions (the last may be shorter)."""
-    return [slice(start, min(start + size, n)) for start in range(0, n, max(1, size))]
+def micro_batches(rows: Tensor, size: int) -> list[Tensor]:
+    """The completions `rows` [M] (indices into the step's B*G) in consecutive micro-batches of at
+    most `size` (the last may be shorter)."""
+    return list(rows.split(max(1, size))) if rows.numel() else []
+
+
+def learning_rows(advantages: Tensor, beta: float) -> Tensor:
+    """The completions the update has to run through: indices [M] into advantages [B*G].
+
+    A completion whose advantage is exactly 0 (its group's rewards were all equal) has a zero
+    clipped surrogate at every token whatever the ratio, so it adds nothing to the loss or to its
+    gradient; unless a KL term (beta > 0) pulls on it, it is left out of the forward and backward.
+    Its tokens still count in the loss's normalisation (reduce_loss's `completions` and `tokens`),
+    so the update is the one over all B*G completions, up to float rounding."""
+    if beta > 0:
+        return torch.arange(advantages.numel(), device=advantages.device)
+    return (advantages != 0).nonzero().squeeze(1)
 
 
 class GenerationInterrupted(Exception):
@@ -182,24 +196,21 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
     `should_stop()` turns true.
     """
-    n = prompt_ids.size(0)
-    cache_arg = _cache_argument(model)
-    position_ids = (prompt_mask.cumsum(-1) - 1).clamp_min(0)          # [N, P]
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True,
-                **_last_logits(model, 1))                             # not [N, P, V]: only the last position
-    past, logits = _cache_of(out), out.logits[:, -1]                  # [N, V]
-    attention = prompt_mask
-    next_pos = position_ids[:, -1:] + 1                               # [N, 1]
-    done = torch.zeros(n, dtype=torch.bool, device=prompt_ids.device)
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=prompt_ids.device)
-    rows = torch.arange(n, device=prompt_ids.device)
+    n, device = prompt_ids.size(0), prompt_ids.device
+    decoder = decoder_for(model)
+    logits = decoder.start(prompt_ids, prompt_mask, max_new_tokens)                 # [N, V]
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    rows = torch.arange(n, device=device)
     seen = None
     if repetition_penalty != 1.0:                                     # [N, V]: tokens seen so far
-        seen = torch.zeros(n, logits.size(-1), dtype=torch.bool, device=prompt_ids.device)
+        seen = torch.zeros(n, logits.size(-1), dtype=torch.bool, device=device)
         keep = prompt_mask.bool()
         seen[rows.unsqueeze(1).expand_as(prompt_ids)[keep], prompt_ids[keep]] = True
-    tokens, masks = [], []
-    for _ in range(max_new_tokens):
+    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [N, T]
+    masks = torch.zeros(n, max_new_tokens, dtype=torch.bool, device=device)             # [N, T]
+    length = 0
+    for t in range(max_new_tokens):
         if should_stop is not None and should_stop():
             raise GenerationInterrupted()
         if seen is not None:
@@ -214,47 +225,21 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)   # [N]
         else:
             nxt = logits.argmax(dim=-1)
-        masks.append(~done)
+        masks[:, t] = ~done
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens.append(nxt)
+        tokens[:, t], length = nxt, t + 1
         ended = torch.isin(nxt, eos)
         if finished is not None:
             running = ~(done | ended)
             if bool(running.any()):
-                ended = ended | (finished(torch.stack(tokens, dim=1), running) & running)
+                ended = ended | (finished(tokens[:, :length], running) & running)
         done = done | ended
         if bool(done.all()):
             break
         if seen is not None:
             seen[rows, nxt] = True
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(input_ids=nxt.unsqueeze(1), attention_mask=attention, position_ids=next_pos,
-                    use_cache=True, **{cache_arg: past})
-        past, logits = _cache_of(out), out.logits[:, -1]
-        next_pos = next_pos + 1
-    return Completions(torch.stack(tokens, dim=1), torch.stack(masks, dim=1).long(), ~done)
-
-
-def _cache_argument(model) -> str:
-    """transformers 5 renamed `past_key_values` to `cache`; accept both, so users' pinned
-    transformers versions keep working."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
-
-
-def _cache_of(out):
-    return out["cache"] if "cache" in out else out["past_key_values"]
-
-
-def _last_logits(model, k: int) -> dict[str, int]:
-    """Ask the model for logits of its last k positions only (`logits_to_keep`, transformers >=
-    4.50; `num_logits_to_keep` before), where its forward takes it."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(type(base).forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in params:
-            return {name: k}
-    return {}
+        logits = decoder.step(nxt, ~done)
+    return Completions(tokens[:, :length], masks[:, :length].long(), ~done)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
@@ -266,5 +251,5 @@ def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completi
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
     t = completion_ids.size(1)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                   **_last_logits(model, t + 1)).logits              # [N, T+1, V] (or [N, P+T, V])
+                   **last_logits(model, t + 1)).logits              # [N, T+1, V] (or [N, P+T, V])
     return token_logprobs(logits[:, -t - 1:-1], completion_ids, temperature)   # [N, T]

@@ -226,12 +226,18 @@ class GRPOTrainer:
         # TRL, it still counts among the n completions that grpo and dr_grpo divide by.
         loss_mask = comp_mask * (~truncated).long().unsqueeze(1) if p.maskTruncatedCompletions else comp_mask
         n, tokens = comp_ids.size(0), int(loss_mask.sum())
-        parts = [self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl)
-                 for sl in grpo.micro_batches(n, self.micro_batch_size)]
+        learning = grpo.learning_rows(adv, p.beta)                                     # [M <= B*G]
+        parts = [self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, rows)
+                 for rows in grpo.micro_batches(learning, self.micro_batch_size)]
         refs = [self._reference_logprobs(*part[1:]) for part in parts] if p.beta > 0 else None
         olds: list[torch.Tensor | None] = [None] * len(parts)
         for _ in range(p.numIterations):
-            self.optimizer.zero_grad(set_to_none=True)
+            # zeros, not None: with no completion to learn from, the optimizer still takes its step
+            # (Adam's moments decay, weight decay applies) exactly as over an all-zero gradient
+            self.optimizer.zero_grad(set_to_none=False)
+            for param in trainable_parameters(self.model):
+                if param.grad is None:                 # first step of this process
+                    param.grad = torch.zeros_like(param)
             loss = clipped_tokens = kl_sum = 0.0
             for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
                 logps = grpo.completion_logprobs(self.model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
@@ -289,8 +295,8 @@ class GRPOTrainer:
                                    compute_dtype(self.device).itemsize, device_bytes)
 
     @staticmethod
-    def _trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl: slice):
-        """Micro-batch `sl`, without the prompt padding columns (left) and completion padding
+    def _trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl: torch.Tensor):
+        """Micro-batch `sl` (row indices), without the prompt padding columns (left) and completion padding
         columns (right) that none of its rows use: positions come from the mask, so the
         log-probabilities are the same, for less memory when its completions are short."""
         p_mask, c_mask = prompt_mask[sl], comp_mask[sl]

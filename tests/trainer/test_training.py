@@ -167,6 +167,70 @@ def test_a_micro_batched_step_equals_the_single_batch_step(loss_type, make_train
     assert any(g.abs().sum() > 0 for g in whole_grads.values())
 
 
+@pytest.fixture(scope="module")
+def half_signal_reward(tmp_path_factory):
+    """The completion's length for tasks with an odd answer, 1.0 for the others: groups of
+    even-answer tasks carry no signal."""
+    path = tmp_path_factory.mktemp("rewards") / "half_signal.py"
+    path.write_text("def score(completion, task):\n"
+                    "    return float(len(completion)) if int(task['answer']) % 2 else 1.0\n")
+    return f"{path}:score"
+
+
+def test_completions_without_signal_are_left_out_of_the_update_which_stays_the_same(half_signal_reward,
+                                                                                    monkeypatch):
+    from trainer import grpo
+
+    every_row = grpo.learning_rows
+
+    def trainer():
+        params = small(promptsPerStep=4, microBatchSize=2, maxGradNorm=1e9)
+        arith = catalog_environment("arithmetic", seed=0, n_eval=params.evalTasks)
+        env = user_environment(name="half", reward_ref=half_signal_reward, tasks=list(arith.train_tasks),
+                               eval_tasks=list(arith.eval_tasks))
+        return GRPOTrainer(ensure_model("tiny:char"), env, params)
+
+    results = []
+    for leave_out in (True, False):
+        with monkeypatch.context() as m:
+            if not leave_out:
+                m.setattr(grpo, "learning_rows", lambda adv, beta: every_row(adv, beta=1.0))
+            tr = trainer()
+            try:
+                metrics = tr.train_step(0)
+                grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+            finally:
+                tr.close()
+        results.append((metrics, grads))
+    (left_out, left_out_grads), (every, every_grads) = results
+    assert 0 < left_out["identicalGroups"] < 1                  # the step had groups of both kinds
+    assert left_out["microBatches"] < every["microBatches"] == 8
+    torch.testing.assert_close(left_out["loss"], every["loss"])
+    for name in every_grads:
+        torch.testing.assert_close(left_out_grads[name], every_grads[name], msg=name)
+    assert any(g.abs().sum() > 0 for g in every_grads.values())
+
+
+def test_a_step_without_any_signal_still_steps_the_optimizer(tmp_path):
+    reward = tmp_path / "constant.py"
+    reward.write_text("def score(completion, task):\n    return 1.0\n")
+    params = small(weightDecay=0.1)
+    arith = catalog_environment("arithmetic", seed=0, n_eval=params.evalTasks)
+    env = user_environment(name="flat", reward_ref=f"{reward}:score", tasks=list(arith.train_tasks),
+                           eval_tasks=list(arith.eval_tasks))
+    tr = GRPOTrainer(ensure_model("tiny:char"), env, params)
+    try:
+        before = snapshot(tr.model, lora=True)
+        metrics = tr.train_step(0)
+        states = [tr.optimizer.state[p] for p in tr.optimizer.param_groups[0]["params"]]
+        after = snapshot(tr.model, lora=True)
+    finally:
+        tr.close()
+    assert metrics["identicalGroups"] == 1.0 and metrics["microBatches"] == 0
+    assert states and all(int(s["step"]) == 1 for s in states)            # Adam counted the step
+    assert any(not torch.equal(before[n], after[n]) for n in before)       # and weight decay applied
+
+
 def test_the_selective_log_softmax_equals_the_full_one_in_value_and_gradient():
     from trainer.grpo import token_logprobs
 

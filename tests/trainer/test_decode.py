@@ -1,0 +1,160 @@
+"""The fast decoder samples exactly what the model's own forward samples, on every architecture it
+takes; models it does not take are sampled through their own forward."""
+
+import pytest
+import torch
+
+from trainer import decode, grpo
+
+VOCAB = 40
+
+
+def lm(kind: str, **extra):
+    """A random 2-layer model of `kind` with grouped KV heads, built from its config alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                  eos_token_id=1, bos_token_id=None, initializer_range=0.2)
+    if kind == "gpt2":
+        fields = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**fields, **extra}),
+                                            dtype=torch.float32).eval()
+
+
+def with_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with torch.no_grad():                      # a trained adapter: B is zero only at initialisation
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def prompts():
+    """Left-padded prompts of three lengths, each repeated as a group of 3, plus one alone."""
+    rows = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    rows = [r for r in rows for _ in range(3)] + [[20, 21, 22, 23]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def both(model, monkeypatch, ids, mask, **kw):
+    kw = {"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw}
+    fast = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    with monkeypatch.context() as m:
+        m.setattr(grpo, "decoder_for", decode.TransformersDecoder)
+        slow = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    return fast, slow
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("qwen3", {"head_dim": 8}), ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None}),
+    ("llama", {"num_key_value_heads": 4}),          # one query head per KV head
+])
+@pytest.mark.parametrize("adapter", ["lora", "none"])
+def test_the_fast_decoder_samples_the_same_tokens_as_the_models_own_forward(kind, extra, adapter, monkeypatch):
+    model = lm(kind, **extra)
+    model = with_lora(model) if adapter == "lora" else model
+    assert isinstance(decode.decoder_for(model), decode.LlamaFamilyDecoder), decode.llama_family_refusal(model)
+    ids, mask = prompts()
+    for kw in ({}, {"temperature": 0.0}, {"top_k": 5, "top_p": 0.9, "repetition_penalty": 1.3}):
+        fast, slow = both(model, monkeypatch, ids, mask, **kw)
+        assert torch.equal(fast.ids, slow.ids), kw
+        assert torch.equal(fast.mask, slow.mask) and torch.equal(fast.truncated, slow.truncated)
+
+
+def test_logits_are_bit_identical_at_every_position_unpadded_and_padded():
+    model = with_lora(lm("qwen3", head_dim=8))
+    for ids, mask in (prompts(), (torch.randint(2, VOCAB, (4, 6)), torch.ones(4, 6, dtype=torch.long))):
+        fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
+        with torch.no_grad():
+            a, b = fast.start(ids, mask, 5), slow.start(ids, mask, 5)
+            running = torch.ones(ids.size(0), dtype=torch.bool)
+            for _ in range(5):
+                assert torch.equal(a, b)
+                nxt = a.argmax(-1)
+                a, b = fast.step(nxt, running), slow.step(nxt, running)
+            assert torch.equal(a, b)
+
+
+def test_a_group_is_prefilled_once():
+    model = lm("qwen3", head_dim=8)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    ids, mask = prompts()
+    decode.LlamaFamilyDecoder(model).start(ids, mask, 4)
+    assert seen == [torch.Size([4, ids.size(1)])]          # 10 rows, 4 distinct prompts
+
+
+def test_models_outside_the_family_are_sampled_through_their_own_forward(monkeypatch):
+    model = lm("gpt2")
+    assert "gpt2" in decode.llama_family_refusal(model)
+    assert isinstance(decode.decoder_for(model), decode.TransformersDecoder)
+    ids, mask = prompts()
+    out = grpo.sample(model, ids, mask, max_new_tokens=6, temperature=1.0, eos_ids=(1,), pad_id=0,
+                      generator=torch.Generator().manual_seed(0))
+    assert out.ids.shape[0] == ids.size(0) and out.ids.size(1) <= 6
+
+
+def test_sliding_window_attention_is_left_to_the_models_own_forward():
+    model = lm("mistral", sliding_window=4)
+    assert "sliding" in decode.llama_family_refusal(model)
+
+
+def test_a_merged_adapter_is_left_to_the_models_own_forward():
+    model = with_lora(lm("qwen3", head_dim=8))
+    model.merge_adapter()
+    assert "merged" in decode.llama_family_refusal(model)
+
+
+def test_qlora_samples_the_same_tokens_as_the_models_own_forward(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trainer.policy import QLoRAUnavailable, check_qlora
+
+    try:
+        check_qlora(torch.device("cpu"))
+    except QLoRAUnavailable as e:
+        pytest.skip(str(e))
+    path = "tiny-qwen3"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        lm("qwen3", head_dim=32, hidden_size=128, intermediate_size=256).save_pretrained(f"{folder}/{path}")
+        model = AutoModelForCausalLM.from_pretrained(
+            f"{folder}/{path}", dtype=torch.float32, device_map={"": "cpu"},
+            quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_compute_dtype=torch.float32))
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")).eval()
+    assert isinstance(decode.decoder_for(model), decode.LlamaFamilyDecoder), decode.llama_family_refusal(model)
+    fast, slow = both(model, monkeypatch, *prompts())
+    assert torch.equal(fast.ids, slow.ids)
+
+
+def test_ended_completions_leave_the_batch_and_the_others_draw_the_same_tokens(monkeypatch):
+    # 16 rows, EOS likely (a strong EOS logit bias), so rows end at different lengths
+    model = with_lora(lm("qwen3", head_dim=8))
+    with torch.no_grad():
+        model.get_base_model().lm_head.weight[1] += 0.6
+    ids, mask = prompts()
+    ids, mask = ids.repeat(2, 1)[:16], mask.repeat(2, 1)[:16]
+    batches = []
+    original = decode.LlamaFamilyDecoder._forward
+    monkeypatch.setattr(decode.LlamaFamilyDecoder, "_forward",
+                        lambda self, tokens: batches.append(tokens.size(0)) or original(self, tokens))
+    fast, slow = both(model, monkeypatch, ids, mask, max_new_tokens=24)
+    assert torch.equal(fast.ids, slow.ids) and torch.equal(fast.mask, slow.mask)
+    lengths = fast.mask.sum(1)
+    assert lengths.min() < lengths.max()                           # the rows did end at different steps
+    assert max(batches) <= 16 and min(batches) < 16 and min(batches) >= decode.LlamaFamilyDecoder.MIN_ROWS
+    assert batches == sorted(batches, reverse=True)

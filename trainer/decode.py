@@ -1,0 +1,337 @@
+"""The decoder behind sampling: a prompt's prefill, then one forward per new token.
+
+Two implementations of one small interface (`start`, then `step` per token):
+
+- `LlamaFamilyDecoder` for Llama, Mistral, Qwen2 and Qwen3 models (plain, LoRA or QLoRA): the
+  KV cache and the attention mask are allocated once for the whole completion and written in
+  place; each prompt is prefilled once and its cache shared by its G completions; a token's
+  forward is the layers' own arithmetic in plain torch calls, without the library's per-call
+  machinery (mask building, cache objects, output records, hooks). On the 2-layer demo model that
+  machinery was most of a token's time (profile in bench/sampler.py).
+- `TransformersDecoder` for every other model: the model's own forward with its own cache.
+
+Both compute the same thing: `LlamaFamilyDecoder` repeats the library's operations in the
+library's order (RMSNorm in float32, rotary embeddings from the model's own rotary module, the
+same attention call), so a seeded run draws the same tokens with either (tests/trainer/
+test_decode.py compares them token for token on every supported architecture).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+# Decoder-only models whose layers are exactly: RMSNorm, attention (q/k/v/o projections, Qwen3's
+# per-head q/k RMSNorm, rotary embeddings, softmax attention over every earlier position), RMSNorm,
+# gated MLP (down(act(gate(x)) * up(x))), each added to its residual.
+LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+class Decoder(Protocol):
+    def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+        """Prefill left-padded prompts [N, P]; the logits of each row's next token [N, V]."""
+
+    def step(self, tokens: Tensor, running: Tensor) -> Tensor:
+        """Append one token per row [N]; the logits of the token after it [N, V], valid until the
+        next call. `running` [N] bool: the rows whose completion goes on (the others' logits are
+        never used again)."""
+
+
+def decoder_for(model) -> Decoder:
+    """The fast decoder when `model` (a transformers causal LM, or a PEFT model over one) is of the
+    Llama family and set up as it expects; otherwise the model's own forward."""
+    reason = llama_family_refusal(model)
+    if reason is None:
+        return LlamaFamilyDecoder(model)
+    log.debug("sampling through the model's own forward: %s", reason)
+    return TransformersDecoder(model)
+
+
+# --- the model's own forward --------------------------------------------------------------
+
+def cache_argument(model) -> str:
+    """transformers 5 renamed `past_key_values` to `cache`; accept both, so users' pinned
+    transformers versions keep working."""
+    params = inspect.signature(type(_base(model)).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def last_logits(model, k: int) -> dict[str, int]:
+    """Ask the model for logits of its last k positions only (`logits_to_keep`, transformers >=
+    4.50; `num_logits_to_keep` before), where its forward takes it."""
+    params = inspect.signature(type(_base(model)).forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: k}
+    return {}
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _cache_of(out):
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+class TransformersDecoder:
+    """The model's forward with its own (growing) cache: right for any causal LM."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._cache_arg, self._keep = cache_argument(model), last_logits(model, 1)
+
+    def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp_min(0)                     # [N, P]
+        out = self.model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids,
+                         use_cache=True, **self._keep)                              # only the last position's logits
+        self._past, self._attention, self._next = _cache_of(out), prompt_mask, position_ids[:, -1:] + 1
+        return out.logits[:, -1]
+
+    def step(self, tokens: Tensor, running: Tensor) -> Tensor:
+        self._attention = torch.cat([self._attention, torch.ones_like(self._attention[:, :1])], dim=1)
+        out = self.model(input_ids=tokens.unsqueeze(1), attention_mask=self._attention, position_ids=self._next,
+                         use_cache=True, **{self._cache_arg: self._past})
+        self._past, self._next = _cache_of(out), self._next + 1
+        return out.logits[:, -1]
+
+
+# --- Llama family ---------------------------------------------------------------------------
+
+def llama_family_refusal(model) -> str | None:
+    """Why LlamaFamilyDecoder cannot decode `model` (None: it can)."""
+    base = _base(model)
+    config = getattr(base, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in LLAMA_FAMILY:
+        return f"model type {kind!r} is not one of {sorted(LLAMA_FAMILY)}"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r}, not sdpa"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    core = getattr(base, "model", None)
+    if core is None or not hasattr(core, "rotary_emb") or not hasattr(core, "layers"):
+        return "not laid out as model.layers with model.rotary_emb"
+    if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        return "this torch has no scaled_dot_product_attention"
+    layer_types = getattr(config, "layer_types", None)
+    if (any(t != "full_attention" for t in layer_types) if layer_types is not None
+            else getattr(config, "sliding_window", None)):
+        return "sliding-window attention"
+    for layer in core.layers:
+        attn = layer.self_attn
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, getattr(attn, "q_norm", None),
+                     getattr(attn, "k_norm", None)):
+            if norm is not None and not type(norm).__name__.endswith("RMSNorm"):
+                return f"{type(norm).__name__} is not an RMSNorm"
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            reason = _linear_refusal(module)
+            if reason:
+                return reason
+    return _linear_refusal(base.lm_head)
+
+
+def _linear_refusal(module) -> str | None:
+    if hasattr(module, "lora_A"):
+        if getattr(module, "merged", False):
+            return "a merged LoRA adapter"
+        if getattr(module, "lora_variant", None):
+            return "a LoRA variant (DoRA and the like)"
+        if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+            return "DoRA"
+        return None
+    if isinstance(module, torch.nn.Linear) or hasattr(module, "weight"):
+        return None
+    return f"{type(module).__name__} is not a linear layer"
+
+
+def _linear(module) -> Callable[[Tensor], Tensor]:
+    """The forward of a (possibly LoRA-wrapped) linear layer, as PEFT computes it: base(x) plus, for
+    each active adapter, lora_B(lora_A(x)) * scaling in the adapter's dtype, cast back (dropout is
+    off in eval mode, where sampling runs)."""
+    if not hasattr(module, "lora_A"):
+        return _plain(module)
+    base = _plain(module.base_layer)
+    if module.disable_adapters:
+        return base
+    adapters = [(module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name])
+                for name in module.active_adapters if name in module.lora_A.keys()]
+
+    def forward(x: Tensor) -> Tensor:
+        result = base(x)
+        dtype = result.dtype
+        for a, b, scaling in adapters:
+            xa = x.to(a.dtype)
+            result = result + F.linear(F.linear(xa, a), b) * scaling
+        return result.to(dtype)
+    return forward
+
+
+def _plain(module) -> Callable[[Tensor], Tensor]:
+    if type(module) is torch.nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return module                     # e.g. bitsandbytes' Linear4bit: its own forward
+
+
+def _rms_norm(module) -> Callable[[Tensor], Tensor]:
+    """transformers' LlamaRMSNorm and its copies, operation for operation."""
+    weight, eps = module.weight, module.variance_epsilon
+
+    def forward(h: Tensor) -> Tensor:
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + eps)
+        return weight * h.to(dtype)
+    return forward
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    def __init__(self, layer, config) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q, self.k, self.v, self.o = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.gate, self.up, self.down = (_linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.act = mlp.act_fn
+        self.norm1, self.norm2 = _rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm)
+        self.q_norm = _rms_norm(attn.q_norm) if getattr(attn, "q_norm", None) is not None else None
+        self.k_norm = _rms_norm(attn.k_norm) if getattr(attn, "k_norm", None) is not None else None
+        self.scaling, self.head_dim = attn.scaling, attn.head_dim
+        self.groups = config.num_attention_heads // config.num_key_value_heads
+
+
+class LlamaFamilyDecoder:
+    """Sampling's forward for Llama-family models over a preallocated cache.
+
+    After `start`: keys/values [M, KV, P+T, D] per layer (T = max_new_tokens) hold the prompt's
+    entries, `mask` [M, P+T] bool marks the positions a row attends to (the prompt's real tokens,
+    then each appended token), `length` is how many positions are filled, and `rows` [M] says
+    which of the N completions the M rows are. A prompt that appears several times in the batch
+    (a group) is prefilled once.
+
+    Completions that have ended leave the batch: when at most COMPACT_SHARE of its rows still
+    run, the cache keeps only those (never fewer than MIN_ROWS rows), so a step's arithmetic
+    follows the completions still being written, not the longest one. Each row's arithmetic does
+    not depend on which other rows are in the batch (checked token for token against the
+    uncompacted decoder in tests/trainer/test_decode.py; CPU matrix products of fewer than 4 rows
+    take another kernel, hence MIN_ROWS), and when to compact depends only on the tokens drawn,
+    so a seeded run replays exactly.
+    """
+
+    COMPACT_SHARE = 0.75
+    MIN_ROWS = 4
+
+    def __init__(self, model) -> None:
+        base = _base(model)
+        self.model, self.core, self.config = model, base.model, base.config
+        self.layers = [_Layer(layer, base.config) for layer in self.core.layers]
+        self.embed = self.core.embed_tokens
+        self.final_norm, self.head = _rms_norm(self.core.norm), _linear(base.lm_head)
+
+    def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+        n, p = prompt_ids.shape
+        # one prefill per distinct prompt (the model's own forward), its cache copied to its rows
+        rows = torch.cat([prompt_ids, prompt_mask], dim=1)
+        unique, which = torch.unique(rows, dim=0, return_inverse=True)             # [U, 2P], [N]
+        u_ids, u_mask = unique[:, :p], unique[:, p:]
+        position_ids = (u_mask.cumsum(-1) - 1).clamp_min(0)
+        out = self.model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids, use_cache=True,
+                         **last_logits(self.model, 1))
+        cache = _cache_of(out)
+        total = p + max_new_tokens
+        self.keys, self.values = [], []
+        for i in range(len(self.layers)):
+            k, v = _layer_kv(cache, i)                                               # [U, KV, P, D]
+            kbuf = k.new_empty(n, k.size(1), total, k.size(3))
+            vbuf = v.new_empty(n, v.size(1), total, v.size(3))
+            kbuf[:, :, :p], vbuf[:, :, :p] = k[which], v[which]
+            self.keys.append(kbuf)
+            self.values.append(vbuf)
+        self.mask = torch.zeros(n, total, dtype=torch.bool, device=prompt_ids.device)
+        self.mask[:, :p] = prompt_mask.bool()
+        self.padded = not bool(self.mask[:, :p].all())     # transformers attends without a mask when nothing is padded
+        self.length = p
+        self.next_position = position_ids[which, -1:] + 1                                # [N, 1]
+        self.rows = torch.arange(n, device=prompt_ids.device)                            # [M]
+        self.logits = out.logits[which, -1]                                              # [N, V]
+        return self.logits
+
+    def _compact(self, running: Tensor) -> None:
+        """Keep only the rows whose completion goes on, when few enough of them remain."""
+        m = self.rows.numel()
+        keep = running[self.rows]                                                        # [M]
+        k = int(keep.sum())
+        if k > self.COMPACT_SHARE * m or m <= self.MIN_ROWS:
+            return
+        if k < self.MIN_ROWS:                                  # fill up with ended rows, first ones first
+            keep = keep | (torch.cumsum(~keep, 0) <= self.MIN_ROWS - k)
+        sel = keep.nonzero().squeeze(1)
+        self.keys = [k_[sel] for k_ in self.keys]
+        self.values = [v[sel] for v in self.values]
+        self.mask, self.next_position, self.rows = self.mask[sel], self.next_position[sel], self.rows[sel]
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, running: Tensor) -> Tensor:
+        self._compact(running)
+        if self.rows.numel() == tokens.size(0):
+            self.logits = self._forward(tokens)
+        else:
+            self.logits[self.rows] = self._forward(tokens[self.rows])    # ended rows keep stale logits
+        return self.logits
+
+    def _forward(self, tokens: Tensor) -> Tensor:
+        """One token per row of the (possibly compacted) batch [M] -> logits [M, V]."""
+        n, t = tokens.size(0), self.length
+        self.mask[:, t] = True
+        mask = self.mask[:, None, None, :t + 1] if self.padded else None               # [N, 1, 1, t+1]
+        h = self.embed(tokens.unsqueeze(1))                                            # [N, 1, C]
+        cos, sin = self.core.rotary_emb(h, self.next_position)                         # [N, 1, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            residual, h = h, layer.norm1(h)
+            q = layer.q(h).view(n, 1, -1, layer.head_dim)
+            k = layer.k(h).view(n, 1, -1, layer.head_dim)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)                                # [N, H, 1, D], [N, KV, 1, D]
+            v = layer.v(h).view(n, 1, -1, layer.head_dim).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            self.keys[i][:, :, t:t + 1] = k
+            self.values[i][:, :, t:t + 1] = v
+            keys, values = self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1]    # [N, KV, t+1, D]
+            heads = q.size(1)
+            if layer.groups == 1:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+            elif mask is None and layer.head_dim <= 256:
+                out = F.scaled_dot_product_attention(q, keys, values, scale=layer.scaling, enable_gqa=True)
+            else:                           # one query token: each KV head's query heads side by side
+                out = F.scaled_dot_product_attention(q.reshape(n, heads // layer.groups, layer.groups, -1),
+                                                     keys, values, attn_mask=mask, scale=layer.scaling)
+            out = out.reshape(n, -1, 1, layer.head_dim).transpose(1, 2).contiguous()   # [N, 1, H, D]
+            h = residual + layer.o(out.reshape(n, 1, -1))
+            residual, h = h, layer.norm2(h)
+            h = residual + layer.down(layer.act(layer.gate(h)) * layer.up(h))
+        self.length, self.next_position = t + 1, self.next_position + 1
+        return self.head(self.final_norm(h))[:, -1]
+
+
+def _layer_kv(cache, i: int) -> tuple[Tensor, Tensor]:
+    """Layer i's keys and values [N, KV, P, D] from a transformers cache (DynamicCache of
+    transformers >= 4.56 keeps them per layer; older ones in key_cache/value_cache lists)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[i].keys, cache.layers[i].values
+    return cache.key_cache[i], cache.value_cache[i]
