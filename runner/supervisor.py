@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from checkpoint.fenced import FencedStore
 from checkpoint.fsio import atomic_write_bytes
@@ -50,6 +50,7 @@ from trainer import child, faults
 from trainer.config import GRPOParams
 from trainer.envs import Environment
 from trainer.run import Plan
+from trainer.threads import SHARE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -377,8 +378,7 @@ class Supervisor:
         env[child.EVENTS_FD_ENV] = str(write_fd)
         env[child.PARENT_ENV] = str(os.getpid())
         env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
-        for var, value in trainer_threads(len(os.sched_getaffinity(0))).items():
-            env.setdefault(var, value)          # a user's setting wins
+        env.update(trainer_threads(len(os.sched_getaffinity(0)), env))     # a user's own settings are kept
         self._attempt_events, self._sealed = {}, set()
         self._child_done.clear()
         try:
@@ -438,24 +438,26 @@ class Supervisor:
             self._child.kill()
 
 
-def trainer_threads(cores: int) -> dict[str, str]:
-    """The trainer's CPU threads: one core left to the rest of the job (grader, checkpoint writer,
-    supervisor and its uploads) or to a second run on the node. Measured on 2 cores (the demo job
-    for 300 steps, wall time; configs B and C of bench/vs_trl.py, seconds per step):
+# Rounds an idle OpenMP thread spins before it sleeps: long enough to catch the next operation of a
+# step (microseconds apart), short enough to give the core back while the trainer waits for its
+# grader. libgomp's default (300,000 here) is an order longer.
+SPIN_ROUNDS = 10_000
 
-        threads, OpenMP waiting      demo alone   two demos side by side   B       C (4 x 256)
-        2, PASSIVE (before)          37.9 s       25.4 s                   0.267   1.403
-        2, spinning (libgomp default) 21.5 s      105.3 s                  0.071   0.751
-        2, ACTIVE                    18.5 s       183.8 s
-        1                            19.3 s       20.1 s                   0.079   1.036
 
-    Spinning waits win alone and collapse when anything else wants a core; one thread has no
-    waits at all and is within 10% of the fastest alone. With more cores the threads that
-    remain wait by sleeping (PASSIVE), so a busy node stays fair."""
-    threads = max(1, cores - 1)
-    if threads == 1:
-        return {"OMP_NUM_THREADS": "1"}
-    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+def trainer_threads(cores: int, user: Mapping[str, str]) -> dict[str, str]:
+    """The trainer's CPU threads (environment variables to add to `user`, the environment it would
+    inherit). A pool of threads, shared with the node's other trainers (trainer.threads, with the
+    measurements): all cores on a node of up to 3, where every core counts (2 threads alone:
+    demo 16.3 s against 18.0 s with one, a 4 x 256 model 0.189 against 0.246 s per step), one left
+    to the grader, the checkpoint writer and the uploads on a bigger one; waits spin briefly, then
+    sleep (GOMP_SPINCOUNT). A user's own OMP_NUM_THREADS is kept, and then nothing is shared."""
+    if "OMP_NUM_THREADS" in user:
+        return {}
+    pool = max(1, cores if cores <= 3 else cores - 1)
+    env = {"OMP_NUM_THREADS": str(pool), SHARE_ENV: str(pool)}
+    if pool > 1 and "OMP_WAIT_POLICY" not in user and "GOMP_SPINCOUNT" not in user:
+        env["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
+    return env
 
 
 def _source(monitor: NoticeMonitor) -> str:

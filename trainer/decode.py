@@ -35,6 +35,8 @@ LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 class Decoder(Protocol):
+    needs_eval_mode: bool     # True: the model must be in eval mode (dropout off) while it decodes
+
     def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         """Prefill left-padded prompts [N, P]; the logits of each row's next token [N, V]."""
 
@@ -83,6 +85,8 @@ def _cache_of(out):
 
 class TransformersDecoder:
     """The model's forward with its own (growing) cache: right for any causal LM."""
+
+    needs_eval_mode = True
 
     def __init__(self, model) -> None:
         self.model = model
@@ -233,6 +237,7 @@ class LlamaFamilyDecoder:
 
     COMPACT_SHARE = 0.75
     MIN_ROWS = 4
+    needs_eval_mode = False   # its arithmetic is eval mode's whatever the modules' mode (no dropout)
 
     def __init__(self, model) -> None:
         base = _base(model)
@@ -243,18 +248,16 @@ class LlamaFamilyDecoder:
 
     def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         n, p = prompt_ids.shape
-        # one prefill per distinct prompt (the model's own forward), its cache copied to its rows
+        # one prefill per distinct prompt, its keys and values copied to each of its rows
         rows = torch.cat([prompt_ids, prompt_mask], dim=1)
         unique, which = torch.unique(rows, dim=0, return_inverse=True)             # [U, 2P], [N]
         u_ids, u_mask = unique[:, :p], unique[:, p:]
-        position_ids = (u_mask.cumsum(-1) - 1).clamp_min(0)
-        out = self.model(input_ids=u_ids, attention_mask=u_mask, position_ids=position_ids, use_cache=True,
-                         **last_logits(self.model, 1))
-        cache = _cache_of(out)
+        position_ids = (u_mask.cumsum(-1) - 1).clamp_min(0)                        # [U, P]
+        self.padded = not bool(u_mask.all())    # transformers attends without a mask when nothing is padded
+        logits, keys, values = self._prefill(u_ids, u_mask, position_ids)
         total = p + max_new_tokens
         self.keys, self.values = [], []
-        for i in range(len(self.layers)):
-            k, v = _layer_kv(cache, i)                                               # [U, KV, P, D]
+        for k, v in zip(keys, values):                                             # [U, KV, P, D]
             kbuf = k.new_empty(n, k.size(1), total, k.size(3))
             vbuf = v.new_empty(n, v.size(1), total, v.size(3))
             kbuf[:, :, :p], vbuf[:, :, :p] = k[which], v[which]
@@ -262,12 +265,30 @@ class LlamaFamilyDecoder:
             self.values.append(vbuf)
         self.mask = torch.zeros(n, total, dtype=torch.bool, device=prompt_ids.device)
         self.mask[:, :p] = prompt_mask.bool()
-        self.padded = not bool(self.mask[:, :p].all())     # transformers attends without a mask when nothing is padded
         self.length = p
         self.next_position = position_ids[which, -1:] + 1                                # [N, 1]
         self.rows = torch.arange(n, device=prompt_ids.device)                            # [M]
-        self.logits = out.logits[which, -1]                                              # [N, V]
+        self.logits = logits[which]                                                      # [N, V]
         return self.logits
+
+    @torch.no_grad()
+    def _prefill(self, ids: Tensor, mask: Tensor, positions: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Prompts [U, P] -> the last position's logits [U, V] and each layer's keys and values
+        [U, KV, P, D]. The mask is transformers' for sdpa: causal over the real tokens, or none
+        (attention told it is causal) when no prompt is padded."""
+        p = ids.size(1)
+        attn = None
+        if self.padded:                                                                  # [U, 1, P, P]
+            causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
+            attn = causal[None, None] & mask.bool()[:, None, None, :]
+        keys, values = [], []
+
+        def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+            keys.append(k)
+            values.append(v)
+            return _attention(q, k, v, attn, layer)
+        h = self._layers(self.embed(ids), positions, attend)                             # [U, P, C]
+        return self.head(h[:, -1:])[:, -1], keys, values                                  # as logits_to_keep=1
 
     def _compact(self, running: Tensor) -> None:
         """Keep only the rows whose completion goes on, when few enough of them remain."""
@@ -294,44 +315,59 @@ class LlamaFamilyDecoder:
 
     def _forward(self, tokens: Tensor) -> Tensor:
         """One token per row of the (possibly compacted) batch [M] -> logits [M, V]."""
-        n, t = tokens.size(0), self.length
+        t = self.length
         self.mask[:, t] = True
-        mask = self.mask[:, None, None, :t + 1] if self.padded else None               # [N, 1, 1, t+1]
-        h = self.embed(tokens.unsqueeze(1))                                            # [N, 1, C]
-        cos, sin = self.core.rotary_emb(h, self.next_position)                         # [N, 1, D]
+        mask = self.mask[:, None, None, :t + 1] if self.padded else None               # [M, 1, 1, t+1]
+
+        def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+            self.keys[i][:, :, t:t + 1] = k
+            self.values[i][:, :, t:t + 1] = v
+            return _attention(q, self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1], mask, layer)
+        h = self._layers(self.embed(tokens.unsqueeze(1)), self.next_position, attend)  # [M, 1, C]
+        self.length, self.next_position = t + 1, self.next_position + 1
+        return self.head(h)[:, -1]
+
+    def _layers(self, h: Tensor, positions: Tensor, attend) -> Tensor:
+        """Every decoder layer over h [N, S, C] at `positions` [N, S], then the final norm;
+        `attend(layer, q, k, v, i)` keeps layer i's keys and values and attends (q [N, H, S, D],
+        k and v [N, KV, S, D], rotated) -> [N, H, S, D]."""
+        n, s = h.shape[:2]
+        cos, sin = self.core.rotary_emb(h, positions)                                  # [N, S, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             residual, h = h, layer.norm1(h)
-            q = layer.q(h).view(n, 1, -1, layer.head_dim)
-            k = layer.k(h).view(n, 1, -1, layer.head_dim)
+            q = layer.q(h).view(n, s, -1, layer.head_dim)
+            k = layer.k(h).view(n, s, -1, layer.head_dim)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)                                # [N, H, 1, D], [N, KV, 1, D]
-            v = layer.v(h).view(n, 1, -1, layer.head_dim).transpose(1, 2)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)                                # [N, H, S, D], [N, KV, S, D]
+            v = layer.v(h).view(n, s, -1, layer.head_dim).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-            self.keys[i][:, :, t:t + 1] = k
-            self.values[i][:, :, t:t + 1] = v
-            keys, values = self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1]    # [N, KV, t+1, D]
-            heads = q.size(1)
-            if layer.groups == 1:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
-            elif mask is None and layer.head_dim <= 256:
-                out = F.scaled_dot_product_attention(q, keys, values, scale=layer.scaling, enable_gqa=True)
-            else:                           # one query token: each KV head's query heads side by side
-                out = F.scaled_dot_product_attention(q.reshape(n, heads // layer.groups, layer.groups, -1),
-                                                     keys, values, attn_mask=mask, scale=layer.scaling)
-            out = out.reshape(n, -1, 1, layer.head_dim).transpose(1, 2).contiguous()   # [N, 1, H, D]
-            h = residual + layer.o(out.reshape(n, 1, -1))
+            out = attend(layer, q, k, v, i).transpose(1, 2).contiguous()               # [N, S, H, D]
+            h = residual + layer.o(out.reshape(n, s, -1))
             residual, h = h, layer.norm2(h)
             h = residual + layer.down(layer.act(layer.gate(h)) * layer.up(h))
-        self.length, self.next_position = t + 1, self.next_position + 1
-        return self.head(self.final_norm(h))[:, -1]
+        return self.final_norm(h)
 
 
-def _layer_kv(cache, i: int) -> tuple[Tensor, Tensor]:
-    """Layer i's keys and values [N, KV, P, D] from a transformers cache (DynamicCache of
-    transformers >= 4.56 keeps them per layer; older ones in key_cache/value_cache lists)."""
-    if hasattr(cache, "layers"):
-        return cache.layers[i].keys, cache.layers[i].values
-    return cache.key_cache[i], cache.value_cache[i]
+def _attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, layer: _Layer) -> Tensor:
+    """transformers' sdpa attention, branch for branch: q [N, H, S, D], keys and values
+    [N, KV, L, D], mask [N, 1, S, L] bool or None (causal when S > 1) -> [N, H, S, D]."""
+    n, heads, s, _ = q.shape
+    kwargs = {}
+    if layer.groups > 1:
+        if mask is None and keys.size(-1) == values.size(-1) <= 256:
+            kwargs["enable_gqa"] = True
+        elif s == 1:                        # one query token: each KV head's query heads side by side
+            q = q.reshape(n, heads // layer.groups, layer.groups, -1)
+        else:
+            keys, values = _repeat_kv(keys, layer.groups), _repeat_kv(values, layer.groups)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling,
+                                         is_causal=s > 1 and mask is None, **kwargs)
+    return out.reshape(n, -1, s, values.size(-1))
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    n, kv, length, d = x.shape
+    return x[:, :, None].expand(n, kv, groups, length, d).reshape(n, kv * groups, length, d)

@@ -194,10 +194,26 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     exactly those of plain temperature sampling, so seeded runs replay unchanged. The update's
     log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
     not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
-    `should_stop()` turns true.
+    `should_stop()` turns true. The model decodes in eval mode (dropout off) and is left in the
+    mode it was in.
     """
-    n, device = prompt_ids.size(0), prompt_ids.device
     decoder = decoder_for(model)
+    training = bool(getattr(model, "training", False)) and decoder.needs_eval_mode
+    if training:
+        model.eval()
+    try:
+        return _sample(decoder, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                       eos_ids=eos_ids, pad_id=pad_id, generator=generator, top_k=top_k, top_p=top_p,
+                       repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop)
+    finally:
+        if training:
+            model.train()
+
+
+def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
+            eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | None, top_k: int, top_p: float,
+            repetition_penalty: float, finished, should_stop) -> Completions:
+    n, device = prompt_ids.size(0), prompt_ids.device
     logits = decoder.start(prompt_ids, prompt_mask, max_new_tokens)                 # [N, V]
     done = torch.zeros(n, dtype=torch.bool, device=device)
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)

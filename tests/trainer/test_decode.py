@@ -85,10 +85,12 @@ def test_logits_are_bit_identical_at_every_position_unpadded_and_padded():
             assert torch.equal(a, b)
 
 
-def test_a_group_is_prefilled_once():
+def test_a_group_is_prefilled_once(monkeypatch):
     model = lm("qwen3", head_dim=8)
     seen = []
-    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    original = decode.LlamaFamilyDecoder._prefill
+    monkeypatch.setattr(decode.LlamaFamilyDecoder, "_prefill",
+                        lambda self, ids, *rest: seen.append(ids.shape) or original(self, ids, *rest))
     ids, mask = prompts()
     decode.LlamaFamilyDecoder(model).start(ids, mask, 4)
     assert seen == [torch.Size([4, ids.size(1)])]          # 10 rows, 4 distinct prompts

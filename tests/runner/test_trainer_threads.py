@@ -1,0 +1,18 @@
+"""The trainer's CPU threads: a pool from the node's cores, short spins, and a user's own setting kept."""
+
+from runner.supervisor import SPIN_ROUNDS, trainer_threads
+from trainer.threads import SHARE_ENV
+
+
+def test_on_two_cores_the_pool_is_both_cores_and_waits_spin_briefly():
+    assert trainer_threads(2, {}) == {"OMP_NUM_THREADS": "2", SHARE_ENV: "2", "GOMP_SPINCOUNT": str(SPIN_ROUNDS)}
+    assert trainer_threads(1, {}) == {"OMP_NUM_THREADS": "1", SHARE_ENV: "1"}
+
+
+def test_on_a_bigger_node_one_core_is_left_to_the_rest_of_the_job():
+    assert trainer_threads(16, {})["OMP_NUM_THREADS"] == "15"
+
+
+def test_a_users_own_thread_settings_are_kept_and_nothing_is_shared():
+    assert trainer_threads(16, {"OMP_NUM_THREADS": "4"}) == {}
+    assert "GOMP_SPINCOUNT" not in trainer_threads(16, {"OMP_WAIT_POLICY": "PASSIVE"})
