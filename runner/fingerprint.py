@@ -63,6 +63,8 @@ def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
         "systemPrompt": p.systemPrompt, "chatTemplateKwargs": p.chatTemplateKwargs,
         "repetitionPenalty": p.repetitionPenalty, "stopStrings": list(p.stopStrings),
     }
+    if p.compileDecode:                 # compiled kernels may round differently
+        payload["compileDecode"] = True
     if p.evalTemperature > 0:           # greedy evaluation draws nothing: top-k / top-p do not matter
         payload.update(topK=p.topK, topP=p.topP)
     return _sha(payload)

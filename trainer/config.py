@@ -107,6 +107,7 @@ class GRPOParams(Strict):
     topK: int = Field(0, ge=0)                   # sample among the K most likely tokens (0 = off)
     repetitionPenalty: float = Field(1.0, gt=0)  # > 1 discourages tokens already in the prompt or completion (HF's)
     stopStrings: tuple[str, ...] = ()            # a completion ends at the token that completes one (kept in the text)
+    compileDecode: bool = False                  # decode step compiled with static shapes (CUDA graphs on a GPU)
     promptsPerStep: int = Field(8, ge=1)         # B, prompts per step (B x G completions)
     microBatchSize: int | None = Field(None, ge=1)  # completions per forward/backward (None: from the model and device)
     epsilon: float = Field(0.2, ge=0, le=1)      # PPO clip range

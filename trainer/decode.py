@@ -46,12 +46,16 @@ class Decoder(Protocol):
         never used again)."""
 
 
-def decoder_for(model) -> Decoder:
+def decoder_for(model, *, compiled: bool = False) -> Decoder:
     """The fast decoder when `model` (a transformers causal LM, or a PEFT model over one) is of the
-    Llama family and set up as it expects; otherwise the model's own forward."""
+    Llama family and set up as it expects (`compiled`: its static-shape, torch.compile'd variant);
+    otherwise the model's own forward."""
     reason = llama_family_refusal(model)
     if reason is None:
-        return LlamaFamilyDecoder(model)
+        return CompiledDecoder.of(model) if compiled else LlamaFamilyDecoder(model)
+    if compiled and not getattr(model, "_grpo_run_told", False):
+        log.warning("compileDecode: %s, so decoding runs through the model's own forward, not compiled", reason)
+        model._grpo_run_told = True
     log.debug("sampling through the model's own forward: %s", reason)
     return TransformersDecoder(model)
 
@@ -258,8 +262,8 @@ class LlamaFamilyDecoder:
         total = p + max_new_tokens
         self.keys, self.values = [], []
         for k, v in zip(keys, values):                                             # [U, KV, P, D]
-            kbuf = k.new_empty(n, k.size(1), total, k.size(3))
-            vbuf = v.new_empty(n, v.size(1), total, v.size(3))
+            kbuf = k.new_zeros(n, k.size(1), total, k.size(3))   # zeros: a static step reads every position
+            vbuf = v.new_zeros(n, v.size(1), total, v.size(3))
             kbuf[:, :, :p], vbuf[:, :, :p] = k[which], v[which]
             self.keys.append(kbuf)
             self.values.append(vbuf)
@@ -371,3 +375,81 @@ def _attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, lay
 def _repeat_kv(x: Tensor, groups: int) -> Tensor:
     n, kv, length, d = x.shape
     return x[:, :, None].expand(n, kv, groups, length, d).reshape(n, kv * groups, length, d)
+
+
+class CompiledDecoder(LlamaFamilyDecoder):
+    """LlamaFamilyDecoder with static shapes, so its decode step can be compiled once and, on a GPU,
+    replayed as one CUDA graph instead of hundreds of kernel launches (spec.parameters.compileDecode).
+
+    The cache and the mask keep their shapes for the whole completion: prompts are left-padded to
+    a multiple of PROMPT_BUCKET positions (so steps with prompts of other lengths reuse the same
+    compiled step), every token attends over all P+T positions through the mask, the position
+    written is a tensor, and ended completions stay in the batch. The step goes through
+    torch.compile (mode "reduce-overhead" on CUDA: CUDA graphs), compiled once per batch shape and
+    kept with the model. The arithmetic is the same as LlamaFamilyDecoder's, but compiled kernels
+    may round differently: tests/trainer/test_decode.py checks on CPU that a seeded run draws the
+    same tokens.
+    """
+
+    PROMPT_BUCKET = 32
+
+    @classmethod
+    def of(cls, model) -> CompiledDecoder:
+        """The model's compiled decoder, made once: compiled code is kept per decoder."""
+        decoder = getattr(model, "_grpo_run_compiled_decoder", None)
+        if decoder is None:
+            decoder = cls(model)
+            model._grpo_run_compiled_decoder = decoder
+        return decoder
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        cuda = self.embed.weight.device.type == "cuda"
+        self._step = torch.compile(self._static_step, mode="reduce-overhead" if cuda else None)
+        self._cuda = cuda
+
+    def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
+        p = prompt_ids.size(1)
+        extra = -p % self.PROMPT_BUCKET
+        if extra:                                          # left padding: masked, positions from the mask
+            prompt_ids = F.pad(prompt_ids, (extra, 0), value=int(prompt_ids[0, 0]))
+            prompt_mask = F.pad(prompt_mask, (extra, 0), value=0)
+        logits = super().start(prompt_ids, prompt_mask, max_new_tokens)
+        fresh = [*self.keys, *self.values, self.mask]
+        kept = getattr(self, "_buffers", None)
+        if kept is not None and [b.shape for b in kept] == [b.shape for b in fresh]:
+            for old, new in zip(kept, fresh):              # the same addresses: a CUDA graph stays valid
+                old.copy_(new)
+        else:
+            kept = fresh
+            if self._cuda:                                 # written in place inside the graph
+                for buf in kept:
+                    torch._dynamo.mark_static_address(buf)
+        self._buffers = kept
+        layers = len(self.layers)
+        self.keys, self.values, self.mask = kept[:layers], kept[layers:2 * layers], kept[-1]
+        self.position = torch.tensor([self.length], device=prompt_ids.device)
+        return logits
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, running: Tensor) -> Tensor:
+        logits = self._step(tokens, self.position, self.next_position, self.mask, self.keys, self.values)
+        self.length += 1
+        self.position += 1
+        self.next_position = self.next_position + 1
+        return logits.clone() if self._cuda else logits    # a graph's output is overwritten by its next replay
+
+    def _static_step(self, tokens: Tensor, position: Tensor, positions: Tensor, mask: Tensor,
+                     keys: list[Tensor], values: list[Tensor]) -> Tensor:
+        """tokens [N] at `position` [1] (rotary positions [N, 1]) -> logits [N, V]; writes the
+        token's keys, values and mask column in place."""
+        mask.index_fill_(1, position, True)
+        attn = mask[:, None, None, :]                                                   # [N, 1, 1, P+T]
+
+        def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+            keys[i].index_copy_(2, position, k)
+            values[i].index_copy_(2, position, v)
+            return _attention(q, keys[i], values[i], attn, layer)
+        h = self._layers(self.embed(tokens.unsqueeze(1)), positions, attend)
+        return self.head(h)[:, -1]
+

@@ -178,7 +178,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
            eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | None,
            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
            finished: Callable[[Tensor, Tensor], Tensor] | None = None,
-           should_stop: Callable[[], bool] | None = None) -> Completions:
+           should_stop: Callable[[], bool] | None = None, compiled: bool = False) -> Completions:
     """Autoregressive sampling with a KV cache and an explicit generator (so it can be replayed).
 
     prompt_ids, prompt_mask [N, P] (left-padded). A completion ends at the first token in
@@ -194,10 +194,11 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     exactly those of plain temperature sampling, so seeded runs replay unchanged. The update's
     log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
     not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
-    `should_stop()` turns true. The model decodes in eval mode (dropout off) and is left in the
+    `should_stop()` turns true. `compiled`: the decode step compiled with static shapes
+    (decode.CompiledDecoder; Llama-family models). The model decodes in eval mode (dropout off) and is left in the
     mode it was in.
     """
-    decoder = decoder_for(model)
+    decoder = decoder_for(model, compiled=compiled)
     training = bool(getattr(model, "training", False)) and decoder.needs_eval_mode
     if training:
         model.eval()

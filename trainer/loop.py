@@ -145,7 +145,8 @@ class GRPOTrainer:
         return grpo.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=p.maxCompletionLength,
                            temperature=temperature, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
                            generator=generator, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                           finished=self._stop_strings_check(), should_stop=lambda: self.stop.is_set())
+                           finished=self._stop_strings_check(), should_stop=lambda: self.stop.is_set(),
+                           compiled=p.compileDecode)
 
     def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """grpo.sample's `finished` for stopStrings (None without any): a running row is finished

@@ -50,7 +50,7 @@ def both(model, monkeypatch, ids, mask, **kw):
     kw = {"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw}
     fast = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     with monkeypatch.context() as m:
-        m.setattr(grpo, "decoder_for", decode.TransformersDecoder)
+        m.setattr(grpo, "decoder_for", lambda model, compiled=False: decode.TransformersDecoder(model))
         slow = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     return fast, slow
 
@@ -160,3 +160,23 @@ def test_ended_completions_leave_the_batch_and_the_others_draw_the_same_tokens(m
     assert lengths.min() < lengths.max()                           # the rows did end at different steps
     assert max(batches) <= 16 and min(batches) < 16 and min(batches) >= decode.LlamaFamilyDecoder.MIN_ROWS
     assert batches == sorted(batches, reverse=True)
+
+
+def test_the_compiled_decoder_draws_the_same_tokens_and_keeps_its_compiled_step(monkeypatch):
+    model = with_lora(lm("qwen3", head_dim=8))
+    ids, mask = prompts()
+    compiled = decode.decoder_for(model, compiled=True)
+    assert isinstance(compiled, decode.CompiledDecoder) and decode.decoder_for(model, compiled=True) is compiled
+    for kw in ({}, {"temperature": 0.0}):
+        fast, slow = both(model, monkeypatch, ids, mask, **kw)
+        out = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), compiled=True,
+                          **{"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw})
+        assert torch.equal(out.ids, slow.ids) and torch.equal(out.mask, slow.mask), kw
+    # another prompt width within the same bucket: the compiled step is reused, not compiled again
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    grpo.sample(model, ids[:, 1:], mask[:, 1:], generator=torch.Generator().manual_seed(3), compiled=True,
+                max_new_tokens=12, temperature=1.0, eos_ids=(1,), pad_id=0)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled.mask.size(1) == decode.CompiledDecoder.PROMPT_BUCKET + 12
