@@ -86,6 +86,7 @@ class GRPOTrainer:
         self.env = env
         self.stop = stop or threading.Event()
         self.cpu = CpuShare.from_environment()     # this node's threads, shared with its other trainers
+        self.writer_busy: Callable[[], bool] = lambda: False   # set by trainer.run: is a checkpoint being written?
         self.device = device or pick_device()
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_policy(model_path, params, self.device)
@@ -114,7 +115,7 @@ class GRPOTrainer:
 
     def _share_cpu(self) -> None:
         if self.cpu is not None and self.device.type == "cpu":
-            self.cpu.adjust()
+            self.cpu.adjust(writer_busy=self.writer_busy())
 
     # --- helpers -------------------------------------------------------------------------
 

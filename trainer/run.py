@@ -129,6 +129,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         if prepare is not None:
             prepare(trainer)
         checkpoints.attach(trainer)
+        trainer.writer_busy = checkpoints.writing
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
         if plan.baseline:

@@ -156,3 +156,20 @@ def test_a_bad_command_line_is_a_usage_error_and_starts_nothing(argv, capsys):
     assert main(argv) == EXIT_USAGE
     out, err = capsys.readouterr()
     assert out == "" and "Usage: grpo-run" in err
+
+
+def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_checkpoints(tmp_path, capsys,
+                                                                                           monkeypatch):
+    import os
+
+    from runner.supervisor import trainer_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)      # the tests' own setting: not a user's here
+    monkeypatch.setenv("TMPDIR", str(tmp_path))               # this test's node registry
+    pool = trainer_threads(len(os.sched_getaffinity(0)), {})["OMP_NUM_THREADS"]
+    job = write_job(tmp_path, name="shared-cpu", saveSteps=1)
+    assert main(["apply", "-f", str(job)]) == EXIT_OK
+    assert get_json(capsys, "shared-cpu")["status"]["phase"] == "Succeeded"
+    assert main(["logs", "shared-cpu"]) == EXIT_OK
+    assert f"CPU threads: {pool} (1 trainer on this node share {pool})" in capsys.readouterr().out
+    assert not list((tmp_path / f"grpo-run-{os.getuid()}" / "trainers").glob("*.lock"))   # unregistered at the end
