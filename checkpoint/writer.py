@@ -167,7 +167,10 @@ class CheckpointWriter:
         while self._read(0):          # what it said before it ended
             pass
         events = [e for e in self.poll() if "closed" not in e]
-        self._proc.stdin.close()
+        try:
+            self._proc.stdin.close()
+        except BrokenPipeError:       # a request it died before reading is still buffered: dropped
+            pass
         self._proc.stdout.close()
         if self._map is not None:
             self._map.close()

@@ -190,13 +190,15 @@ class Books:
 
     def record_eval(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
         self.record.record_eval(kind, result, computed=True, fingerprint=fingerprint)
+        if kind == "baseline" and no_signal:
+            warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
+            log.warning(warning)
+            self.record.set_value("baselineWarning", warning)
+        self.sync(wait=True)     # the record first: it counts the computation (status.baseline.runs)
         if kind == "baseline":
+            # then the cache beside it; a node lost between the two leaves the baseline in the
+            # record, where a resume finds it first (the other order lost the count of runs)
             self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint}).encode())
-            if no_signal:
-                warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
-                log.warning(warning)
-                self.record.set_value("baselineWarning", warning)
-        self.sync(wait=True)
 
     def add_held_out(self, step: int, result: dict[str, Any]) -> None:
         """An evaluation on the held-out tasks after `step` (every evalSteps): the curve `get tj`

@@ -78,14 +78,17 @@ def _error(message: str) -> None:
 @cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
 @click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
 @click.option("--dry-run", is_flag=True, help="validate and print the job with its estimate; start nothing (exit 2 when apply would refuse it)")
+@click.option("--detach", is_flag=True, help="write the job into its storage (Pending) for a node to train; start nothing here")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
-def cmd_apply(file: str, dry_run: bool, output: str | None) -> int:
+def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
+    With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
     \b
     example:
       grpo-run apply -f examples/tiny-arithmetic.yaml
       grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job
+      grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
     from runner.job import JobError, load_job
 
@@ -116,53 +119,119 @@ def cmd_apply(file: str, dry_run: bool, output: str | None) -> int:
         return EXIT_USAGE                        # what apply would answer
     if dry_run:
         return EXIT_OK
+    if detach:
+        return _submit(job, est, output)
     return _run(job, output=output)
+
+
+def _submit(job, est: dict | None, output: str | None) -> int:
+    from checkpoint.store import StorageConfigError, StorageUnavailable
+    from runner.submit import SubmitRefused, remember, submit
+    from runner.supervisor import node_name
+
+    storage = job.storage
+    try:
+        done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
+    except SubmitRefused as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except (StorageConfigError, StorageUnavailable, LookupError, ValueError) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    remember(_home(), job.name, storage)
+    if output:
+        print(_dump(get_job(job.name, storage), output), end="")
+        return EXIT_OK
+    said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
+            "unchanged": "already submitted with this spec"}[done.outcome]
+    print(f"{job.name}: {said} to {done.url} (phase {done.phase}); nothing runs on this machine.")
+    if est and est.get("costToCompletionUSD") is not None:
+        print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
+              f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
+    elif est:
+        print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
+    print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
+    print(f"  follow it: grpo-run get tj {job.name} -w")
+    return EXIT_OK
 
 
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
+@click.option("--wait", is_flag=True, help="no such job in storage yet: wait for it to be submitted (a node that boots first)")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
-def cmd_resume(name: str | None, storage: str | None, output: str | None) -> int:
+def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
+    A job submitted with `apply --detach` and not yet started starts here.
 
     \b
     example:
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix
+      grpo-run resume my-grpo-lora --storage s3://bucket/prefix --wait   # at boot, before the job exists
     """
-    from checkpoint.store import Store, StorageConfigError, StorageUnavailable
-    from runner.books import fetch_record
-    from runner.job import JobError, parse_job
-    from state.record import Record
+    import time
+
+    from checkpoint.store import StorageConfigError, StorageUnavailable
+    from runner.job import JobError
 
     storage = storage or default_storage()
+    told = False
+    while True:
+        missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
+        try:
+            found = _find_job(name, storage)
+        except StorageConfigError as e:
+            _error(str(e))
+            return EXIT_FAILED
+        except StorageUnavailable as e:
+            if not wait:
+                _error(str(e))
+                return EXIT_FAILED
+            found, missing = None, str(e)               # a node's network may come up late
+        except (JobError, ValueError) as e:            # several jobs; a spec that no longer parses
+            print(str(e), file=sys.stderr)
+            return EXIT_USAGE
+        if found is not None:
+            break
+        if not wait:
+            _error(missing)
+            return EXIT_USAGE
+        if not told:
+            print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
+    job, store = found
+    return _run(job, output=output, storage=storage, store=store)
+
+
+WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
+
+
+def _find_job(name: str | None, storage: str):
+    """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
+    when storage holds several jobs and none is named, JobError for a stored spec that no longer
+    parses, StorageConfigError / StorageUnavailable."""
+    from checkpoint.store import Store
+    from runner.books import fetch_record
+    from runner.job import parse_job
+    from state.record import Record
+
     names = [name] if name else _jobs_in(storage)
     if not names:
-        _error(f"no jobs in {storage}")
-        return EXIT_USAGE
+        return None
     if len(names) > 1:
-        _error(f"{storage} holds several jobs ({', '.join(names)}); name one: grpo-run resume NAME --storage {storage}")
-        return EXIT_USAGE
+        raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
+                         f"grpo-run resume NAME --storage {storage}")
     name = names[0]
-    try:
-        store = Store(job_store_url(storage, name))
-        store.check()
-        local = fetch_record(store, work_dir(name))
-    except (StorageConfigError, StorageUnavailable) as e:
-        _error(str(e))
-        return EXIT_FAILED
+    store = Store(job_store_url(storage, name))
+    store.check()
+    local = fetch_record(store, work_dir(name))
     if local is None:
-        _error(f"no job {name!r} in {storage}")
-        return EXIT_USAGE
+        return None
     with Record(local) as record:
         job_doc = record.job()
-    try:
-        job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
-    except JobError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_USAGE
-    return _run(job, output=output, storage=storage, store=store)
+    return parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False), store
 
 
 def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
@@ -293,6 +362,10 @@ def _open_record(name: str, storage: str | None):
     local = work_dir(name) / RECORD_FILE
     if storage is None and local.exists():
         return Record(local)
+    if storage is None:                  # submitted from here (apply --detach): follow it in storage
+        from runner.submit import submitted_storage
+
+        storage = submitted_storage(_home(), name)
     store = Store(job_store_url(storage, name))
     # A read-only copy, refreshed on every call (get_file replaces it atomically).
     copy = _home() / "cache" / "records" / f"{name}.db"
@@ -432,8 +505,12 @@ def cmd_logs(name: str, follow: bool) -> int:
 
 
 def _local_jobs() -> list[str]:
+    """Jobs run on this node, and jobs submitted from it."""
+    from runner.submit import submitted_jobs
+
     runs = _home() / "runs"
-    return sorted(p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()) if runs.exists() else []
+    here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
+    return sorted(here | set(submitted_jobs(_home())))
 
 
 @cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
@@ -482,6 +559,65 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
     build_tiny_model(out, seed=seed)
     print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
+    return EXIT_OK
+
+
+# --- deploy ----------------------------------------------------------------------------------------
+
+@cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "iam"]))
+@click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
+@click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
+@click.option("--job", metavar="NAME", help="the job's metadata.name (default: the only job under --storage)")
+@click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
+@click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
+@click.option("--repo", metavar="URL", default="https://github.com/grpo-run/grpo-run.git", show_default=True,
+              help="git URL the node installs grpo-run from")
+@click.option("--ref", metavar="REF", default="main", show_default=True, help="branch or tag to install")
+@click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
+              help="the torch build for the node's accelerator")
+@click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
+def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
+               endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str) -> int:
+    """Print KIND filled in for the job's nodes: `systemd` (the boot unit), `cloud-init` (user-data that
+    installs grpo-run and runs that unit at every boot), `iam` (the AWS policy a node needs: read, write,
+    list and delete under the job's prefix only).
+
+    \b
+    example:
+      grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
+      grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
+      grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+    """
+    from runner.deploy import NodeSettings, cloud_init, iam_policy, systemd_unit
+
+    job_text = None
+    if file:
+        from runner.job import JobError, load_job
+
+        try:
+            spec = load_job(file)
+        except (FileNotFoundError, JobError) as e:
+            print(str(e) if isinstance(e, JobError) else f"error: no such job file: {file}", file=sys.stderr)
+            return EXIT_USAGE
+        if spec.storage is None and storage is None:
+            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
+            return EXIT_USAGE
+        storage, job = storage or spec.storage, job or spec.name
+        job_text = Path(file).read_text()
+    if storage is None:
+        _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
+        return EXIT_USAGE
+    try:
+        if kind == "iam":
+            print(iam_policy(storage), end="")
+            return EXIT_OK
+        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
+                                torch=torch_build, prefix=prefix, job_file=job_text)
+    except ValueError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    print(systemd_unit(settings) if kind == "systemd" else cloud_init(settings), end="")
     return EXIT_OK
 
 

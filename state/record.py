@@ -403,6 +403,10 @@ class Record:
             if name in done:
                 continue
             with self._write():
+                # asked again under the write lock: another process opening the same new record
+                # (`get tj` beside the supervisor that creates it) may have applied it meanwhile
+                if name in set(self.applied_migrations()):
+                    continue
                 for sql in statements:
                     self._conn.execute(sql)
                 self.db["migrations"].insert({"name": name, "applied": utc_now()})

@@ -1,8 +1,9 @@
 """A corrupt newest checkpoint in object storage is skipped, said so, and the run resumes from the
 one before it on a fresh node, ending byte for byte where an uninterrupted run ends.
 
-Node A trains the small job on S3 and is hard-killed in step 8 (GRPO_RUN_FAULT=backward@7), with
-checkpoints 2, 4 and 6 durable. The newest durable one is then damaged in the bucket, as a bad
+Node A trains the small job on S3 and is hard-killed while uploading checkpoint 6
+(GRPO_RUN_FAULT=upload@6: uploads go in order, so checkpoints 2 and 4 are durable whatever the
+speed of the steps; a kill at a training step left fewer once steps got faster than uploads). The newest durable one is then damaged in the bucket, as a bad
 disk, a botched copy or an interrupted manual cleanup would: flipped bytes in the adapter, a
 deleted manifest, a truncated optimizer file. `grpo-run resume` on empty node B must name it on
 stderr with the reason, resume from the one before it, and finish the job.
@@ -75,10 +76,9 @@ def resumed_from(s3_env, tmp_path: Path) -> int | None:
 def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_the_one_before(
         tmp_path, s3_env, uninterrupted, corrupt):
     job = write_job(tmp_path, s3_env.url)
-    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=f"backward@{STEPS - 1}", check=False)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=f"upload@{3 * SAVE}", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (tmp_path / "job.yaml").unlink()
-    # 6 in practice; an upload still in flight at the kill leaves 4 newest, and the test holds
     durable = durable_steps(s3_env)
     print("durable at the kill:", durable)
     assert len(durable) >= 2 and durable[0] >= 2 * SAVE, durable

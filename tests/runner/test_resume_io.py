@@ -52,7 +52,7 @@ def test_a_resume_on_an_empty_node_fetches_the_record_and_each_checkpoint_file_o
     from runner.cli import main
 
     storage = str(tmp_path / "store")
-    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(write_job(tmp_path, storage)), fault="backward@5",
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(write_job(tmp_path, storage)), fault="upload@4",
                       check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     for name in ("job.yaml", "length.py", "train.jsonl", "eval.jsonl"):   # a fresh node has none of them

@@ -1,0 +1,105 @@
+"""Launch files for a job's spot nodes, filled in (`grpo-run deploy systemd|cloud-init|iam`).
+
+The templates are the files in deploy/ (the boot unit and the cloud-init user-data); this module
+fills their @PLACEHOLDERS@ from the command line, so nobody edits them by hand, and writes the
+IAM policy a node needs: read, write, list and delete under the job's storage prefix, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+UNIT = "grpo-run-resume.service"
+CLOUD_INIT = "cloud-init.yaml"
+INSTALL_PREFIX = "/opt/grpo-run"
+JOB_FILE = "/etc/grpo-run/job.yaml"     # a job file handed over in user-data: submitted at boot
+
+# PyTorch's wheel indexes, by the node's accelerator: the node installs the matching torch build.
+TORCH_INDEXES = {
+    "cu128": "https://download.pytorch.org/whl/cu128",
+    "cu126": "https://download.pytorch.org/whl/cu126",
+    "cpu": "https://download.pytorch.org/whl/cpu",
+}
+
+_PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    storage: str                          # the job's storage URL (s3://bucket/prefix)
+    job: str | None = None                # metadata.name; None: the only job under `storage`
+    region: str | None = None             # the bucket's region
+    endpoint: str | None = None           # AWS_ENDPOINT_URL for S3-compatible stores; None for AWS
+    repo: str = "https://github.com/grpo-run/grpo-run.git"
+    ref: str = "main"
+    torch: str = "cu128"                  # a key of TORCH_INDEXES
+    prefix: str = INSTALL_PREFIX          # where grpo-run is installed on the node
+    job_file: str | None = None           # a job file's text, submitted at boot (apply --detach)
+
+    def __post_init__(self) -> None:
+        if not self.storage.startswith(("s3://", "gs://", "file://", "/")):
+            raise ValueError(f"--storage {self.storage!r}: expected s3://bucket/prefix (the job's spec.storage)")
+        if self.torch not in TORCH_INDEXES:
+            raise ValueError(f"--torch {self.torch!r}: expected one of {', '.join(TORCH_INDEXES)}")
+
+
+def systemd_unit(s: NodeSettings) -> str:
+    """The boot unit, for grpo-run installed at `s.prefix`."""
+    return (DEPLOY / UNIT).read_text().replace(INSTALL_PREFIX, s.prefix)
+
+
+def cloud_init(s: NodeSettings) -> str:
+    """The user-data: install grpo-run (with the torch build for the node's accelerator), write
+    its settings, and run the boot unit; with a job file, also submit it at every boot
+    (idempotent), so the first node to boot starts the job."""
+    values = {
+        "GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_JOB": s.job or "", "AWS_REGION": s.region or "",
+        "AWS_ENDPOINT_URL": s.endpoint or "", "GRPO_RUN_REPO": s.repo, "GRPO_RUN_REF": s.ref,
+        "GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[s.torch],
+    }
+    text = (DEPLOY / CLOUD_INIT).read_text()
+    used = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("#"))
+    missing = sorted(set(_PLACEHOLDER.findall(used)) - set(values))
+    if missing:
+        raise LookupError(f"{CLOUD_INIT} has placeholders this generator does not fill: {', '.join(missing)}")
+    text = "".join(line if line.lstrip().startswith("#") else _PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
+                   for line in text.splitlines(keepends=True)).replace(INSTALL_PREFIX, s.prefix)
+    if s.job_file is None:
+        return text
+    import yaml
+
+    doc = yaml.safe_load(text)
+    doc["write_files"].append({"path": JOB_FILE, "owner": "root:root", "permissions": "0644",
+                               "content": s.job_file})
+    submit = (f"set -a; . /etc/grpo-run/env; set +a; "
+              f"runuser -u grpo-run -- {s.prefix}/.venv/bin/grpo-run apply -f {JOB_FILE} --detach")
+    start = next(i for i, cmd in enumerate(doc["runcmd"]) if isinstance(cmd, list) and cmd[:1] == ["bash"])
+    doc["runcmd"].insert(start + 1, ["bash", "-c", submit])
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1000)
+
+
+def iam_policy(storage: str) -> str:
+    """The AWS IAM policy a node needs for the jobs under `storage` (s3://bucket/prefix): list the
+    prefix; get, put and delete its objects (the lease's conditional writes are puts); abort its
+    multipart uploads. Nothing outside the prefix, no bucket-level changes."""
+    url = urlparse(storage)
+    if url.scheme != "s3" or not url.netloc:
+        raise ValueError(f"--storage {storage!r}: an IAM policy is for s3://bucket/prefix storage")
+    bucket, prefix = url.netloc, url.path.strip("/")
+    objects = f"arn:aws:s3:::{bucket}/{prefix}/*" if prefix else f"arn:aws:s3:::{bucket}/*"
+    listing: dict = {"Sid": "ListTheJobsPrefix", "Effect": "Allow", "Action": "s3:ListBucket",
+                     "Resource": f"arn:aws:s3:::{bucket}"}
+    if prefix:
+        listing["Condition"] = {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
+    policy = {"Version": "2012-10-17", "Statement": [
+        listing,
+        {"Sid": "ReadWriteTheJobsObjects", "Effect": "Allow",
+         "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+         "Resource": objects},
+    ]}
+    return json.dumps(policy, indent=2) + "\n"

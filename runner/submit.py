@@ -1,0 +1,96 @@
+"""Submitting a job without training here (`grpo-run apply -f JOB --detach`).
+
+The job's spec and its record (phase Pending) go into its storage folder, with the environment's
+own files, and nothing starts on this machine. Whichever node then runs `grpo-run resume NAME
+--storage URI` (a boot unit, a Kubernetes Job, a SkyPilot managed job), or `grpo-run apply -f` of
+the same file, trains it. This machine keeps only a pointer ($GRPO_RUN_HOME/submitted/NAME: the
+storage URI), so `grpo-run get tj NAME` here follows the job in storage.
+
+Submitting is idempotent: the same file again changes nothing. A changed file replaces the spec
+of a job no node has taken yet (still Pending); a job a node is running, or one that has ended,
+keeps its spec (apply the change where it runs, or give the job another name).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpoint.lease import Lease, LeaseHeld
+from checkpoint.store import Store
+from runner.books import Books, fetch_record
+from runner.envfiles import upload_environment
+from runner.job import TrainingJob, usd_per_hour
+from state.record import Phase, Record
+
+SUBMITTED = "submitted"      # under GRPO_RUN_HOME: one file per submitted job, holding its storage URI
+
+
+class SubmitRefused(RuntimeError):
+    """The job is in storage already and cannot take this file's spec (message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    outcome: str             # "submitted" | "unchanged" | "updated"
+    phase: str               # the job's phase in storage after this
+    url: str                 # the job's storage folder
+
+
+def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
+    """Write `job` into its storage folder `url` (Pending) without starting it. Raises SubmitRefused
+    when storage holds the job with another spec that cannot change now; StorageConfigError /
+    StorageUnavailable for storage that cannot be used."""
+    store = Store(url)
+    store.check()                                   # a bad bucket or credentials fail before anything is written
+    with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
+        work = Path(tmp)
+        manifest = job.to_dict()
+        existing = fetch_record(store, work)
+        if existing is not None:
+            with Record(existing) as record:
+                stored = record.job()
+            if stored["spec"] == manifest:
+                return Submitted("unchanged", stored["phase"], url)
+            if stored["phase"] != Phase.PENDING:
+                raise SubmitRefused(
+                    f"job {job.name!r} is already in {url} (phase {stored['phase']}) with another spec; a job a node "
+                    f"has taken keeps its spec: apply the changed file on the node that runs it "
+                    f"(grpo-run apply -f FILE), or give this job another metadata.name")
+        lease = Lease(url, holder=holder)             # no node may start it while it is being written
+        try:
+            lease.acquire()
+        except LeaseHeld as e:
+            raise SubmitRefused(f"job {job.name!r} was taken by a node while being submitted ({e}); "
+                                f"`grpo-run get tj {job.name} --storage ...` shows it") from None
+        try:
+            upload_environment(job, store)
+            books = Books(store, work, name=job.name, manifest=manifest, usd_per_hour=usd_per_hour(job),
+                          max_cost_usd=job.maxCostUSD)
+            try:
+                books.sync(wait=True)
+            finally:
+                books.close()
+        finally:
+            lease.release()
+        return Submitted("updated" if existing is not None else "submitted", str(Phase.PENDING), url)
+
+
+def remember(home: Path, name: str, storage: str) -> None:
+    """Note on this machine where job `name` was submitted, for `get tj NAME`."""
+    folder = home / SUBMITTED
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(storage + "\n")
+
+
+def submitted_storage(home: Path, name: str) -> str | None:
+    """The storage a job was submitted to from this machine (None: it was not)."""
+    path = home / SUBMITTED / name
+    return path.read_text().strip() if path.exists() else None
+
+
+def submitted_jobs(home: Path) -> list[str]:
+    folder = home / SUBMITTED
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+

@@ -1,0 +1,104 @@
+"""`grpo-run deploy`: the files it prints pass their own tools' validation (systemd-analyze
+verify for the unit, cloud-init's own schema for the user-data), and the IAM policy reaches the
+job's prefix only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runner.cli import EXIT_OK, EXIT_USAGE, main
+from runner.deploy import JOB_FILE, NodeSettings, cloud_init, iam_policy, systemd_unit
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = Path(__file__).parent / "data" / "schema-cloud-config-v1.json"
+
+
+def printed(capsys, *args) -> str:
+    capsys.readouterr()
+    assert main(["deploy", *args]) == EXIT_OK
+    return capsys.readouterr().out
+
+
+def cloud_config_errors(text: str) -> list[str]:
+    import jsonschema
+
+    assert text.startswith("#cloud-config\n")
+    validator = jsonschema.Draft4Validator(json.loads(SCHEMA.read_text()))
+    return [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(yaml.safe_load(text))]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_generated_unit_passes_systemd_analyze_verify(tmp_path, capsys):
+    # installed where this checkout is, so the ExecStart binary exists as verify requires
+    unit = printed(capsys, "systemd", "--storage", "s3://bucket/grpo", "--prefix", str(REPO))
+    path = tmp_path / "grpo-run-resume.service"
+    path.write_text(unit)
+    proc = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{REPO}/.venv/bin/grpo-run resume $GRPO_RUN_JOB --storage ${{GRPO_RUN_STORAGE}} --wait" in unit
+    # the check bites: a unit naming a binary that is not there fails it
+    path.write_text(unit.replace(str(REPO), str(tmp_path / "nowhere")))
+    assert subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True).returncode != 0
+
+
+def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_filled(capsys):
+    text = printed(capsys, "cloud-init", "--storage", "s3://bucket/grpo", "--job", "my-job", "--region", "eu-west-1",
+                   "--torch", "cu126")
+    assert cloud_config_errors(text) == []
+    doc = yaml.safe_load(text)
+    (env,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/env"]
+    assert "GRPO_RUN_STORAGE=s3://bucket/grpo\n" in env and "GRPO_RUN_JOB=my-job\n" in env
+    assert "AWS_DEFAULT_REGION=eu-west-1\n" in env
+    (install,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/install.env"]
+    assert "GRPO_RUN_TORCH_INDEX=https://download.pytorch.org/whl/cu126" in install
+    assert "@" not in "".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "boot-job"},
+                                   "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                            "storage": "s3://bucket/grpo"}}))
+    text = printed(capsys, "cloud-init", "-f", str(job))
+    assert cloud_config_errors(text) == []
+    doc = yaml.safe_load(text)
+    (handed,) = [f for f in doc["write_files"] if f["path"] == JOB_FILE]
+    assert handed["content"] == job.read_text()
+    assert any(f"apply -f {JOB_FILE} --detach" in " ".join(cmd) for cmd in doc["runcmd"] if isinstance(cmd, list))
+    (env,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/env"]
+    assert "GRPO_RUN_JOB=boot-job\n" in env and "GRPO_RUN_STORAGE=s3://bucket/grpo\n" in env
+
+
+def test_cloud_inits_schema_catches_a_broken_user_data():
+    broken = cloud_init(NodeSettings(storage="s3://b/p")).replace("package_update: true", "package_update: sometimes")
+    assert any("package_update" in e for e in cloud_config_errors(broken))
+
+
+def test_a_job_without_storage_cannot_be_deployed(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "local"},
+                                   "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"}}}))
+    assert main(["deploy", "cloud-init", "-f", str(job)]) == EXIT_USAGE
+    assert "spec.storage is not set" in capsys.readouterr().err
+
+
+def test_the_iam_policy_reaches_the_jobs_prefix_only():
+    policy = json.loads(iam_policy("s3://my-bucket/grpo/runs"))
+    listing, objects = policy["Statement"]
+    assert listing["Action"] == "s3:ListBucket" and listing["Resource"] == "arn:aws:s3:::my-bucket"
+    assert listing["Condition"] == {"StringLike": {"s3:prefix": ["grpo/runs", "grpo/runs/*"]}}
+    assert objects["Resource"] == "arn:aws:s3:::my-bucket/grpo/runs/*"
+    assert set(objects["Action"]) == {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"}
+    assert all(s["Effect"] == "Allow" and "*" not in s["Action"] for s in policy["Statement"])
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        iam_policy("/local/folder")
+
+
+def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved():
+    assert systemd_unit(NodeSettings(storage="s3://b/p")) == (REPO / "deploy" / "grpo-run-resume.service").read_text()
