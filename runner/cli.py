@@ -13,6 +13,9 @@ import click
 import yaml
 
 from runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from runner.places import (already_succeeded as _already_succeeded, default_storage, find_job as _find_job,
+                           get_job, home as _home, job_doc as _job_doc, job_store_url, jobs_in as _jobs_in,
+                           local_jobs as _local_jobs, work_dir)
 from state.record import RECORD_FILE, STOPPED, TERMINAL, Phase
 
 # -h as well as --help (as argparse had); help up to 100 columns wide, as the examples are
@@ -43,24 +46,6 @@ def cli(verbose: bool) -> None:
     quiet_libraries()
     logging.getLogger("trainer").setLevel(logging.INFO)
     logging.getLogger("runner").setLevel(logging.INFO)
-
-
-def _home() -> Path:
-    from trainer.tinymodel import grpo_run_home
-
-    return grpo_run_home()
-
-
-def default_storage() -> str:
-    return str(_home() / "store")
-
-
-def job_store_url(storage: str | None, name: str) -> str:
-    return f"{(storage or default_storage()).rstrip('/')}/{name}"
-
-
-def work_dir(name: str) -> Path:
-    return _home() / "runs" / name
 
 
 def _dump(doc: Any, fmt: str) -> str:
@@ -208,32 +193,6 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 
 
-def _find_job(name: str | None, storage: str):
-    """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
-    when storage holds several jobs and none is named, JobError for a stored spec that no longer
-    parses, StorageConfigError / StorageUnavailable."""
-    from checkpoint.store import Store
-    from runner.books import fetch_record
-    from runner.job import parse_job
-    from state.record import Record
-
-    names = [name] if name else _jobs_in(storage)
-    if not names:
-        return None
-    if len(names) > 1:
-        raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
-                         f"grpo-run resume NAME --storage {storage}")
-    name = names[0]
-    store = Store(job_store_url(storage, name))
-    store.check()
-    local = fetch_record(store, work_dir(name))
-    if local is None:
-        return None
-    with Record(local) as record:
-        job_doc = record.job()
-    return parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False), store
-
-
 def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
@@ -333,74 +292,7 @@ def _watchers(job):
     return make_watchers(clouds, base_urls=urls)
 
 
-def _already_succeeded(job, work: Path) -> bool:
-    """The job finished earlier (here or on another node) with this very spec: its record,
-    fetched into `work` if it was begun elsewhere, says so."""
-    from state.record import Record
-
-    if not (work / RECORD_FILE).exists():
-        return False
-    with Record(work / RECORD_FILE) as record:
-        done = record.job()
-    return bool(done) and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict()
-
-
 # --- get / export ---------------------------------------------------------------------------------
-
-def _jobs_in(storage: str) -> list[str]:
-    from checkpoint.store import Store
-
-    store = Store(storage)
-    return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
-
-
-def _open_record(name: str, storage: str | None):
-    """The job's record: the local work folder's when no storage is named, else the store's."""
-    from checkpoint.store import Store
-    from state.record import Record
-
-    local = work_dir(name) / RECORD_FILE
-    if storage is None and local.exists():
-        return Record(local)
-    if storage is None:                  # submitted from here (apply --detach): follow it in storage
-        from runner.submit import submitted_storage
-
-        storage = submitted_storage(_home(), name)
-    store = Store(job_store_url(storage, name))
-    # A read-only copy, refreshed on every call (get_file replaces it atomically).
-    copy = _home() / "cache" / "records" / f"{name}.db"
-    for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):
-        leftover.unlink(missing_ok=True)    # an old copy's journal must never meet the new copy
-    try:
-        store.get_file(RECORD_FILE, copy)
-    except FileNotFoundError:
-        raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
-    return Record(copy)
-
-
-def get_job(name: str, storage: str | None) -> dict[str, Any]:
-    """The job as {apiVersion, kind, metadata, spec, status}."""
-    with _open_record(name, storage) as record:
-        return _as_doc(record)
-
-
-def _job_doc(path: Path) -> dict[str, Any]:
-    """The job as `get tj` shows it, from a record on this node."""
-    from state.record import Record
-
-    with Record(path) as record:
-        return _as_doc(record)
-
-
-def _as_doc(record) -> dict[str, Any]:
-    from runner.status import job_status
-
-    job = record.job()
-    status = job_status(record)
-    spec = job["spec"]
-    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
-            "spec": spec.get("spec"), "status": status}
-
 
 @cli.command("get", short_help="show jobs: phase, step, rewards")
 @click.argument("resource")
@@ -504,15 +396,6 @@ def cmd_logs(name: str, follow: bool) -> int:
             time.sleep(0.5)
 
 
-def _local_jobs() -> list[str]:
-    """Jobs run on this node, and jobs submitted from it."""
-    from runner.submit import submitted_jobs
-
-    runs = _home() / "runs"
-    here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
-    return sorted(here | set(submitted_jobs(_home())))
-
-
 @cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
 @click.argument("name")
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
@@ -565,7 +448,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 # --- deploy ----------------------------------------------------------------------------------------
 
 @cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "iam"]))
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "iam"]))
 @click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
 @click.option("--job", metavar="NAME", help="the job's metadata.name (default: the only job under --storage)")
@@ -577,19 +460,28 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 @click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
               help="the torch build for the node's accelerator")
 @click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
+@click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
+@click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
+              help="k8s: whose spot node labels and taints to select")
+@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
+@click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
+@click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
-               endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str) -> int:
+               endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
+               pool: str, gpus: int, secret: str | None, service_account: str | None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit), `cloud-init` (user-data that
-    installs grpo-run and runs that unit at every boot), `iam` (the AWS policy a node needs: read, write,
+    installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
+    retried without counting against backoffLimit), `iam` (the AWS policy a node needs: read, write,
     list and delete under the job's prefix only).
 
     \b
     example:
       grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
       grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
+      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --secret aws
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
     """
-    from runner.deploy import NodeSettings, cloud_init, iam_policy, systemd_unit
+    from runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
 
     job_text = None
     if file:
@@ -617,6 +509,13 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
+    if kind == "k8s":
+        if not image:
+            _error("k8s: give --image, a container image with grpo-run installed")
+            return EXIT_USAGE
+        print(kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
+                             service_account=service_account), end="")
+        return EXIT_OK
     print(systemd_unit(settings) if kind == "systemd" else cloud_init(settings), end="")
     return EXIT_OK
 

@@ -102,3 +102,33 @@ def test_the_iam_policy_reaches_the_jobs_prefix_only():
 
 def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved():
     assert systemd_unit(NodeSettings(storage="s3://b/p")) == (REPO / "deploy" / "grpo-run-resume.service").read_text()
+
+
+@pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])      # podFailurePolicy is GA since 1.31
+def test_the_kubernetes_job_passes_kubernetes_validate_and_maps_exit_statuses(capsys, version):
+    import kubernetes_validate
+
+    text = printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--job", "my-job", "--image", "registry/grpo-run:1",
+                   "--secret", "aws-keys", "--pool", "gke")
+    doc = yaml.safe_load(text)
+    kubernetes_validate.validate(doc, version, strict=True)         # raises on any schema violation
+    pod = doc["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["grpo-run", "resume", "my-job", "--storage", "s3://bucket/grpo", "--wait"]
+    assert pod["terminationGracePeriodSeconds"] > 4 * 3.6           # the measured notice -> exit, with margin
+    assert pod["shareProcessNamespace"] is True and pod["restartPolicy"] == "Never"
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-spot": "true"} and pod["tolerations"][0]["effect"] == "NoSchedule"
+    assert container["envFrom"] == [{"secretRef": {"name": "aws-keys"}}]
+    assert not any("SECRET" in e["name"] or "KEY" in e["name"] for e in container["env"])   # never literal
+    rules = doc["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "grpo-run", "operator": "In", "values": [3]}} in rules
+    assert any(r["action"] == "FailJob" and r.get("onExitCodes", {}).get("values") == [2, 4] for r in rules)
+    # the check bites: a malformed manifest is refused
+    doc["spec"]["backoffLimit"] = "six"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_a_kubernetes_job_needs_an_image(capsys):
+    assert main(["deploy", "k8s", "--storage", "s3://b/p"]) == EXIT_USAGE
+    assert "--image" in capsys.readouterr().err

@@ -65,6 +65,7 @@ def steps_done(node: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [7])
 def test_a_fresh_node_from_the_generated_files_trains_and_a_killed_one_is_replaced(tmp_path, s3_env, uninterrupted,
                                                                                    seed):
