@@ -448,7 +448,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 # --- deploy ----------------------------------------------------------------------------------------
 
 @cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "iam"]))
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
 @click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
 @click.option("--job", metavar="NAME", help="the job's metadata.name (default: the only job under --storage)")
@@ -466,12 +466,15 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 @click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
 @click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
 @click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
+@click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
-               pool: str, gpus: int, secret: str | None, service_account: str | None) -> int:
+               pool: str, gpus: int, secret: str | None, service_account: str | None,
+               accelerators: str | None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
-    retried without counting against backoffLimit), `iam` (the AWS policy a node needs: read, write,
+    retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
+    SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
     list and delete under the job's prefix only).
 
     \b
@@ -479,11 +482,12 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
       grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
       grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
       grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --secret aws
+      grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
     """
     from runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
 
-    job_text = None
+    job_text, gpu = None, None
     if file:
         from runner.job import JobError, load_job
 
@@ -495,7 +499,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         if spec.storage is None and storage is None:
             _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
             return EXIT_USAGE
-        storage, job = storage or spec.storage, job or spec.name
+        storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
     if storage is None:
         _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
@@ -509,6 +513,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
+    if kind == "skypilot":
+        from runner.deploy import SKYPILOT_GPUS, skypilot_task
+
+        print(skypilot_task(settings, accelerators=accelerators or SKYPILOT_GPUS.get(gpu or "")), end="")
+        return EXIT_OK
     if kind == "k8s":
         if not image:
             _error("k8s: give --image, a container image with grpo-run installed")

@@ -181,3 +181,52 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         },
     }
     return yaml.safe_dump(job, sort_keys=False)
+
+
+def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | None = None) -> str:
+    """A SkyPilot task for `sky jobs launch`: a managed job on spot capacity that SkyPilot relaunches
+    when the node is taken (strategy EAGER_NEXT_REGION; a failed run is not restarted, since
+    grpo-run restarts its own trainer), and whose `run:` resumes the job from its storage, so each
+    relaunch continues from the newest durable checkpoint. `accelerators`: SkyPilot's name for the
+    GPU (e.g. H100:1), from spec.gpu when the job file gives one."""
+    import yaml
+
+    envs = {"GRPO_RUN_STORAGE": s.storage}
+    if s.job:
+        envs["GRPO_RUN_JOB"] = s.job
+    if s.region:
+        envs["AWS_DEFAULT_REGION"] = s.region
+    if s.endpoint:
+        envs["AWS_ENDPOINT_URL"] = s.endpoint
+    resources: dict = {"use_spot": True, "job_recovery": {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0}}
+    if accelerators:
+        resources["accelerators"] = accelerators
+    if cloud:
+        resources["cloud"] = cloud
+    task = {
+        "name": f"grpo-run-{s.job}" if s.job else "grpo-run",
+        "resources": resources,
+        "envs": envs,
+        "setup": (f"[ -d grpo-run ] || git clone --depth 1 --branch {s.ref} {s.repo} grpo-run\n"
+                  f"cd grpo-run && GRPO_RUN_TORCH_INDEX={TORCH_INDEXES[s.torch]} scripts/setup\n"),
+        "run": ('cd grpo-run && .venv/bin/grpo-run resume $GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE" --wait\n'
+                'status=$?\n'
+                '# 3: preempted; the checkpoint is durable and the node is going away. Wait for it to go, so\n'
+                '# SkyPilot sees a preemption and relaunches, not a failed run (which it would not retry).\n'
+                'if [ "$status" -eq 3 ]; then sleep 900; fi\n'
+                'exit "$status"\n'),
+    }
+    return yaml.dump(task, Dumper=_BlockDumper, sort_keys=False)
+
+
+class _BlockDumper(__import__("yaml").SafeDumper):
+    """Multi-line strings (a task's setup and run scripts) as YAML literal blocks."""
+
+
+_BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
+# spec.gpu names (runner.estimate) as SkyPilot's accelerators
+SKYPILOT_GPUS = {"H100-SXM-80GB": "H100:1", "A100-80GB": "A100-80GB:1", "L40S": "L40S:1", "RTX-4090": "RTX4090:1",
+                 "RTX-A6000": "RTXA6000:1"}

@@ -132,3 +132,46 @@ def test_the_kubernetes_job_passes_kubernetes_validate_and_maps_exit_statuses(ca
 def test_a_kubernetes_job_needs_an_image(capsys):
     assert main(["deploy", "k8s", "--storage", "s3://b/p"]) == EXIT_USAGE
     assert "--image" in capsys.readouterr().err
+
+
+SKYPILOT = "skypilot==0.14.1"        # its own venv: it pins click < 8.2, which grpo-run's CLI is newer than
+
+
+@pytest.fixture(scope="module")
+def skypilot_python() -> Path:
+    """A Python with SkyPilot installed, in REPO/.venv-skypilot (made once, reused)."""
+    import sys
+
+    venv = REPO / ".venv-skypilot"
+    python = venv / "bin" / "python"
+    ready = python.exists() and subprocess.run([str(python), "-c", "import sky"], capture_output=True).returncode == 0
+    if not ready:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", SKYPILOT], check=True, capture_output=True)
+    return python
+
+
+def load_with_skypilot(python: Path, path: Path) -> subprocess.CompletedProcess:
+    script = ("import sys, sky\n"
+              "task = sky.Task.from_yaml(sys.argv[1])\n"
+              "(r,) = task.resources\n"
+              "print(r.use_spot, r.job_recovery['strategy'], dict(r.accelerators or {}), task.envs['GRPO_RUN_STORAGE'])\n")
+    return subprocess.run([str(python), "-c", script, str(path)], capture_output=True, text=True)
+
+
+def test_the_skypilot_task_loads_with_skypilots_own_loader(tmp_path, capsys, skypilot_python):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "sky-job"},
+                                   "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                            "storage": "s3://bucket/grpo", "gpu": "H100-SXM-80GB"}}))
+    task = tmp_path / "task.yaml"
+    task.write_text(printed(capsys, "skypilot", "-f", str(job)))
+    loaded = load_with_skypilot(skypilot_python, task)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["True", "EAGER_NEXT_REGION", "{'H100':", "1}", "s3://bucket/grpo"]
+    doc = yaml.safe_load(task.read_text())
+    assert "resume $GRPO_RUN_JOB --storage \"$GRPO_RUN_STORAGE\" --wait" in doc["run"]
+    assert doc["envs"]["GRPO_RUN_JOB"] == "sky-job"
+    # the loader bites: a field SkyPilot does not know is refused
+    task.write_text(task.read_text().replace("use_spot: true", "use_spot: true\n  spot_please: yes"))
+    assert load_with_skypilot(skypilot_python, task).returncode != 0
