@@ -97,7 +97,6 @@ class CheckpointWriter:
         self._size = 0
         self._map: mmap.mmap | None = None
         self._busy: int | None = None         # the step whose snapshot the writer is still reading
-        self._unsealed: int | None = None     # the newest step submitted and not yet sealed (or failed)
         self._events: list[dict[str, Any]] = []
         self._pending = b""
         args = [sys.executable, "-m", "checkpoint.writer", "--fd", str(self._fd), "--root", str(self.root),
@@ -124,15 +123,8 @@ class CheckpointWriter:
 
     def submit(self, step: int, layout: Layout) -> None:
         """Write the checkpoint of `step` from the buffer and seal it."""
-        self._busy = self._unsealed = step
+        self._busy = step
         self._send({"op": "checkpoint", "step": step, "size": self._size, "files": layout})
-
-    def writing(self) -> bool:
-        """Whether the writer is still at work on a submitted checkpoint (reads its replies first,
-        without waiting)."""
-        if self._unsealed is not None and self._fd >= 0:
-            self._read(0)
-        return self._unsealed is not None
 
     # --- replies -----------------------------------------------------------------------------
 
@@ -219,8 +211,6 @@ class CheckpointWriter:
                     self._busy = None
                 continue
             self._events.append(event)
-            if self._unsealed is not None and max(event.get("sealed", -1), event.get("failed", -1)) >= self._unsealed:
-                self._unsealed = None
         return True
 
 

@@ -115,6 +115,10 @@ def _submit(job, est: dict | None, output: str | None) -> int:
     from runner.supervisor import node_name
 
     storage = job.storage
+    if storage is None:
+        _error(f"{job.name}: spec.storage is not set, so the job would stay in this machine's own store, where no "
+               "node can reach it: set spec.storage (e.g. s3://bucket/prefix) to submit it with --detach")
+        return EXIT_USAGE
     try:
         done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
     except SubmitRefused as e:
@@ -143,7 +147,7 @@ def _submit(job, est: dict | None, output: str | None) -> int:
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
-@click.option("--wait", is_flag=True, help="no such job in storage yet: wait for it to be submitted (a node that boots first)")
+@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
 def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
@@ -187,10 +191,15 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
             told = True
         time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
     job, store = found
-    return _run(job, output=output, storage=storage, store=store)
+    while True:
+        code = _run(job, output=output, storage=storage, store=store)
+        if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
+            return code
+        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
 
 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
+HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
 
 
 def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
@@ -471,7 +480,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int, secret: str | None, service_account: str | None,
                accelerators: str | None) -> int:
-    """Print KIND filled in for the job's nodes: `systemd` (the boot unit), `cloud-init` (user-data that
+    """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
+    settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
@@ -501,6 +511,9 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
+    if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
+        print(systemd_unit(prefix), end="")
+        return EXIT_OK
     if storage is None:
         _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
         return EXIT_USAGE
@@ -525,7 +538,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         print(kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                              service_account=service_account), end="")
         return EXIT_OK
-    print(systemd_unit(settings) if kind == "systemd" else cloud_init(settings), end="")
+    print(cloud_init(settings), end="")
     return EXIT_OK
 
 

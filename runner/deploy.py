@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
+
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 UNIT = "grpo-run-resume.service"
 CLOUD_INIT = "cloud-init.yaml"
@@ -48,15 +50,16 @@ class NodeSettings:
             raise ValueError(f"--torch {self.torch!r}: expected one of {', '.join(TORCH_INDEXES)}")
 
 
-def systemd_unit(s: NodeSettings) -> str:
-    """The boot unit, for grpo-run installed at `s.prefix`."""
-    return (DEPLOY / UNIT).read_text().replace(INSTALL_PREFIX, s.prefix)
+def systemd_unit(prefix: str = INSTALL_PREFIX) -> str:
+    """The boot unit, for grpo-run installed at `prefix`; the job's settings it reads from
+    /etc/grpo-run/env (cloud_init writes them)."""
+    return (DEPLOY / UNIT).read_text().replace(INSTALL_PREFIX, prefix)
 
 
 def cloud_init(s: NodeSettings) -> str:
     """The user-data: install grpo-run (with the torch build for the node's accelerator), write
-    its settings, and run the boot unit; with a job file, also submit it at every boot
-    (idempotent), so the first node to boot starts the job."""
+    its settings, and run the boot unit; with a job file, also submit it on each node's first
+    boot (cloud-init's runcmd; idempotent), so whichever node boots first starts the job."""
     values = {
         "GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_JOB": s.job or "", "AWS_REGION": s.region or "",
         "AWS_ENDPOINT_URL": s.endpoint or "", "GRPO_RUN_REPO": s.repo, "GRPO_RUN_REF": s.ref,
@@ -121,7 +124,6 @@ SPOT_POOLS = {
 # server); 90 s leaves room for a bigger checkpoint over a real network and stays under AWS's
 # 120 s notice (GCP and Azure give about 30 s: the node goes first there, whatever this says).
 STOP_GRACE_S = 90
-PREEMPTED, USAGE, BUDGET = 3, 2, 4     # runner.exits: what the Job's pod failure policy maps
 
 
 def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus: int = 1,
@@ -167,15 +169,15 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
         "spec": {
-            # counted failures: crashes past the supervisor's own restarts, and exit 5 (a lost
-            # node's lease not yet expired: the Job's growing back-off outlasts its 60 s)
+            # counted failures: crashes past the supervisor's own restarts (a lost pod's lease that has
+            # not expired yet is waited for by --wait, not an exit)
             "backoffLimit": 6,
             "podFailurePolicy": {"rules": [
                 {"action": "Ignore", "onExitCodes": {"containerName": "grpo-run", "operator": "In",
-                                                     "values": [PREEMPTED]}},
+                                                     "values": [EXIT_PREEMPTED]}},
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},   # node taken
                 {"action": "FailJob", "onExitCodes": {"containerName": "grpo-run", "operator": "In",
-                                                      "values": [USAGE, BUDGET]}},
+                                                      "values": [EXIT_USAGE, EXIT_BUDGET]}},
             ]},
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
         },

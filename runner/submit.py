@@ -44,27 +44,31 @@ def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
     StorageUnavailable for storage that cannot be used."""
     store = Store(url)
     store.check()                                   # a bad bucket or credentials fail before anything is written
-    with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
-        work = Path(tmp)
-        manifest = job.to_dict()
-        existing = fetch_record(store, work)
-        if existing is not None:
-            with Record(existing) as record:
-                stored = record.job()
-            if stored["spec"] == manifest:
-                return Submitted("unchanged", stored["phase"], url)
-            if stored["phase"] != Phase.PENDING:
-                raise SubmitRefused(
-                    f"job {job.name!r} is already in {url} (phase {stored['phase']}) with another spec; a job a node "
-                    f"has taken keeps its spec: apply the changed file on the node that runs it "
-                    f"(grpo-run apply -f FILE), or give this job another metadata.name")
-        lease = Lease(url, holder=holder)             # no node may start it while it is being written
-        try:
-            lease.acquire()
-        except LeaseHeld as e:
-            raise SubmitRefused(f"job {job.name!r} was taken by a node while being submitted ({e}); "
-                                f"`grpo-run get tj {job.name} --storage ...` shows it") from None
-        try:
+    manifest = job.to_dict()
+    lease = Lease(url, holder=holder)               # no node may start it while it is being written
+    try:
+        lease.acquire()
+    except LeaseHeld:                               # a node runs it: only reading is safe
+        stored = _stored(store)
+        if stored is not None and stored["spec"] == manifest:
+            return Submitted("unchanged", stored["phase"], url)
+        raise SubmitRefused(f"job {job.name!r} is running on another node with another spec; a job a node has "
+                            f"taken keeps its spec: apply the changed file on that node (grpo-run apply -f FILE), "
+                            f"or give this job another metadata.name") from None
+    try:
+        with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
+            work = Path(tmp)
+            existing = fetch_record(store, work)     # read under the lease: no node writes it meanwhile
+            if existing is not None:
+                with Record(existing) as record:
+                    stored = record.job()
+                if stored["spec"] == manifest:
+                    return Submitted("unchanged", stored["phase"], url)
+                if stored["phase"] != Phase.PENDING:
+                    raise SubmitRefused(
+                        f"job {job.name!r} is already in {url} (phase {stored['phase']}) with another spec; a job "
+                        f"a node has taken keeps its spec: apply the changed file on the node that runs it "
+                        f"(grpo-run apply -f FILE), or give this job another metadata.name")
             upload_environment(job, store)
             books = Books(store, work, name=job.name, manifest=manifest, usd_per_hour=usd_per_hour(job),
                           max_cost_usd=job.maxCostUSD)
@@ -72,9 +76,19 @@ def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
                 books.sync(wait=True)
             finally:
                 books.close()
-        finally:
-            lease.release()
-        return Submitted("updated" if existing is not None else "submitted", str(Phase.PENDING), url)
+    finally:
+        lease.release()
+    return Submitted("updated" if existing is not None else "submitted", str(Phase.PENDING), url)
+
+
+def _stored(store: Store) -> dict | None:
+    """The job as stored (its record's job row), read into a scratch folder; None when there is none."""
+    with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
+        local = fetch_record(store, Path(tmp))
+        if local is None:
+            return None
+        with Record(local) as record:
+            return record.job()
 
 
 def remember(home: Path, name: str, storage: str) -> None:

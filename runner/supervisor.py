@@ -378,7 +378,11 @@ class Supervisor:
         env[child.EVENTS_FD_ENV] = str(write_fd)
         env[child.PARENT_ENV] = str(os.getpid())
         env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
-        env.update(trainer_threads(len(os.sched_getaffinity(0)), env))     # a user's own settings are kept
+        kept = self.books.record.value("cpuThreads")       # the first trainer's count: a run keeps it
+        threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=int(kept) if kept else None)
+        if kept and threads:
+            log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
+        env.update(threads)
         self._attempt_events, self._sealed = {}, set()
         self._child_done.clear()
         try:
@@ -423,6 +427,8 @@ class Supervisor:
         elif kind == "started":
             books.record.set_value("device", ev["device"])
             books.record.set_value("microBatchSize", ev.get("microBatchSize"))
+            if ev.get("cpuThreads") and books.record.value("cpuThreads") is None:
+                books.record.set_value("cpuThreads", ev["cpuThreads"])
         elif kind in ("stopped", "failed", "final"):
             self._attempt_events[kind] = ev
 
@@ -444,18 +450,23 @@ class Supervisor:
 SPIN_ROUNDS = 10_000
 
 
-def trainer_threads(cores: int, user: Mapping[str, str]) -> dict[str, str]:
+def trainer_threads(cores: int, user: Mapping[str, str], *, kept: int | None = None) -> dict[str, str]:
     """The trainer's CPU threads (environment variables to add to `user`, the environment it would
-    inherit). A pool of threads, shared with the node's other trainers (trainer.threads, with the
-    measurements): all cores on a node of up to 3, where every core counts (2 threads alone:
-    demo 16.3 s against 18.0 s with one, a 4 x 256 model 0.189 against 0.246 s per step), one left
-    to the grader, the checkpoint writer and the uploads on a bigger one; waits spin briefly, then
-    sleep (GOMP_SPINCOUNT). A user's own OMP_NUM_THREADS is kept, and then nothing is shared."""
+    inherit). A run's first attempt gets a pool to share with the node's other trainers
+    (trainer.threads, with the measurements): all cores on a node of up to 3, where every core
+    counts (2 threads alone: demo 16.3 s against 18.0 s with one, a 4 x 256 model 0.189 against
+    0.246 s per step), one left to the grader, the checkpoint writer and the uploads on a bigger
+    one. Later attempts run with the count the first one took (`kept`): another count would round
+    the arithmetic differently. Waits spin briefly, then sleep (GOMP_SPINCOUNT). A user's own
+    OMP_NUM_THREADS is kept, and then nothing is shared."""
     if "OMP_NUM_THREADS" in user:
         return {}
-    pool = max(1, cores if cores <= 3 else cores - 1)
-    env = {"OMP_NUM_THREADS": str(pool), SHARE_ENV: str(pool)}
-    if pool > 1 and "OMP_WAIT_POLICY" not in user and "GOMP_SPINCOUNT" not in user:
+    if kept is not None:
+        env = {"OMP_NUM_THREADS": str(kept)}
+    else:
+        pool = max(1, cores if cores <= 3 else cores - 1)
+        env = {"OMP_NUM_THREADS": str(pool), SHARE_ENV: str(pool)}
+    if int(env["OMP_NUM_THREADS"]) > 1 and "OMP_WAIT_POLICY" not in user and "GOMP_SPINCOUNT" not in user:
         env["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
     return env
 

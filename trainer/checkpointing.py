@@ -80,10 +80,6 @@ class Checkpointer:
                 raise CheckpointFailed(f"checkpoint {event['failed']} could not be written: {event['error']}")
         return [event["sealed"] for event in events if "sealed" in event]
 
-    def writing(self) -> bool:
-        """Whether the writer process is still writing a checkpoint (it takes a core meanwhile)."""
-        return self._writer.writing()
-
     @property
     def last_saved(self) -> int | None:
         return self._last_saved

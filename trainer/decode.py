@@ -255,6 +255,8 @@ class LlamaFamilyDecoder:
         # one prefill per distinct prompt, its keys and values copied to each of its rows
         rows = torch.cat([prompt_ids, prompt_mask], dim=1)
         unique, which = torch.unique(rows, dim=0, return_inverse=True)             # [U, 2P], [N]
+        if unique.size(0) < min(n, self.MIN_ROWS):     # a product of so few rows takes another kernel
+            unique, which = rows, torch.arange(n, device=rows.device)
         u_ids, u_mask = unique[:, :p], unique[:, p:]
         position_ids = (u_mask.cumsum(-1) - 1).clamp_min(0)                        # [U, P]
         self.padded = not bool(u_mask.all())    # transformers attends without a mask when nothing is padded

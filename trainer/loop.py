@@ -86,10 +86,10 @@ class GRPOTrainer:
         self.env = env
         self.stop = stop or threading.Event()
         self.cpu = CpuShare.from_environment()     # this node's threads, shared with its other trainers
-        self.writer_busy: Callable[[], bool] = lambda: False   # set by trainer.run: is a checkpoint being written?
         self.device = device or pick_device()
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_policy(model_path, params, self.device)
+        self._share_cpu()                      # after the load: a run started beside this one has registered
         if model_name and hasattr(self.model, "peft_config"):
             # Saved adapters name the base as the user did (a hub id, tiny:char), not as a path
             # on this node: exports from any node are then byte-identical.
@@ -113,9 +113,14 @@ class GRPOTrainer:
         if self.cpu is not None:
             self.cpu.close()
 
+    @property
+    def cpu_threads(self) -> int:
+        """The threads torch computes with on this process (the node's share, or the user's setting)."""
+        return torch.get_num_threads()
+
     def _share_cpu(self) -> None:
         if self.cpu is not None and self.device.type == "cpu":
-            self.cpu.adjust(writer_busy=self.writer_busy())
+            self.cpu.take()                     # decided once, before the first forward
 
     # --- helpers -------------------------------------------------------------------------
 
@@ -186,7 +191,6 @@ class GRPOTrainer:
             else:
                 if self.stop.is_set():               # preemption honoured between evaluation batches
                     raise grpo.GenerationInterrupted()
-                self._share_cpu()
                 chunk = list(tasks[start:start + p.evalBatchSize])
                 gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
                 ids, mask = self._encode([t["prompt"] for t in chunk])
@@ -208,7 +212,6 @@ class GRPOTrainer:
         """Step `step` (0-based). Returns its metrics. Raises GenerationInterrupted on a stop
         request during sampling (nothing of this step has been applied), RewardFunctionError
         when the reward function fails on every try."""
-        self._share_cpu()
         p, t0 = self.params, time.perf_counter()
         seed = step_seed(p.seed, step)
         torch.manual_seed(seed)

@@ -12,7 +12,7 @@ says `stopped`, and the supervisor makes that checkpoint durable.
 
 Events, in the order they happen (each a JSON object with "event" and these fields):
 
-    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize
+    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize, cpuThreads
     phase      phase: BaselineEval | Training | FinalEval
     evalBatch  kind (baseline | final), batch, rewards {reward name: scores}   (each batch as it is finished)
     eval       kind, result {meanReward, rewards, tasks, solved, batches, reusedBatches}, noSignal
@@ -129,7 +129,6 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         if prepare is not None:
             prepare(trainer)
         checkpoints.attach(trainer)
-        trainer.writer_busy = checkpoints.writing
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
         if plan.baseline:
@@ -141,7 +140,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         start = checkpoints.load_latest()
         device = trainer.device
         events.emit("started", step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
-                    microBatchSize=trainer.micro_batch_size)
+                    microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads)
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 

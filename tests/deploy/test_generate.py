@@ -36,7 +36,7 @@ def cloud_config_errors(text: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_the_generated_unit_passes_systemd_analyze_verify(tmp_path, capsys):
     # installed where this checkout is, so the ExecStart binary exists as verify requires
-    unit = printed(capsys, "systemd", "--storage", "s3://bucket/grpo", "--prefix", str(REPO))
+    unit = printed(capsys, "systemd", "--prefix", str(REPO))
     path = tmp_path / "grpo-run-resume.service"
     path.write_text(unit)
     proc = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
@@ -100,8 +100,11 @@ def test_the_iam_policy_reaches_the_jobs_prefix_only():
         iam_policy("/local/folder")
 
 
-def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved():
-    assert systemd_unit(NodeSettings(storage="s3://b/p")) == (REPO / "deploy" / "grpo-run-resume.service").read_text()
+def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved(capsys):
+    unit = printed(capsys, "systemd", "--prefix", "/srv/grpo")
+    own = (REPO / "deploy" / "grpo-run-resume.service").read_text()
+    assert unit == own.replace("/opt/grpo-run", "/srv/grpo") and unit != own
+    assert "ExecStart=/srv/grpo/.venv/bin/grpo-run resume" in unit and systemd_unit() == own
 
 
 @pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])      # podFailurePolicy is GA since 1.31

@@ -172,4 +172,26 @@ def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_ch
     assert get_json(capsys, "shared-cpu")["status"]["phase"] == "Succeeded"
     assert main(["logs", "shared-cpu"]) == EXIT_OK
     assert f"CPU threads: {pool} (1 trainer on this node share {pool})" in capsys.readouterr().out
+    from state.record import Record
+
+    with Record(tmp_path / "grpo-run-home" / "runs" / "shared-cpu" / "state.db") as record:
+        assert record.value("cpuThreads") == int(pool)          # kept for the run's later attempts
     assert not list((tmp_path / f"grpo-run-{os.getuid()}" / "trainers").glob("*.lock"))   # unregistered at the end
+
+
+def test_a_restarted_trainer_runs_with_the_thread_count_the_first_one_took(tmp_path, caplog, monkeypatch):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="runner")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("GRPO_RUN_FAULT", "backward@3/trainer")            # the trainer alone dies once
+    monkeypatch.setenv("GRPO_RUN_FAULT_MARKER", str(tmp_path / "fired"))
+    job = write_job(tmp_path, name="kept-threads")
+    assert main(["apply", "-f", str(job)]) == EXIT_OK
+    from state.record import Record
+
+    with Record(tmp_path / "grpo-run-home" / "runs" / "kept-threads" / "state.db") as record:
+        kept = record.value("cpuThreads")
+    assert (tmp_path / "fired").exists()                                     # the trainer did die once
+    assert kept and f"trainer threads: {kept}, as the run's first trainer took" in caplog.text

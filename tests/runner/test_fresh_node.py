@@ -32,7 +32,7 @@ def node_command(settings: NodeSettings, node: Path) -> tuple[list[str], dict[st
     (content,) = [f["content"] for f in doc["write_files"] if f["path"] == ENV_FILE]
     env_file = dict(line.split("=", 1) for line in content.splitlines()
                     if line and not line.startswith("#") and not line.endswith("="))
-    unit = systemd_unit(settings).splitlines()
+    unit = systemd_unit(settings.prefix).splitlines()
     env = {"PATH": os.environ["PATH"], "HOME": str(node), "LANG": "C.UTF-8"}
     for line in unit:
         if line.startswith("Environment="):

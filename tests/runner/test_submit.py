@@ -89,3 +89,10 @@ def test_detach_refuses_a_bad_job_file_and_writes_nothing(tmp_path):
     proc = grpo_run(tmp_path / "laptop", "apply", "-f", str(job), "--detach", check=False)
     assert proc.returncode == 2 and "numGenerations" in proc.stderr
     assert not storage.exists() or not any(storage.rglob("*"))
+
+
+def test_detach_refuses_a_job_without_storage_a_node_could_reach(tmp_path):
+    job = write_job(tmp_path)                                   # no spec.storage: this machine's own store
+    proc = grpo_run(tmp_path / "laptop", "apply", "-f", str(job), "--detach", check=False)
+    assert proc.returncode == 2 and "spec.storage is not set" in proc.stderr
+    assert not (tmp_path / "laptop" / "store").exists() and not (tmp_path / "laptop" / "submitted").exists()

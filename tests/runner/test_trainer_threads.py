@@ -16,3 +16,9 @@ def test_on_a_bigger_node_one_core_is_left_to_the_rest_of_the_job():
 def test_a_users_own_thread_settings_are_kept_and_nothing_is_shared():
     assert trainer_threads(16, {"OMP_NUM_THREADS": "4"}) == {}
     assert "GOMP_SPINCOUNT" not in trainer_threads(16, {"OMP_WAIT_POLICY": "PASSIVE"})
+
+
+def test_a_later_attempt_runs_with_the_count_the_first_one_took():
+    assert trainer_threads(2, {}, kept=1) == {"OMP_NUM_THREADS": "1"}
+    assert trainer_threads(16, {}, kept=8) == {"OMP_NUM_THREADS": "8", "GOMP_SPINCOUNT": str(SPIN_ROUNDS)}
+    assert trainer_threads(16, {"OMP_NUM_THREADS": "4"}, kept=8) == {}

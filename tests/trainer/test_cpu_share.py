@@ -1,5 +1,5 @@
-"""Trainers on one node share its threads: alone the whole pool, side by side a part each, and a
-dead trainer's share comes back."""
+"""Trainers on one node share its threads: alone the whole pool, beside others a part, decided
+once per trainer; a dead trainer's registration goes with it."""
 
 import os
 import signal
@@ -11,14 +11,6 @@ import pytest
 import torch
 
 from trainer.threads import CpuShare
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 @pytest.fixture
@@ -44,31 +36,37 @@ def other_trainer(folder):
     return proc
 
 
-def test_alone_a_trainer_runs_the_whole_pool_and_side_by_side_half(tmp_path, restore_threads):
-    clock = Clock()
-    share = CpuShare(2, tmp_path, clock=clock)
+def test_alone_a_trainer_takes_the_whole_pool_and_beside_another_half_which_it_keeps(tmp_path, restore_threads):
+    alone = CpuShare(2, tmp_path)
     try:
-        assert share.adjust() == 2 and torch.get_num_threads() == 2
+        assert alone.take() == 2 and torch.get_num_threads() == 2
         other = other_trainer(tmp_path)
         try:
-            assert share.adjust() == 2                 # counted at most once a second
-            clock.now += 1.0
-            assert share.adjust() == 1 and torch.get_num_threads() == 1
+            assert alone.take() == 2                   # decided once: a run keeps its arithmetic
+            second = CpuShare(2, tmp_path)
+            try:
+                assert second.take() == 1              # a trainer that starts beside two others
+            finally:
+                second.close()
         finally:
             other.send_signal(signal.SIGKILL)
             other.wait()
-        clock.now += 1.0
-        assert share.adjust() == 2                     # the killed trainer's lock went with it
-        assert [p.name for p in tmp_path.glob("*.lock")] == [share.path.name]
+        assert alone.take() == 2
+        third = CpuShare(2, tmp_path)
+        try:
+            assert third.take() == 1                   # the killed trainer's lock went with it: two left
+            assert sorted(p.name for p in tmp_path.glob("*.lock")) == sorted([alone.path.name, third.path.name])
+        finally:
+            third.close()
     finally:
-        share.close()
+        alone.close()
     assert not list(tmp_path.glob("*.lock"))
 
 
 def test_a_share_is_never_below_one_thread(tmp_path, restore_threads):
     shares = [CpuShare(2, tmp_path) for _ in range(3)]
     try:
-        assert [s.adjust() for s in shares] == [1, 1, 1]
+        assert [s.take() for s in shares] == [1, 1, 1]
     finally:
         for s in shares:
             s.close()

@@ -85,6 +85,25 @@ def test_logits_are_bit_identical_at_every_position_unpadded_and_padded():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("rows", [[[7]], [[7, 8, 9]], [[7], [8]], [[5, 6], [7, 8, 9]]])
+def test_fewer_distinct_prompts_than_a_matrix_kernel_takes_still_decode_bit_identically(rows, monkeypatch):
+    # a group of 8 completions of one to two short prompts: fewer than 4 distinct rows to prefill
+    model = with_lora(lm("qwen3", head_dim=8, hidden_size=64, intermediate_size=128))
+    width = max(map(len, rows))
+    rows = [r for r in rows for _ in range(8 // len(rows))]
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
+    running = torch.ones(ids.size(0), dtype=torch.bool)
+    with torch.no_grad():
+        a, b = fast.start(ids, mask, 4), slow.start(ids, mask, 4)
+        for _ in range(4):
+            assert torch.equal(a, b)
+            nxt = a.argmax(-1)
+            a, b = fast.step(nxt, running), slow.step(nxt, running)
+        assert torch.equal(a, b)
+
+
 def test_a_group_is_prefilled_once(monkeypatch):
     model = lm("qwen3", head_dim=8)
     seen = []
