@@ -148,7 +148,11 @@ class SeaweedS3:
                  f"-filer.port={p + 3}", f"-admin.port={p + 4}",
                  "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
                  "-s3.autoCreateBucket=false", "-master.telemetry=false",
-                 "-volume.preStopSeconds=0"],
+                 "-volume.preStopSeconds=0",
+                 # every test's bucket is a collection that grows several volumes of its own; the
+                 # default cap (free disk / volume size) ran out near the end of the suite
+                 # ("failed to find writable volumes"): sparse volumes, more of them
+                 "-volume.max=2000", "-master.volumeSizeLimitMB=64"],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
             log.close()
