@@ -134,6 +134,11 @@ class Supervisor:
         self._fingerprints: dict[str, str] = {}
         self._attempt_events: dict[str, Any] = {}  # this attempt's `stopped`, `failed`, `final` events
         self._sealed: set[int] = set()             # checkpoints this attempt's trainer sealed (and we submitted)
+        # A rebalance recommendation that came before the trainer's first event waits for it:
+        # SIGUSR1 before the trainer's handler is installed would kill it (the default action).
+        self._signal_lock = threading.Lock()
+        self._trainer_listens = False
+        self._checkpoint_asked = False
         self.books: Books | None = None
         self.uploads: Uploader | None = None
 
@@ -385,6 +390,8 @@ class Supervisor:
         env.update(threads)
         self._attempt_events, self._sealed = {}, set()
         self._child_done.clear()
+        with self._signal_lock:
+            self._trainer_listens = False
         try:
             # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
             self._child = subprocess.Popen([sys.executable, "-m", "trainer.child", str(plan_path)], env=env,
@@ -408,6 +415,8 @@ class Supervisor:
 
     def _on_event(self, ev: dict[str, Any]) -> None:
         books, kind = self.books, ev["event"]
+        if not self._trainer_listens:      # it installs its signal handlers before its first event
+            self._trainer_started()
         if kind == "step":
             books.log_step(ev["step"], ev["metrics"])
             books.sync_soon()
@@ -434,8 +443,22 @@ class Supervisor:
 
     def _request_checkpoint(self, notice) -> None:
         log.info("rebalance recommendation from %s: checkpointing early", notice.source)
-        if self._child is not None and self._child.poll() is None:
+        with self._signal_lock:
+            self._checkpoint_asked = True
+            self._deliver_checkpoint_request()
+
+    def _trainer_started(self) -> None:
+        with self._signal_lock:
+            self._trainer_listens = True
+            self._deliver_checkpoint_request()
+
+    def _deliver_checkpoint_request(self) -> None:
+        """SIGUSR1 to a trainer that has its handler installed (it sent an event); a request
+        made before that is kept until it has. Called with _signal_lock held."""
+        if self._checkpoint_asked and self._trainer_listens and self._child is not None \
+                and self._child.poll() is None:
             self._child.send_signal(signal.SIGUSR1)
+            self._checkpoint_asked = False
 
     def _lease_lost(self, lost: LeaseLost) -> None:
         """Another node took the job over: a stale holder must not write another byte."""
