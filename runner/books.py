@@ -110,11 +110,11 @@ class Books:
             if a["ended"] is None:
                 self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
 
-    def start_attempt(self, node: str) -> int:
+    def start_attempt(self, node: str, from_step: int | None = None) -> int:
         ledger = self.record.value("ledger", {}) or {}
         self._earlier_usd = sum(v["usd"] for v in ledger.values())
         self._t0 = time.monotonic()
-        self.attempt = self.record.start_attempt(node)
+        self.attempt = self.record.start_attempt(node, from_step)
         self.write_ledger()
         self.sync(wait=True)
         return self.attempt

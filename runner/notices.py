@@ -158,6 +158,10 @@ class NoticeMonitor:
                     self._notice = notice
             if first:
                 logger.warning("preemption notice from %s: %s", notice.source, notice.detail)
+            else:     # one stop is under way already: it is not started again, nor cut short
+                logger.warning("another preemption notice from %s (%s) while the first, from %s, is "
+                               "handled: the stop under way goes on", notice.source, notice.detail,
+                               self._notice.source)
             self.preempt.set()  # after recording, so whoever wakes on it finds the notice
             return
         logger.info("rebalance notice from %s: %s", notice.source, notice.detail)

@@ -20,6 +20,7 @@ The trainer (`python -m trainer.child`) trains from the local folder and reports
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -156,7 +157,7 @@ class Supervisor:
         # that the lease is still ours right before it starts: a stale holder writes nothing.
         self.store = FencedStore(self.store, lease)
         if faults.wanted():
-            faults.arm_uploads(self.store)
+            faults.arm_uploads(self.store, stop=self.preempt)
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
@@ -216,8 +217,21 @@ class Supervisor:
         try:
             start = self._restore()
         except StorageUnavailable as e:
-            raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None
-        books.start_attempt(node_name())
+            if self.preempt.is_set():     # the notice stopped the download's retries: not an outage
+                start = None
+            else:
+                raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None
+        if self.preempt.is_set():         # a notice while restoring: no trainer is started to be stopped
+            source = _source(monitor)
+            since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
+                if monitor.notice else 0.0
+            self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(since, 3),
+                                                       "durableStep": self._durable})
+            self._end(Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
+                                                    f"step {self._durable} stays durable")
+            return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=source, durable_step=self._durable,
+                                    restarts=restarts)
+        books.start_attempt(node_name(), from_step=start)
         if start:
             books.record.set_value("resumedFrom", start)
         self._start_child(self._plan(start))
@@ -285,7 +299,8 @@ class Supervisor:
             log.error("the trainer did not stop within %.0f s; killing it", self.notice_window_s)
             self._child.kill()
             self._child_done.wait()
-        durable = self._wait_durable()
+        # inside the window even when the store stalls: the rest of it, at least a few seconds
+        durable = self._wait_durable(timeout=max(5.0, self.notice_window_s - (time.monotonic() - notice_at)))
         elapsed = time.monotonic() - notice_at
         self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(elapsed, 3),
                                                    "durableStep": durable})
@@ -346,14 +361,18 @@ class Supervisor:
         self._durable = max(self._durable, *new)
         self.books.sync_soon()
 
-    def _wait_durable(self) -> int:
+    def _wait_durable(self, timeout: float | None = None) -> int:
         """The newest sealed local checkpoint made durable; its step (or the newest durable one
-        when that upload fails). A checkpoint the trainer sealed but could not report (it was
-        killed) is uploaded too, its manifest trusted: nothing is hashed inside a notice window."""
+        when that upload fails or outlasts `timeout`: what is reported durable is only what is).
+        A checkpoint the trainer sealed but could not report (it was killed) is uploaded too, its
+        manifest trusted: nothing is hashed inside a notice window."""
         found = newest_sealed(self.work / "checkpoints")
         if found is not None and found[0] > self._durable and found[0] not in self._sealed:
             self.uploads.submit(found[1], found[2])
-        self.uploads.wait()
+        if not self.uploads.wait(timeout) and timeout is not None:
+            log.error("the newest checkpoint was not made durable within %.0f s (a stalled or failing "
+                      "store?); step %d is the newest durable one", timeout,
+                      max(self._durable, *self.uploads.durable_steps(), 0))
         self._note_durable(self.uploads.durable_steps())
         return self._durable
 
@@ -407,6 +426,8 @@ class Supervisor:
             for line in lines:
                 try:
                     self._on_event(json.loads(line))
+                except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
+                    log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
                 except Exception:   # a bad line or a record error must not stop the reading
                     log.exception("could not handle the trainer's event %s", line.strip()[:200])
         proc.wait()

@@ -119,6 +119,12 @@ MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
             value TEXT NOT NULL,
             updated TEXT NOT NULL)""",
     )),
+    # where each attempt started (the checkpoint's step, 0 for none) and the last step it
+    # completed: the steps a kill or a notice cost are the gap to the next attempt's start
+    ("0002_attempt_steps", (
+        "ALTER TABLE attempts ADD COLUMN from_step INTEGER",
+        "ALTER TABLE attempts ADD COLUMN to_step INTEGER",
+    )),
 )
 
 
@@ -209,12 +215,13 @@ class Record:
 
     # --- attempts ------------------------------------------------------------------------------
 
-    def start_attempt(self, node: str) -> int:
-        """A new attempt on `node` (a host or instance name); its id."""
+    def start_attempt(self, node: str, from_step: int | None = None) -> int:
+        """A new attempt on `node` (a host or instance name) continuing from the checkpoint at
+        `from_step` (0: from the start); its id."""
         with self._write():
             return self.db["attempts"].insert(
                 {"node": node, "started": utc_now(), "ended": None, "reason": None,
-                 "message": ""}).last_pk
+                 "message": "", "from_step": from_step}).last_pk
 
     def end_attempt(self, attempt_id: int, reason: str, message: str = "") -> None:
         """Close an attempt with a reason: "Succeeded", "Preempted", "Failed", "Crashed",
@@ -230,12 +237,18 @@ class Record:
                 if rows[0]["reason"] == reason:
                     return
                 raise ValueError(f"attempt {attempt_id} already ended as {rows[0]['reason']}")
+            # the newest step logged since it started: a later attempt has not logged any yet
+            (to_step,), = self._conn.execute("SELECT MAX(step) FROM steps WHERE logged >= ?",
+                                             [rows[0]["started"]]).fetchall()
+            if to_step is None:
+                to_step = rows[0]["from_step"]
             self.db["attempts"].update(attempt_id, {"ended": utc_now(), "reason": reason,
-                                                    "message": message})
+                                                    "message": message, "to_step": to_step})
 
     def attempts(self) -> list[dict]:
-        """{"id", "node", "started", "ended", "reason", "message"} oldest first; an attempt still
-        running (or killed without a word) has ended and reason None."""
+        """{"id", "node", "started", "ended", "reason", "message", "from_step", "to_step"} oldest
+        first; an attempt still running (or killed without a word) has ended, reason and
+        to_step None; from_step None for one recorded before grpo-run kept it."""
         with self._lock:
             return [dict(r) for r in self.db["attempts"].rows_where(order_by="id")]
 

@@ -268,3 +268,30 @@ def pytest_terminal_summary(terminalreporter):
     if _STARTUP_TIMES:
         times = ", ".join(f"{t:.2f}s" for t in _STARTUP_TIMES)
         terminalreporter.write_line(f"SeaweedFS startup (until a signed PUT succeeds): {times}")
+
+
+# --- reliability figures ------------------------------------------------------------------------
+
+FIGURES_ENV = "GRPO_RUN_FIGURES"     # scripts/reliability sets it: a JSON-lines file to append to
+
+
+class Figures:
+    """What a fault-injection test measured, for docs/reliability.md (scripts/reliability).
+
+    `figures.add("kills", target="trainer", redone=2)` appends one JSON line, tagged with the
+    test's id, to the file GRPO_RUN_FIGURES names; without it (every other run of the suite)
+    nothing is written. The assertions, not these lines, decide whether a test passes."""
+
+    def __init__(self, test_id: str) -> None:
+        self.test_id = test_id
+        self.path = os.environ.get(FIGURES_ENV)
+
+    def add(self, kind: str, **values) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"kind": kind, "test": self.test_id, **values}) + "\n")
+
+
+@pytest.fixture
+def figures(request) -> Figures:
+    return Figures(request.node.nodeid)

@@ -1,21 +1,31 @@
-"""Fault injection for the kill tests, armed from the processes' entry points only when
-`GRPO_RUN_FAULT=POINT@STEP` is set: production code has no calls to skip.
+"""Fault injection for the kill and notice tests, armed from the processes' entry points only
+when `GRPO_RUN_FAULT=[hold:]POINT@STEP[/trainer]` is set: production code has no calls to skip.
 
     sample@K     between two tokens of step K's sampling (0-based), in the trainer
     backward@K   after step K's backward pass, before the optimizer applies it, in the trainer
     upload@K     after the first file of checkpoint K is in object storage, before its manifest,
                  in the supervisor (which uploads)
+    restore@K    after the first file of checkpoint K came down from object storage, before the
+                 trainer starts, in the supervisor (which restores)
 
 Each hard-kills the node — the supervisor and the trainer, SIGKILL, no handler, no flush (the
 trainer and its checkpoint writer die with the supervisor: PR_SET_PDEATHSIG). `POINT@K/trainer`
-kills the trainer process alone (a crash the supervisor should restart from). A fault fires
-once: a marker file named by GRPO_RUN_FAULT_MARKER remembers it.
+kills the trainer process alone (a crash the supervisor should restart from).
+
+`hold:POINT@K` kills nothing: the process stops right there until it is asked to stop (the
+trainer's stop request, the supervisor's preemption notice), then carries on as it would have.
+A test waits for the marker file, sends its notice, and so knows the notice landed in the middle
+of that very moment (during sampling, the backward pass, an upload or a restore).
+
+A fault fires once: the marker file named by GRPO_RUN_FAULT_MARKER remembers it (for a hold, it
+says the hold was reached).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,12 +33,15 @@ from checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
+POINTS = ("sample", "backward", "upload", "restore")
+HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
 
 
 class Fault(NamedTuple):
-    point: str        # sample | backward | upload
+    point: str        # sample | backward | upload | restore
     step: int
     trainer_only: bool
+    hold: bool = False
 
 
 def wanted() -> Fault | None:
@@ -36,11 +49,13 @@ def wanted() -> Fault | None:
     raw = os.environ.get(FAULT_ENV)
     if not raw:
         return None
-    where, _, scope = raw.partition("/")
+    hold = raw.startswith("hold:")
+    where, _, scope = raw.removeprefix("hold:").partition("/")
     point, _, step = where.partition("@")
-    if point not in ("sample", "backward", "upload") or not step.isdigit() or scope not in ("", "trainer"):
-        raise ValueError(f"{FAULT_ENV}={raw!r}: expected POINT@STEP[/trainer], POINT one of sample, backward, upload")
-    return Fault(point, int(step), scope == "trainer")
+    if point not in POINTS or not step.isdigit() or scope not in ("", "trainer") or (hold and scope):
+        raise ValueError(f"{FAULT_ENV}={raw!r}: expected [hold:]POINT@STEP[/trainer], POINT one of "
+                         f"{', '.join(POINTS)}")
+    return Fault(point, int(step), scope == "trainer", hold)
 
 
 def arm_trainer(trainer: Any) -> None:
@@ -56,35 +71,39 @@ def arm_trainer(trainer: Any) -> None:
         return train_step(step, *args, **kwargs)
 
     trainer.train_step = tracked
+    stop = trainer.stop
     if fault.point == "sample":
-        trainer.stop = _Tripwire(trainer.stop, lambda: current[0] == fault.step, fault)
+        trainer.stop = _Tripwire(stop, lambda: current[0] == fault.step, fault)
     else:
         optimizer_step = trainer.optimizer.step
 
         def step_then(*args: Any, **kwargs: Any) -> Any:
             if current[0] == fault.step:
-                _fire(fault, parent_is_supervisor=True)
+                _fire(fault, parent_is_supervisor=True, stop=stop)
             return optimizer_step(*args, **kwargs)
 
         trainer.optimizer.step = step_then
 
 
-def arm_uploads(store: Any) -> None:
-    """Wrap a Store's put_file so the wanted `upload` fault fires after the first file of that
-    checkpoint went up (in the supervisor: the node dies with it)."""
+def arm_uploads(store: Any, stop: threading.Event | None = None) -> None:
+    """Wrap a Store's put_file (`upload`: after the first file of that checkpoint went up) or
+    get_file (`restore`: after the first file of it came down) so the wanted fault fires in the
+    supervisor; a hold there waits for `stop` (the preemption notice)."""
     fault = wanted()
-    if fault is None or fault.point != "upload":
+    if fault is None or fault.point not in ("upload", "restore"):
         return
-    put_file = store.put_file
     prefix = f"checkpoints/{checkpoint_name(fault.step)}/"
+    name = "put_file" if fault.point == "upload" else "get_file"
+    transfer = getattr(store, name)
 
-    def put_then(local: Any, key: str, *args: Any, **kwargs: Any) -> Any:
-        result = put_file(local, key, *args, **kwargs)
+    def transfer_then(*args: Any, **kwargs: Any) -> Any:
+        result = transfer(*args, **kwargs)
+        key = args[1] if fault.point == "upload" else args[0]
         if key.startswith(prefix) and not key.endswith(MANIFEST_NAME):
-            _fire(fault, parent_is_supervisor=False)
+            _fire(fault, parent_is_supervisor=False, stop=stop)
         return result
 
-    store.put_file = put_then
+    setattr(store, name, transfer_then)
 
 
 class _Tripwire:
@@ -95,19 +114,24 @@ class _Tripwire:
 
     def is_set(self) -> bool:
         if self._armed():
-            _fire(self._fault, parent_is_supervisor=True)
+            _fire(self._fault, parent_is_supervisor=True, stop=self._event)
         return self._event.is_set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._event, name)
 
 
-def _fire(fault: Fault, *, parent_is_supervisor: bool) -> None:
+def _fire(fault: Fault, *, parent_is_supervisor: bool, stop: Any = None) -> None:
     marker = os.environ.get(MARKER_ENV)
     if marker:
         if Path(marker).exists():
             return
         Path(marker).write_text(os.environ.get(FAULT_ENV, ""))
+    if fault.hold:
+        if stop is None:
+            raise RuntimeError(f"{FAULT_ENV}: a hold at {fault.point} has no stop request to wait for")
+        stop.wait(HOLD_LIMIT_S)       # the notice arrived in the middle of this moment: carry on
+        return
     if parent_is_supervisor and not fault.trainer_only:
         os.kill(os.getppid(), signal.SIGKILL)         # the node: the supervisor first
     os.kill(os.getpid(), signal.SIGKILL)

@@ -2,12 +2,14 @@
 
 The trainer never grades itself. A worker process (`trainer.grader_worker`, started and spoken
 to through `trainer.grader_process`) imports the reward function once and then scores one batch
-per request, with no network, a memory limit and a time limit per completion. A reward function
-that raises, hangs, returns something that is not a finite number, or kills its process is an
-infrastructure failure: it is retried (the worker is restarted when it died or hung) and, if it
-keeps failing, `Grader.score` raises `RewardFunctionError` carrying the function's own error. It
-is never recorded as a reward of 0, which would silently teach the policy that the completion
-was wrong.
+per request, with no network, writes only in a scratch directory of its own, a memory limit and
+a time limit per completion. A reward function that raises, hangs, returns something that is not
+a finite number, or kills its process is an infrastructure failure: it is retried (the worker is
+restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
+`RewardFunctionError` carrying the function's own error. One that does what the sandbox refuses
+(writes outside its scratch directory, os.fork()) fails at once, saying what was refused. It is
+never recorded as a reward of 0, which would silently teach the policy that the completion was
+wrong. What it prints reaches the trainer's stderr, up to 1 MiB per worker.
 
     with Grader("my_env.rewards:exact_match", timeout_s=5) as grader:
         rewards = grader.score(completions, tasks)      # [B*G] floats, one round trip
@@ -16,6 +18,7 @@ was wrong.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -30,22 +33,29 @@ from trainer.grader_process import WorkerGone, WorkerOverdue, WorkerProcess
 
 _IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
+log = logging.getLogger(__name__)
+
 NetworkSandbox = Literal["auto", "netns", "python"]
-FailureKind = Literal["exception", "timeout", "invalid", "hung", "crashed"]
+FilesystemSandbox = Literal["auto", "landlock", "python"]
+FailureKind = Literal["exception", "timeout", "invalid", "refused", "hung", "crashed"]
 
 
 class RewardFunctionError(RuntimeError):
     """The user's reward function failed (raised, hung, returned a non-number, or killed its process)
-    on every try. str() names the function ref and gives its own error.
+    on every try, or did what the sandbox refuses. str() names the function ref and gives its own
+    error.
 
     Also raised at once, without retries, when the ref cannot be loaded (malformed, module or file
     not found, no such function, the module's top level raised).
     """
 
-    def __init__(self, message: str, *, ref: str | None = None, index: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, ref: str | None = None, index: int | None = None, kind: FailureKind | None = None
+    ) -> None:
         super().__init__(message)
         self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
         self.index = index  # which completion of the batch failed; None for load failures
+        self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,11 @@ class Grader:
     network: "auto" makes an empty network namespace when the kernel allows and otherwise blocks
         sockets inside Python; "netns" insists on the namespace; "python" never tries it.
         `Grader.sandbox` says which is in force.
+    filesystem: the reward function (and every program it runs) may write only in its scratch
+        directory, which is its working directory and $TMPDIR and is removed with the worker.
+        "auto" enforces that with Landlock when the kernel has it and otherwise refuses only
+        writes made through Python (a warning says so); "landlock" insists on Landlock; "python"
+        never tries it. `Grader.filesystem` says which is in force.
     load_timeout_s: how long importing the reward module may take.
 
     Raises RewardFunctionError at once when the ref cannot be loaded, ValueError for bad settings.
@@ -85,6 +100,7 @@ class Grader:
         memory_mb: int = 2048,
         retries: int = 2,
         network: NetworkSandbox = "auto",
+        filesystem: FilesystemSandbox = "auto",
         kill_grace_s: float = 2.0,
         load_timeout_s: float = 60.0,
         retry_wait_s: float = 0.05,
@@ -107,6 +123,8 @@ class Grader:
             problems.append(f"retry_wait_s: must be >= 0 (got {retry_wait_s})")
         if network not in get_args(NetworkSandbox):
             problems.append(f"network: must be 'auto', 'netns' or 'python' (got {network!r})")
+        if filesystem not in get_args(FilesystemSandbox):
+            problems.append(f"filesystem: must be 'auto', 'landlock' or 'python' (got {filesystem!r})")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -117,6 +135,7 @@ class Grader:
         self._ref = _resolve_ref(reward_ref)
         self._search_path = [os.path.abspath(p) for p in search_path]
         self._network = network
+        self._filesystem_setting = filesystem
         self._kill_grace_s = kill_grace_s
         self._load_timeout_s = load_timeout_s
         self._retry_wait_s = retry_wait_s
@@ -125,6 +144,7 @@ class Grader:
         self._closed = False
         self._worker: WorkerProcess | None = None
         self._sandbox = ""
+        self._filesystem = ""
         # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
         self._worker = self._start_worker()
 
@@ -134,6 +154,12 @@ class Grader:
     def sandbox(self) -> str:
         """The network isolation in force: "netns" (no network interfaces at all) or "python"."""
         return self._sandbox
+
+    @property
+    def filesystem(self) -> str:
+        """The write confinement in force: "landlock" (in the kernel, for every process the reward
+        function starts too) or "python" (only writes made through Python are refused)."""
+        return self._filesystem
 
     @property
     def worker_pid(self) -> int | None:
@@ -166,7 +192,7 @@ class Grader:
                         continue
                     failed = True
                     tries[i] += 1
-                    if tries[i] > self.retries:
+                    if tries[i] > self.retries or outcome.kind == "refused":  # a retry is refused again
                         raise self._give_up(i, len(items), tries[i], outcome)
                 if failed and self._retry_wait_s:
                     self._sleep(self._retry_wait_s)
@@ -212,6 +238,7 @@ class Grader:
                 "timeout_s": self.timeout_s,
                 "memory_mb": self.memory_mb,
                 "network": self._network,
+                "filesystem": self._filesystem_setting,
             }
         )
         try:
@@ -226,10 +253,19 @@ class Grader:
             )
             worker.release()
             raise RewardFunctionError(
-                f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref
+                f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref, kind="hung"
             ) from None
         if hello.get("type") == "ready":
+            if hello["filesystem"] != "landlock" and not self._filesystem:  # once, not per restart
+                log.warning(
+                    "the grader cannot keep reward function %r's writes in its scratch directory at the "
+                    "kernel level (%s): only writes made through Python are refused, not those of the "
+                    "programs it runs or of C code",
+                    self.reward_ref,
+                    hello["filesystem_why"],
+                )
             self._sandbox = hello["sandbox"]
+            self._filesystem = hello["filesystem"]
             return worker
         worker.kill()
         detail = hello.get("error") or (
@@ -238,7 +274,9 @@ class Grader:
         )
         worker.release()
         raise RewardFunctionError(
-            f"cannot load reward function {self.reward_ref!r}:\n{detail}", ref=self.reward_ref
+            f"cannot load reward function {self.reward_ref!r}:\n{detail}",
+            ref=self.reward_ref,
+            kind=hello.get("kind", "exception") if "error" in hello else "crashed",
         )
 
     def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | _Failure]:
@@ -293,6 +331,14 @@ class Grader:
         return _Failure(kind, detail)
 
     def _give_up(self, index: int, total: int, tries: int, failure: _Failure) -> RewardFunctionError:
+        if failure.kind == "refused":
+            return RewardFunctionError(
+                f"reward function {self.reward_ref!r} did what the grader refuses, on completion "
+                f"{index} of {total} (not retried: it would be refused again):\n{failure.detail.rstrip()}",
+                ref=self.reward_ref,
+                index=index,
+                kind=failure.kind,
+            )
         what = {
             "exception": "raised",
             "timeout": "timed out",
@@ -311,6 +357,7 @@ class Grader:
             f"{on_tries} (retries={self.retries}); the last error:\n{detail.rstrip()}",
             ref=self.reward_ref,
             index=index,
+            kind=failure.kind,
         )
 
 

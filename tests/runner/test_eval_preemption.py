@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from test_resume import grpo_run, status
-from test_supervisor import start_apply
+from tests.runner.test_resume import grpo_run, status
+from tests.runner.test_supervisor import start_apply
 
 STEPS = 2
 EVAL_TASKS, EVAL_BATCH = 120, 2

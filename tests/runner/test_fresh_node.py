@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from runner.deploy import NodeSettings, cloud_init, systemd_unit
-from test_resume import REPO, STEPS, exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
+from tests.runner.test_resume import REPO, STEPS, exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 ENV_FILE = "/etc/grpo-run/env"
 

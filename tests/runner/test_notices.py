@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from emulators import (  # tests/emulators.py; tests/ is on sys.path via tests/conftest.py
+from tests.emulators import (
     AwsImdsEmulator,
     AzureScheduledEventsEmulator,
     GcpMetadataEmulator,

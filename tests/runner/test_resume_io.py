@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_resume import STEPS, grpo_run, write_job
+from tests.runner.test_resume import STEPS, grpo_run, write_job
 
 
 @pytest.fixture

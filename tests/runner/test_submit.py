@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from test_resume import REPO, exported_bytes, grpo_run, write_job
+from tests.runner.test_resume import REPO, exported_bytes, grpo_run, write_job
 
 
 def get(home: Path, *extra) -> dict:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
-from test_resume import grpo_run, status, write_job
+from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
+from tests.runner.test_resume import grpo_run, status, write_job
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
@@ -88,7 +88,7 @@ def test_sigterm_to_the_supervisor_is_a_notice_too(tmp_path, s3_env):
 
 
 def test_a_crashed_trainer_is_restarted_and_the_run_still_ends_byte_identical(tmp_path):
-    from test_resume import exported_bytes
+    from tests.runner.test_resume import exported_bytes
 
     reference = tmp_path / "reference"
     reference.mkdir()

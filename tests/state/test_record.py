@@ -153,6 +153,22 @@ def test_attempts_record_where_and_how_each_ended(record):
     assert attempts[1]["ended"] is None
 
 
+def test_an_attempt_keeps_the_step_it_started_from_and_the_last_one_it_completed(record):
+    first = record.start_attempt("node-a", from_step=0)
+    for step in range(1, 8):
+        record.log_step(step, {"loss": 1.0})
+    # killed without a word after step 7; the next node closes it before starting its own
+    record.end_attempt(first, "Crashed", "the node stopped without a word")
+    second = record.start_attempt("node-b", from_step=4)          # steps 5, 6 and 7 are redone
+    for step in range(5, 9):
+        record.log_step(step, {"loss": 0.5})
+    record.end_attempt(second, "Preempted")
+    third = record.start_attempt("node-c", from_step=8)
+    record.end_attempt(third, "Preempted")                          # ended before any step
+
+    assert [(a["from_step"], a["to_step"]) for a in record.attempts()] == [(0, 7), (4, 8), (8, 8)]
+
+
 def test_an_attempt_ends_once(record):
     attempt = record.start_attempt("node-a")
     record.end_attempt(attempt, "Preempted")

@@ -1,10 +1,17 @@
-"""The sandboxed grader: rewards come back, and every way a reward function can fail is reported
-as RewardFunctionError with its own error, never as a reward of 0."""
+"""The sandboxed grader: rewards come back, and every way a reward function can fail or misbehave
+is reported as RewardFunctionError with its own error (or refused, or cut short), never as a
+reward of 0.
+
+The fault tests (`-m fault`) record what became of each fault with the `figures` fixture."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import select
 import socket
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -12,8 +19,10 @@ import pytest
 
 from trainer.grader import Grader, RewardFunctionError
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+
 REWARDS = '''
-import os, signal, sys, time
+import os, signal, subprocess, sys, time
 from pathlib import Path
 
 def length(completion, task):
@@ -74,14 +83,87 @@ def socket_module():
     import socket
     return socket
 
-def fails_once(completion, task):
-    marker = Path(task["marker"])
-    if not marker.exists():
-        marker.write_text("failed once")
+def fails_until_marked(completion, task):
+    if not Path(task["marker"]).exists():  # made by the test: the function may not write there
         if task["how"] == "crash":
             os._exit(1)
         raise RuntimeError("flaky")
     return 1.0
+
+def writes(completion, task):
+    Path(task["path"]).write_text("the reward function wrote here")
+    return 1.0
+
+def removes(completion, task):
+    os.remove(task["path"])
+    return 1.0
+
+def writes_where_it_may(completion, task):
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", delete=False) as f:
+        f.write("in $TMPDIR")
+    Path("relative.txt").write_text("in the working directory")
+    os.makedirs("folder/inside", exist_ok=True)
+    with open(os.devnull, "w") as null:
+        null.write("nothing")
+    return float(Path(f.name).parent == Path.cwd())
+
+def runs_a_program(completion, task):
+    done = subprocess.run(["sh", "-c", task["script"]], capture_output=True, text=True, check=True)
+    return float(done.stdout)
+
+def forks(completion, task):
+    if task.get("fork"):
+        os.fork()
+    return len(completion)
+
+def forks_in_c(completion, task):
+    import ctypes
+    pid = ctypes.CDLL(None).fork()  # below Python: no audit event, nothing to refuse
+    if pid == 0:
+        return 99.0  # the copy returns into the worker's serve loop
+    os.waitpid(pid, 0)
+    return 1.0
+
+def makes_a_multiprocessing_queue(completion, task):
+    import multiprocessing
+    multiprocessing.Queue()  # its lock is a POSIX semaphore, a file in /dev/shm
+    return 1.0
+
+def uses_multiprocessing(completion, task):
+    import multiprocessing
+    child = multiprocessing.get_context("fork").Process(target=os._exit, args=(7,))
+    child.start()
+    child.join()
+    return float(child.exitcode)
+
+def leaves_a_process_running(completion, task):
+    if task["which"] == "child":
+        return float(subprocess.Popen(["sleep", "60"]).pid)
+    # A grandchild in a session of its own, orphaned at once: no process group holds it.
+    spawn = (
+        "import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True,"
+        " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+    )
+    return float(subprocess.run([sys.executable, "-c", spawn], capture_output=True, text=True).stdout)
+
+def hangs_with_a_process_running(completion, task):
+    print("child", subprocess.Popen(["sleep", "60"]).pid, file=sys.stderr, flush=True)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    time.sleep(1e6)
+
+def prints_a_flood(completion, task):
+    block = b"x" * (1 << 20)
+    for _ in range(task["mib"]):
+        os.write(1, block)
+        os.write(2, block)
+    return 1.0
+
+def returns_a_huge_string(completion, task):
+    return "x" * (task["mib"] << 20)
+
+def raises_a_huge_message(completion, task):
+    raise ValueError("x" * (task["mib"] << 20))
 
 def torch_is_loaded(completion, task):
     return "torch" in sys.modules
@@ -108,6 +190,50 @@ def failure_of(grader: Grader, completions=("x",), tasks=({},)) -> str:
     with pytest.raises(RewardFunctionError) as raised:
         grader.score(list(completions), list(tasks))
     return str(raised.value)
+
+
+# how each kind of failure reads in docs/reliability.md
+OUTCOMES = {
+    "refused": "refused",
+    "hung": "infrastructure failure",
+    "crashed": "infrastructure failure",
+    "exception": "error",
+    "timeout": "error",
+    "invalid": "error",
+}
+
+
+def fault(figures, name: str, grader: Grader, completions=("x",), tasks=({},)):
+    """Score, record what became of the fault `name`; (rewards, None) or (None, the error)."""
+    try:
+        rewards, error = grader.score(list(completions), list(tasks)), None
+    except RewardFunctionError as raised:
+        rewards, error = None, raised
+    figures.add("grader", fault=name, outcome=OUTCOMES[error.kind] if error else "scored", scored=rewards is not None)
+    return rewards, error
+
+
+def load_fault(figures, name: str, ref: str, **settings) -> RewardFunctionError | None:
+    """Make a Grader for `ref` (closed at once), record what became of the fault `name`; the error."""
+    try:
+        Grader(ref, **settings).close()
+        error = None
+    except RewardFunctionError as raised:
+        error = raised
+    figures.add("grader", fault=name, outcome=OUTCOMES[error.kind] if error else "loaded", scored=error is None)
+    return error
+
+
+def ended_within(pid: int, timeout_s: float) -> bool:
+    """Whether process `pid` ends (exits or is killed, reaped or not) within timeout_s."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True  # ended and reaped
+    try:
+        return bool(select.select([fd], [], [], timeout_s)[0])  # a pidfd is readable once it ended
+    finally:
+        os.close(fd)
 
 
 def test_a_good_function_scores_every_completion_in_order(rewards_file):
@@ -168,56 +294,75 @@ def test_a_non_number_is_an_error(rewards_file, name, shown):
     assert f"{name} returned {shown}" in message
 
 
-def test_a_function_that_sleeps_forever_times_out(rewards_file):
+@pytest.mark.fault
+def test_a_function_that_sleeps_forever_times_out(rewards_file, figures):
     with grader_for(rewards_file, "sleeps_forever", timeout_s=0.3) as grader:
         pid = grader.worker_pid
-        message = failure_of(grader)
+        rewards, error = fault(figures, "sleeps forever", grader)
         assert grader.worker_pid == pid  # the in-process timeout needed no restart
+    assert rewards is None
+    message = str(error)
     assert "timed out after timeout_s=0.3" in message
     assert "time.sleep(1e6)" in message  # where it was interrupted
 
 
-def test_a_function_that_ignores_the_timeout_is_killed_and_the_worker_restarted(rewards_file):
+@pytest.mark.fault
+def test_a_function_that_ignores_the_timeout_is_killed_and_the_worker_restarted(rewards_file, figures):
     with grader_for(rewards_file, "ignores_the_alarm", timeout_s=0.2, kill_grace_s=0.3) as grader:
         first_pid = grader.worker_pid
-        message = failure_of(grader)
+        rewards, error = fault(figures, "hangs, ignoring the timeout", grader)
+        assert rewards is None
+        message = str(error)
         assert "ignored the in-process timeout" in message
         assert "in ignores_the_alarm" in message  # faulthandler's dump of where it was stuck
         assert grader.score([], []) == [] and grader.worker_pid != first_pid
 
 
-def test_a_function_that_exits_its_process_reports_the_exit_code(rewards_file):
+@pytest.mark.fault
+def test_a_function_that_exits_its_process_reports_the_exit_code(rewards_file, figures):
     with grader_for(rewards_file, "exits", retries=1) as grader:
-        message = failure_of(grader)
+        rewards, error = fault(figures, "exits its process", grader)
+    assert rewards is None
+    message = str(error)
     assert "exited with code 3" in message
     assert "on all 2 tries" in message
 
 
-def test_allocating_past_the_memory_limit_is_an_error(rewards_file):
+@pytest.mark.fault
+def test_allocating_past_the_memory_limit_is_an_error(rewards_file, figures):
     with grader_for(rewards_file, "allocates_a_gigabyte", memory_mb=256) as grader:
-        message = failure_of(grader)
-    assert "MemoryError" in message
+        rewards, error = fault(figures, "allocates past memory_mb", grader)
+    assert rewards is None
+    assert "MemoryError" in str(error)
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("network", ["auto", "python"])
-def test_the_reward_function_cannot_reach_the_network(rewards_file, network):
+def test_the_reward_function_cannot_reach_the_network(rewards_file, network, figures):
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
     with listener, grader_for(rewards_file, "connects", network=network) as grader:
         assert grader.sandbox in ("netns", "python") if network == "auto" else grader.sandbox == "python"
-        message = failure_of(grader, tasks=[{"port": port}])
+        rewards, error = fault(figures, f"connects to the network ({grader.sandbox})", grader, tasks=[{"port": port}])
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody ever connected
+    assert rewards is None
     expected = "network access is disabled in the grader" if grader.sandbox == "python" else "OSError"
-    assert expected in message
+    assert expected in str(error)
 
 
 @pytest.mark.parametrize("how", ["raise", "crash"])
 def test_a_transient_failure_is_retried_and_then_scores(rewards_file, tmp_path, how):
     waits: list[float] = []
-    task = {"marker": str(tmp_path / "marker"), "how": how}
-    with grader_for(rewards_file, "fails_once", retries=1, retry_wait_s=0.25, sleep=waits.append) as grader:
+    marker = tmp_path / "marker"
+
+    def wait(seconds: float) -> None:  # the flaky dependency recovers while the grader waits
+        waits.append(seconds)
+        marker.touch()
+
+    task = {"marker": str(marker), "how": how}
+    with grader_for(rewards_file, "fails_until_marked", retries=1, retry_wait_s=0.25, sleep=wait) as grader:
         first_pid = grader.worker_pid
         assert grader.score(["x"], [task]) == [1.0]
         restarted = grader.worker_pid != first_pid
@@ -233,11 +378,14 @@ def test_the_worker_is_reused_across_batches(rewards_file):
         assert grader.worker_pid == pid
 
 
-def test_a_crash_restarts_the_worker_for_the_next_batch(rewards_file, tmp_path):
+@pytest.mark.fault
+def test_a_crash_restarts_the_worker_for_the_next_batch(rewards_file, tmp_path, figures):
     task = {"marker": str(tmp_path / "marker"), "how": "crash"}
-    with grader_for(rewards_file, "fails_once") as grader:
+    with grader_for(rewards_file, "fails_until_marked") as grader:
         first_pid = grader.worker_pid
-        assert "exited with code 1" in failure_of(grader, tasks=[task])
+        rewards, error = fault(figures, "crashes its worker", grader, tasks=[task])
+        assert rewards is None and "exited with code 1" in str(error)
+        (tmp_path / "marker").touch()
         assert grader.score(["x"], [task]) == [1.0]
         assert grader.worker_pid not in (None, first_pid)
 
@@ -276,14 +424,13 @@ def test_a_bad_ref_fails_at_once_naming_the_ref(rewards_file, ref, says):
     assert ref in str(raised.value) and says in str(raised.value)
 
 
-def test_a_module_that_fails_to_import_is_not_retried(tmp_path):
-    imports = tmp_path / "imports.log"
+def test_a_module_that_fails_to_import_is_not_retried(tmp_path, capfd):
     broken = tmp_path / "broken.py"
     broken.write_text(
         textwrap.dedent(
-            f"""
-            with open({str(imports)!r}, "a") as log:
-                log.write("imported\\n")
+            """
+            import sys
+            print("importing broken.py", file=sys.stderr)
             raise ImportError("needs a package the grader does not have")
             """
         )
@@ -291,16 +438,17 @@ def test_a_module_that_fails_to_import_is_not_retried(tmp_path):
     with pytest.raises(RewardFunctionError) as raised:
         Grader(f"{broken}:reward", retries=5)
     assert "needs a package the grader does not have" in str(raised.value)
-    assert imports.read_text() == "imported\n"
+    assert capfd.readouterr().err.count("importing broken.py") == 1
 
 
-def test_a_module_that_hangs_on_import_fails_after_load_timeout(tmp_path):
+@pytest.mark.fault
+def test_a_module_that_hangs_on_import_fails_after_load_timeout(tmp_path, figures):
     stuck = tmp_path / "stuck.py"
     stuck.write_text("import time\ntime.sleep(1e6)\ndef reward(completion, task):\n    return 1.0\n")
-    with pytest.raises(RewardFunctionError) as raised:
-        Grader(f"{stuck}:reward", load_timeout_s=0.3, kill_grace_s=0.5)
-    assert "load_timeout_s=0.3" in str(raised.value)
-    assert "stuck.py" in str(raised.value)  # faulthandler's dump of where the import was
+    error = load_fault(figures, "hangs on import", f"{stuck}:reward", load_timeout_s=0.3, kill_grace_s=0.5)
+    assert error is not None
+    assert "load_timeout_s=0.3" in str(error)
+    assert "stuck.py" in str(error)  # faulthandler's dump of where the import was
 
 
 def test_close_leaves_no_child_process_and_is_idempotent(rewards_file):
@@ -320,3 +468,200 @@ def test_tasks_that_cannot_reach_the_worker_are_a_caller_error(rewards_file):
             grader.score(["a", "b"], [{}, {"ids": {1, 2}}])
         with pytest.raises(ValueError, match="2 completions but 1 tasks"):
             grader.score(["a", "b"], [{}])
+
+
+# sandbox: writes ------------------------------------------------------------------------------
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("where", ["/tmp", "the repository", "$HOME"])
+def test_a_reward_that_writes_outside_its_sandbox_is_refused_not_scored(rewards_file, tmp_path, figures, where):
+    folder = {"/tmp": Path(tempfile.gettempdir()), "the repository": REPOSITORY, "$HOME": Path.home()}[where]
+    target = folder / f"grader-test-{tmp_path.name}.txt"
+    waits: list[float] = []
+    try:
+        with grader_for(rewards_file, "writes", retries=2, retry_wait_s=0.1, sleep=waits.append) as grader:
+            rewards, error = fault(figures, f"writes into {where}", grader, tasks=[{"path": str(target)}])
+        assert not target.exists()
+        assert rewards is None and error.kind == "refused"
+        message = str(error)
+        assert f"writing to {str(target)!r} was refused: a reward function may write only in its scratch directory" in message
+        assert waits == [] and "not retried" in message  # it would be refused again
+        assert "Path(task[\"path\"]).write_text(" in message  # the user's own line
+        assert "grader_worker" not in message  # the audit hook's frames are noise to the user
+    finally:
+        target.unlink(missing_ok=True)  # only there if the sandbox failed
+
+
+@pytest.mark.fault
+def test_a_reward_that_removes_a_file_outside_its_sandbox_is_refused_and_the_file_stays(rewards_file, tmp_path, figures):
+    victim = tmp_path / "keep-me.txt"
+    victim.write_text("precious")
+    with grader_for(rewards_file, "removes") as grader:
+        rewards, error = fault(figures, "removes a file outside its sandbox", grader, tasks=[{"path": str(victim)}])
+    assert victim.read_text() == "precious"
+    assert rewards is None and error.kind == "refused"
+    assert f"removing {str(victim)!r} was refused" in str(error)
+
+
+@pytest.mark.fault
+def test_a_reward_module_that_writes_when_imported_is_refused_at_load(tmp_path, figures):
+    target = tmp_path / "written-at-import.txt"
+    module = tmp_path / "writes_at_import.py"
+    module.write_text(f"open({str(target)!r}, 'w').write('x')\ndef reward(completion, task):\n    return 1.0\n")
+    error = load_fault(figures, "writes outside its sandbox when imported", f"{module}:reward")
+    assert not target.exists()
+    assert error is not None and error.kind == "refused"
+    assert f"writing to {str(target)!r} was refused" in str(error)
+
+
+def test_a_reward_function_writes_in_its_scratch_directory_which_goes_with_the_worker(
+    rewards_file, tmp_path, monkeypatch
+):
+    scratch_parent = tmp_path / "tmp"
+    scratch_parent.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_parent))  # where the parent makes it
+    with grader_for(rewards_file, "writes_where_it_may") as grader:
+        assert grader.score(["x"], [{}]) == [1.0]  # $TMPDIR is its working directory
+        (scratch,) = scratch_parent.iterdir()
+        assert (scratch / "relative.txt").read_text() == "in the working directory"
+        assert (scratch / "folder" / "inside").is_dir()
+    assert list(scratch_parent.iterdir()) == []
+
+
+@pytest.mark.fault
+def test_programs_a_reward_function_runs_work_but_cannot_write_outside_its_sandbox_either(
+    rewards_file, tmp_path, figures
+):
+    target = tmp_path / "written-by-a-program.txt"
+    with grader_for(rewards_file, "runs_a_program") as grader:
+        if grader.filesystem != "landlock":
+            pytest.skip("no Landlock on this kernel: only writes through Python are refused")
+        assert grader.score(["x"], [{"script": "echo 42 > answer.txt && cat answer.txt"}]) == [42.0]
+        rewards, error = fault(
+            figures, "runs a program that writes outside the sandbox", grader, tasks=[{"script": f"echo 1 > {target}"}]
+        )
+    assert not target.exists()
+    assert rewards is None and "returned non-zero exit status" in str(error)
+
+
+@pytest.mark.fault
+def test_without_landlock_writes_through_python_are_still_refused_and_the_grader_warns_once(
+    rewards_file, tmp_path, caplog, figures
+):
+    target = tmp_path / "outside.txt"
+    with caplog.at_level(logging.WARNING, logger="trainer.grader"):
+        with grader_for(rewards_file, "writes", filesystem="python") as grader:
+            assert grader.filesystem == "python"
+            rewards, error = fault(figures, "writes outside its sandbox (no Landlock)", grader, tasks=[{"path": str(target)}])
+            with pytest.raises(RewardFunctionError):
+                grader.score(["x"], [{"path": str(target)}])  # again: no second warning
+    assert not target.exists()
+    assert rewards is None and error.kind == "refused"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer.grader"]
+    assert len(warnings) == 1
+    assert "cannot keep reward function" in warnings[0] and "filesystem='python' was asked for" in warnings[0]
+
+
+# sandbox: processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.fault
+def test_a_reward_that_forks_is_refused_not_scored(rewards_file, figures):
+    with grader_for(rewards_file, "forks") as grader:
+        rewards, error = fault(figures, "forks (os.fork)", grader, tasks=[{"fork": True}])
+        assert rewards is None and error.kind == "refused"
+        assert "os.fork() was refused" in str(error) and "subprocess" in str(error)
+        assert grader.score(["ab", "abc"], [{}, {}]) == [2.0, 3.0]  # one answer per item, in order
+
+
+@pytest.mark.fault
+def test_a_copy_of_the_worker_forked_below_python_never_answers_for_it(rewards_file, figures):
+    with grader_for(rewards_file, "forks_in_c") as grader:
+        rewards = grader.score(["x"], [{}])
+        copy_scored = 99.0 in rewards
+        figures.add("grader", fault="forks in C; the copy returns", outcome="scored" if copy_scored else "refused",
+                    scored=copy_scored)
+        assert rewards == [1.0]  # the worker's own answer, not its copy's 99.0
+        assert grader.score(["x", "y"], [{}, {}]) == [1.0, 1.0]
+
+
+@pytest.mark.fault
+def test_a_write_refused_below_python_says_the_sandbox_may_be_why(rewards_file, figures):
+    with grader_for(rewards_file, "makes_a_multiprocessing_queue") as grader:
+        if grader.filesystem != "landlock":
+            pytest.skip("no Landlock on this kernel: writes below Python are not refused")
+        rewards, error = fault(figures, "makes a multiprocessing.Queue (a semaphore in /dev/shm)", grader)
+    assert rewards is None and error.kind == "exception"
+    assert "Permission denied" in str(error)
+    assert "may be the grader's sandbox" in str(error) and "/dev/shm" in str(error)
+
+
+def test_multiprocessing_still_works_in_a_reward_function(rewards_file):
+    with grader_for(rewards_file, "uses_multiprocessing") as grader:
+        assert grader.score(["x"], [{}]) == [7.0]  # its forked child's exit code
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("which", ["child", "orphaned grandchild"])
+def test_a_process_a_reward_function_leaves_running_is_gone_when_its_score_arrives(rewards_file, which):
+    with grader_for(rewards_file, "leaves_a_process_running") as grader:
+        (pid,) = grader.score(["x"], [{"which": which}])
+        assert not Path(f"/proc/{int(pid)}").exists()  # killed and reaped before the answer
+
+
+def test_a_helper_process_started_at_import_lives_as_long_as_the_worker(tmp_path):
+    module = tmp_path / "with_helper.py"
+    module.write_text(
+        "import subprocess\nhelper = subprocess.Popen(['sleep', '60'])\n"
+        "def reward(completion, task):\n    return float(helper.pid)\n"
+    )
+    with Grader(f"{module}:reward", retries=0) as grader:
+        (pid,) = grader.score(["x"], [{}])
+        assert grader.score(["x"], [{}]) == [pid]
+        assert not ended_within(int(pid), 0)
+    assert ended_within(int(pid), 5)
+
+
+@pytest.mark.fault
+def test_the_processes_of_a_hung_reward_function_die_with_its_worker(rewards_file, capfd, figures):
+    with grader_for(rewards_file, "hangs_with_a_process_running", timeout_s=0.2, kill_grace_s=0.3) as grader:
+        rewards, error = fault(figures, "hangs with a process running", grader)
+        assert rewards is None and error.kind == "hung"
+        pid = int(re.search(r"child (\d+)", capfd.readouterr().err).group(1))
+        assert ended_within(pid, 5)
+
+
+# huge output ----------------------------------------------------------------------------------
+
+
+@pytest.mark.fault
+def test_a_flood_of_output_is_cut_off_per_worker_with_a_note_of_how_much_was_dropped(rewards_file, capfd):
+    with grader_for(rewards_file, "prints_a_flood") as grader:
+        assert grader.score(["x"], [{"mib": 16}]) == [1.0]  # 16 MiB to stdout and 16 to stderr
+    captured = capfd.readouterr()
+    dropped = (32 << 20) - (1 << 20)
+    assert captured.out == ""
+    assert len(captured.err) < (1 << 20) + 1_000
+    assert re.findall(r"dropped [\d.]+ MiB \([\d,]+ bytes\)", captured.err) == [f"dropped 31.0 MiB ({dropped:,} bytes)"]
+
+
+@pytest.mark.fault
+def test_a_huge_string_returned_is_an_error_whose_message_stays_short(rewards_file, figures):
+    with grader_for(rewards_file, "returns_a_huge_string", memory_mb=256) as grader:
+        rewards, error = fault(figures, "returns a 150 MiB string", grader, tasks=[{"mib": 150}])
+    assert rewards is None and error.kind == "invalid"
+    message = str(error)
+    assert "returns_a_huge_string returned 'xxxxxxxx" in message and f"(str of length {150 << 20:,})" in message
+    assert len(message) < 1_000
+
+
+@pytest.mark.fault
+def test_a_huge_error_message_is_shortened_and_keeps_the_users_line(rewards_file, figures):
+    with grader_for(rewards_file, "raises_a_huge_message", memory_mb=256) as grader:
+        rewards, error = fault(figures, "raises with a 100 MiB message", grader, tasks=[{"mib": 100}])
+    assert rewards is None and error.kind == "exception"
+    message = str(error)
+    assert 'raise ValueError("x" * (task["mib"] << 20))' in message  # the traceback survived
+    assert "ValueError: xxxx" in message and "message shortened" in message
+    assert len(message) < 25_000

@@ -1,0 +1,79 @@
+"""What the fault-injection tests share: starting `grpo-run` as a node, finding its processes,
+waiting (polled, bounded) for what a node has reached, and sending each cloud's notice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = ("aws", "gcp", "azure", "signal")
+NOTICE_WINDOW_S = 25.0     # inside the shortest notice (GCP, Azure: about 30 s)
+_EMULATORS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
+              "gcp": ("GRPO_RUN_GCP_METADATA_URL", GcpMetadataEmulator),
+              "azure": ("GRPO_RUN_AZURE_METADATA_URL", AzureScheduledEventsEmulator)}
+
+
+def start_node(home: Path, *args: str, fault: str | None = None, **env_extra: str) -> subprocess.Popen:
+    """`grpo-run ARGS` in the background on a node whose local disk is `home`. A `fault`
+    (GRPO_RUN_FAULT) fires once: its marker file is `marker(home)`."""
+    env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
+    env.pop("GRPO_RUN_FAULT", None)
+    if fault:
+        env["GRPO_RUN_FAULT"] = fault
+        env["GRPO_RUN_FAULT_MARKER"] = str(marker(home))
+    return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def marker(home: Path) -> Path:
+    return home.parent / f"{home.name}.fault-fired"
+
+
+def wait_until(what: str, reached: Callable[[], bool], proc: subprocess.Popen | None = None,
+               timeout: float = 180) -> None:
+    """Poll `reached` until it is true; fail if `proc` ended first or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while not reached():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the node ended (status {proc.returncode}) before {what}:\n{err[-3000:]}")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.02)
+
+
+@contextmanager
+def notice_source(source: str) -> Iterator[tuple[dict[str, str], Callable[[subprocess.Popen], None]]]:
+    """(environment for the node, trigger(proc)) for one source of notices: a cloud's metadata
+    emulator, or SIGTERM to the supervisor (systemd, Kubernetes)."""
+    if source == "signal":
+        yield {"GRPO_RUN_NOTICES": "none"}, lambda proc: proc.send_signal(signal.SIGTERM)
+        return
+    var, emulator_class = _EMULATORS[source]
+    with emulator_class() as emulator:
+        yield {"GRPO_RUN_NOTICES": source, var: emulator.url}, lambda proc: emulator.trigger_preempt()
+
+
+def children(pid: int) -> list[int]:
+    """Direct child processes of `pid`, from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return ""

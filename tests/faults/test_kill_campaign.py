@@ -1,0 +1,151 @@
+"""Many hard kills in one run: SIGKILL of the trainer, of the supervisor, of the checkpoint
+writer, or of all three at once, at random moments, over real S3; the node resumes after each
+(the supervisor restarts a killed trainer itself; a killed supervisor is started again, as its
+systemd unit would, now and then on a fresh node). The final adapter must be byte-identical to
+an uninterrupted run's, and each kill may cost at most `saveSteps` completed steps plus the
+ones whose checkpoint was still being written or uploaded at that instant (counted from each
+node's record: the last step it completed before the kill, the step the next attempt resumed
+from; reported).
+
+The schedule comes from a seed, printed, so a failure can be replayed:
+    GRPO_RUN_KILL_SEED=1234 GRPO_RUN_KILLS=60 .venv/bin/pytest tests/faults/test_kill_campaign.py
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from state.record import Record
+from tests.faults.harness import children, cmdline, start_node, wait_until
+from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+KILLS = int(os.environ.get("GRPO_RUN_KILLS", "50"))
+SEED = int(os.environ.get("GRPO_RUN_KILL_SEED", "20261201"))
+STEPS, SAVE = 400, 4
+TARGETS = ("trainer", "writer", "supervisor", "all")
+CRASH_RESTARTS = 2        # trainer/writer kills per supervisor: the supervisor gives up after 3
+
+
+def job(folder: Path, storage: str | None) -> Path:
+    return write_job(folder, storage, maxSteps=STEPS, saveSteps=SAVE)
+
+
+def processes(supervisor: int) -> dict[str, list[int]]:
+    """The node's processes under its supervisor: the trainer and the trainer's checkpoint writer."""
+    trainers = [p for p in children(supervisor) if "trainer.child" in cmdline(p)]
+    writers = [w for t in trainers for w in children(t) if "checkpoint.writer" in cmdline(w)]
+    return {"supervisor": [supervisor], "trainer": trainers, "writer": writers}
+
+
+def last_step(home: Path) -> int:
+    db = home / "runs" / "resumable" / "state.db"
+    if not db.exists():
+        return 0
+    with Record(db) as record:
+        steps = record.steps(last=1)
+    return steps[-1]["step"] if steps else 0
+
+
+def resumed_from(home: Path) -> int:
+    """The step the node's newest attempt started from (its checkpoint's)."""
+    with Record(home / "runs" / "resumable" / "state.db") as record:
+        return record.attempts()[-1]["from_step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference")
+    grpo_run(folder / "home", "apply", "-f", str(job(folder, None)))
+    return exported_bytes(folder / "home", None, folder / "export")
+
+
+def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redone_steps(
+        tmp_path, s3_env, reference, figures):
+    rng = random.Random(SEED)
+    print(f"\nkill campaign: seed {SEED}, {KILLS} kills (replay: GRPO_RUN_KILL_SEED={SEED} GRPO_RUN_KILLS={KILLS})")
+    path = job(tmp_path, s3_env.url)
+    kills: list[dict] = []
+    node, fresh_nodes = tmp_path / "node-0", 0
+    proc = start_node(node, "apply", "-f", str(path), GRPO_RUN_NOTICES="none")
+    crash_kills = 0
+    cost: dict | None = None      # the kills since the node last made progress, and the step reached
+
+    def account() -> None:
+        """The kills since the last progress cost the steps past where training resumed."""
+        nonlocal cost
+        if cost is not None:
+            kills[cost["kill"]]["redone"] = cost["reached"] - resumed_from(node)
+            cost = None
+
+    while len(kills) < KILLS:
+        before = last_step(node)
+        # a random moment: mostly mid-training (after the node made progress, plus up to 0.4 s),
+        # sometimes early in a node's life (imports, restore, baseline, the trainer's start)
+        early = rng.random() < 0.15
+        delay = rng.uniform(0.0, 2.5) if early else rng.uniform(0.0, 0.4)
+        target = rng.choice(TARGETS if crash_kills < CRASH_RESTARTS else ("supervisor", "all"))
+        if not early:
+            try:
+                wait_until("progress", lambda: last_step(node) > before, proc, timeout=120)
+            except AssertionError:
+                if proc.poll() == 0:        # the run finished before this kill came
+                    break
+                raise
+            account()
+        time.sleep(delay)
+        if proc.poll() is not None:
+            assert proc.returncode == 0, proc.communicate()[1][-3000:]
+            break
+        found = processes(proc.pid)
+        victims = [p for name in (("supervisor", "trainer", "writer") if target == "all" else (target,))
+                   for p in found[name]]
+        if not victims:                     # not started yet (or between restarts): the node instead
+            target, victims = "supervisor", [proc.pid]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reached = last_step(node)
+        kills.append({"target": target, "reached": reached, "early": early, "node": node.name, "redone": 0})
+        if cost is None or reached > cost["reached"]:
+            cost = {"kill": len(kills) - 1, "reached": reached}
+        if target in ("trainer", "writer"):
+            crash_kills += 1
+            continue                        # the supervisor restarts its trainer
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+        crash_kills = 0
+        if rng.random() < 0.2:              # now and then the node is gone: a fresh one resumes
+            fresh_nodes += 1
+            node = tmp_path / f"node-{fresh_nodes}"
+        proc = start_node(node, "resume", "resumable", "--storage", s3_env.url, GRPO_RUN_NOTICES="none")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    account()
+
+    st = status(tmp_path / "node-x", s3_env.url)
+    final = exported_bytes(tmp_path / "node-y", s3_env.url, tmp_path / "export")
+    identical = final == reference
+    attempts = st["attempts"]
+    redone = [k["redone"] for k in kills]
+    by_target = {t: sum(k["target"] == t for k in kills) for t in TARGETS}
+    print(f"kills: {len(kills)} {by_target}; fresh nodes: {fresh_nodes}; attempts: {len(attempts)}; "
+          f"steps redone: total {sum(redone)}, max {max(redone, default=0)} per kill; identical: {identical}")
+    figures.add("kills", seed=SEED, kills=len(kills), by_target=by_target, fresh_nodes=fresh_nodes,
+                attempts=len(attempts), redone_total=sum(redone), redone_max=max(redone, default=0),
+                save_steps=SAVE, steps=STEPS, identical=identical,
+                bytes_differing=sum(final.get(k) != v for k, v in reference.items()))
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert len(kills) >= KILLS, f"the run finished after {len(kills)} kills: make STEPS larger"
+    assert identical
+    assert st["baseline"]["runs"] == 1           # never paid for twice
+    # at most one checkpoint interval, plus the next one if it was being sealed or uploaded
+    assert max(redone, default=0) <= 2 * SAVE, redone

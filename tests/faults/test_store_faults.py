@@ -1,0 +1,163 @@
+"""Object storage misbehaving under a run: the S3 server killed mid-upload and started again
+later, a slow link and a stalled server (a proxy in between), credentials revoked (every request
+AccessDenied) and the bucket deleted mid-run.
+
+Outages and slowness: training goes on, nothing is reported durable that is not, the uploads
+catch up, the run ends byte for byte as one never disturbed. Configuration faults: a clear
+failure naming the cause, the local checkpoints intact, and the run resumable once fixed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoint.manifest import newest_sealed, verify
+from state.record import Record
+from tests.faults.harness import start_node, wait_until
+from tests.faults.s3proxy import S3Proxy
+from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
+
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
+STEPS, SAVE = 500, 4
+OUTAGE_S = 6.0             # at least this long, and until several checkpoints were sealed meanwhile
+
+
+def job(folder: Path, storage: str | None) -> Path:
+    return write_job(folder, storage, maxSteps=STEPS, saveSteps=SAVE)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reference")
+    grpo_run(folder / "home", "apply", "-f", str(job(folder, None)))
+    return exported_bytes(folder / "home", None, folder / "export")
+
+
+def checkpoints(home: Path) -> tuple[int, int]:
+    """(newest sealed, newest durable) as the node's own record says."""
+    db = home / "runs" / "resumable" / "state.db"
+    if not db.exists():
+        return 0, 0
+    with Record(db) as record:
+        rows = record.checkpoints()
+    return max((r["step"] for r in rows), default=0), max((r["step"] for r in rows if r["durable"]), default=0)
+
+
+def outage(home: Path, proc, start, end) -> tuple[float, int]:
+    """Bring the store down (`start()`), keep it down while training goes on for OUTAGE_S and at
+    least three more checkpoints, check none of them is called durable, bring it back (`end()`).
+    Returns (seconds down, newest durable step throughout)."""
+    wait_until("a durable checkpoint", lambda: checkpoints(home)[1] >= SAVE, proc)
+    start()
+    down = time.monotonic()
+    durable = checkpoints(home)[1]
+    wait_until("training on while storage is down",
+               lambda: checkpoints(home)[0] >= durable + 3 * SAVE and time.monotonic() - down >= OUTAGE_S, proc)
+    sealed, still = checkpoints(home)
+    assert still == durable, f"checkpoint {still} reported durable while the store was down"
+    assert sealed > durable
+    end()
+    return time.monotonic() - down, durable
+
+
+def test_the_s3_server_killed_mid_run_and_started_later_costs_nothing(
+        tmp_path, make_s3_server, monkeypatch, reference, figures):
+    server = make_s3_server()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    storage = f"s3://{server.create_bucket()}/run"
+    node = tmp_path / "node-a"
+    proc = start_node(node, "apply", "-f", str(job(tmp_path, storage)), GRPO_RUN_NOTICES="none")
+
+    def kill():
+        server.process.kill()            # SIGKILL, mid-whatever it was doing
+        server.process.wait()
+
+    seconds, durable = outage(node, proc, kill, server.start)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    st = status(tmp_path / "node-x", storage)
+    identical = exported_bytes(tmp_path / "node-y", storage, tmp_path / "export") == reference
+    figures.add("store", fault="S3 server SIGKILLed mid-run, started again", outage_seconds=round(seconds, 1),
+                outcome=st["phase"], detail=f"durable stayed {durable} while down; identical: {identical}",
+                identical=identical)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert identical
+
+
+def test_a_slow_link_and_a_stalled_server_cost_nothing(tmp_path, s3_env, reference, figures):
+    node = tmp_path / "node-a"
+    with S3Proxy(s3_env.server.port) as proxy:
+        proxy.set("delay", 0.01)                       # 10 ms on every chunk a client sends
+        proc = start_node(node, "apply", "-f", str(job(tmp_path, s3_env.url)), GRPO_RUN_NOTICES="none",
+                          AWS_ENDPOINT_URL=proxy.endpoint_url)
+        seconds, durable = outage(node, proc, lambda: proxy.set("stall"), lambda: proxy.set("delay", 0.01))
+        out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    st = status(tmp_path / "node-x", s3_env.url)
+    identical = exported_bytes(tmp_path / "node-y", s3_env.url, tmp_path / "export") == reference
+    figures.add("store", fault="slow link (10 ms a chunk), then the server stalled", outage_seconds=round(seconds, 1),
+                outcome=st["phase"], detail=f"durable stayed {durable} while stalled; identical: {identical}",
+                identical=identical)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert identical
+
+
+def _fails_clearly(proc, node: Path, *said: str) -> tuple[str, int]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, f"status {proc.returncode}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if any(s in line for s in said)]
+    assert lines, err[-3000:]
+    local = newest_sealed(node / "runs" / "resumable" / "checkpoints")
+    assert local is not None
+    verify(local[1])                                 # the local checkpoint is whole
+    return lines[0], local[0]
+
+
+def test_revoked_credentials_fail_the_run_clearly_and_it_resumes_once_they_are_back(
+        tmp_path, s3_env, reference, figures):
+    node = tmp_path / "node-a"
+    with S3Proxy(s3_env.server.port) as proxy:
+        proc = start_node(node, "apply", "-f", str(job(tmp_path, s3_env.url)), GRPO_RUN_NOTICES="none",
+                          AWS_ENDPOINT_URL=proxy.endpoint_url)
+        wait_until("a durable checkpoint", lambda: checkpoints(node)[1] >= SAVE, proc)
+        proxy.set("deny")
+        line, local = _fails_clearly(proc, node, "AccessDenied", "Access Denied", "access denied")
+        proxy.set("pass")
+        again = start_node(node, "resume", "resumable", "--storage", s3_env.url, GRPO_RUN_NOTICES="none",
+                           AWS_ENDPOINT_URL=proxy.endpoint_url)
+        out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    identical = exported_bytes(tmp_path / "node-y", s3_env.url, tmp_path / "export") == reference
+    figures.add("store", fault="credentials revoked mid-run (every request AccessDenied)", outcome="Failed, clearly",
+                detail=f"said: {line.strip()[:160]}; local checkpoint {local} intact; resumed after: identical {identical}",
+                identical=identical)
+    assert identical
+
+
+def test_a_bucket_deleted_mid_run_fails_it_clearly_with_the_local_checkpoints_intact(tmp_path, s3_env, figures):
+    node = tmp_path / "node-a"
+    long_job = write_job(tmp_path, s3_env.url, maxSteps=100_000, saveSteps=SAVE)   # still training when it goes
+    proc = start_node(node, "apply", "-f", str(long_job), GRPO_RUN_NOTICES="none")
+    wait_until("a durable checkpoint", lambda: checkpoints(node)[1] >= SAVE, proc)
+    client = s3_env.server.client()
+    deadline = time.monotonic() + 60
+    while True:                      # the run keeps writing into it: empty it until it can go
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_env.bucket):
+            if page.get("Contents"):
+                client.delete_objects(Bucket=s3_env.bucket, Delete={
+                    "Objects": [{"Key": o["Key"]} for o in page["Contents"]], "Quiet": True})
+        try:
+            client.delete_bucket(Bucket=s3_env.bucket)
+            break
+        except client.exceptions.ClientError:
+            assert time.monotonic() < deadline, "could not delete the bucket"
+    line, local = _fails_clearly(proc, node, s3_env.bucket)
+    figures.add("store", fault="bucket deleted mid-run", outcome="Failed, clearly",
+                detail=f"said: {line.strip()[:160]}; local checkpoint {local} intact")
+    assert "bucket" in line.lower()
