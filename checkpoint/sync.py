@@ -38,6 +38,8 @@ from .store import Store, StorageConfigError
 
 log = logging.getLogger(__name__)
 
+Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
+
 
 def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
     """Steps whose manifest.json exists under `prefix` in the store, newest first.
@@ -46,19 +48,28 @@ def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
     return sorted(_remote_checkpoints(store, prefix)[0], reverse=True)
 
 
-def restore_latest(store: Store, root: Path,
-                   prefix: str = "checkpoints") -> tuple[int, Path, Manifest, bool] | None:
+def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *,
+                   accept: Accept | None = None) -> tuple[int, Path, Manifest, bool] | None:
     """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
     durable). A sealed local one at least as new as the newest in storage is used as it is
     (durable False when storage lacks it: sealed here before a crash, never uploaded); else the
     newest remote one that verifies is downloaded (download_latest). One listing of the store;
-    nothing is hashed twice. None when there is no checkpoint anywhere."""
+    nothing is hashed twice. None when there is no checkpoint anywhere.
+
+    `accept(manifest)`: why a checkpoint is not to be continued from (None: it is), e.g. another
+    run's. Remote ones it refuses are skipped, local ones set aside (renamed `.set-aside-*`, not
+    deleted) so that nothing loads them."""
     local = newest_sealed(root)
+    while local is not None and accept is not None and (why := accept(local[2])) is not None:
+        aside = local[1].with_name(f".set-aside-{local[1].name}-{uuid.uuid4().hex[:8]}")
+        log.warning("setting local checkpoint %s aside (%s): %s", local[1], aside.name, why)
+        os.replace(local[1], aside)
+        local = newest_sealed(root)
     durable, partial = _remote_checkpoints(store, prefix)
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
         return step, folder, manifest, step in durable
-    got = download_latest(store, root, prefix, listed=(durable, partial))
+    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept)
     if got is not None:
         return got[0], got[1], read_manifest(got[1]), True
     if local is not None:
@@ -68,7 +79,8 @@ def restore_latest(store: Store, root: Path,
 
 
 def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
-                    listed: tuple[set[int], set[int]] | None = None) -> tuple[int, Path] | None:
+                    listed: tuple[set[int], set[int]] | None = None,
+                    accept: Accept | None = None) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -77,7 +89,8 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
     sha256, a bad manifest) are skipped with a warning naming them, and the next older one is
     tried. Storage errors (StorageUnavailable, StorageConfigError) propagate: an outage must not
     silently send a run back to an older checkpoint. `listed`: what `_remote_checkpoints`
-    returned, when the caller listed the store already.
+    returned, when the caller listed the store already. `accept`: as restore_latest's; a
+    checkpoint it refuses is skipped with its reason.
     """
     dest_root = Path(dest_root)
     durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
@@ -94,6 +107,8 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
             manifest = Manifest.from_json(raw)
             if manifest.step != step:
                 raise CheckpointInvalid(f"manifest says step {manifest.step}")
+            if accept is not None and (why := accept(manifest)) is not None:
+                raise CheckpointInvalid(why)
         except FileNotFoundError:
             log.warning("skipping remote checkpoint %s: manifest.json vanished", where)
             continue
@@ -247,7 +262,10 @@ class Uploader:
                         self.error = exc
                 finally:
                     if self._on_upload is not None:
-                        self._on_upload(step_of(newest[0]) or 0, self.durable_steps(), error)
+                        try:
+                            self._on_upload(step_of(newest[0]) or 0, self.durable_steps(), error)
+                        except Exception:   # the caller's bug must neither stop uploads nor hang wait()
+                            log.exception("the upload callback failed for %s", newest[0])
                     with self._cond:
                         self._pending -= len(dirs)
                         self._cond.notify_all()

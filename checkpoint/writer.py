@@ -268,7 +268,7 @@ def _serve(args) -> int:
             reply({"sealed": step})
         except Exception as exc:     # reported to the trainer, which stops the run on it
             log.error("checkpoint %d could not be written: %s", step, exc)
-            reply({"failed": step, "error": f"{type(exc).__name__}: {exc}"})
+            reply({"failed": step, "error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)})
     reply({"closed": True})
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,11 @@ class Books:
         self.record = Record(self.work / RECORD_FILE)
         self.record.init_job(name, manifest)
         self._apply_spec_changes(name, manifest)
+        # This run's identity, in every checkpoint's manifest: a checkpoint left in storage by an
+        # earlier run under the same name (its record deleted, the job submitted again) is not ours.
+        self.run_id: str = self.record.value("runId") or uuid.uuid4().hex
+        if self.record.value("runId") is None:
+            self.record.set_value("runId", self.run_id)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
         self.attempt: int | None = None

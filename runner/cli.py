@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -209,7 +210,7 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     from checkpoint.store import Store, StorageConfigError, StorageUnavailable
     from runner.books import fetch_record
     from runner.job import build_run_spec
-    from runner.supervisor import Supervisor
+    from runner.supervisor import Supervisor, disk_full, disk_full_message
 
     storage = storage or job.storage
     url = job_store_url(storage, job.name)
@@ -230,6 +231,11 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED
+    except (OSError, sqlite3.OperationalError) as e:
+        if not disk_full(e):
+            raise
+        _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
+        return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
         _error(f"{job.name}: another node holds the job, so this node stops here: {result.message}")
         return EXIT_HELD
@@ -243,6 +249,14 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     else:
         print(_summary(job.name, doc["status"], result))
     return result.exit_code
+
+
+def _durable_here(work: Path) -> int:
+    """The newest durable checkpoint this node's record knows of (0 when it cannot be read)."""
+    try:
+        return int(_job_doc(work / RECORD_FILE)["status"]["checkpoints"].get("latestDurable") or 0)
+    except Exception:           # a record the full disk left unreadable: the message goes without it
+        return 0
 
 
 def _remember_step_time(job, status: dict) -> None:

@@ -8,6 +8,7 @@ every field on its own is valid.
 
 from __future__ import annotations
 
+import errno
 import math
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ from runner.environment import (
     resolve_path,
 )
 from runner.estimate import GPUS
+from runner.jobfile import FileRefused, int_text, load as load_yaml, read_text, value_problems
 from runner.metadata import (
     AWS_METADATA_URL_ENV,
     AZURE_METADATA_URL_ENV,
@@ -54,6 +56,7 @@ NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 NOTICE_URLS = {"awsMetadataURL": AWS_METADATA_URL_ENV, "gcpMetadataURL": GCP_METADATA_URL_ENV,
                "azureMetadataURL": AZURE_METADATA_URL_ENV}
 USER_ENV_EXAMPLE = "{name: my-env, reward: rewards.py:score, tasks: train.jsonl, evalTasks: eval.jsonl}"
+MAX_LINE = 1000              # a problem line longer than this has the middle of its value left out
 
 
 class JobError(ValueError):
@@ -61,16 +64,47 @@ class JobError(ValueError):
 
     def __init__(self, source: str, problems: list[str]):
         self.source = source
-        self.problems = problems
+        self.problems = [_printable(p) for p in problems]
         super().__init__(f"{source}: {len(problems)} problem{'s' if len(problems) != 1 else ''}:\n"
-                         + "\n".join("  " + p for p in problems))
+                         + "\n".join("  " + p for p in self.problems))
+
+
+def _printable(line: str) -> str:
+    """`line` as a terminal can show it: lone surrogates (from a key, say) as \\udXXX escapes, and the
+    middle left out when a value in it (a megabyte string, a huge list) makes it longer than
+    MAX_LINE, keeping the field at the start and the fix at the end."""
+    line = line.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(line) <= MAX_LINE:
+        return line
+    keep = MAX_LINE // 2 - 20
+    return f"{line[:keep]}…[{len(line) - 2 * keep:,} characters left out]…{line[-keep:]}"
 
 
 def positive_number(v: Any, fix: str = "") -> float:
     """A finite number > 0 (YAML's booleans are not numbers), else the house error."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise problem(f"must be a number > 0 (got {fmt(v)}){fix}")
-    return float(v)
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise problem(f"must be a number > 0 (got {fmt(v)}){fix}")
+        return float(v)
+    except OverflowError:                        # an int past float's range: parse_job names it
+        raise problem(f"must be a number > 0 that fits in a float (got {int_text(v)}){fix}") from None
+
+
+def _path_trouble(e: Exception, value: Any) -> str:
+    """What is wrong with a path the system refuses to look at, in the house format."""
+    got = fmt(getattr(e, "filename", None) or value)
+    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
+        return f"the path is too long (got {got}): each folder or file name is at most 255 bytes"
+    if isinstance(e, OSError):
+        return f"the path cannot be looked at (got {got}): {e.strerror or e}"
+    if isinstance(e, ValueError):                # Path.exists on a string with a NUL in it
+        return f"the path has a NUL character in it (got {got}): remove it"
+    return f"cannot expand the ~ in the path (got {got}): {e}; write the folder out in full"
+
+
+def _unusable_paths(e: BaseException) -> bool:
+    """`e` is how pathlib refuses a path (too long, `~user` unknown, a NUL), not a bug to hide."""
+    return isinstance(e, (OSError, ValueError)) or (isinstance(e, RuntimeError) and not isinstance(e, RecursionError))
 
 
 class Pricing(Strict):
@@ -157,14 +191,20 @@ class TrainingJob(Strict):
                 raise problem(f"unknown built-in model (got {model!r}): available: "
                               + ", ".join(TINY_PREFIX + n for n in TINY_NAMES))
             return model
-        looks_like_path = model.startswith(("/", "./", "../", "~")) or Path(model).expanduser().exists()
-        if not looks_like_path and not (base / model).exists():
-            return model  # a hub id such as Qwen/Qwen3-0.6B; checked when it is loaded
-        folder = Path(resolve_path(model, base))
-        if not folder.is_dir():
+        try:
+            looks_like_path = model.startswith(("/", "./", "../", "~")) or Path(model).expanduser().exists()
+            if not looks_like_path and not (base / model).exists():
+                return model  # a hub id such as Qwen/Qwen3-0.6B; checked when it is loaded
+            folder = Path(resolve_path(model, base))
+            is_folder, has_config = folder.is_dir(), (folder / "config.json").exists()
+        except Exception as e:
+            if not _unusable_paths(e):
+                raise
+            raise problem(_path_trouble(e, model)) from None
+        if not is_folder:
             raise problem(f"no such folder (got {model!r}): give a folder holding config.json, "
                           "a hub id such as Qwen/Qwen3-0.6B, or tiny:char for the built-in demo model")
-        if not (folder / "config.json").exists():
+        if not has_config:
             raise problem(f"{folder} has no config.json (got {model!r}): point at the folder `save_pretrained` wrote")
         return str(folder)
 
@@ -186,7 +226,29 @@ class TrainingJob(Strict):
     def _storage(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is not None and not v:
             raise problem("must be a URL such as s3://bucket/prefix or a folder (got '')")
-        return v if v is None or "://" in v else resolve_path(v, base_folder(info))
+        try:
+            return v if v is None or "://" in v else resolve_path(v, base_folder(info))
+        except Exception as e:
+            if not _unusable_paths(e):
+                raise
+            raise problem(_path_trouble(e, v)) from None
+
+    @field_validator("environment", mode="wrap")
+    @classmethod
+    def _environment(cls, raw: Any, handler: Any) -> EnvironmentSpec:
+        """runner.environment's checks, with two inputs they would fail on turned into problems:
+        `rewards` that is not a list (it is iterated), and a path the system refuses to look at
+        (too long, `~user` unknown), named on spec.environment."""
+        rewards = raw.get("rewards") if isinstance(raw, dict) else None
+        if rewards is not None and not isinstance(rewards, (str, list, tuple)):
+            raise problems_at("EnvironmentSpec", [(("rewards",), "must be a list like [{function: correct, "
+                                                   f"weight: 1.0}}] or one reward's name (got {fmt(rewards)})")])
+        try:
+            return handler(raw)
+        except Exception as e:
+            if isinstance(e, ValidationError) or not _unusable_paths(e):
+                raise
+            raise problem("a path in it: " + _path_trouble(e, raw)) from None
 
     @model_validator(mode="after")
     def _together(self) -> TrainingJob:
@@ -276,6 +338,9 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
     if not isinstance(doc, dict):
         raise JobError(source, ["the file must be a YAML mapping with apiVersion, kind, metadata and spec "
                                 f"(got {type(doc).__name__})"])
+    whole, values, bad_keys = value_problems(doc)
+    if whole:                                    # too deep or too big to validate safely
+        raise JobError(source, whole)
     problems: list[str] = []
     name = None
     try:
@@ -285,7 +350,7 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
         problems += problems_in(e, "", _Document)
     spec = doc.get("spec")
     if not isinstance(spec, dict):
-        raise JobError(source, problems)
+        raise JobError(source, _with_value_problems(problems, values, bad_keys))
     fields = dict(spec)
     if "name" in fields:
         del fields["name"]
@@ -295,20 +360,49 @@ def parse_job(doc: Any, *, source: str = "job", base: Path | None = None,
                                          context={"base": base or Path.cwd(), "check_files": check_files})
     except ValidationError as e:
         problems += problems_in(e, "spec", TrainingJob)
+    problems = _with_value_problems(problems, values, bad_keys)
     if problems:
         raise JobError(source, problems)
     return job
 
 
+def _with_value_problems(problems: list[str], values: dict[str, str], bad_keys: list[str]) -> list[str]:
+    """pydantic's problems with the value problems put in: a value problem replaces pydantic's line
+    for the same field (it says what is wrong with the number or text itself), and is left out under
+    a field that is unknown anyway; keys that are not text replace pydantic's lines about them."""
+    if bad_keys:
+        problems = [line for line in problems if "keys should be strings (got " not in line
+                    and not line.split(": ", 1)[0].endswith(".[key]")]
+    unknown = {line.split(": ", 1)[0] for line in problems if ": unknown field" in line}
+
+    def moot(path: str) -> bool:
+        return any(path == u or path.startswith(u + ".") for u in unknown)
+
+    out, used = [], set()
+    for line in problems:
+        path = line.split(": ", 1)[0]
+        if path in values and not moot(path):
+            if path not in used:
+                out.append(values[path])
+                used.add(path)
+        else:
+            out.append(line)
+    return out + [text for path, text in values.items() if path not in used and not moot(path)] + bad_keys
+
+
 def load_job(path: str | Path) -> TrainingJob:
-    """Read and validate a job file. Raises JobError (problems listed) or FileNotFoundError."""
+    """Read and validate a job file. Raises JobError (problems listed: a whole-file problem such as
+    not YAML, not UTF-8, too large or too deeply nested, or each field's) or FileNotFoundError."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
     try:
-        doc = yaml.safe_load(text)
+        doc = load_yaml(read_text(path))
+    except FileRefused as e:
+        raise JobError(str(path), [str(e)]) from None
     except yaml.YAMLError as e:
         raise JobError(str(path), [f"not valid YAML: {e}"]) from None
     return parse_job(doc, source=str(path), base=path.resolve().parent)
+
+
 def build_environment(job: TrainingJob):
     """The trainer's Environment for this job (see runner.environment.environment_of)."""
     return environment_of(job.environment, job.parameters)

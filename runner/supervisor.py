@@ -21,11 +21,13 @@ The trainer (`python -m trainer.child`) trains from the local folder and reports
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import logging
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -259,6 +261,8 @@ class Supervisor:
             return SupervisorResult(EXIT_PREEMPTED, "Preempted", message, durable_step=step, restarts=restarts)
         if self._fatal is not None:
             message = str(self._fatal)
+        elif failed and failed.get("diskFull"):       # restarting cannot help: the same disk is full
+            message = disk_full_message(self.work, failed["message"], self._durable)
         elif code == child.CHILD_CODE_ERROR:
             message = failed["message"] if failed else "the reward function failed"
         else:
@@ -328,7 +332,7 @@ class Supervisor:
     def _restore(self) -> int:
         """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
         one sealed here before a crash is kept and uploaded); its step, 0 for none."""
-        got = restore_latest(self.store, self.work / "checkpoints")
+        got = restore_latest(self.store, self.work / "checkpoints", accept=self._ours)
         if got is None:
             return 0
         step, folder, manifest, durable = got
@@ -339,9 +343,23 @@ class Supervisor:
             self.uploads.submit(folder, manifest)
         return step
 
+    def _ours(self, manifest) -> str | None:
+        """Why a checkpoint is not this run's to continue from (None: it is). One without a run
+        id predates them and is trusted."""
+        run = manifest.meta.get("run")
+        if run is None or run == self.books.run_id:
+            return None
+        return (f"it was written by another run of job {self.spec.name} (run {run[:12]}; this record's is "
+                f"{self.books.run_id[:12]}): a job submitted again under the name of one whose record was deleted")
+
     def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
         """From the upload thread, after each upload ended."""
-        self._note_durable(durable)
+        try:
+            self._note_durable(durable)
+        except (OSError, sqlite3.OperationalError) as e:
+            if not disk_full(e):
+                raise
+            log.error("could not record checkpoints %s as durable: the local disk is full (%s)", durable, e)
         if isinstance(error, LeaseLost):       # refused by the fence before the renewal thread said so
             self._lease_lost(error)
         if isinstance(error, StorageConfigError) and self._fatal is None:
@@ -391,7 +409,7 @@ class Supervisor:
         return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
-                    stop_by=books.stop_by())
+                    stop_by=books.stop_by(), run_id=books.run_id)
 
     def _start_child(self, plan: Plan) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -428,6 +446,11 @@ class Supervisor:
                     self._on_event(json.loads(line))
                 except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
                     log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
+                except (OSError, sqlite3.OperationalError) as e:
+                    if not disk_full(e):
+                        raise
+                    log.error("could not record what the trainer reported (%s): the local disk is full (%s)",
+                              line.strip()[:80], e)
                 except Exception:   # a bad line or a record error must not stop the reading
                     log.exception("could not handle the trainer's event %s", line.strip()[:200])
         proc.wait()
@@ -513,6 +536,17 @@ def trainer_threads(cores: int, user: Mapping[str, str], *, kept: int | None = N
     if int(env["OMP_NUM_THREADS"]) > 1 and "OMP_WAIT_POLICY" not in user and "GOMP_SPINCOUNT" not in user:
         env["GOMP_SPINCOUNT"] = str(SPIN_ROUNDS)
     return env
+
+
+def disk_full(e: BaseException) -> bool:
+    """The local disk (or the record's SQLite file on it) has no room left."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or \
+        (isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e))
+
+
+def disk_full_message(work: Path, detail: str, durable: int) -> str:
+    return (f"the local disk is full ({detail}) under {work}: free space there, or set GRPO_RUN_HOME to a "
+            f"bigger disk, then `grpo-run resume`; checkpoint {durable} is durable in storage and stays so")
 
 
 def _source(monitor: NoticeMonitor) -> str:

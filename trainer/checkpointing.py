@@ -30,7 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointFailed(RuntimeError):
-    """The writer could not write a checkpoint (disk full, a bad layout): the run must stop."""
+    """The writer could not write a checkpoint (disk full, a bad layout): the run must stop.
+    `errno`: the OSError's, when that was the cause (errno.ENOSPC: the local disk is full)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 class Checkpointer:
@@ -77,7 +82,8 @@ class Checkpointer:
         events = self._writer.poll() if wait_for is None else self._writer.wait_sealed(wait_for)
         for event in events:
             if "failed" in event:
-                raise CheckpointFailed(f"checkpoint {event['failed']} could not be written: {event['error']}")
+                raise CheckpointFailed(f"checkpoint {event['failed']} could not be written: {event['error']}",
+                                       event.get("errno"))
         return [event["sealed"] for event in events if "sealed" in event]
 
     @property

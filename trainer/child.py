@@ -8,6 +8,7 @@ completed step; SIGUSR1 asks for a checkpoint at the next step boundary.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from checkpoint.procs import die_with_parent
+from trainer.checkpointing import CheckpointFailed
 from trainer.grader import RewardFunctionError
 from trainer.logs import trainer_logging
 from trainer.run import Events, Plan, Requests, run
@@ -62,6 +64,10 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit("failed", message=f"reward function failed: {e}", code=True)
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
+    except CheckpointFailed as e:         # its reason is the whole story: no traceback
+        events.emit("failed", message=str(e), code=False, diskFull=e.errno == errno.ENOSPC)
+        log.error("%s", e)
+        return CHILD_CRASHED
     except Exception as e:
         events.emit("failed", message=f"{type(e).__name__}: {e}", code=False)
         log.exception("the trainer crashed")

@@ -62,6 +62,7 @@ class Plan:
     baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
     eval_done: dict[str, dict[int, dict[str, list[float]]]] = field(default_factory=dict)  # finished batches by kind
     stop_by: float | None = None          # time.monotonic() past which no step may end (the budget, as time)
+    run_id: str | None = None             # the run's identity, written into each checkpoint's manifest
 
     def to_json(self) -> str:
         env = self.env
@@ -69,7 +70,7 @@ class Plan:
             "name": self.name, "model": self.model, "model_name": self.model_name,
             "keep_checkpoints": self.keep_checkpoints, "baseline": self.baseline,
             "eval_done": {k: {str(i): r for i, r in v.items()} for k, v in self.eval_done.items()},
-            "stop_by": self.stop_by, "params": to_yaml_dict(self.params),
+            "stop_by": self.stop_by, "run_id": self.run_id, "params": to_yaml_dict(self.params),
             "env": env.to_dict(),
         })
 
@@ -122,7 +123,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     p = plan.params
     logs = work / "logs" / "trainer.log"
     checkpoints = Checkpointer(work / "checkpoints", interval=p.saveSteps, keep=plan.keep_checkpoints,
-                               meta={"job": plan.name}, log_file=logs if logs.exists() else None)
+                               meta={"job": plan.name, "run": plan.run_id}, log_file=logs if logs.exists() else None)
     trainer = None
     try:
         trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name)

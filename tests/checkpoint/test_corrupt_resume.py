@@ -58,6 +58,11 @@ def truncate_optimizer(client, bucket: str, ckpt: str) -> str:
     return f"training_state.safetensors is {len(data) // 2} bytes, manifest says {len(data)}"
 
 
+def delete_a_listed_file(client, bucket: str, ckpt: str) -> str:
+    client.delete_object(Bucket=bucket, Key=f"{ckpt}/adapter/adapter_config.json")   # the manifest still lists it
+    return "partial upload"
+
+
 def resumed_from(s3_env, tmp_path: Path) -> int | None:
     """`resumedFrom` as the job's record in the bucket has it."""
     local = tmp_path / "record" / "state.db"
@@ -67,14 +72,16 @@ def resumed_from(s3_env, tmp_path: Path) -> int | None:
         return record.value("resumedFrom")
 
 
-# One case on every edit (~25 s, plus ~13 s for the reference run); all three in CI.
+# One case on every edit (~25 s, plus ~13 s for the reference run); all four in CI.
+@pytest.mark.fault
 @pytest.mark.parametrize("corrupt", [
     pytest.param(flip_adapter_bytes, id="flipped-adapter-bytes"),
     pytest.param(delete_manifest, id="deleted-manifest", marks=pytest.mark.slow),
     pytest.param(truncate_optimizer, id="truncated-optimizer", marks=pytest.mark.slow),
+    pytest.param(delete_a_listed_file, id="manifest-names-a-missing-file", marks=pytest.mark.slow),
 ])
 def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_the_one_before(
-        tmp_path, s3_env, uninterrupted, corrupt):
+        tmp_path, s3_env, uninterrupted, figures, corrupt):
     job = write_job(tmp_path, s3_env.url)
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=f"upload@{3 * SAVE}", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -87,7 +94,38 @@ def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_t
     why = corrupt(s3_env.server.client(), s3_env.bucket, f"{job_prefix(s3_env)}/checkpoints/{checkpoint_name(newest)}")
     resumed = grpo_run(tmp_path / "node-b", "resume", JOB, "--storage", s3_env.url)
 
-    assert resumed_from(s3_env, tmp_path) == before
-    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == uninterrupted
+    came_from = resumed_from(s3_env, tmp_path)
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == uninterrupted
     skipped = [line for line in resumed.stderr.splitlines() if checkpoint_name(newest) in line]
-    assert any("skipping" in line and why in line for line in skipped), resumed.stderr[-3000:]
+    said = [line for line in skipped if "skipping" in line and why in line]
+    figures.add("corrupt", damage=corrupt.__name__.replace("_", " "), refused=came_from == before,
+                resumed_from=came_from, said=(said[0].split(": ", 1)[-1][:120] if said else ""), identical=identical)
+    assert came_from == before
+    assert identical
+    assert said, resumed.stderr[-3000:]
+
+
+@pytest.mark.fault
+@pytest.mark.slow
+def test_a_checkpoint_left_by_an_earlier_run_of_the_same_name_is_never_resumed_from(
+        tmp_path, s3_env, uninterrupted, figures):
+    """A job whose record was deleted (to start over) and submitted again under the same name
+    finds the earlier run's checkpoints in storage, newer than its record claims: it must start
+    from the beginning and end as one never interrupted."""
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    grpo_run(tmp_path / "node-a", "apply", "-f", str(write_job(earlier, s3_env.url, learningRate=0.02)))
+    s3_env.server.client().delete_object(Bucket=s3_env.bucket, Key=f"{job_prefix(s3_env)}/state.db")
+    stale = durable_steps(s3_env)
+    assert stale, "the earlier run left no checkpoint"
+
+    again = grpo_run(tmp_path / "node-b", "apply", "-f", str(write_job(tmp_path, s3_env.url)))
+    refused = [line for line in again.stderr.splitlines() if "another run of job" in line]
+    came_from = resumed_from(s3_env, tmp_path)
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == uninterrupted
+    figures.add("corrupt", damage="a checkpoint of an earlier run under the same name", refused=came_from is None,
+                resumed_from=came_from or 0, said=(refused[0].split(": ", 1)[-1][:120] if refused else ""),
+                identical=identical)
+    assert came_from is None                       # started from the beginning
+    assert refused, again.stderr[-3000:]
+    assert identical

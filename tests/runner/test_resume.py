@@ -75,23 +75,30 @@ def kill_and_resume(tmp_path, storage, fault):
     return exported_bytes(tmp_path / "node-c", storage, tmp_path / "export")
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("fault", ["sample@5", "backward@3", "upload@4"])
-def test_a_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(tmp_path, s3_env, uninterrupted, fault):
-    assert kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted
+def test_a_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(tmp_path, s3_env, uninterrupted, figures,
+                                                                       fault):
+    identical = kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted
+    figures.add("kill", fault=fault, identical=identical)
+    assert identical
     st = status(tmp_path / "node-d", s3_env.url)
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
     assert st["baseline"]["runs"] == 1 and st["baseline"]["source"] == "cache"   # not re-run on resume
     assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_kill_at_a_random_point_is_survived(tmp_path, s3_env, uninterrupted, seed):
+def test_a_kill_at_a_random_point_is_survived(tmp_path, s3_env, uninterrupted, figures, seed):
     rng = random.Random(seed)
     fault = f"{rng.choice(['sample', 'backward', 'upload'])}@{rng.randrange(1, STEPS)}"
     if fault.startswith("upload"):
         fault = f"upload@{SAVE * rng.randrange(1, STEPS // SAVE)}"
-    assert kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted, fault
+    identical = kill_and_resume(tmp_path, s3_env.url, fault) == uninterrupted
+    figures.add("kill", fault=fault, identical=identical)
+    assert identical, fault
 
 
 def test_resuming_a_finished_job_is_a_no_op_that_says_so(tmp_path, s3_env):
