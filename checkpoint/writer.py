@@ -99,6 +99,7 @@ class CheckpointWriter:
         self._busy: int | None = None         # the step whose snapshot the writer is still reading
         self._events: list[dict[str, Any]] = []
         self._pending = b""
+        self._closing = False                 # close() asked it to end: its exit is no death
         args = [sys.executable, "-m", "checkpoint.writer", "--fd", str(self._fd), "--root", str(self.root),
                 "--keep", str(keep), "--parent", str(os.getpid()), "--meta", json.dumps(meta or {})]
         if log_file is not None:
@@ -129,8 +130,14 @@ class CheckpointWriter:
     # --- replies -----------------------------------------------------------------------------
 
     def poll(self) -> list[dict[str, Any]]:
-        """The events since the last call, without waiting."""
+        """The events since the last call, without waiting. Raises WriterDied once the process
+        has ended unasked (the trainer polls every step: it stops at once, not at the next
+        checkpoint, so no more steps are trained that nothing could save)."""
         self._read(0)
+        if not self._closing and self._proc.poll() is not None:
+            self._read(0)
+            raise WriterDied(f"the checkpoint writer process ended (status {self._proc.returncode}); "
+                             "its error is in the log above")
         events, self._events = self._events, []
         return events
 
@@ -147,6 +154,7 @@ class CheckpointWriter:
         polled. Closing twice is harmless."""
         if self._fd < 0:
             return []
+        self._closing = True
         if self._proc.poll() is None:
             try:
                 self._send({"op": "close"})
@@ -317,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         to_file.setFormatter(fmt)
         root.addHandler(to_file)
         logging.getLogger("checkpoint").setLevel(logging.INFO)
-    return _serve(args)
+    try:
+        return _serve(args)
+    except BrokenPipeError:       # the trainer is gone (killed with its node): nobody to tell
+        return 0
 
 
 __all__ = ["CheckpointWriter", "Layout", "WriterDied", "write_files"]

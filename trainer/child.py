@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from checkpoint.procs import die_with_parent
+from checkpoint.writer import WriterDied
 from trainer.checkpointing import CheckpointFailed
 from trainer.grader import RewardFunctionError
 from trainer.logs import trainer_logging
@@ -64,8 +65,8 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit("failed", message=f"reward function failed: {e}", code=True)
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
-    except CheckpointFailed as e:         # its reason is the whole story: no traceback
-        events.emit("failed", message=str(e), code=False, diskFull=e.errno == errno.ENOSPC)
+    except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
+        events.emit("failed", message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC)
         log.error("%s", e)
         return CHILD_CRASHED
     except Exception as e:

@@ -22,16 +22,22 @@ _EMULATORS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
               "azure": ("GRPO_RUN_AZURE_METADATA_URL", AzureScheduledEventsEmulator)}
 
 
-def start_node(home: Path, *args: str, fault: str | None = None, **env_extra: str) -> subprocess.Popen:
+def start_node(home: Path, *args: str, fault: str | None = None, log: Path | None = None,
+               **env_extra: str) -> subprocess.Popen:
     """`grpo-run ARGS` in the background on a node whose local disk is `home`. A `fault`
-    (GRPO_RUN_FAULT) fires once: its marker file is `marker(home)`."""
+    (GRPO_RUN_FAULT) fires once: its marker file is `marker(home)`. Its output is piped, or
+    appended to `log` (then communicate() returns nothing: read the file)."""
     env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
         env["GRPO_RUN_FAULT"] = fault
         env["GRPO_RUN_FAULT_MARKER"] = str(marker(home))
-    return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if log is None:
+        return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(log, "a") as out:
+        return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def marker(home: Path) -> Path:
@@ -45,7 +51,7 @@ def wait_until(what: str, reached: Callable[[], bool], proc: subprocess.Popen | 
     while not reached():
         if proc is not None and proc.poll() is not None:
             out, err = proc.communicate()
-            raise AssertionError(f"the node ended (status {proc.returncode}) before {what}:\n{err[-3000:]}")
+            raise AssertionError(f"the node ended (status {proc.returncode}) before {what}:\n{(err or '')[-3000:]}")
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
         time.sleep(0.02)
 

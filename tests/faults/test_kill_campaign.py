@@ -3,9 +3,10 @@ writer, or of all three at once, at random moments, over real S3; the node resum
 (the supervisor restarts a killed trainer itself; a killed supervisor is started again, as its
 systemd unit would, now and then on a fresh node). The final adapter must be byte-identical to
 an uninterrupted run's, and each kill may cost at most `saveSteps` completed steps plus the
-ones whose checkpoint was still being written or uploaded at that instant (counted from each
-node's record: the last step it completed before the kill, the step the next attempt resumed
-from; reported).
+ones whose checkpoint was still with the writer (or, for a fresh node, not yet uploaded) at that
+instant; counted from each node's record (the last step its attempt completed, the step the next
+attempt resumed from) and reported, and each resume must start from the newest checkpoint the
+node could have had.
 
 The schedule comes from a seed, printed, so a failure can be replayed:
     GRPO_RUN_KILL_SEED=1234 GRPO_RUN_KILLS=60 .venv/bin/pytest tests/faults/test_kill_campaign.py
@@ -17,6 +18,7 @@ import os
 import random
 import signal
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 KILLS = int(os.environ.get("GRPO_RUN_KILLS", "50"))
 SEED = int(os.environ.get("GRPO_RUN_KILL_SEED", "20261201"))
-STEPS, SAVE = 800, 4
+STEPS, SAVE = 1400, 4
 TARGETS = ("trainer", "writer", "supervisor", "all")
 CRASH_RESTARTS = 2        # trainer/writer kills per supervisor: the supervisor gives up after 3
 
@@ -65,10 +67,12 @@ def stored(s3_env) -> bool:
         return False
 
 
-def resumed_from(home: Path) -> int:
-    """The step the node's newest attempt started from (its checkpoint's)."""
-    with Record(home / "runs" / "resumable" / "state.db") as record:
-        return record.attempts()[-1]["from_step"]
+def node_attempts(home: Path) -> list[dict]:
+    db = home / "runs" / "resumable" / "state.db"
+    if not db.exists():
+        return []
+    with Record(db) as record:
+        return record.attempts()
 
 
 @pytest.fixture(scope="module")
@@ -78,29 +82,39 @@ def reference(tmp_path_factory):
     return exported_bytes(folder / "home", None, folder / "export")
 
 
-def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redone_steps(
+def test_fifty_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_newest_checkpoint(
         tmp_path, s3_env, reference, figures):
     rng = random.Random(SEED)
     print(f"\nkill campaign: seed {SEED}, {KILLS} kills (replay: GRPO_RUN_KILL_SEED={SEED} GRPO_RUN_KILLS={KILLS})")
     path = job(tmp_path, s3_env.url)
     kills: list[dict] = []
     node, fresh_nodes = tmp_path / "node-0", 0
-    proc = start_node(node, "apply", "-f", str(path), GRPO_RUN_NOTICES="none")
+    log = tmp_path / "nodes.log"          # every node's output, in order: what to read when it fails
+    proc = start_node(node, "apply", "-f", str(path), GRPO_RUN_NOTICES="none", log=log)
     crash_kills = 0
     cost: dict | None = None      # the kills since the node last made progress, and the step reached
 
     def account() -> None:
-        """The kills since the last progress cost the steps past where training resumed, which
-        must be the newest checkpoint the node could have had: sealed on its disk (the same
-        node) or durable in storage (a fresh one)."""
+        """The kills since the last progress cost the steps their attempt completed past where
+        the next attempt resumed, which must be the newest checkpoint the node could have had:
+        sealed on its disk (the same node) or durable in storage (a fresh one). Progress may
+        still be the killed attempt's own (a trainer whose writer died trains on to its next
+        checkpoint): then it waits for the next attempt."""
         nonlocal cost
-        if cost is not None:
-            kill = kills[cost["kill"]]
-            kill["resumed"] = resumed_from(node)
-            kill["redone"] = cost["reached"] - kill["resumed"]
-            newest = max(cost["durable"], cost["sealed"] if node.name == kill["node"] else 0)
-            assert kill["resumed"] >= newest, f"kill {cost['kill']} ({kill}): a newer checkpoint, {newest}, was there"
-            cost = None
+        if cost is None:
+            return
+        now = node_attempts(node)
+        if not now or now[-1]["started"] <= cost["at"]:
+            return
+        kill = kills[cost["kill"]]
+        killed = [a for a in now if (a["id"], a["started"]) == cost["attempt"]]
+        ended_at = killed[0]["to_step"] if killed and killed[0]["to_step"] is not None else 0
+        kill["resumed"] = now[-1]["from_step"]
+        kill["redone"] = max(cost["reached"], ended_at) - kill["resumed"]
+        newest = max(cost["durable"], cost["sealed"] if node.name == kill["node"] else 0)
+        assert kill["resumed"] >= newest, (f"kill {cost['kill']} ({kill}): a newer checkpoint, {newest}, was "
+                                           f"there; the nodes' log ends:\n{log.read_text()[-6000:]}")
+        cost = None
 
     while len(kills) < KILLS:
         before = last_step(node)
@@ -119,7 +133,7 @@ def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redo
             account()
         time.sleep(delay)
         if proc.poll() is not None:
-            assert proc.returncode == 0, proc.communicate()[1][-3000:]
+            assert proc.returncode == 0, log.read_text()[-3000:]
             break
         found = processes(proc.pid)
         victims = [p for name in (("supervisor", "trainer", "writer") if target == "all" else (target,))
@@ -131,17 +145,23 @@ def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redo
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         reached = last_step(node)
+        current = node_attempts(node)
         local = newest_sealed(node / "runs" / "resumable" / "checkpoints") if target != "writer" else None
         sealed, durable = (local[0] if local else 0), max(durable_steps(s3_env), default=0)
         kills.append({"target": target, "reached": reached, "early": early, "node": node.name, "redone": 0,
                       "sealed": sealed, "durable": durable})
         if cost is None or reached > cost["reached"]:
-            cost = {"kill": len(kills) - 1, "reached": reached, "sealed": sealed, "durable": durable}
+            cost = {"kill": len(kills) - 1, "reached": reached, "sealed": sealed, "durable": durable,
+                    "attempt": (current[-1]["id"], current[-1]["started"]) if current else None}
+        cost["at"] = at                     # the next attempt to count from starts after this kill
+        with open(log, "a") as f:
+            f.write(f"---- kill {len(kills) - 1}: {target} at step {reached} (sealed here {sealed}, durable {durable})\n")
         if target in ("trainer", "writer"):
             crash_kills += 1
             continue                        # the supervisor restarts its trainer
-        proc.communicate()
+        proc.wait()
         assert proc.returncode == -signal.SIGKILL
         crash_kills = 0
         if rng.random() < 0.2:              # now and then the node is gone: a fresh one resumes
@@ -149,9 +169,11 @@ def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redo
             node = tmp_path / f"node-{fresh_nodes}"
         # `resume` once the job is in storage; a node killed before it got there is simply run again
         again = ("resume", "resumable", "--storage", s3_env.url) if stored(s3_env) else ("apply", "-f", str(path))
-        proc = start_node(node, *again, GRPO_RUN_NOTICES="none")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
+        with open(log, "a") as f:
+            f.write(f"---- kill {len(kills) - 1}: {target}; now {' '.join(again[:2])} on {node.name}\n")
+        proc = start_node(node, *again, GRPO_RUN_NOTICES="none", log=log)
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, log.read_text()[-3000:]
     account()
 
     st = status(tmp_path / "node-x", s3_env.url)
@@ -177,6 +199,8 @@ def test_fifty_hard_kills_at_random_moments_end_byte_identical_with_bounded_redo
     assert len(kills) >= KILLS, f"the run finished after {len(kills)} kills: make STEPS larger"
     assert identical
     assert st["baseline"]["runs"] == 1           # never paid for twice
-    # on its own node a run loses at most one interval, plus the checkpoint being sealed at the
-    # kill; a fresh node continues from what was durable (account() checked it was the newest)
-    assert max(same_node, default=0) <= 2 * SAVE, same_node
+    # On its own node a kill costs the steps since the newest sealed checkpoint: one interval,
+    # plus up to two checkpoints still with the writer (one being read from the buffer, one being
+    # hashed and renamed; the writer runs at nice 10 and lags on a busy node). A fresh node
+    # continues from what was durable. account() checked each resume took the newest there was.
+    assert max(same_node, default=0) <= 3 * SAVE, same_node
