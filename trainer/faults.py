@@ -7,6 +7,8 @@ when `GRPO_RUN_FAULT=[hold:]POINT@STEP[/trainer]` is set: production code has no
                  in the supervisor (which uploads)
     restore@K    after the first file of checkpoint K came down from object storage, before the
                  trainer starts, in the supervisor (which restores)
+    baseline@B   once B batches of the baseline evaluation are finished (and reported), in the
+    final@B      trainer; likewise the final evaluation
 
 Each hard-kills the node — the supervisor and the trainer, SIGKILL, no handler, no flush (the
 trainer and its checkpoint writer die with the supervisor: PR_SET_PDEATHSIG). `POINT@K/trainer`
@@ -33,12 +35,13 @@ from checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
-POINTS = ("sample", "backward", "upload", "restore")
+POINTS = ("sample", "backward", "upload", "restore", "baseline", "final")
+_TRAINER_POINTS = ("sample", "backward", "baseline", "final")
 HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
 
 
 class Fault(NamedTuple):
-    point: str        # sample | backward | upload | restore
+    point: str        # one of POINTS
     step: int
     trainer_only: bool
     hold: bool = False
@@ -59,9 +62,10 @@ def wanted() -> Fault | None:
 
 
 def arm_trainer(trainer: Any) -> None:
-    """Wrap a GRPOTrainer's methods so the wanted `sample` or `backward` fault fires in it."""
+    """Wrap a GRPOTrainer's methods so the wanted `sample`, `backward`, `baseline` or `final`
+    fault fires in it."""
     fault = wanted()
-    if fault is None or fault.point not in ("sample", "backward"):
+    if fault is None or fault.point not in _TRAINER_POINTS:
         return
     current = [-1]
     train_step = trainer.train_step
@@ -74,6 +78,22 @@ def arm_trainer(trainer: Any) -> None:
     stop = trainer.stop
     if fault.point == "sample":
         trainer.stop = _Tripwire(stop, lambda: current[0] == fault.step, fault)
+    elif fault.point in ("baseline", "final"):
+        evaluate = trainer.evaluate
+
+        def evaluate_then(tasks: Any, *args: Any, on_batch: Any = None, **kwargs: Any) -> Any:
+            kind = "baseline" if current[0] < 0 else "final"    # held-out evaluations pass no on_batch
+            if on_batch is None or kind != fault.point:
+                return evaluate(tasks, *args, on_batch=on_batch, **kwargs)
+
+            def on_batch_then(i: int, rewards: Any) -> None:
+                on_batch(i, rewards)
+                if i + 1 >= fault.step:
+                    _fire(fault, parent_is_supervisor=True, stop=stop)
+
+            return evaluate(tasks, *args, on_batch=on_batch_then, **kwargs)
+
+        trainer.evaluate = evaluate_then
     else:
         optimizer_step = trainer.optimizer.step
 

@@ -102,8 +102,8 @@ def render(figures: list[dict], summary: str, run: str = "-m fault") -> str:
                           k.get("redone_max_same_node", ""), k["redone_max"], k["identical"]] for k in kills])
     if notices:
         lines += ["", "## Notices", "",
-                  "Each source in each phase; the moment is held by a `hold:` fault (trainer/faults.py) or, for "
-                  "the evaluations, taken two batches into a 60-batch evaluation. Seconds from the notice to the "
+                  "Each source in each phase; the moment is held by a `hold:` fault (trainer/faults.py; for the "
+                  "evaluations, two batches into 60). Seconds from the notice to the "
                   "process's exit, and to the newest checkpoint being durable as the record says.", ""]
         lines += _table(["phase", "source", "exit (s)", "notice -> durable (s)", "steps lost", "outcome"],
                         [[n["phase"], n["source"], _s(n["exit_seconds"]), _s(n["notice_to_durable_seconds"]),

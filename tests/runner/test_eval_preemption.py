@@ -2,8 +2,8 @@
 notice window, and the resume on a fresh node continues the evaluation from the batches that
 had finished instead of computing them again.
 
-The job evaluates 120 held-out tasks in batches of 2 (60 batches, several seconds on these
-cores), so a SIGTERM to the supervisor lands mid-evaluation."""
+The job evaluates 120 held-out tasks in batches of 2 (60 batches); a `hold:KIND@2` fault holds
+the trainer once two are finished, so the SIGTERM to the supervisor lands mid-evaluation."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from tests.runner.test_resume import grpo_run, status
+from tests.faults.harness import wait_until
 from tests.runner.test_supervisor import start_apply
 
 STEPS = 2
@@ -58,8 +59,11 @@ def notice_during(tmp_path, s3_env, kind: str) -> tuple[dict, dict]:
     """SIGTERM the supervisor while evaluation `kind` runs, then resume on a fresh node. Returns
     (status after the notice, status after the resume)."""
     job = write_eval_heavy_job(tmp_path, s3_env.url)
-    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none")
+    held = tmp_path / "held"          # the trainer holds once two batches are finished, until the notice
+    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", GRPO_RUN_FAULT=f"hold:{kind}@2",
+                       GRPO_RUN_FAULT_MARKER=str(held))
     wait_for_batches(tmp_path / "node-a", proc, kind)
+    wait_until("the hold", held.exists, proc)
     noticed = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
