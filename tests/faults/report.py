@@ -39,7 +39,7 @@ def _s(x) -> str:
     return f"{x:.2f}" if isinstance(x, (int, float)) else str(x)
 
 
-def render(figures: list[dict], summary: str, run: str = "-m fault") -> str:
+def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str | None = None) -> str:
     by = defaultdict(list)
     for f in figures:
         by[f["kind"]].append(f)
@@ -51,7 +51,7 @@ def render(figures: list[dict], summary: str, run: str = "-m fault") -> str:
              "only when every test passed; a whole-suite run with the variable set gives the same page. "
              "Every figure below was measured by a test that also asserts on it; nothing here is typed in "
              "by hand.", "",
-             f"- Commit: `{_commit()}`",
+             f"- Commit: `{commit or _commit()}`",
              f"- Measured: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} on "
              f"{len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}, torch {torch.__version__}, "
              f"{platform.system()} {platform.release()}",
@@ -93,8 +93,10 @@ def render(figures: list[dict], summary: str, run: str = "-m fault") -> str:
                   "Steps redone: the last step the node completed before a kill minus the step the next "
                   "attempt resumed from; the test checks that this was the newest checkpoint the node could "
                   "have had (sealed on its own disk, or durable in storage for a fresh node). On its own node "
-                  "a kill costs at most one interval plus the checkpoint being sealed; a fresh node loses "
-                  "what had not been uploaded yet (these steps take about 20 ms, an upload longer).", ""]
+                  "a kill costs at most one interval plus two checkpoints still with the writer (one being "
+                  "read from the shared buffer, one being hashed and renamed; the test allows 3 x saveSteps); "
+                  "a fresh node loses what had not been uploaded yet (these steps take about 20 ms, an "
+                  "upload longer).", ""]
         lines += _table(["seed", "kills", "by target", "fresh nodes", "attempts", "steps", "saveSteps",
                          "steps redone: total", "max per kill, same node", "max per kill, any", "identical"],
                         [[k["seed"], k["kills"], ", ".join(f"{t} {n}" for t, n in k["by_target"].items()),
@@ -143,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("figures", type=Path)
     parser.add_argument("--summary", default="", help="pytest's last line")
     parser.add_argument("--run", default="-m fault", help="what pytest ran")
+    parser.add_argument("--commit", help="the commit the figures were measured on (default: this checkout's)")
     args = parser.parse_args(argv)
     figures = [json.loads(line) for line in args.figures.read_text().splitlines() if line.strip()]
     if not figures:
         print("no figures were recorded: was GRPO_RUN_FIGURES set for the test run?", file=sys.stderr)
         return 1
-    sys.stdout.write(render(figures, args.summary, args.run))
+    sys.stdout.write(render(figures, args.summary, args.run, args.commit))
     return 0
 
 

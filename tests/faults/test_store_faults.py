@@ -116,7 +116,7 @@ def _fails_clearly(proc, node: Path, *said: str) -> tuple[str, int]:
     local = newest_sealed(node / "runs" / "resumable" / "checkpoints")
     assert local is not None
     verify(local[1])                                 # the local checkpoint is whole
-    return lines[0], local[0]
+    return lines[-1], local[0]          # the last: what the command itself ended with
 
 
 def test_revoked_credentials_fail_the_run_clearly_and_it_resumes_once_they_are_back(
