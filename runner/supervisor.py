@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -354,12 +356,8 @@ class Supervisor:
 
     def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
         """From the upload thread, after each upload ended."""
-        try:
+        with _unless_disk_full(f"checkpoints {durable} as durable"):
             self._note_durable(durable)
-        except (OSError, sqlite3.OperationalError) as e:
-            if not disk_full(e):
-                raise
-            log.error("could not record checkpoints %s as durable: the local disk is full (%s)", durable, e)
         if isinstance(error, LeaseLost):       # refused by the fence before the renewal thread said so
             self._lease_lost(error)
         if isinstance(error, StorageConfigError) and self._fatal is None:
@@ -443,14 +441,10 @@ class Supervisor:
         with os.fdopen(fd, "r") as lines:
             for line in lines:
                 try:
-                    self._on_event(json.loads(line))
+                    with _unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
+                        self._on_event(json.loads(line))
                 except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
                     log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
-                except (OSError, sqlite3.OperationalError) as e:
-                    if not disk_full(e):
-                        raise
-                    log.error("could not record what the trainer reported (%s): the local disk is full (%s)",
-                              line.strip()[:80], e)
                 except Exception:   # a bad line or a record error must not stop the reading
                     log.exception("could not handle the trainer's event %s", line.strip()[:200])
         proc.wait()
@@ -542,6 +536,17 @@ def disk_full(e: BaseException) -> bool:
     """The local disk (or the record's SQLite file on it) has no room left."""
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or \
         (isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e))
+
+
+@contextmanager
+def _unless_disk_full(what: str) -> Iterator[None]:
+    """A full local disk while recording `what` is logged in one line; any other error propagates."""
+    try:
+        yield
+    except (OSError, sqlite3.OperationalError) as e:
+        if not disk_full(e):
+            raise
+        log.error("could not record %s: the local disk is full (%s)", what, e)
 
 
 def disk_full_message(work: Path, detail: str, durable: int) -> str:
