@@ -63,6 +63,7 @@ class Books:
             self.record.set_value("runId", self.run_id)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
+        self._queued: Future | None = None
         self.attempt: int | None = None
         self._t0 = time.monotonic()
         self._earlier_usd = 0.0
@@ -90,7 +91,11 @@ class Books:
             self.store.put_file(snap, RECORD_FILE)
 
         self._last_sync = time.monotonic()
+        queued = self._queued
+        if not wait and queued is not None and not queued.running() and not queued.done():
+            return             # one not yet begun will snapshot what is here now: no pile-up
         done: Future = self._sync_pool.submit(upload)
+        self._queued = done
         if wait:
             done.result()
 
@@ -125,10 +130,10 @@ class Books:
         self.sync(wait=True)
         return self.attempt
 
-    def end_attempt(self, reason: str, message: str = "") -> None:
+    def end_attempt(self, reason: str, message: str = "", notice: str | None = None) -> None:
         with self.record.transaction():
             self.write_ledger()
-            self.record.end_attempt(self.attempt, reason, message)
+            self.record.end_attempt(self.attempt, reason, message, notice)
 
     def attempt_usd(self) -> float:
         return (time.monotonic() - self._t0) * (self.usd_per_hour or 0.0) / 3600

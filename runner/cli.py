@@ -443,6 +443,45 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
     return EXIT_OK
 
 
+@cli.command("report", short_help="draw the run: rewards, lengths, signal, loss, cost, attempts (PNG)")
+@click.argument("name")
+@click.option("--storage", metavar="URL", help="read the job from this storage URL (no local run needed)")
+@click.option("--out", required=True, metavar="FILE.png", help="the picture to write; a Markdown summary goes beside it (.md)")
+def cmd_report(name: str, storage: str | None, out: str) -> int:
+    """Draw a job's run into a PNG from its record: the train reward (raw and smoothed) with the
+    held-out baseline, periodic and final evaluations, completion length, groups with identical
+    rewards, loss (and KL when beta > 0), learning rate, and the spend over wall time; every attempt
+    boundary is marked with why it ended and the steps the next attempt redid. A Markdown summary
+    with one row per attempt is written beside it (same name, .md).
+
+    \b
+    example:
+      grpo-run report tiny-arithmetic --out report.png
+      grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
+    """
+    from runner.places import open_record
+    from runner.report import gather, render, summary
+
+    path = Path(out)
+    if path.suffix.lower() != ".png":
+        _error(f"--out {out}: the picture is a PNG; name it FILE.png")
+        return EXIT_USAGE
+    try:
+        with open_record(name, storage) as record:
+            run = gather(record)
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    drawn = render(run, path)
+    md = path.with_suffix(".md")
+    md.write_text(summary(run, path.name), encoding="utf-8")
+    cuts = drawn["boundaries"]
+    print(f"wrote {path} and {md}: {run['name']} {run['phase']}, {len(run['steps'])} steps, "
+          f"{len(run['attempts'])} attempt(s), {len(cuts)} boundar{'y' if len(cuts) == 1 else 'ies'}, "
+          f"{sum(c['redone'] for c in cuts)} steps redone")
+    return EXIT_OK
+
+
 @cli.command("tiny-model", short_help="build the tiny local demo model (tiny:char) into a folder")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="folder to write")
 @click.option("--seed", type=int, default=0, help="initialisation seed (default 0)")

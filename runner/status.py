@@ -58,7 +58,7 @@ def job_status(record: Record) -> dict[str, Any]:
         status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
     if record.value("lastNotice"):
         status["lastNotice"] = record.value("lastNotice")
-    status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "message") if a.get(k)},
+    status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},
                            **{key: a[k] for k, key in (("from_step", "fromStep"), ("to_step", "toStep"))
                               if a.get(k) is not None}}
                           for a in record.attempts()]

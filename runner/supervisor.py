@@ -205,7 +205,8 @@ class Supervisor:
                                     why.kind, delay)
                         self._sleep(delay)
                         if self.preempt.is_set():
-                            self._end(Phase.PREEMPTED, "Preempted", f"notice from {_source(monitor)} between attempts")
+                            self._end(Phase.PREEMPTED, "Preempted", f"notice from {_source(monitor)} between attempts",
+                                      notice=_source(monitor))
                             return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=_source(monitor),
                                                     durable_step=self._durable, restarts=restarts)
         finally:
@@ -232,7 +233,7 @@ class Supervisor:
             self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(since, 3),
                                                        "durableStep": self._durable})
             self._end(Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
-                                                    f"step {self._durable} stays durable")
+                                                    f"step {self._durable} stays durable", notice=source)
             return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=source, durable_step=self._durable,
                                     restarts=restarts)
         books.start_attempt(node_name(), from_step=start)
@@ -315,15 +316,16 @@ class Supervisor:
             return self._succeeded(restarts, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
         self._end(Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, "
-                                                f"durable; resume continues from there")
+                                                f"durable; resume continues from there", notice=source)
         return SupervisorResult(EXIT_PREEMPTED, "Preempted", restarts=restarts, **notice)
 
-    def _end(self, phase: Phase, reason: str, message: str, restart_limit: str | None = None) -> None:
+    def _end(self, phase: Phase, reason: str, message: str, restart_limit: str | None = None,
+             notice: str | None = None) -> None:
         """Close the attempt and the phase in one go, and wait until storage has the record."""
         books = self.books
         with books.record.transaction():
             if books.attempt is not None:
-                books.end_attempt(reason, message)
+                books.end_attempt(reason, message, notice)
             if restart_limit:
                 books.record.set_value("restartLimit", {"kind": restart_limit, "message": message})
             books.record.set_phase(phase, message)
@@ -375,7 +377,9 @@ class Supervisor:
                 self.books.record.add_checkpoint(s, durable=True)
         self._noted_durable.update(new)
         self._durable = max(self._durable, *new)
-        self.books.sync_soon()
+        # the record after it, now: a node lost later leaves storage a record with every step up
+        # to the checkpoint a resume starts from (the steps after it are redone and logged again)
+        self.books.sync()
 
     def _wait_durable(self, timeout: float | None = None) -> int:
         """The newest sealed local checkpoint made durable; its step (or the newest durable one

@@ -125,6 +125,10 @@ MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "ALTER TABLE attempts ADD COLUMN from_step INTEGER",
         "ALTER TABLE attempts ADD COLUMN to_step INTEGER",
     )),
+    # which spot notice ended a preempted attempt (aws, gcp, azure, signal): the report's labels
+    ("0003_attempt_notice", (
+        "ALTER TABLE attempts ADD COLUMN notice TEXT",
+    )),
 )
 
 
@@ -223,10 +227,11 @@ class Record:
                 {"node": node, "started": utc_now(), "ended": None, "reason": None,
                  "message": "", "from_step": from_step}).last_pk
 
-    def end_attempt(self, attempt_id: int, reason: str, message: str = "") -> None:
+    def end_attempt(self, attempt_id: int, reason: str, message: str = "", notice: str | None = None) -> None:
         """Close an attempt with a reason: "Succeeded", "Preempted", "Failed", "Crashed",
-        "BudgetExceeded", ... Raises ValueError for an unknown id, an empty reason, or an
-        attempt already ended with another reason (ending it again the same way is a no-op)."""
+        "BudgetExceeded", ... and, for a preemption, the notice's source (aws, gcp, azure, signal).
+        Raises ValueError for an unknown id, an empty reason, or an attempt already ended with
+        another reason (ending it again the same way is a no-op)."""
         if not reason:
             raise ValueError("attempt reason must not be empty")
         with self._write():
@@ -243,12 +248,14 @@ class Record:
             if to_step is None:
                 to_step = rows[0]["from_step"]
             self.db["attempts"].update(attempt_id, {"ended": utc_now(), "reason": reason,
-                                                    "message": message, "to_step": to_step})
+                                                    "message": message, "to_step": to_step,
+                                                    "notice": notice})
 
     def attempts(self) -> list[dict]:
-        """{"id", "node", "started", "ended", "reason", "message", "from_step", "to_step"} oldest
-        first; an attempt still running (or killed without a word) has ended, reason and
-        to_step None; from_step None for one recorded before grpo-run kept it."""
+        """{"id", "node", "started", "ended", "reason", "message", "from_step", "to_step", "notice"}
+        oldest first; an attempt still running (or killed without a word) has ended, reason and
+        to_step None; from_step None for one recorded before grpo-run kept it; notice None unless
+        a spot notice ended it."""
         with self._lock:
             return [dict(r) for r in self.db["attempts"].rows_where(order_by="id")]
 
@@ -261,15 +268,17 @@ class Record:
             self.db["steps"].upsert({"step": int(step), "metrics": _dumps(metrics),
                                      "logged": utc_now()}, pk="step")
 
-    def steps(self, last: int | None = None) -> list[dict]:
+    def steps(self, last: int | None = None, *, logged: bool = False) -> list[dict]:
         """[{"step": n, **metrics}] ordered by step; only the newest `last` when given (the
-        query stops there instead of parsing the whole history)."""
+        query stops there instead of parsing the whole history); `logged`: each with the time
+        it was logged as "logged" too (a redone step: the time it was redone)."""
         with self._lock:
             if last is None:
                 rows = list(self.db["steps"].rows_where(order_by="step"))
             else:
                 rows = list(self.db["steps"].rows_where(order_by="step desc", limit=last))[::-1]
-        return [{"step": r["step"], **json.loads(r["metrics"])} for r in rows]
+        return [{"step": r["step"], **json.loads(r["metrics"]), **({"logged": r["logged"]} if logged else {})}
+                for r in rows]
 
     # --- evaluations ---------------------------------------------------------------------------
 
