@@ -3,8 +3,9 @@ in object storage, the cost ledger and the budget, the cached baseline and the e
 batches a stopped attempt finished.
 
 Storage layout of a job's folder that this module writes: `state.db` (a snapshot of the record,
-refreshed at every phase change and at most every RECORD_SYNC_S otherwise) and `baseline.json`
-(the baseline evaluation with its fingerprint).
+refreshed at every phase change, after every durable checkpoint and at most every RECORD_SYNC_S
+otherwise), `baseline.json` (the baseline evaluation with its fingerprint) and, with
+spec.tracking.tensorboard true, `tensorboard/` (the event files, copied with each snapshot).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.store import Store
+from runner.tracking import Trackers, open_trackers
 from state.record import RECORD_FILE, Phase, Record
 
 log = logging.getLogger("runner.supervisor")
@@ -65,6 +67,8 @@ class Books:
         self._last_sync = 0.0
         self._queued: Future | None = None
         self.attempt: int | None = None
+        self.tracking = (manifest.get("spec") or {}).get("tracking")
+        self.trackers = Trackers([])       # opened per attempt (spec.tracking)
         self._t0 = time.monotonic()
         self._earlier_usd = 0.0
 
@@ -86,6 +90,7 @@ class Books:
     def sync(self, *, wait: bool = False) -> None:
         """Upload a snapshot of the record, in the background unless `wait`."""
         def upload() -> None:      # one worker: snapshots never race each other
+            self.trackers.flush()  # the trackers' files with the record they follow
             snap = self.work / "state.snapshot.db"
             self.record.snapshot(snap)
             self.store.put_file(snap, RECORD_FILE)
@@ -112,6 +117,7 @@ class Books:
 
     def close(self) -> None:
         self._sync_pool.shutdown(wait=True)
+        self.trackers.close()
         self.record.close()
 
     # --- attempts and the ledger -----------------------------------------------------------------
@@ -126,6 +132,11 @@ class Books:
         self._earlier_usd = sum(v["usd"] for v in ledger.values())
         self._t0 = time.monotonic()
         self.attempt = self.record.start_attempt(node, from_step)
+        if self.tracking:
+            self._sync_pool.submit(self.trackers.close).result()    # a restarted trainer's attempt
+            self.trackers = open_trackers(self.tracking, job_store=self.store, work=self.work,
+                                          name=self.record.job()["name"], run_id=self.run_id,
+                                          attempt=self.attempt, record=self.record)
         self.write_ledger()
         self.sync(wait=True)
         return self.attempt
@@ -160,7 +171,9 @@ class Books:
     # --- steps and checkpoints -------------------------------------------------------------------
 
     def log_step(self, step: int, metrics: dict[str, Any]) -> None:
-        self.record.log_step(step, {**metrics, "costUSD": round(self.spent_usd(), 6)})
+        metrics = {**metrics, "costUSD": round(self.spent_usd(), 6)}
+        self.record.log_step(step, metrics)
+        self.trackers.step(step, metrics)
 
     def update_reward_signal(self) -> None:
         steps = self.record.steps(last=REWARD_WINDOW)
@@ -190,6 +203,7 @@ class Books:
             result = {k: cached[k] for k in ("meanReward", "rewards", "tasks", "solved", "batches", "reusedBatches")
                       if k in cached}
             self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
+            self.trackers.evaluation("baseline", 0, result)
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
             return result
         if cached is not None:
@@ -201,6 +215,8 @@ class Books:
 
     def record_eval(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
         self.record.record_eval(kind, result, computed=True, fingerprint=fingerprint)
+        last = self.record.steps(last=1)
+        self.trackers.evaluation(kind, 0 if kind == "baseline" else (last[0]["step"] if last else 0), result)
         if kind == "baseline" and no_signal:
             warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
             log.warning(warning)
@@ -217,6 +233,7 @@ class Books:
         curve = [e for e in self.record.value("heldOut") or [] if e["step"] != step]
         curve.append({"step": step, **{k: result[k] for k in ("meanReward", "rewards", "solved") if k in result}})
         self.record.set_value("heldOut", sorted(curve, key=lambda e: e["step"]))
+        self.trackers.evaluation("heldOut", step, result)
         self.sync_soon()
 
     def eval_batches(self, kind: str, fingerprint: str) -> dict[int, dict[str, list[float]]]:

@@ -37,6 +37,7 @@ from runner.metadata import (
     CLOUDS,
     GCP_METADATA_URL_ENV,
 )
+from runner.tracking import Tracking
 from trainer.config import (
     GRPOParams,
     Strict,
@@ -179,6 +180,7 @@ class TrainingJob(Strict):
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
     notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
+    tracking: Tracking | None = None  # experiment trackers (TensorBoard, MLflow, W&B), all off by default
 
     @field_validator("model")
     @classmethod
@@ -292,6 +294,8 @@ class TrainingJob(Strict):
             spec["pricing"] = self.pricing.to_dict()
         if self.notices is not None:
             spec["notices"] = self.notices.to_dict()
+        if self.tracking is not None:
+            spec["tracking"] = self.tracking.to_dict()
         return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": self.name}, "spec": spec}
 
 

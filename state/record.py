@@ -221,8 +221,13 @@ class Record:
 
     def start_attempt(self, node: str, from_step: int | None = None) -> int:
         """A new attempt on `node` (a host or instance name) continuing from the checkpoint at
-        `from_step` (0: from the start); its id."""
+        `from_step` (0: from the start); its id. The attempt before it got at least as far as
+        that checkpoint: a node lost before its record reached storage leaves a smaller to_step
+        there, which is raised to `from_step`."""
         with self._write():
+            if from_step:
+                self._conn.execute("UPDATE attempts SET to_step = ? WHERE id = (SELECT MAX(id) FROM attempts) "
+                                   "AND ended IS NOT NULL AND (to_step IS NULL OR to_step < ?)", [from_step, from_step])
             return self.db["attempts"].insert(
                 {"node": node, "started": utc_now(), "ended": None, "reason": None,
                  "message": "", "from_step": from_step}).last_pk

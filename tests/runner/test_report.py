@@ -8,6 +8,9 @@ import struct
 import subprocess
 import sys
 import time
+from collections import Counter
+
+import yaml
 
 from runner.report import boundaries, trailing_mean
 from tests.faults.harness import wait_until
@@ -30,6 +33,13 @@ def test_boundaries_say_why_each_attempt_ended_and_what_the_next_one_redid():
         {"attempt": 2, "step": 57, "reason": "Crashed", "label": "crashed", "redone": 7, "resumedFrom": 50}]
 
 
+def with_tracking(job, tracking):
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["tracking"] = tracking
+    job.write_text(yaml.safe_dump(doc))
+    return job
+
+
 def png_size(path):
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
@@ -38,7 +48,7 @@ def png_size(path):
 
 def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_path):
     store = str(tmp_path / "bucket")                       # the job's storage: nothing else is shared
-    job = write_job(tmp_path, store)
+    job = with_tracking(write_job(tmp_path, store), {"tensorboard": True})
     # attempt 1: a notice (SIGTERM) while step 2 is in its backward pass
     held = tmp_path / "held-a"
     proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", GRPO_RUN_FAULT="hold:backward@2",
@@ -74,6 +84,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert [a["reason"] for a in attempts] == ["Preempted", "Crashed", "Preempted", "Succeeded"]
     redone = [attempts[i]["toStep"] - attempts[i + 1]["fromStep"] for i in range(3)]
     assert redone[0] == 0 and redone[2] == 0 and redone[1] >= 0   # notices lose nothing; a kill may
+    assert [a["fromStep"] for a in attempts[1:]] == [3, attempts[1]["toStep"] - redone[1], 7]
     assert f"3 boundaries, {sum(redone)} steps redone" in done.stdout
     for a, r, label in zip(attempts, redone, ["preempted (signal)", "crashed", "preempted (signal)"]):
         assert f"| {label} | {a['fromStep']} -> {a['toStep']} | {r} |" in summary
@@ -95,3 +106,48 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert drawn["panels"][:5] == ["rewardMean", "completionLength", "identicalGroups", "loss",
                                                  "learningRate"]
     assert [seg["attempt"] for seg in drawn["segments"]] == [1, 2, 3, 4]
+
+    # TensorBoard: every step exactly once across the four attempts' event files, read back
+    # with tensorboard's own loader (raw events: duplicates would show) and its accumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from state.record import Record
+
+    folder = tmp_path / "bucket" / "resumable" / "tensorboard"
+    files = sorted(folder.glob("events.out.tfevents.*"))
+    assert len(files) == 4, files                          # one per attempt, all in storage
+    seen = Counter((v.tag, e.step) for f in files for e in EventFileLoader(str(f)).Load() for v in e.summary.value)
+    assert {n for n in seen.values()} == {1}, [k for k, n in seen.items() if n > 1]
+    tb = EventAccumulator(str(folder), size_guidance={"scalars": 0}).Reload()
+    rewards = tb.Scalars("train/rewardMean")
+    with Record(tmp_path / "node-d" / "runs" / "resumable" / "state.db") as record:
+        steps = record.steps()
+        baseline, final = record.eval("baseline")["meanReward"], record.eval("final")["meanReward"]
+    assert [r.step for r in rewards] == [s["step"] for s in steps] == list(range(1, 9))
+    assert [r.value for r in rewards] == [struct.unpack("f", struct.pack("f", s["rewardMean"]))[0] for s in steps]
+    assert [(r.step, round(r.value, 4)) for r in tb.Scalars("eval/baseline/meanReward")] == [(0, round(baseline, 4))]
+    assert [(r.step, round(r.value, 4)) for r in tb.Scalars("eval/final/meanReward")] == [(8, round(final, 4))]
+    assert [r.step for r in tb.Scalars("cost/usd")] == list(range(1, 9))
+
+
+def tensorboard_points(folder):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return Counter((v.tag, e.step) for f in sorted(folder.glob("events.out.tfevents.*"))
+                   for e in EventFileLoader(str(f)).Load() for v in e.summary.value)
+
+
+def test_tensorboard_holds_each_step_once_after_a_restart_redid_steps(tmp_path):
+    """A crashed trainer is restarted on the same node from its last checkpoint: the steps after
+    it are trained again, and their points are already in this node's event file."""
+    job = with_tracking(write_job(tmp_path), {"tensorboard": str(tmp_path / "tb")})
+    done = grpo_run(tmp_path / "node", "apply", "-f", str(job), fault="backward@5/trainer")
+    assert "restart 1 of 3 (crashes)" in done.stderr
+    attempts = json.loads(grpo_run(tmp_path / "node", "get", "tj", "resumable", "-o", "json").stdout
+                          )["status"]["attempts"]
+    assert [a["reason"] for a in attempts] == ["Crashed", "Succeeded"]
+    assert attempts[1]["fromStep"] < attempts[0]["toStep"] == 5      # steps were redone
+    points = tensorboard_points(tmp_path / "tb" / "resumable")
+    assert set(points.values()) == {1}, [k for k, n in points.items() if n > 1]
+    assert sorted(step for tag, step in points if tag == "train/loss") == list(range(1, 9))

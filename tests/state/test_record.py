@@ -298,3 +298,12 @@ def test_state_imports_neither_runner_nor_trainer():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_an_attempt_whose_last_steps_never_reached_storage_got_at_least_as_far_as_the_next_ones_checkpoint(record):
+    first = record.start_attempt("node-a", from_step=0)
+    for step in range(1, 4):                  # the copy in storage has steps 1-3; checkpoint 4 is durable
+        record.log_step(step, {"loss": 1.0})
+    record.end_attempt(first, "Crashed", "the node stopped without a word")
+    record.start_attempt("node-b", from_step=4)
+    assert [(a["from_step"], a["to_step"]) for a in record.attempts()] == [(0, 4), (4, None)]
