@@ -82,7 +82,7 @@ class Tracking(Strict):
     @classmethod
     def _mlflow(cls, v: MlflowSpec | None) -> MlflowSpec | None:
         if v is not None and importlib.util.find_spec("mlflow") is None:
-            raise problem("needs the mlflow package, which is not installed: pip install mlflow-skinny "
+            raise problem("needs the mlflow package, which is not installed: pip install 'grpo-run[mlflow]' "
                           "(or leave spec.tracking.mlflow out)")
         return v
 
@@ -90,7 +90,7 @@ class Tracking(Strict):
     @classmethod
     def _wandb(cls, v: WandbSpec | None) -> WandbSpec | None:
         if v is not None and importlib.util.find_spec("wandb") is None:
-            raise problem("needs the wandb package, which is not installed: pip install wandb "
+            raise problem("needs the wandb package, which is not installed: pip install 'grpo-run[wandb]' "
                           "(or leave spec.tracking.wandb out)")
         return v
 
@@ -296,8 +296,10 @@ class Wandb:
 
         self.record = record
         self.latest: dict[str, int] = dict(record.value("tracking.wandbSteps") or {})
+        # console off: W&B would otherwise wrap this process's stdout and stderr (the progress bar)
         self.run = wandb.init(project=spec["project"], entity=spec.get("entity"), id=run_id, name=name,
-                              resume="allow", mode=spec.get("mode") or os.environ.get("WANDB_MODE") or None)
+                              resume="allow", mode=spec.get("mode") or os.environ.get("WANDB_MODE") or None,
+                              settings=wandb.Settings(quiet=True, console="off"))
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
