@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ class Books:
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
         self._queued: Future | None = None
+        self._open = False         # an attempt of this process is running (its ledger entry grows)
         self.attempt: int | None = None
         self.tracking = (manifest.get("spec") or {}).get("tracking")
         self.trackers = Trackers([])       # opened per attempt (spec.tracking)
@@ -96,6 +98,8 @@ class Books:
             self.store.put_file(snap, RECORD_FILE)
 
         self._last_sync = time.monotonic()
+        if self._open:             # the spend so far goes with it: a node killed later has it counted
+            self.write_ledger()
         queued = self._queued
         if not wait and queued is not None and not queued.running() and not queued.done():
             return             # one not yet begun will snapshot what is here now: no pile-up
@@ -123,8 +127,21 @@ class Books:
     # --- attempts and the ledger -----------------------------------------------------------------
 
     def close_dangling_attempts(self) -> None:
+        """Attempts a lost node left open end as Crashed; their spend runs at least to the newest
+        step they logged (the ledger in storage may be older than that step)."""
+        ledger = dict(self.record.value("ledger", {}) or {})
         for a in self.record.attempts():
-            if a["ended"] is None:
+            if a["ended"] is not None:
+                continue
+            steps = [s for s in self.record.steps(logged=True) if s["logged"] >= a["started"]]
+            entry = ledger.get(str(a["id"]))
+            if steps and entry:
+                seconds = (_time(steps[-1]["logged"]) - _time(a["started"]))
+                if seconds > entry["seconds"]:
+                    rate = entry.get("usdPerHour") or 0.0
+                    ledger[str(a["id"])] = {**entry, "seconds": round(seconds, 3), "usd": round(seconds * rate / 3600, 6)}
+            with self.record.transaction():
+                self.record.set_value("ledger", ledger)
                 self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
 
     def start_attempt(self, node: str, from_step: int | None = None) -> int:
@@ -132,6 +149,7 @@ class Books:
         self._earlier_usd = sum(v["usd"] for v in ledger.values())
         self._t0 = time.monotonic()
         self.attempt = self.record.start_attempt(node, from_step)
+        self._open = True
         if self.tracking:
             self._sync_pool.submit(self.trackers.close).result()    # a restarted trainer's attempt
             self.trackers = open_trackers(self.tracking, job_store=self.store, work=self.work,
@@ -145,6 +163,7 @@ class Books:
         with self.record.transaction():
             self.write_ledger()
             self.record.end_attempt(self.attempt, reason, message, notice)
+        self._open = False
 
     def attempt_usd(self) -> float:
         return (time.monotonic() - self._t0) * (self.usd_per_hour or 0.0) / 3600
@@ -251,6 +270,10 @@ class Books:
         saved["batches"][str(batch)] = rewards
         self.record.set_value(f"evalBatches.{kind}", saved)
         self.sync_soon()
+
+
+def _time(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
 
 
 def _diff(old: Any, new: Any, path: str = "") -> list[str]:

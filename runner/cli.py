@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sqlite3
@@ -11,17 +10,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import click
-import yaml
 
 from runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from runner.output import CONTEXT, FORMAT, dump as _dump, error as _error
 from runner.places import (already_succeeded as _already_succeeded, default_storage, find_job as _find_job,
-                           get_job, home as _home, job_doc as _job_doc, job_store_url, jobs_in as _jobs_in,
-                           local_jobs as _local_jobs, work_dir)
-from state.record import RECORD_FILE, STOPPED, TERMINAL, Phase
+                           get_job, home as _home, job_doc as _job_doc, job_store_url, work_dir)
+from runner.view import cmd_get, cmd_logs, cmd_report
+from state.record import RECORD_FILE, STOPPED, Phase
 
-# -h as well as --help (as argparse had); help up to 100 columns wide, as the examples are
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-FORMAT = click.Choice(["yaml", "json"])
 
 
 @click.group(context_settings=CONTEXT)
@@ -32,6 +28,7 @@ def cli(verbose: bool) -> None:
     \b
       grpo-run apply -f examples/tiny-arithmetic.yaml      train in the foreground
       grpo-run get tj tiny-arithmetic                       phase, step, rewards
+      grpo-run report tiny-arithmetic --out report.png      the run as a picture
       grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
 
     \b
@@ -47,16 +44,6 @@ def cli(verbose: bool) -> None:
     quiet_libraries()
     logging.getLogger("trainer").setLevel(logging.INFO)
     logging.getLogger("runner").setLevel(logging.INFO)
-
-
-def _dump(doc: Any, fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(doc, indent=2)
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
-def _error(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
 
 
 # --- apply / resume ------------------------------------------------------------------------------
@@ -315,109 +302,7 @@ def _watchers(job):
     return make_watchers(clouds, base_urls=urls)
 
 
-# --- get / export ---------------------------------------------------------------------------------
-
-@cli.command("get", short_help="show jobs: phase, step, rewards")
-@click.argument("resource")
-@click.argument("name", required=False)
-@click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")
-@click.option("-o", "--output", type=FORMAT, help="output format (default: a table)")
-@click.option("-w", "--watch", is_flag=True, help="print again on every change until the job stops")
-def cmd_get(resource: str, name: str | None, storage: str | None, output: str | None, watch: bool) -> int:
-    """Show a TrainingJob as {apiVersion, kind, metadata, spec, status}. RESOURCE: tj (TrainingJob);
-    NAME: the job (all jobs when left out).
-
-    \b
-    example:
-      grpo-run get tj tiny-arithmetic -o yaml
-      grpo-run get tj -w                      # follow every job on this node
-      grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json
-    """
-    from runner.status import table
-
-    # checked here rather than by click.Choice: the error keeps naming the fix, as it always has
-    if resource not in ("tj", "trainingjob", "trainingjobs"):
-        _error(f"unknown resource {resource!r}: use tj (TrainingJob)")
-        return EXIT_USAGE
-    if name:
-        names = [name]
-    else:
-        names = _local_jobs() if storage is None else _jobs_in(storage)
-    if watch:
-        return _watch(names, storage, output)
-    try:
-        docs = [get_job(n, storage) for n in names]
-    except LookupError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    if output:
-        out = docs[0] if name else {"apiVersion": "v1", "kind": "List", "items": docs}
-        print(_dump(out, output), end="")
-    else:
-        print(table(docs))
-    return EXIT_OK
-
-
-TERMINAL_PHASES = tuple(str(p) for p in TERMINAL)
-
-
-def _watch(names: list[str], storage: str | None, output: str | None, interval_s: float = 2.0) -> int:
-    """Print the job(s) again whenever phase or step changes, until every one has stopped."""
-    import time
-
-    from runner.status import table
-
-    last = None
-    while True:
-        try:
-            docs = [get_job(n, storage) for n in names]
-        except LookupError as e:
-            _error(str(e))
-            return EXIT_USAGE
-        key = [(d["status"]["phase"], d["status"]["step"]) for d in docs]
-        if key != last:
-            if output:
-                for d in docs:
-                    print(_dump(d, output) + ("---" if output == "yaml" else ""), flush=True)
-            else:
-                print(table(docs) if last is None else table(docs).split("\n", 1)[1], flush=True)
-            last = key
-        if all(phase in TERMINAL_PHASES for phase, _ in key):
-            return EXIT_OK
-        time.sleep(interval_s)
-
-
-@cli.command("logs", short_help="the trainer's log on this node")
-@click.argument("name")
-@click.option("-f", "--follow", is_flag=True, help="keep printing until the job stops")
-def cmd_logs(name: str, follow: bool) -> int:
-    """Print the trainer's log for a job run on this node (progress every 5% of the steps, checkpoints, warnings).
-
-    \b
-    example:
-      grpo-run logs tiny-arithmetic -f
-    """
-    import time
-
-    path = work_dir(name) / "logs" / "trainer.log"
-    if not path.exists():
-        _error(f"no log for {name!r} on this node ({path}); logs stay on the node that ran the job")
-        return EXIT_USAGE
-    with open(path, encoding="utf-8", errors="replace") as f:
-        while True:
-            chunk = f.read()
-            if chunk:
-                print(chunk, end="", flush=True)
-            if not follow:
-                return EXIT_OK
-            try:
-                phase = get_job(name, None)["status"]["phase"]
-            except LookupError:
-                phase = None
-            if phase in TERMINAL_PHASES and not chunk:
-                return EXIT_OK
-            time.sleep(0.5)
-
+# --- export ----------------------------------------------------------------------------------------
 
 @cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
 @click.argument("name")
@@ -440,45 +325,6 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
         _error(str(e))
         return EXIT_USAGE
     print(f"wrote {what} of {name} to {out}")
-    return EXIT_OK
-
-
-@cli.command("report", short_help="draw the run: rewards, lengths, signal, loss, cost, attempts (PNG)")
-@click.argument("name")
-@click.option("--storage", metavar="URL", help="read the job from this storage URL (no local run needed)")
-@click.option("--out", required=True, metavar="FILE.png", help="the picture to write; a Markdown summary goes beside it (.md)")
-def cmd_report(name: str, storage: str | None, out: str) -> int:
-    """Draw a job's run into a PNG from its record: the train reward (raw and smoothed) with the
-    held-out baseline, periodic and final evaluations, completion length, groups with identical
-    rewards, loss (and KL when beta > 0), learning rate, and the spend over wall time; every attempt
-    boundary is marked with why it ended and the steps the next attempt redid. A Markdown summary
-    with one row per attempt is written beside it (same name, .md).
-
-    \b
-    example:
-      grpo-run report tiny-arithmetic --out report.png
-      grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
-    """
-    from runner.places import open_record
-    from runner.report import gather, render, summary
-
-    path = Path(out)
-    if path.suffix.lower() != ".png":
-        _error(f"--out {out}: the picture is a PNG; name it FILE.png")
-        return EXIT_USAGE
-    try:
-        with open_record(name, storage) as record:
-            run = gather(record)
-    except LookupError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    drawn = render(run, path)
-    md = path.with_suffix(".md")
-    md.write_text(summary(run, path.name), encoding="utf-8")
-    cuts = drawn["boundaries"]
-    print(f"wrote {path} and {md}: {run['name']} {run['phase']}, {len(run['steps'])} steps, "
-          f"{len(run['attempts'])} attempt(s), {len(cuts)} boundar{'y' if len(cuts) == 1 else 'ies'}, "
-          f"{sum(c['redone'] for c in cuts)} steps redone")
     return EXIT_OK
 
 
@@ -593,6 +439,12 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     print(cloud_init(settings), end="")
     return EXIT_OK
+
+
+# the commands that look at a job: get, logs, report
+cli.add_command(cmd_get)
+cli.add_command(cmd_logs)
+cli.add_command(cmd_report)
 
 
 # --- entry point ---------------------------------------------------------------------------------

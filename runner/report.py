@@ -20,6 +20,7 @@ from typing import Any
 
 from state.record import Record
 
+SMOOTH_FROM = 50          # steps from which a panel shows a trailing mean over faint raw points
 REASONS = {"Preempted": "preempted", "Crashed": "crashed", "BudgetExceeded": "budget reached",
            "Failed": "failed"}
 
@@ -110,7 +111,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
             ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="0.5")
             return
         x, y = zip(*pts)
-        if smooth:
+        if smooth and len(y) >= SMOOTH_FROM:
             ax.plot(x, y, ".", color=color, alpha=0.18, markersize=3, label=f"{label} (each step)")
             window = max(1, len(y) // 40)
             ax.plot(x, trailing_mean(list(y), window), color=color, linewidth=1.8,
@@ -132,16 +133,16 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         reward_ax.plot([last], [run["final"]["meanReward"]], "*", color="C3", markersize=14,
                        label=f"held-out final {run['final']['meanReward']:.3f}")
     reward_ax.set_title("reward")
-    series(length_ax, "completionLength", "completion tokens", color="C1")
+    series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True)
     length_ax.set_title("completion length (tokens)")
-    series(same_ax, "identicalGroups", "groups with identical rewards", color="C4")
+    series(same_ax, "identicalGroups", "groups with identical rewards", color="C4", smooth=True)
     same_ax.set_ylim(-0.03, 1.03)
     same_ax.set_title("groups with identical rewards (no signal)")
-    series(loss_ax, "loss", "loss", color="C0")
+    series(loss_ax, "loss", "loss", color="C0", smooth=True)
     loss_ax.set_title("loss" + (" and KL" if beta > 0 else ""))
     if beta > 0:
         kl_ax = loss_ax.twinx()
-        series(kl_ax, "kl", f"KL (beta {beta:g})", color="C5")
+        series(kl_ax, "kl", f"KL (beta {beta:g})", color="C5", smooth=True)
         kl_ax.set_ylabel("KL")
         kl_ax.legend(loc="upper right", fontsize=8)
     series(lr_ax, "learningRate", "learning rate", color="C6")
@@ -153,9 +154,9 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
             ax.axvline(cut["step"], color="C3", linestyle="--", linewidth=1, alpha=0.8, gid="attempt-boundary")
             if cut["redone"]:
                 ax.axvspan(cut["resumedFrom"], cut["step"], color="C3", alpha=0.12, linewidth=0)
-    for cut in cuts:
-        text = cut["label"] + (f"\n{cut['redone']} redone" if cut["redone"] else "")
-        reward_ax.annotate(text, (cut["step"], 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+    for i, cut in enumerate(cuts):          # labels staggered down, so close boundaries stay readable
+        reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
+                           (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
                            textcoords="offset points", va="top", fontsize=8, color="C3")
     reward_ax.legend(loc="lower right", fontsize=8)
 
@@ -163,15 +164,21 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     segments = spend_segments(run)
     rate = next((v.get("usdPerHour") for v in run["ledger"].values() if v.get("usdPerHour")), None)
     for i, seg in enumerate(segments):
-        cost_ax.plot([seg["t0"], seg["t1"]], [seg["usd0"], seg["usd1"]], color="C0", linewidth=2)
-        if i + 1 < len(segments):
-            cost_ax.plot([seg["t1"], segments[i + 1]["t0"]], [seg["usd1"]] * 2, color="0.6", linestyle=":")
-        cost_ax.annotate(f"#{seg['attempt']}", (seg["t0"], seg["usd0"]), xytext=(2, 4), textcoords="offset points",
-                         fontsize=8)
+        if rate:
+            cost_ax.plot([seg["t0"], seg["t1"]], [seg["usd0"], seg["usd1"]], color="C0", linewidth=2)
+            if i + 1 < len(segments):
+                cost_ax.plot([seg["t1"], segments[i + 1]["t0"]], [seg["usd1"]] * 2, color="0.6", linestyle=":")
+            cost_ax.annotate(f"#{seg['attempt']}", (seg["t0"], seg["usd0"]), xytext=(2, 4),
+                             textcoords="offset points", fontsize=8)
+        else:                      # no dollars to draw: when each attempt ran
+            cost_ax.axvspan(seg["t0"], seg["t1"], color="C0", alpha=0.15, linewidth=0)
+            cost_ax.annotate(f"attempt {seg['attempt']}", (seg["t0"], 0.92), xycoords=("data", "axes fraction"),
+                             xytext=(3, 0), textcoords="offset points", fontsize=8)
     if not rate:
+        cost_ax.set_yticks([])
         cost_ax.text(0.5, 0.5, "no rate: set spec.gpu or spec.pricing.usdPerHour", ha="center", va="center",
-                     transform=cost_ax.transAxes, color="0.4", fontsize=9)
-    cost_ax.set_title("spend (USD) over wall time" + (f" at ${rate:g}/h" if rate else ""))
+                     transform=cost_ax.transAxes, color="0.3", fontsize=9)
+    cost_ax.set_title(f"spend (USD) over wall time at ${rate:g}/h" if rate else "attempts over wall time")
     cost_ax.set_xlabel("minutes since the first attempt began")
     cost_ax.grid(alpha=0.25)
 
@@ -180,6 +187,12 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return {"boundaries": cuts, "panels": panels, "segments": segments, "figure": fig}
+
+
+def _redone(cut: dict[str, Any]) -> str:
+    """Steps redone after a boundary; after a node lost without a word it is a lower bound: the
+    steps it did after the record last reached storage are not known."""
+    return f">= {cut['redone']}" if cut["reason"] == "Crashed" else str(cut["redone"])
 
 
 def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
@@ -216,13 +229,20 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
     lines.append(f"- spend: ${usd:.4f}" + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
     lines += ["", "| attempt | node | started | ended | why | steps | redone after | USD |",
               "|---|---|---|---|---|---|---|---|"]
+    notes = []
     for a in run["attempts"]:
         cut = cuts.get(a["id"])
         why = cut["label"] if cut else (a["reason"] or "running").lower()
         span = f"{a['from_step'] or 0} -> {a['to_step'] if a['to_step'] is not None else '…'}"
         usd_a = run["ledger"].get(str(a["id"]), {}).get("usd", 0.0)
         lines.append(f"| {a['id']} | {a['node']} | {a['started'][:19]} | {(a['ended'] or '')[:19]} | {why} | "
-                     f"{span} | {cut['redone'] if cut else 0} | {usd_a:.4f} |")
+                     f"{span} | {_redone(cut) if cut else 0} | {usd_a:.4f} |")
+        if cut and cut["reason"] == "Crashed":
+            notes.append(f"Attempt {a['id']}'s node was lost without a word: its steps and spend are those its "
+                         "record had in storage (uploaded after every durable checkpoint and every "
+                         "10 s); what it did after that is not known, so its redone steps are a lower bound.")
+    if notes:
+        lines += [""] + notes
     return "\n".join(lines) + "\n"
 
 

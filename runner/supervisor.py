@@ -49,6 +49,7 @@ from checkpoint.sync import Uploader, restore_latest
 from runner.books import Books
 from runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from runner.fingerprint import baseline_fingerprint, final_fingerprint
+from runner.live import EVAL_PLAN
 from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
 from state.record import Phase
 from trainer import child, faults
@@ -405,6 +406,8 @@ class Supervisor:
         cached = books.cached_baseline(fp)
         done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
         params = spec.params
+        tasks = len(spec.env.eval_tasks)                   # for `get tj -w`'s evaluation bars
+        books.record.set_value(EVAL_PLAN, {"tasks": tasks, "batches": -(-tasks // spec.params.evalBatchSize)})
         chosen = books.record.value("microBatchSize")     # the first attempt's choice: a resume keeps it
         if params.microBatchSize is None and chosen:
             params = params.model_copy(update={"microBatchSize": int(chosen)})

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
+from runner.environment import base_folder, resolve_path
 from trainer.config import Strict, fmt, problem
 
 log = logging.getLogger("runner.supervisor")
@@ -70,12 +71,17 @@ class Tracking(Strict):
 
     @field_validator("tensorboard")
     @classmethod
-    def _tensorboard(cls, v: bool | str | None) -> bool | str | None:
+    def _tensorboard(cls, v: bool | str | None, info: ValidationInfo) -> bool | str | None:
         if v == "":
             raise problem("must be true (event files in the job's storage) or a folder or URL (got '')")
         if v not in (None, False) and importlib.util.find_spec("tensorboard") is None:
             raise problem("needs the tensorboard package, which is not installed: "
                           "pip install 'grpo-run[tensorboard]' (or leave spec.tracking.tensorboard out)")
+        if isinstance(v, str) and "://" not in v:     # a folder: relative to the job file's, as spec.storage
+            try:
+                return resolve_path(v, base_folder(info))
+            except (OSError, ValueError, RuntimeError) as e:
+                raise problem(f"not a usable folder (got {fmt(v)}): {e}") from None
         return v
 
     @field_validator("mlflow")
@@ -117,7 +123,8 @@ def eval_scalars(kind: str, result: dict[str, Any]) -> dict[str, float]:
     out = {f"eval/{kind}/meanReward": float(result["meanReward"])}
     if isinstance(result.get("solved"), (int, float)):
         out[f"eval/{kind}/solved"] = float(result["solved"])
-    for name, v in (result.get("rewards") or {}).items():
+    by_reward = result.get("rewards")
+    for name, v in (by_reward.items() if isinstance(by_reward, dict) else ()):
         if isinstance(v, (int, float)):
             out[f"eval/{kind}/rewards/{name}"] = float(v)
     return out
@@ -196,10 +203,12 @@ class Trackers:
         self.trackers = trackers
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
-        self._each("write", step, scalars(metrics))
+        if self.trackers:
+            self._each("write", step, scalars(metrics))
 
     def evaluation(self, kind: str, step: int, result: dict[str, Any]) -> None:
-        self._each("write", step, eval_scalars(kind, result))
+        if self.trackers:
+            self._each("write", step, eval_scalars(kind, result))
 
     def flush(self) -> None:
         self._each("flush")

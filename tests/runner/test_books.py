@@ -39,3 +39,28 @@ def test_a_node_lost_between_its_baseline_and_the_cache_file_leaves_the_baseline
         assert b.record.eval("baseline")["runs"] == 1          # and the one computation still counted
     finally:
         b.close()
+
+
+def test_a_node_lost_without_a_word_is_charged_up_to_its_newest_step_and_each_upload_carries_the_spend(tmp_path):
+    from datetime import datetime, timedelta
+
+    store = Store(str(tmp_path / "store"))
+    a = Books(store, tmp_path / "node-a", name="job", manifest={"kind": "TrainingJob", "metadata": {"name": "job"}},
+              usd_per_hour=36.0, max_cost_usd=None)
+    attempt = a.start_attempt("node-a", from_step=0)
+    a._t0 -= 20                                   # 20 s into the attempt, the record is uploaded
+    a.sync(wait=True)
+    assert a.record.value("ledger")[str(attempt)]["seconds"] >= 20
+    # the node then trains on for 30 s more and dies: its last upload had the step 50 s in
+    started = datetime.fromisoformat(a.record.attempts()[0]["started"])
+    a.record.db["steps"].insert({"step": 1, "metrics": "{}", "logged": (started + timedelta(seconds=50)).isoformat()})
+    a.sync(wait=True)
+    a.close()
+
+    b = Books(store, tmp_path / "node-b", name="job", manifest={"kind": "TrainingJob", "metadata": {"name": "job"}},
+              usd_per_hour=36.0, max_cost_usd=None)
+    b.close_dangling_attempts()
+    entry = b.record.value("ledger")[str(attempt)]
+    assert entry["seconds"] == 50.0 and entry["usd"] == 0.5                 # 50 s at $36/h
+    assert b.record.attempts()[0]["reason"] == "Crashed"
+    b.close()

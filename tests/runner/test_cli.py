@@ -56,10 +56,11 @@ def test_apply_runs_the_phases_and_export_loads_with_plain_peft(tmp_path, capsys
     assert "rewardSignal" in st["diagnostics"]
 
     capsys.readouterr()
-    assert main(["get", "tj", "cli-job", "-w"]) == EXIT_OK          # a finished job: printed once, done
+    assert main(["get", "tj", "cli-job", "-w"]) == EXIT_OK          # a finished job: drawn once, done
     watched = capsys.readouterr().out.splitlines()
-    assert watched[0].split() == ["NAME", "PHASE", "STEP", "BASELINE", "FINAL", "ATTEMPTS"]
-    assert watched[1].split()[:3] == ["cli-job", "Succeeded", "4/4"] and len(watched) == 2
+    assert watched[0] == "cli-job  Succeeded  attempt 1 on " + st["attempts"][0]["node"]
+    assert [line.split()[0] for line in watched[1:4]] == ["BaselineEval", "Training", "FinalEval"]
+    assert "4/4" in watched[2] and "100%" in watched[2] and len(watched) == 5
 
     assert main(["logs", "cli-job"]) == EXIT_OK
     log = capsys.readouterr().out

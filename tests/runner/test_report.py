@@ -33,9 +33,9 @@ def test_boundaries_say_why_each_attempt_ended_and_what_the_next_one_redid():
         {"attempt": 2, "step": 57, "reason": "Crashed", "label": "crashed", "redone": 7, "resumedFrom": 50}]
 
 
-def with_tracking(job, tracking):
+def with_tracking(job, tracking, **spec):
     doc = yaml.safe_load(job.read_text())
-    doc["spec"]["tracking"] = tracking
+    doc["spec"].update(tracking=tracking, **spec)
     job.write_text(yaml.safe_dump(doc))
     return job
 
@@ -48,7 +48,7 @@ def png_size(path):
 
 def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_path):
     store = str(tmp_path / "bucket")                       # the job's storage: nothing else is shared
-    job = with_tracking(write_job(tmp_path, store), {"tensorboard": True})
+    job = with_tracking(write_job(tmp_path, store), {"tensorboard": True}, pricing={"usdPerHour": 36.0})
     # attempt 1: a notice (SIGTERM) while step 2 is in its backward pass
     held = tmp_path / "held-a"
     proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", GRPO_RUN_FAULT="hold:backward@2",
@@ -87,8 +87,13 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert [a["fromStep"] for a in attempts[1:]] == [3, attempts[1]["toStep"] - redone[1], 7]
     assert f"3 boundaries, {sum(redone)} steps redone" in done.stdout
     for a, r, label in zip(attempts, redone, ["preempted (signal)", "crashed", "preempted (signal)"]):
-        assert f"| {label} | {a['fromStep']} -> {a['toStep']} | {r} |" in summary
+        shown = f">= {r}" if label == "crashed" else str(r)     # what a lost node did unseen is unknown
+        assert f"| {label} | {a['fromStep']} -> {a['toStep']} | {shown} |" in summary
     assert "| succeeded |" in summary
+    # every attempt is charged, the node killed without a word too (up to its newest logged step)
+    usd = [float(row.rsplit("|", 2)[-2]) for row in summary.splitlines() if row.startswith("| ") and "vm" in row
+           or row[:4] in ("| 1 ", "| 2 ", "| 3 ", "| 4 ")]
+    assert len(usd) == 4 and all(u > 0 for u in usd), summary
 
     # the picture's own boundary lines sit at the steps the record gives, on every step panel
     from runner.places import open_record

@@ -29,6 +29,8 @@ def test_bad_tracking_fields_are_named_with_the_fix():
     assert problems({"neptune": True})[0].startswith("spec.tracking.neptune: unknown field")
     job = parse_job({**JOB, "spec": {**JOB["spec"], "tracking": {"tensorboard": True}}})
     assert job.to_dict()["spec"]["tracking"] == {"tensorboard": True}
+    job = parse_job({**JOB, "spec": {**JOB["spec"], "tracking": {"tensorboard": "tb"}}}, base=Path("/srv/jobs"))
+    assert job.to_dict()["spec"]["tracking"] == {"tensorboard": "/srv/jobs/tb"}     # beside the job file
 
 
 def wandb_records(path: Path):
@@ -96,3 +98,16 @@ def test_mlflow_and_wandb_continue_one_run_across_a_restart_without_a_duplicate_
     assert len(runs) == 2 and all(name.split("-", 3)[-1].startswith(run_id) for name in runs)  # one W&B run id
     trained = [r["step"] for r in rows if "train/loss" in r]
     assert trained == list(range(1, 9))
+
+
+def test_a_tracker_whose_package_is_missing_is_refused_before_anything_runs_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb")
+                        else real(name, *a))
+    assert problems({"tensorboard": True, "wandb": {"project": "p"}}) == [
+        "spec.tracking.tensorboard: needs the tensorboard package, which is not installed: pip install "
+        "'grpo-run[tensorboard]' (or leave spec.tracking.tensorboard out)",
+        "spec.tracking.wandb: needs the wandb package, which is not installed: pip install 'grpo-run[wandb]' "
+        "(or leave spec.tracking.wandb out)"]
