@@ -158,7 +158,8 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
                            (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
                            textcoords="offset points", va="top", fontsize=8, color="C3")
-    reward_ax.legend(loc="lower right", fontsize=8)
+    if reward_ax.get_legend_handles_labels()[0]:
+        reward_ax.legend(loc="lower right", fontsize=8)
 
     # the spend over wall time
     segments = spend_segments(run)
@@ -229,7 +230,7 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
     lines.append(f"- spend: ${usd:.4f}" + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
     lines += ["", "| attempt | node | started | ended | why | steps | redone after | USD |",
               "|---|---|---|---|---|---|---|---|"]
-    notes = []
+    notes = [] if run["attempts"] else ["No attempt yet: no node has run the job."]
     for a in run["attempts"]:
         cut = cuts.get(a["id"])
         why = cut["label"] if cut else (a["reason"] or "running").lower()
