@@ -156,3 +156,23 @@ def test_tensorboard_holds_each_step_once_after_a_restart_redid_steps(tmp_path):
     points = tensorboard_points(tmp_path / "tb" / "resumable")
     assert set(points.values()) == {1}, [k for k, n in points.items() if n > 1]
     assert sorted(step for tag, step in points if tag == "train/loss") == list(range(1, 9))
+
+
+def test_with_beta_the_loss_panel_carries_the_kl_and_every_panel_has_its_series(tmp_path):
+    from runner.report import render
+
+    steps = [{"step": i, "logged": f"2026-12-01T12:00:{i:02d}+00:00", "rewardMean": i / 60, "completionLength": 5.0,
+              "identicalGroups": 0.5, "loss": 0.01, "kl": 0.001 * i, "learningRate": 1e-5, "costUSD": i / 1000}
+             for i in range(1, 60)]
+    run = {"name": "kl-job", "phase": "Training", "spec": {}, "params": {"beta": 0.04, "maxSteps": 100},
+           "steps": steps, "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00", "ended": None,
+                                         "reason": None, "notice": None, "from_step": 0, "to_step": None}],
+           "ledger": {"1": {"seconds": 0.0, "usd": 0.0, "usdPerHour": 3.6}}, "baseline": None, "final": None,
+           "heldOut": [{"step": 20, "meanReward": 0.4}, {"step": 40, "meanReward": 0.5}]}
+    drawn = render(run, tmp_path / "kl.png")
+    assert drawn["panels"] == ["rewardMean", "completionLength", "identicalGroups", "loss", "kl", "learningRate"]
+    kl_axis = [ax for ax in drawn["figure"].axes if ax.get_ylabel() == "KL"]
+    assert kl_axis and kl_axis[0].get_lines()[-1].get_ydata()[-1] > 0
+    assert drawn["boundaries"] == []                                     # the one attempt is still running
+    assert drawn["segments"] == [{"attempt": 1, "t0": 0.0, "t1": 59 / 60, "usd0": 0.0, "usd1": 0.059}]
+    assert png_size(tmp_path / "kl.png") == (1300, 1050)
