@@ -1,0 +1,165 @@
+"""One job file, several processes (accelerate's launcher, gloo on these CPUs): the run learns as
+one process does, a checkpoint taken on N processes resumes on M, a run killed and resumed on the
+same number of processes ends byte-identical, and a rank that dies ends its attempt in bounded
+time without a hang, after which the job resumes."""
+
+import datetime as dt
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.runner.test_resume import exported_bytes, grpo_run, status
+
+STEPS, SAVE = 8, 2
+RANK_DEATH_BOUND_S = 40.0     # the agent's monitor interval + its 30 s shutdown timeout, and start-up slack
+
+
+def write_job(folder: Path, processes: int, storage: str | None = None, **params) -> Path:
+    """test_resume's job (a length reward: every group has signal), on `processes` processes."""
+    (folder / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    (folder / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(5) for b in range(5)))
+    (folder / "eval.jsonl").write_text('{"prompt": "7+8="}\n{"prompt": "9+9="}\n{"prompt": "1+2="}\n')
+    spec = {"runtime": "grpo-lora", "model": "tiny:char", "resources": {"processes": processes},
+            "environment": {"name": "length", "reward": "length.py:score", "tasks": "train.jsonl",
+                            "evalTasks": "eval.jsonl"},
+            "parameters": {"numGenerations": 4, "promptsPerStep": 4, "maxCompletionLength": 4,
+                           "maxSteps": STEPS, "saveSteps": SAVE, "learningRate": 0.002, "evalBatchSize": 1,
+                           **params}}
+    if storage:
+        spec["storage"] = storage
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob",
+                                    "metadata": {"name": "resumable"}, "spec": spec}))
+    return path
+
+
+def rewards_by_step(home: Path, storage: str) -> list[float]:
+    """rewardMean of every logged step, from the run's record (state.db in the work folder)."""
+    import sqlite3
+
+    db = sqlite3.connect(home / "runs" / "resumable" / "state.db")
+    try:
+        rows = db.execute("SELECT step, metrics FROM steps ORDER BY step").fetchall()
+    finally:
+        db.close()
+    return [json.loads(m)["rewardMean"] for _, m in rows]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The reference: the job on 2 processes, never interrupted (local storage)."""
+    folder = tmp_path_factory.mktemp("two")
+    grpo_run(folder / "home", "apply", "-f", str(write_job(folder, 2)))
+    return exported_bytes(folder / "home", None, folder / "export")
+
+
+@pytest.mark.slow
+def test_two_processes_learn_the_demo_like_one(tmp_path):
+    """The demo's arithmetic for 300 steps on 1 and on 2 processes: both learn, about as much."""
+    curves = {}
+    for processes in (1, 2):
+        folder = tmp_path / f"p{processes}"
+        folder.mkdir()
+        job = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "resumable"},
+               "spec": {"runtime": "grpo-lora", "model": "tiny:char", "resources": {"processes": processes},
+                        "environment": {"name": "arithmetic"},
+                        "parameters": {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 8,
+                                       "learningRate": 0.002, "maxSteps": 300, "saveSteps": 100}}}
+        (folder / "job.yaml").write_text(yaml.safe_dump(job))
+        grpo_run(folder / "home", "apply", "-f", str(folder / "job.yaml"))
+        rewards = rewards_by_step(folder / "home", "")
+        curves[processes] = [sum(rewards[i:i + 50]) / 50 for i in range(0, 300, 50)]
+    print("training reward per 50 steps:", curves)
+    for processes, curve in curves.items():
+        assert curve[-1] > curve[0] + 0.1, (processes, curve)     # learns
+    assert abs(curves[2][-1] - curves[1][-1]) < 0.15, curves       # about as much
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_two_process_run_killed_and_resumed_on_two_ends_byte_identical(tmp_path, s3_env, two_processes):
+    job = write_job(tmp_path, 2, s3_env.url)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="backward@5", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (tmp_path / "job.yaml").unlink()
+    grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
+    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+    st = status(tmp_path / "node-d", s3_env.url)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, s3_env, first, then):
+    job = write_job(tmp_path, first, s3_env.url)
+    # the node dies while checkpoint 6 goes up: checkpoint 4 is the newest durable one
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="upload@6", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = grpo_run(tmp_path / "node-b", "apply", "-f", str(write_job(tmp_path, then, s3_env.url)))
+    assert "Succeeded" in done.stdout
+    st = status(tmp_path / "node-b", s3_env.url)
+    assert st["phase"] == "Succeeded" and st["step"] == STEPS
+    assert [a["fromStep"] for a in st["attempts"]] == [0, 4]        # continued from the checkpoint
+    assert st["baseline"]["runs"] == 1                              # not evaluated again
+    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export")
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_killed_rank_ends_its_attempt_in_bounded_time_and_the_job_resumes(tmp_path, s3_env, two_processes, figures):
+    job = write_job(tmp_path, 2, s3_env.url)
+    home = tmp_path / "node-a"
+    done = grpo_run(home, "apply", "-f", str(job), fault="backward@5/rank1")    # rank 1 SIGKILLs itself
+    marker = home.parent / f"{home.name}.fault-fired"
+    killed_at = dt.datetime.fromtimestamp(marker.stat().st_mtime, dt.timezone.utc)
+    st = status(home, s3_env.url)
+    first, second = st["attempts"]
+    assert first["reason"] == "Crashed" and second["reason"] == "Succeeded", st["attempts"]
+    ended = dt.datetime.fromisoformat(first["ended"])
+    seconds = (ended - killed_at).total_seconds()
+    figures.add("rank-death", secondsToEndAttempt=round(seconds, 2))
+    print(f"a killed rank ended its attempt {seconds:.2f} s after the kill")
+    assert 0 <= seconds < RANK_DEATH_BOUND_S
+    assert "Succeeded" in done.stdout and st["step"] == STEPS
+    assert second["fromStep"] in (2, 4)                              # a checkpoint, not the start
+    # the restart continued from that checkpoint as if nothing happened
+    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_identical(tmp_path, s3_env,
+                                                                                     two_processes):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tests.runner.test_resume import REPO
+
+    job = write_job(tmp_path, 2, s3_env.url)
+    home = tmp_path / "node-a"
+    marker = home.parent / f"{home.name}.fault-fired"
+    env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_FAULT": "hold:sample@5",
+           "GRPO_RUN_FAULT_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():                 # a rank holds in the middle of step 5's sampling
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, err[-3000:]
+    st = status(tmp_path / "node-b", s3_env.url)
+    assert st["phase"] == "Preempted" and st["lastNotice"]["durableStep"] == 5   # step 5 abandoned on both ranks
+    grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
+    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
