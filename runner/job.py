@@ -204,8 +204,8 @@ class TrainingJob(Strict):
     gpu: Literal[tuple(GPUS)] | None = None
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
-    notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
     resources: Resources | None = None  # processes per node (default 1)
+    notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
 
     @field_validator("model")
     @classmethod
@@ -322,10 +322,10 @@ class TrainingJob(Strict):
                 spec[key] = getattr(self, key)
         if self.pricing is not None:
             spec["pricing"] = self.pricing.to_dict()
-        if self.notices is not None:
-            spec["notices"] = self.notices.to_dict()
         if self.resources is not None:
             spec["resources"] = self.resources.to_dict()
+        if self.notices is not None:
+            spec["notices"] = self.notices.to_dict()
         return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": self.name}, "spec": spec}
 
 
