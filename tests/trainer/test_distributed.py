@@ -73,7 +73,7 @@ def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str) -> tuple
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_two_processes_take_the_steps_one_process_takes(tmp_path, loss_type):
     """The same prompts, the same draws, the gradient of the same loss (each rank's part
     normalised by the whole step's completions or tokens, averaged by DDP): the adapter after two
