@@ -65,10 +65,15 @@ def rank_environment(env: dict[str, str], processes: int, launcher_pid: int, sup
 def exit_status(codes: dict[int, int]) -> int:
     """trainer.child's status for the run from the ranks that failed (rank -> exit status; the
     agent reports the first ones it saw): the reward function's error wins, then a crash (any
-    other status, a signal); only ranks that all stopped cleanly make a stopped run."""
-    if any(c == CHILD_CODE_ERROR for c in codes.values()):
+    other status, a signal); only ranks that all stopped cleanly make a stopped run. A rank
+    ended by SIGTERM was stopped by the agent because another rank had ended (a notice comes as
+    SignalException, not here): it says nothing of its own. Ranks leave trainer.child only
+    together (a barrier after rank 0 has sealed and reported), so one that the agent's SIGTERM
+    catches on its way out had finished its work."""
+    own = {rank: c for rank, c in codes.items() if c != -signal.SIGTERM}
+    if any(c == CHILD_CODE_ERROR for c in own.values()):
         return CHILD_CODE_ERROR
-    if codes and all(c == CHILD_STOPPED for c in codes.values()):
+    if own and all(c == CHILD_STOPPED for c in own.values()):
         return CHILD_STOPPED
     return CHILD_CRASHED
 

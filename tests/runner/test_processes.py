@@ -48,12 +48,35 @@ def rewards_by_step(home: Path, storage: str) -> list[float]:
     return [json.loads(m)["rewardMean"] for _, m in rows]
 
 
+class Reference(dict):
+    """The exported adapter's files by name; `.home`: the node's disk."""
+    home: Path
+
+
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
+def two_processes(tmp_path_factory) -> Reference:
     """The reference: the job on 2 processes, never interrupted (local storage)."""
     folder = tmp_path_factory.mktemp("two")
     grpo_run(folder / "home", "apply", "-f", str(write_job(folder, 2)))
-    return exported_bytes(folder / "home", None, folder / "export")
+    ref = Reference(exported_bytes(folder / "home", None, folder / "export"))
+    ref.home = folder / "home"
+    return ref
+
+
+@pytest.mark.slow
+def test_rank_0_alone_seals_each_checkpoint_with_every_ranks_rng_state(two_processes):
+    from safetensors import safe_open
+
+    checkpoints = sorted((two_processes.home / "runs" / "resumable" / "checkpoints").glob("ckpt-*"))
+    assert [c.name for c in checkpoints] == ["ckpt-00000002", "ckpt-00000004", "ckpt-00000006"]   # one per save
+    state = json.loads((checkpoints[-1] / "trainer_state.json").read_text())
+    assert state["worldSize"] == 2 and set(state["rng"]["ranks"]) == {"1"}
+    with safe_open(checkpoints[-1] / "training_state.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert {"rng.torch", "rng.rank1.torch", "rng.rank1.numpy", "rng.rank1.python"} <= names
+        assert not f.get_tensor("rng.torch").equal(f.get_tensor("rng.rank1.torch"))    # each rank's own
+    logs = sorted(p.name for p in (two_processes.home / "runs" / "resumable" / "logs").iterdir())
+    assert "trainer.rank1.log" in logs
 
 
 @pytest.mark.slow

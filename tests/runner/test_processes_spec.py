@@ -60,6 +60,9 @@ def test_a_run_ends_as_its_ranks_did():
     assert exit_status({1: CHILD_CODE_ERROR, 0: CHILD_CRASHED}) == CHILD_CODE_ERROR   # the reward function's error
     assert exit_status({1: -9}) == CHILD_CRASHED                                      # a rank killed
     assert exit_status({0: CHILD_STOPPED, 1: -9}) == CHILD_CRASHED
+    # the agent's SIGTERM caught rank 0 on its way out, after rank 1 had ended as stopped
+    assert exit_status({1: CHILD_STOPPED, 0: -15}) == CHILD_STOPPED
+    assert exit_status({0: -15}) == CHILD_CRASHED
 
 
 def test_the_ranks_split_a_first_attempts_thread_pool_and_keep_a_later_ones_count():
