@@ -186,3 +186,21 @@ def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_ide
     assert st["phase"] == "Preempted" and st["lastNotice"]["durableStep"] == 5   # step 5 abandoned on both ranks
     grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
     assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+
+
+@pytest.mark.slow
+def test_the_budget_stops_every_rank_once_charging_every_gpu(tmp_path):
+    """$100/h per GPU x 2 processes: maxCostUSD 1.0 is 18 s of the node. The run ends
+    BudgetExceeded in its first attempt (not restarted as a crash), under the budget."""
+    job = write_job(tmp_path, 2, maxSteps=100_000, saveSteps=50)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"].update(gpu="L40S", pricing={"usdPerHour": 100.0}, maxCostUSD=1.0)
+    job.write_text(yaml.safe_dump(doc))
+    done = grpo_run(tmp_path / "home", "apply", "-f", str(job), check=False)
+    assert done.returncode == 4, done.stderr[-3000:]
+    st = json.loads(grpo_run(tmp_path / "home", "get", "tj", "resumable", "-o", "json").stdout)["status"]
+    assert st["phase"] == "BudgetExceeded" and [a["reason"] for a in st["attempts"]] == ["BudgetExceeded"]
+    attempt = st["attempts"][0]
+    seconds = (dt.datetime.fromisoformat(attempt["ended"]) - dt.datetime.fromisoformat(attempt["started"])).total_seconds()
+    assert st["costUSD"] <= 1.0
+    assert st["costUSD"] == pytest.approx(seconds * 200.0 / 3600, abs=0.02)       # both GPUs charged
