@@ -79,9 +79,16 @@ def exit_status(codes: dict[int, int]) -> int:
 
 
 def launch(processes: int, plan: str) -> int:
+    import torch.distributed.run  # noqa: F401 - accelerate imports it late; its loggers must exist to be quieted
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # The agent logs every stop it makes (an ERROR line for a rank that ended as stopped, as for
+    # one that crashed); what the run makes of the ranks' statuses is logged below instead.
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
     ranks = rank_environment(dict(os.environ), processes, os.getpid(), os.getppid())
     os.environ.pop(SHARE_ENV, None)
@@ -97,8 +104,11 @@ def launch(processes: int, plan: str) -> int:
         launch_command(args)
     except ChildFailedError as e:
         codes = {f.local_rank: f.exitcode for f in e.failures.values()}
-        log.warning("ranks ended with %s", codes)
-        return exit_status(codes)
+        status = exit_status(codes)
+        if status != CHILD_STOPPED:
+            log.warning("the attempt ends: ranks ended with %s (rank: exit status, negative: killed by that "
+                        "signal); their logs are logs/trainer*.log", codes)
+        return status
     except SignalException:          # a notice: the agent stopped every rank (each at the same step)
         return CHILD_STOPPED
     return CHILD_DONE
