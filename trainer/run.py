@@ -7,10 +7,11 @@ what it reports (`Events`, one JSON line each) into the record and uploads.
 
 Where a stop request (preemption) is honoured: in `train`, before every step — the one place in
 this file — and, inside the trainer, between two tokens while sampling and between evaluation
-batches. With several processes (trainer.distributed) every rank runs this same recipe; the
-decision to stop, to checkpoint or to skip for the budget is agreed among them at each step
-boundary, so all stop at the same step; rank 0 alone reports events and seals checkpoints. Either way the last *completed* step is checkpointed and sealed locally, the process
-says `stopped`, and the supervisor makes that checkpoint durable.
+batches. Either way the last *completed* step is checkpointed and sealed locally, the process
+says `stopped`, and the supervisor makes that checkpoint durable. With several processes
+(trainer.distributed) every rank runs this same recipe; the decision to stop, to checkpoint or
+to stop for the budget is agreed among them at each step boundary, so all stop at the same
+step; rank 0 alone reports events and seals checkpoints.
 
 Events, in the order they happen (each a JSON object with "event" and these fields):
 
