@@ -144,15 +144,17 @@ class Resources(Strict):
         return {"processes": self.processes}
 
 
+def _node_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def node_processes(resources: Resources | None) -> int:
     """How many trainer processes (ranks) this node runs for the job: spec.resources.processes,
     `auto` as this node's GPUs (1 on a node without any)."""
     asked = resources.processes if resources is not None else 1
-    if asked != "auto":
-        return asked
-    import torch
-
-    return max(1, torch.cuda.device_count())
+    return asked if asked != "auto" else max(1, _node_gpus())
 
 
 class Notices(Strict):
@@ -449,6 +451,10 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     from trainer.tinymodel import ensure_model
 
     processes = node_processes(job.resources)
+    gpus = _node_gpus()
+    if gpus and processes > gpus:
+        raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
+                                  f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
     if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
         raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
                                   f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "

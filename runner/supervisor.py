@@ -53,6 +53,7 @@ from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
 from state.record import Phase
 from trainer import child, faults
 from trainer.config import GRPOParams
+from trainer.distributed import WORLD_ENV
 from trainer.envs import Environment
 from trainer.run import Plan
 from trainer.threads import SHARE_ENV
@@ -419,6 +420,9 @@ class Supervisor:
         env[child.EVENTS_FD_ENV] = str(write_fd)
         env[child.PARENT_ENV] = str(os.getpid())
         env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
+        if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
+            for var in WORLD_ENV:
+                env.pop(var, None)
         kept = self.books.record.value("cpuThreads")       # the first trainer's count: a run keeps it
         threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=int(kept) if kept else None)
         if kept and threads:

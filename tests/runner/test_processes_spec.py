@@ -81,3 +81,14 @@ def test_a_fault_can_name_one_rank(monkeypatch):
     monkeypatch.setenv(faults.FAULT_ENV, "backward@3/rankx")
     with pytest.raises(ValueError):
         faults.wanted()
+
+
+def test_a_node_runs_at_most_one_process_per_gpu(monkeypatch, tmp_path):
+    import runner.job
+
+    monkeypatch.setattr(runner.job, "_node_gpus", lambda: 2)
+    auto = parse_job(manifest("tiny:char", resources={"processes": "auto"}))
+    assert build_run_spec(auto, str(tmp_path / "store")).processes == 2
+    with pytest.raises(JobError) as e:
+        build_run_spec(parse_job(manifest("tiny:char", resources={"processes": 4})), str(tmp_path / "store"))
+    assert "4 processes, one per GPU, but this node has 2 GPUs" in str(e.value)
