@@ -103,13 +103,15 @@ def test_two_processes_learn_the_demo_like_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_a_two_process_run_killed_and_resumed_on_two_ends_byte_identical(tmp_path, s3_env, two_processes):
+def test_a_two_process_run_killed_and_resumed_on_two_ends_byte_identical(tmp_path, s3_env, two_processes, figures):
     job = write_job(tmp_path, 2, s3_env.url)
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="backward@5", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (tmp_path / "job.yaml").unlink()
     grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
-    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+    figures.add("kill", fault="backward@5, 2 processes", identical=identical)
+    assert identical
     st = status(tmp_path / "node-d", s3_env.url)
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
     assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
@@ -144,13 +146,14 @@ def test_a_killed_rank_ends_its_attempt_in_bounded_time_and_the_job_resumes(tmp_
     assert first["reason"] == "Crashed" and second["reason"] == "Succeeded", st["attempts"]
     ended = dt.datetime.fromisoformat(first["ended"])
     seconds = (ended - killed_at).total_seconds()
-    figures.add("rank-death", secondsToEndAttempt=round(seconds, 2))
+    # the restart continued from a checkpoint as if nothing happened
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+    figures.add("rank-death", secondsToEndAttempt=round(seconds, 2), identical=identical)
     print(f"a killed rank ended its attempt {seconds:.2f} s after the kill")
     assert 0 <= seconds < RANK_DEATH_BOUND_S
     assert "Succeeded" in done.stdout and st["step"] == STEPS
     assert second["fromStep"] in (2, 4)                              # a checkpoint, not the start
-    # the restart continued from that checkpoint as if nothing happened
-    assert exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == two_processes
+    assert identical
 
 
 @pytest.mark.slow
