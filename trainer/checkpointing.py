@@ -28,7 +28,7 @@ from typing import Any
 
 from checkpoint.manifest import checkpoint_dir, finalize_checkpoint, newest_sealed, staging_dir
 from checkpoint.writer import CheckpointWriter, write_files
-from trainer.distributed import World
+from trainer.distributed import World, full_state
 from trainer.snapshot import load_state, pack, rng_state, state_files
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,12 @@ class Checkpointer:
         if not due or step == self._last_saved:
             return False
         ranks = self.world.gather(rng_state(self._trainer.device)) if self.world.distributed else [None]
+        full = self._gather_full()
         if self._writer is None:          # not rank 0: its RNG states are in rank 0's checkpoint
             self._last_saved = step
             return True
-        layout, _ = pack(state_files(self._trainer, step, other_ranks=ranks[1:] or None), self._writer.buffer)
+        layout, _ = pack(state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full),
+                         self._writer.buffer)
         self._writer.submit(step, layout)
         self._last_saved = step
         return True
@@ -103,14 +105,24 @@ class Checkpointer:
     def last_saved(self) -> int | None:
         return self._last_saved
 
-    def save_final(self, root: Path, step: int, meta: dict[str, Any]) -> Path:
+    def _gather_full(self) -> tuple[dict, list[dict]] | None:
+        """A full fine-tune sharded by FSDP: its whole state, gathered on rank 0 (every rank calls this)."""
+        if not getattr(self._trainer, "fsdp", False):
+            return None
+        return full_state(self._trainer.model, self._trainer.optimizer)
+
+    def save_final(self, root: Path, step: int, meta: dict[str, Any]) -> Path | None:
         """The final weights (adapter or model alone), sealed like a checkpoint under `root`
-        in this process (the writer's buffer is not needed for a one-off)."""
+        in this process (the writer's buffer is not needed for a one-off). Several processes:
+        every rank calls it (a sharded model is gathered), rank 0 writes; None on the others."""
+        full = self._gather_full()
+        if not self.world.main:
+            return None
         staging = staging_dir(root, step)
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        layout, buffer = pack(state_files(self._trainer, -1, weights_only=True), bytearray)
+        layout, buffer = pack(state_files(self._trainer, -1, weights_only=True, full=full), bytearray)
         write_files(staging, layout, buffer)
         final = checkpoint_dir(root, step)
         if final.exists():

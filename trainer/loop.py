@@ -31,7 +31,7 @@ import torch
 
 from trainer import grpo
 from trainer.config import GRPOParams, default_micro_batch
-from trainer.distributed import World, concat, wrap_ddp
+from trainer.distributed import World, concat, shard_fsdp, unsharded, wrap_ddp
 from trainer.envs import Environment, Task
 from trainer.scoring import Scorer
 from trainer.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device,
@@ -103,6 +103,13 @@ class GRPOTrainer:
         self._ddp: torch.nn.Module | None = None   # the model under DDP, for the update (several processes)
         self.tokenizer = load_tokenizer(model_path)
         self.model = load_policy(model_path, params, self.device)
+        # several processes: LoRA/QLoRA adapters replicated under DDP, a full fine-tune sharded (FSDP)
+        self.fsdp = self.world.distributed and params.method == "Full"
+        if self.fsdp:
+            if params.compileDecode:
+                raise ValueError("compileDecode does not work with method Full on several processes (FSDP): "
+                                 "its compiled step keeps weights that FSDP gathers afresh for every sampling")
+            shard_fsdp(self.model, self.world)      # before the optimizer: its parameters become shards
         self._share_cpu()                      # after the load: a run started beside this one has registered
         if model_name and hasattr(self.model, "peft_config"):
             # Saved adapters name the base as the user did (a hub id, tiny:char), not as a path
@@ -203,7 +210,9 @@ class GRPOTrainer:
         starts = range(0, len(tasks), p.evalBatchSize)
         computed: dict[int, dict[str, list[float]]] = {}
         stopped = False
+        whole = self._whole_weights()                # FSDP: every rank gathers, whatever it computes
         try:
+            whole.__enter__()
             for i, start in enumerate(starts):
                 if i in done or i % world.size != world.rank:
                     continue
@@ -220,6 +229,8 @@ class GRPOTrainer:
             if not world.distributed:
                 raise
             stopped = True                           # the others still come to the gather below
+        finally:
+            whole.__exit__(None, None, None)
         if world.distributed:
             shares = world.gather((stopped, computed))
             for rank, (_, theirs) in enumerate(shares):
@@ -261,7 +272,8 @@ class GRPOTrainer:
         prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [b*G, P]
         interrupted = False
         try:
-            comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gens)  # [b*G, T], [b*G]
+            with self._whole_weights():
+                comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gens)  # [b*G, T], [b*G]
         except grpo.GenerationInterrupted:
             if not world.distributed:
                 raise
@@ -308,25 +320,26 @@ class GRPOTrainer:
             for param in self.trainable:
                 if param.grad is None:                 # first step of this process
                     param.grad = torch.zeros_like(param)
-            loss = clipped_tokens = kl_sum = 0.0
-            for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
-                with self._sync_gradients(last=j == len(parts) - 1):
-                    logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
-                    l_mask = loss_mask[sl, :c_mask.size(1)]                              # [m, T]
-                    if olds[j] is None:
-                        olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
-                    per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
-                    if refs is not None:
-                        kl = grpo.k3_kl(logps, refs[j])
-                        per_token = per_token + p.beta * kl
-                        kl_sum += (kl.detach() * l_mask).sum().item()
-                    part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
-                                                 completions=n, tokens=tokens)
-                    (part_loss * world.size if world.distributed else part_loss).backward()
-                loss += part_loss.item()
-                clipped_tokens += (clipped.float() * l_mask).sum().item()
-            if world.distributed and not parts:      # nothing to learn here: join the average with zeros
-                self._zero_backward(model, prompt_ids, prompt_mask, comp_ids, comp_mask)
+            with self._whole_weights():     # FSDP: whole for the passes, sharded again for the step
+                loss = clipped_tokens = kl_sum = 0.0
+                for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
+                    with self._sync_gradients(last=j == len(parts) - 1):
+                        logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
+                        l_mask = loss_mask[sl, :c_mask.size(1)]                              # [m, T]
+                        if olds[j] is None:
+                            olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
+                        per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
+                        if refs is not None:
+                            kl = grpo.k3_kl(logps, refs[j])
+                            per_token = per_token + p.beta * kl
+                            kl_sum += (kl.detach() * l_mask).sum().item()
+                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
+                                                     completions=n, tokens=tokens)
+                        (part_loss * world.size if world.distributed else part_loss).backward()
+                    loss += part_loss.item()
+                    clipped_tokens += (clipped.float() * l_mask).sum().item()
+                if world.distributed and not parts:      # nothing to learn here: join the average with zeros
+                    self._zero_backward(model, prompt_ids, prompt_mask, comp_ids, comp_mask)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.maxGradNorm, foreach=True)
             self.optimizer.step()
         self.scheduler.step()
@@ -336,16 +349,25 @@ class GRPOTrainer:
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
         metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens)
+        if hasattr(grad_norm, "full_tensor"):          # FSDP: a DTensor, the whole gradient's norm
+            grad_norm = grad_norm.full_tensor()
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
         if refs is None:
             metrics.pop("kl")
         return metrics
 
+    def _whole_weights(self):
+        """Full fine-tunes on several processes (FSDP): every unit's whole weights for the block."""
+        import contextlib
+
+        return unsharded(self.model) if self.fsdp else contextlib.nullcontext()
+
     def _update_model(self) -> torch.nn.Module:
-        """The model the update runs through: itself, or under DDP with several processes (made
-        at the first step: a checkpoint has been loaded into the very same parameters by then)."""
-        if not self.world.distributed:
+        """The model the update runs through: itself (alone, or sharded by FSDP), or under DDP
+        with several processes (made at the first step: a checkpoint has been loaded into the
+        very same parameters by then)."""
+        if not self.world.distributed or self.fsdp:
             return self.model
         if self._ddp is None:
             self._ddp = wrap_ddp(self.model, self.world)
@@ -355,6 +377,9 @@ class GRPOTrainer:
         """DDP's all-reduce on the step's last micro-batch only; the others accumulate locally."""
         import contextlib
 
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         if self._ddp is None or last:
             return contextlib.nullcontext()
         return self._ddp.no_sync()

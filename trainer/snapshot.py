@@ -61,16 +61,19 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def state_files(trainer, step: int, *, weights_only: bool = False,
-                other_ranks: list[dict[str, Any]] | None = None) -> dict[str, TensorFile | str]:
+                other_ranks: list[dict[str, Any]] | None = None,
+                full: tuple[dict, list[dict]] | None = None) -> dict[str, TensorFile | str]:
     """The checkpoint of `trainer` after `step` completed steps, by relative path: text, or a
     TensorFile of live tensors (copy them before the next step changes them: `pack`).
     `weights_only`: the adapter or model alone (the final weights, an export). `other_ranks`:
-    ranks 1..N-1's `rng_state()`s, with several processes."""
+    ranks 1..N-1's `rng_state()`s, with several processes. `full`: a full fine-tune sharded by FSDP,
+    its whole weights and optimizer state per parameter (trainer.distributed.full_state, on rank 0):
+    the files are the ones one process writes."""
     files: dict[str, TensorFile | str] = {}
     if trainer.params.method == "Full":
         files["model/config.json"] = trainer.model.config.to_json_string(use_diff=True)
         unique, seen = {}, set()
-        for name, tensor in trainer.model.state_dict().items():
+        for name, tensor in (full[0] if full else trainer.model.state_dict()).items():
             if tensor.data_ptr() in seen:   # tied weights: safetensors stores each storage once
                 continue
             seen.add(tensor.data_ptr())
@@ -84,7 +87,7 @@ def state_files(trainer, step: int, *, weights_only: bool = False,
 
     optimizer = trainer.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    states = [optimizer.state.get(p, {}) for p in params]
+    states = full[1] if full else [optimizer.state.get(p, {}) for p in params]
     tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     stacked = []
     for kind in sorted(states[0]) if states and states[0] else []:
@@ -182,6 +185,8 @@ def load_state(trainer, folder: Path, rank: int = 0) -> int:
         raise ValueError(f"checkpoint {folder} was written by an earlier grpo-run (optimizer.pt, rng.pt), whose "
                          "format this version does not read; run the job again under a new metadata.name")
     device = str(trainer.device)
+    if getattr(trainer, "fsdp", False):
+        return _load_sharded(trainer, folder, rank)
     try:
         if trainer.params.method == "Full":
             for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
@@ -207,6 +212,33 @@ def load_state(trainer, folder: Path, rank: int = 0) -> int:
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(rng["cuda"])]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
+    return int(meta["step"])
+
+
+def _load_sharded(trainer, folder: Path, rank: int) -> int:
+    """load_state for a full fine-tune sharded by FSDP: the whole weights and optimizer state
+    (the files one process writes), sharded into this rank."""
+    from safetensors.torch import load_file
+
+    from trainer.distributed import load_full_state
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "model").glob("*.safetensors")):
+        weights.update(load_file(shard, device=str(trainer.device)))
+    meta = json.loads((folder / TRAINER_STATE).read_text())
+    tensors = load_file(folder / TRAINING_STATE)
+    optimizer_state = _optimizer_state_dict(trainer.optimizer, tensors, meta["optimizer"], folder)
+    n = sum(len(g["params"]) for g in trainer.optimizer.param_groups)
+    load_full_state(trainer.model, trainer.optimizer, weights, [optimizer_state["state"].get(i, {}) for i in range(n)],
+                    meta["optimizer"]["param_groups"])
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    rng = meta["rng"]
+    if rank:
+        _load_rank_rng(tensors, rng.get("ranks", {}).get(str(rank)), rank, trainer.device)
+    else:
+        torch.set_rng_state(tensors["rng.torch"])
+        np.random.set_state(("MT19937", tensors["rng.numpy"].numpy().astype(np.uint32), *rng["numpy"]))
+        random.setstate((rng["python"][0], tuple(tensors["rng.python"].tolist()), rng["python"][1]))
     return int(meta["step"])
 
 

@@ -118,13 +118,14 @@ def test_a_two_process_run_killed_and_resumed_on_two_ends_byte_identical(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, s3_env, first, then):
-    job = write_job(tmp_path, first, s3_env.url)
+@pytest.mark.parametrize("first, then, method", [(2, 1, "LoRA"), (1, 2, "LoRA"), (2, 1, "Full"), (1, 2, "Full")])
+def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, s3_env, first, then, method):
+    """LoRA: DDP replicas; Full: FSDP shards on 2 processes, the whole model in the checkpoint."""
+    job = write_job(tmp_path, first, s3_env.url, method=method)
     # the node dies while checkpoint 6 goes up: checkpoint 4 is the newest durable one
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="upload@6", check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    done = grpo_run(tmp_path / "node-b", "apply", "-f", str(write_job(tmp_path, then, s3_env.url)))
+    done = grpo_run(tmp_path / "node-b", "apply", "-f", str(write_job(tmp_path, then, s3_env.url, method=method)))
     assert "Succeeded" in done.stdout
     st = status(tmp_path / "node-b", s3_env.url)
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
@@ -207,3 +208,21 @@ def test_the_budget_stops_every_rank_once_charging_every_gpu(tmp_path):
     seconds = (dt.datetime.fromisoformat(attempt["ended"]) - dt.datetime.fromisoformat(attempt["started"])).total_seconds()
     assert st["costUSD"] <= 1.0
     assert st["costUSD"] == pytest.approx(seconds * 200.0 / 3600, abs=0.02)       # both GPUs charged
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_sharded_full_fine_tune_killed_and_resumed_on_two_ends_byte_identical(tmp_path, s3_env, figures):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    grpo_run(reference / "home", "apply", "-f", str(write_job(reference, 2, method="Full")))
+    uninterrupted = exported_bytes(reference / "home", None, reference / "export")
+    assert "model.safetensors" in uninterrupted
+    job = write_job(tmp_path, 2, s3_env.url, method="Full")
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="backward@5", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (tmp_path / "job.yaml").unlink()
+    grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == uninterrupted
+    figures.add("kill", fault="backward@5, Full on 2 processes (FSDP)", identical=identical)
+    assert identical

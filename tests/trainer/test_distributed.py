@@ -61,11 +61,11 @@ def test_a_groups_draws_do_not_depend_on_the_groups_sampled_beside_it(policy):
     assert not torch.equal(both.ids[:G, :width], alone.ids)          # another prompt, another stream
 
 
-def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str) -> tuple[dict, dict]:
-    out = str(tmp_path / f"p{processes}-{loss_type}")
+def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str, method: str = "LoRA") -> tuple[dict, dict]:
+    out = str(tmp_path / f"p{processes}-{loss_type}-{method}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                    str(HERE / "dist_step.py"), reward, loss_type, out], check=True, env=env, timeout=240,
+                    str(HERE / "dist_step.py"), reward, loss_type, out, method], check=True, env=env, timeout=240,
                    capture_output=True)
     from safetensors.torch import load_file
 
@@ -91,3 +91,25 @@ def test_two_processes_take_the_steps_one_process_takes(tmp_path, loss_type):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["gradNorm"] == pytest.approx(b["gradNorm"], rel=1e-4)
     assert m1["eval"] == m2["eval"]        # evaluation batches dealt to the ranks: the same scores
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_sharded_over_two_processes_takes_the_steps_one_process_takes(tmp_path):
+    """Method Full on two processes: FSDP shards the weights, their gradients and Adam's moments;
+    after two steps the whole model, gathered, equals the one-process model up to float rounding."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(completion, task):\n    return float(len(completion))\n")
+    one, m1 = _steps(tmp_path, 1, f"{reward}:score", "grpo", "Full")
+    two, m2 = _steps(tmp_path, 2, f"{reward}:score", "grpo", "Full")
+    assert set(one) - set(two) <= {"lm_head.weight"} and two      # the gathered model leaves out tied copies
+    from trainer.tinymodel import ensure_model
+    from safetensors.torch import load_file
+
+    start = load_file(Path(ensure_model("tiny:char")) / "model.safetensors")
+    assert any(not torch.equal(one[n], start[n]) for n in start if n in one)           # it learned
+    for name in two:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    for a, b in zip(m1["metrics"], m2["metrics"]):
+        assert a["rewardMean"] == b["rewardMean"]
+        assert a["gradNorm"] == pytest.approx(b["gradNorm"], rel=1e-4)
+    assert m1["eval"] == m2["eval"]
