@@ -210,27 +210,24 @@ class GRPOTrainer:
         starts = range(0, len(tasks), p.evalBatchSize)
         computed: dict[int, dict[str, list[float]]] = {}
         stopped = False
-        whole = self._whole_weights()                # FSDP: every rank gathers, whatever it computes
         try:
-            whole.__enter__()
-            for i, start in enumerate(starts):
-                if i in done or i % world.size != world.rank:
-                    continue
-                if self.stop.is_set():               # preemption honoured between evaluation batches
-                    raise grpo.GenerationInterrupted()
-                chunk = list(tasks[start:start + p.evalBatchSize])
-                gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
-                ids, mask = self._encode([t["prompt"] for t in chunk])
-                comp, cmask, _ = self._generate(ids, mask, p.evalTemperature, gen)
-                computed[i] = self.scorer.score(self._decode(comp, cmask), chunk)    # {reward: [scores]}
-                if on_batch is not None:
-                    on_batch(i, computed[i])
+            with self._whole_weights():          # FSDP: every rank gathers, whatever it computes
+                for i, start in enumerate(starts):
+                    if i in done or i % world.size != world.rank:
+                        continue
+                    if self.stop.is_set():               # preemption honoured between evaluation batches
+                        raise grpo.GenerationInterrupted()
+                    chunk = list(tasks[start:start + p.evalBatchSize])
+                    gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
+                    ids, mask = self._encode([t["prompt"] for t in chunk])
+                    comp, cmask, _ = self._generate(ids, mask, p.evalTemperature, gen)
+                    computed[i] = self.scorer.score(self._decode(comp, cmask), chunk)    # {reward: [scores]}
+                    if on_batch is not None:
+                        on_batch(i, computed[i])
         except grpo.GenerationInterrupted:
             if not world.distributed:
                 raise
             stopped = True                           # the others still come to the gather below
-        finally:
-            whole.__exit__(None, None, None)
         if world.distributed:
             shares = world.gather((stopped, computed))
             for rank, (_, theirs) in enumerate(shares):
