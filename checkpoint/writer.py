@@ -18,7 +18,7 @@ lie at given offsets of the buffer. The buffer is a memfd (not /dev/shm, which c
 cap at 64 MiB) the writer inherits. Requests and replies are JSON lines on its stdin and stdout.
 Each checkpoint is hashed here, once, when it is sealed; everyone after trusts its manifest.
 
-The writer dies with the trainer (PR_SET_PDEATHSIG), ignores SIGINT (the trainer decides when to
+The writer dies with the trainer (PR_SET_PDEATHSIG), ignores SIGINT and SIGTERM (the trainer decides when to
 stop), and ends when its stdin closes or on a `close` request, after what is queued.
 """
 
@@ -308,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log", help="append INFO and above here (warnings also go to stderr)")
     args = ap.parse_args(argv)
 
+    # The trainer decides when to stop: a terminal's Ctrl-C, or a SIGTERM sent to the trainer's
+    # whole process group (torchrun's agent stops a rank with killpg), must not end a checkpoint
+    # half-written; the writer still dies with the trainer (below) and ends on `close`.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _lower_priority()
     die_with_parent()
     if os.getppid() != args.parent:       # the trainer died before the line above

@@ -200,7 +200,10 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     for a config the estimate cannot read (missing keys, mixture-of-experts) or a LoRA target
     module it does not know.
     """
+    from runner.job import node_processes
+
     p = job.parameters
+    gpus = node_processes(job.resources)          # one process per GPU, each a replica (DDP)
     targets = p.lora.targetModules
     memory = memory_estimate(
         model_config(job.model),
@@ -212,7 +215,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         # not counted (their length is the environment's, unknown here); SPEC §3 counts the same.
         num_generations=p.numGenerations,
         max_completion_length=p.maxCompletionLength,
-        prompts_per_step=p.promptsPerStep,
+        prompts_per_step=-(-p.promptsPerStep // gpus),   # per GPU: each samples its share of the prompts
         micro_batch_size=p.microBatchSize,
         gradient_checkpointing=p.gradientCheckpointing,
         gpu=job.gpu,
@@ -226,6 +229,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         "stepSecondsSource": None,
         "usdPerHour": None,
         "gpu": job.gpu,
+        "gpus": gpus,
         "steps": p.maxSteps,
         "method": p.method,
         "memory": memory.to_dict(),
@@ -245,6 +249,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
             measured_step_seconds=measured_step_seconds(job.gpu),
             save_steps=p.saveSteps,
             max_cost_usd=job.maxCostUSD,
+            gpus=gpus,
         )
         c = cost.to_dict()
         out.update({k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds",
@@ -256,6 +261,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
             "reference": f"step time: SPEC's reference for {job.gpu}; your own runs on it replace it "
                          "once they finish",
         }[cost.step_seconds_source])
+        if gpus > 1:
+            notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {job.gpu}'s rate; the step time "
+                         "is one GPU's (no speed-up assumed), memory is per GPU")
         if job.maxCostUSD is not None and cost.cost_to_completion_usd > job.maxCostUSD:
             per_step = cost.usd_per_step
             notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "

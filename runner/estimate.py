@@ -132,12 +132,15 @@ def cost_estimate(
     measured_step_seconds: float | None = None,
     save_steps: int = 25,
     max_cost_usd: float | None = None,
+    gpus: int = 1,
 ) -> CostEstimate:
     """What ``steps`` training steps on ``gpu`` will cost, before anything is spent.
 
     Step time: ``step_seconds`` (the user's explicit override) wins, then
     ``measured_step_seconds`` (learned from the user's own runs), then the GPU's reference.
-    ``usd_per_hour`` overrides the table's rate.
+    ``usd_per_hour`` overrides the table's rate. Rates are per GPU; ``gpus`` of them (one per
+    process of the node) are charged together, and ``usd_per_hour`` of the answer is theirs.
+    The step time is not divided among them: no speed-up from more processes is assumed.
 
     ``firstHoldUSD`` -- the first budget hold -- is what the run puts at risk before its first
     durable checkpoint: the cost of the first ``save_steps`` steps (or of all steps, if fewer),
@@ -170,6 +173,8 @@ def cost_estimate(
     else:
         seconds, source = card.step_seconds, "reference"
     rate = card.usd_per_hour if usd_per_hour is None else usd_per_hour
+    if gpus != 1:
+        rate = float(Fraction(str(rate)) * gpus)
 
     # Exact rational arithmetic on the decimal values as written: binary floating point cannot
     # hold $0.325 (1,000 x 0.45 s x $2.60/h) exactly, so which cent it rounds to would depend on

@@ -130,6 +130,34 @@ class Pricing(Strict):
         return self.model_dump(exclude_none=True)
 
 
+class Resources(Strict):
+    """`spec.resources`: what of the node the job uses."""
+    processes: int | Literal["auto"] = Field(1, json_schema_extra={"like": "{processes: 4}"})   # one per GPU
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _processes(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise problem(f"must be a whole number >= 1 or auto (the node's GPUs) (got {fmt(v)})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"processes": self.processes}
+
+
+def _node_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def node_processes(resources: Resources | None) -> int:
+    """How many trainer processes (ranks) this node runs for the job: spec.resources.processes,
+    `auto` as this node's GPUs (1 on a node without any)."""
+    asked = resources.processes if resources is not None else 1
+    return asked if asked != "auto" else max(1, _node_gpus())
+
+
 class Notices(Strict):
     """`spec.notices`: which clouds' spot notices to watch and where their metadata services are
     (defaults: the GRPO_RUN_*_METADATA_URL variables, else the clouds' own addresses)."""
@@ -179,6 +207,7 @@ class TrainingJob(Strict):
     gpu: Literal[tuple(GPUS)] | None = None
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
+    resources: Resources | None = None  # processes per node (default 1)
     notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
     tracking: Tracking | None = None  # experiment trackers (TensorBoard, MLflow, W&B), all off by default
 
@@ -268,6 +297,11 @@ class TrainingJob(Strict):
                 if getattr(params, key) is not None:
                     found.append((("parameters", key), "only for catalog environments; your environment's "
                                   "own tasks set them"))
+        processes = self.resources.processes if self.resources is not None else 1
+        if processes != "auto" and params.promptsPerStep < processes:
+            found.append((("resources", "processes"), f"{processes} processes need promptsPerStep >= {processes} "
+                          f"(got {params.promptsPerStep}): each process samples whole groups of its own; raise "
+                          "spec.parameters.promptsPerStep or ask for fewer processes"))
         if params.evalSteps is not None and params.evalSteps >= params.maxSteps:
             found.append((("parameters", "evalSteps"), f"must be < maxSteps ({params.maxSteps}) to evaluate while "
                           "training; the final evaluation runs after the last step anyway"))
@@ -292,6 +326,8 @@ class TrainingJob(Strict):
                 spec[key] = getattr(self, key)
         if self.pricing is not None:
             spec["pricing"] = self.pricing.to_dict()
+        if self.resources is not None:
+            spec["resources"] = self.resources.to_dict()
         if self.notices is not None:
             spec["notices"] = self.notices.to_dict()
         if self.tracking is not None:
@@ -418,17 +454,28 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     from runner.supervisor import RunSpec
     from trainer.tinymodel import ensure_model
 
+    processes = node_processes(job.resources)
+    gpus = _node_gpus()
+    if gpus and processes > gpus:
+        raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
+                                  f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
+    if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
+        raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
+                                  f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
+                                  "groups of its own; raise promptsPerStep or give a number of processes"])
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(local or job), params=job.parameters, storage=storage_url,
-                   model_name=job.model, usd_per_hour=usd_per_hour(job), max_cost_usd=job.maxCostUSD)
+                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
+                   processes=processes)
 
 
-def usd_per_hour(job: TrainingJob) -> float | None:
-    """The rate the cost ledger charges: spec.pricing.usdPerHour, else spec.gpu's table rate."""
+def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
+    """The rate the cost ledger charges for `gpus` GPUs (every process of the node has one):
+    spec.pricing.usdPerHour, else spec.gpu's table rate, per GPU."""
     if job.pricing is not None and job.pricing.usdPerHour is not None:
-        return job.pricing.usdPerHour
+        return job.pricing.usdPerHour * gpus
     if job.gpu is not None:
         from runner.estimate import lookup_gpu
 
-        return lookup_gpu(job.gpu).usd_per_hour
+        return lookup_gpu(job.gpu).usd_per_hour * gpus
     return None

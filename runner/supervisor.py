@@ -54,6 +54,7 @@ from runner.notices import NoticeMonitor, Watcher, install_signal_handlers
 from state.record import Phase
 from trainer import child, faults
 from trainer.config import GRPOParams
+from trainer.distributed import WORLD_ENV
 from trainer.envs import Environment
 from trainer.run import Plan
 from trainer.threads import SHARE_ENV
@@ -78,6 +79,7 @@ class RunSpec:
     model_name: str | None = None    # the model as the user named it (saved adapters say this)
     usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
     max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
+    processes: int = 1               # spec.resources.processes, resolved: > 1 runs the trainer under accelerate
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,9 @@ class Supervisor:
         env[child.EVENTS_FD_ENV] = str(write_fd)
         env[child.PARENT_ENV] = str(os.getpid())
         env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
+        if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
+            for var in WORLD_ENV:
+                env.pop(var, None)
         kept = self.books.record.value("cpuThreads")       # the first trainer's count: a run keeps it
         threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=int(kept) if kept else None)
         if kept and threads:
@@ -436,8 +441,10 @@ class Supervisor:
             self._trainer_listens = False
         try:
             # Its own session: a terminal's Ctrl-C reaches the supervisor only, which decides.
-            self._child = subprocess.Popen([sys.executable, "-m", "trainer.child", str(plan_path)], env=env,
-                                           pass_fds=[write_fd], start_new_session=True)
+            command = ["-m", "trainer.child", str(plan_path)] if self.spec.processes == 1 else \
+                ["-m", "trainer.launch", str(self.spec.processes), str(plan_path)]    # one rank per GPU
+            self._child = subprocess.Popen([sys.executable, *command], env=env, pass_fds=[write_fd],
+                                           start_new_session=True)
         finally:
             os.close(write_fd)
         threading.Thread(target=self._read_events, args=(read_fd, self._child), name="trainer-events",
@@ -484,6 +491,8 @@ class Supervisor:
             if ev.get("cpuThreads") and books.record.value("cpuThreads") is None:
                 books.record.set_value("cpuThreads", ev["cpuThreads"])
         elif kind in ("stopped", "failed", "final"):
+            if kind == "failed" and self._attempt_events.get("failed", {}).get("code"):
+                return       # several processes: the reward function's error, not the peers' lost connection
             self._attempt_events[kind] = ev
 
     def _request_checkpoint(self, notice) -> None:

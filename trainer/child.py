@@ -4,6 +4,11 @@ It runs one Plan (trainer.run) and reports what happens as events on the file de
 by GRPO_RUN_EVENTS_FD, and how it ended through its exit status, which runner.supervisor reads
 to decide between done, restart and give up. SIGTERM/SIGINT ask it to stop at the last
 completed step; SIGUSR1 asks for a checkpoint at the next step boundary.
+
+Under accelerate's launcher (trainer.launch: spec.resources.processes > 1) one of these runs per
+rank. The launcher cannot hand the events pipe down (torchrun closes inherited descriptors), so
+it names it in GRPO_RUN_EVENTS_PATH, its own descriptor under /proc; rank 0 reports every event
+there, the other ranks only their `failed`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 from checkpoint.procs import die_with_parent
 from checkpoint.writer import WriterDied
 from trainer.checkpointing import CheckpointFailed
+from trainer.distributed import World
 from trainer.grader import RewardFunctionError
 from trainer.logs import trainer_logging
 from trainer.run import Events, Plan, Requests, run
@@ -25,6 +31,7 @@ from trainer.run import Events, Plan, Requests, run
 log = logging.getLogger(__name__)
 
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"
+EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"   # the pipe by path (under accelerate's launcher)
 PARENT_ENV = "GRPO_RUN_PARENT_PID"      # the supervisor's pid: the trainer dies with it
 PLAN_FILE = "plan.json"
 
@@ -44,8 +51,11 @@ def child_main(argv: list[str] | None = None) -> int:
     plan_path = Path(argv[0])
     plan = Plan.from_json(plan_path.read_text())
     work = plan_path.parent
-    trainer_logging(work)
-    events = Events(os.fdopen(int(os.environ[EVENTS_FD_ENV]), "w", buffering=1))
+    world = World.from_environment()
+    trainer_logging(work, world.rank)
+    path = os.environ.get(EVENTS_PATH_ENV)
+    stream = open(path, "w", buffering=1) if path else os.fdopen(int(os.environ[EVENTS_FD_ENV]), "w", buffering=1)
+    events = Events(stream, only=None if world.main else ("failed",))
     requests = Requests()
 
     def on_stop(signum, frame):  # noqa: ARG001 - Event.set only; the main thread never waits on it
@@ -60,7 +70,9 @@ def child_main(argv: list[str] | None = None) -> int:
     progress = os.environ.get("GRPO_RUN_PROGRESS") == "1"
     try:
         ending = run(plan, work, events, requests, progress=progress,
-                     prepare=faults.arm_trainer if faults.wanted() else None)
+                     prepare=faults.arm_trainer if faults.wanted() else None, world=world)
+        world.barrier()          # several processes: none ends before rank 0 has sealed and said so
+        world.close()
     except RewardFunctionError as e:
         events.emit("failed", message=f"reward function failed: {e}", code=True)
         log.error("reward function failed: %s", e)

@@ -80,6 +80,10 @@ def last_logits(model, k: int) -> dict[str, int]:
 
 
 def _base(model):
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):      # the update's model with several processes
+        model = model.module
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 

@@ -12,7 +12,9 @@ when `GRPO_RUN_FAULT=[hold:]POINT@STEP[/trainer]` is set: production code has no
 
 Each hard-kills the node — the supervisor and the trainer, SIGKILL, no handler, no flush (the
 trainer and its checkpoint writer die with the supervisor: PR_SET_PDEATHSIG). `POINT@K/trainer`
-kills the trainer process alone (a crash the supervisor should restart from).
+kills the trainer process alone (a crash the supervisor should restart from); with several
+processes every rank's trainer fires, and `POINT@K/rankR` fires in rank R alone and kills only
+that rank (a GPU's process lost while its peers wait in a collective).
 
 `hold:POINT@K` kills nothing: the process stops right there until it is asked to stop (the
 trainer's stop request, the supervisor's preemption notice), then carries on as it would have.
@@ -35,6 +37,7 @@ from checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
+NODE_PID_ENV = "GRPO_RUN_NODE_PID"      # several processes: the supervisor's pid (the ranks' parent is the launcher)
 POINTS = ("sample", "backward", "upload", "restore", "baseline", "final")
 _TRAINER_POINTS = ("sample", "backward", "baseline", "final")
 HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
@@ -45,6 +48,7 @@ class Fault(NamedTuple):
     step: int
     trainer_only: bool
     hold: bool = False
+    rank: int | None = None   # POINT@K/rankR: that rank alone (of several processes)
 
 
 def wanted() -> Fault | None:
@@ -55,10 +59,11 @@ def wanted() -> Fault | None:
     hold = raw.startswith("hold:")
     where, _, scope = raw.removeprefix("hold:").partition("/")
     point, _, step = where.partition("@")
-    if point not in POINTS or not step.isdigit() or scope not in ("", "trainer") or (hold and scope):
-        raise ValueError(f"{FAULT_ENV}={raw!r}: expected [hold:]POINT@STEP[/trainer], POINT one of "
+    rank = int(scope[4:]) if scope.startswith("rank") and scope[4:].isdigit() else None
+    if point not in POINTS or not step.isdigit() or (scope not in ("", "trainer") and rank is None) or (hold and scope):
+        raise ValueError(f"{FAULT_ENV}={raw!r}: expected [hold:]POINT@STEP[/trainer|/rankR], POINT one of "
                          f"{', '.join(POINTS)}")
-    return Fault(point, int(step), scope == "trainer", hold)
+    return Fault(point, int(step), scope == "trainer" or rank is not None, hold, rank)
 
 
 def arm_trainer(trainer: Any) -> None:
@@ -66,6 +71,8 @@ def arm_trainer(trainer: Any) -> None:
     fault fires in it."""
     fault = wanted()
     if fault is None or fault.point not in _TRAINER_POINTS:
+        return
+    if fault.rank is not None and fault.rank != getattr(getattr(trainer, "world", None), "rank", 0):
         return
     current = [-1]
     train_step = trainer.train_step
@@ -153,5 +160,5 @@ def _fire(fault: Fault, *, parent_is_supervisor: bool, stop: Any = None) -> None
         stop.wait(HOLD_LIMIT_S)       # the notice arrived in the middle of this moment: carry on
         return
     if parent_is_supervisor and not fault.trainer_only:
-        os.kill(os.getppid(), signal.SIGKILL)         # the node: the supervisor first
+        os.kill(int(os.environ.get(NODE_PID_ENV) or os.getppid()), signal.SIGKILL)   # the node: the supervisor first
     os.kill(os.getpid(), signal.SIGKILL)

@@ -175,7 +175,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
 
 @torch.no_grad()
 def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
-           eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | None,
+           eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | Sequence[torch.Generator] | None,
            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
            finished: Callable[[Tensor, Tensor], Tensor] | None = None,
            should_stop: Callable[[], bool] | None = None, compiled: bool = False) -> Completions:
@@ -189,7 +189,10 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
 
     Each next token: repetition penalty on the raw logits (`repetition_penalty`, 1 = off; the
     prompt's tokens and those generated so far count, padding does not), then temperature, then
-    top-k (0 = off), then top-p (1 = off), then one multinomial draw with `generator`. Temperature 0
+    top-k (0 = off), then top-p (1 = off), then one multinomial draw with `generator`; a list of
+    generators splits the rows into as many equal consecutive blocks (one per prompt's group),
+    each drawing from its own, so a group's draws do not depend on which rows sit beside it in
+    the batch (on how many processes share the step). Temperature 0
     is greedy: argmax after the repetition penalty only. With the filters off the draws are
     exactly those of plain temperature sampling, so seeded runs replay unchanged. The update's
     log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
@@ -212,7 +215,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
 
 
 def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
-            eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | None, top_k: int, top_p: float,
+            eos_ids: Sequence[int], pad_id: int, generator, top_k: int, top_p: float,
             repetition_penalty: float, finished, should_stop) -> Completions:
     n, device = prompt_ids.size(0), prompt_ids.device
     logits = decoder.start(prompt_ids, prompt_mask, max_new_tokens)                 # [N, V]
@@ -239,7 +242,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
             if top_p < 1.0:
                 scaled = top_p_filter(scaled, top_p)
             probs = torch.softmax(scaled, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)   # [N]
+            nxt = _draw(probs, generator)                                       # [N]
         else:
             nxt = logits.argmax(dim=-1)
         masks[:, t] = ~done
@@ -257,6 +260,14 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
             seen[rows, nxt] = True
         logits = decoder.step(nxt, ~done)
     return Completions(tokens[:, :length], masks[:, :length].long(), ~done)
+
+
+def _draw(probs: Tensor, generator) -> Tensor:
+    """One token per row of probs [N, V] -> [N]: with one generator, or one per equal block of rows."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    blocks = probs.split(probs.size(0) // len(generator))                  # [G, V] each
+    return torch.cat([torch.multinomial(b, 1, generator=g) for b, g in zip(blocks, generator)]).squeeze(1)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,

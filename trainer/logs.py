@@ -9,19 +9,20 @@ import warnings
 from pathlib import Path
 
 
-def trainer_logging(work: Path) -> None:
-    """Warnings and errors to the terminal; everything, progress lines included, to logs/."""
+def trainer_logging(work: Path, rank: int = 0) -> None:
+    """Warnings and errors to the terminal; everything, progress lines included, to logs/
+    (trainer.log; rank k > 0 of several processes: trainer.rank<k>.log)."""
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    to_file = logging.FileHandler(logs / "trainer.log")
+    to_file = logging.FileHandler(logs / ("trainer.log" if rank == 0 else f"trainer.rank{rank}.log"))
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.INFO)
     to_terminal = logging.StreamHandler(sys.stderr)
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     to_terminal.setLevel(logging.INFO)
-    # The terminal has the progress bar; it gets the phases (trainer.run) and any warning.
-    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or r.name == "trainer.run")
+    # The terminal has the progress bar; it gets the phases (trainer.run, from rank 0 only) and any warning.
+    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or (r.name == "trainer.run" and rank == 0))
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)

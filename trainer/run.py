@@ -8,11 +8,14 @@ what it reports (`Events`, one JSON line each) into the record and uploads.
 Where a stop request (preemption) is honoured: in `train`, before every step — the one place in
 this file — and, inside the trainer, between two tokens while sampling and between evaluation
 batches. Either way the last *completed* step is checkpointed and sealed locally, the process
-says `stopped`, and the supervisor makes that checkpoint durable.
+says `stopped`, and the supervisor makes that checkpoint durable. With several processes
+(trainer.distributed) every rank runs this same recipe; the decision to stop, to checkpoint or
+to stop for the budget is agreed among them at each step boundary, so all stop at the same
+step; rank 0 alone reports events and seals checkpoints.
 
 Events, in the order they happen (each a JSON object with "event" and these fields):
 
-    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize, cpuThreads
+    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize, cpuThreads, processes
     phase      phase: BaselineEval | Training | FinalEval
     evalBatch  kind (baseline | final), batch, rewards {reward name: scores}   (each batch as it is finished)
     eval       kind, result {meanReward, rewards, tasks, solved, batches, reusedBatches}, noSignal
@@ -38,6 +41,7 @@ from typing import IO, Any, Callable
 from checkpoint.manifest import checkpoint_dir
 from trainer.checkpointing import Checkpointer
 from trainer.config import GRPOParams, parse_parameters, to_yaml_dict
+from trainer.distributed import World
 from trainer.envs import Environment
 from trainer.grpo import GenerationInterrupted
 from trainer.loop import GRPOTrainer
@@ -91,11 +95,14 @@ class Events:
     """The trainer's one channel to the supervisor: a JSON line per event on a pipe (or, in
     tests and benchmarks, any text stream)."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str], only: tuple[str, ...] | None = None) -> None:
         self._stream = stream
         self._lock = threading.Lock()
+        self._only = only          # the events this process reports (ranks other than 0: failed)
 
     def emit(self, event: str, **fields: Any) -> None:
+        if self._only is not None and event not in self._only:
+            return
         line = json.dumps({"event": event, **fields}, default=float) + "\n"
         with self._lock:
             self._stream.write(line)
@@ -116,17 +123,19 @@ class Ending:
 
 
 def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress: bool = False,
-        prepare: Callable[[GRPOTrainer], None] | None = None) -> Ending:
+        prepare: Callable[[GRPOTrainer], None] | None = None, world: World | None = None) -> Ending:
     """The phases the plan asks for, to the end or to a stop. Raises RewardFunctionError when
     the reward function fails on every try, CheckpointFailed when a checkpoint cannot be
-    written; `prepare(trainer)` runs once the trainer is built (fault injection in tests)."""
-    p = plan.params
+    written; `prepare(trainer)` runs once the trainer is built (fault injection in tests).
+    `world`: this process's rank among several (default: alone)."""
+    p, world = plan.params, world or World()
     logs = work / "logs" / "trainer.log"
     checkpoints = Checkpointer(work / "checkpoints", interval=p.saveSteps, keep=plan.keep_checkpoints,
-                               meta={"job": plan.name, "run": plan.run_id}, log_file=logs if logs.exists() else None)
+                               meta={"job": plan.name, "run": plan.run_id}, log_file=logs if logs.exists() else None,
+                               world=world)
     trainer = None
     try:
-        trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name)
+        trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world)
         if prepare is not None:
             prepare(trainer)
         checkpoints.attach(trainer)
@@ -141,7 +150,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         start = checkpoints.load_latest()
         device = trainer.device
         events.emit("started", step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
-                    microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads)
+                    microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads, processes=world.size)
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 
@@ -155,8 +164,9 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
         if evaluate(trainer, plan, "final", events) is None:
             return _stopped(events, checkpoints, step, FINAL_EVAL)
-        final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True})
-        events.emit("final", step=step, path=str(final))
+        final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True})   # rank 0's
+        if final is not None:
+            events.emit("final", step=step, path=str(final))
         return Ending("done", step)
     finally:
         _report_sealed(events, checkpoints, checkpoints.close())
@@ -168,14 +178,17 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
           requests: Requests, progress: bool) -> tuple[int, str | None]:
     """Steps start..maxSteps-1, a checkpoint every saveSteps. Returns (completed steps, why it
     stopped early: "requested" | "deadline" | None)."""
-    p = plan.params
-    bar = _Progress(p.maxSteps, start, progress)
+    p, world = plan.params, trainer.world
+    bar = _Progress(p.maxSteps, start, progress and world.main)
     step, last_seconds, eval_seconds = start, 0.0, 0.0
     try:
         while step < p.maxSteps:
-            if requests.stop.is_set():                 # preemption: honoured here, between steps
+            # one decision for all processes (each its own answer when alone)
+            stop, late = world.agree(requests.stop.is_set(),
+                                     plan.stop_by is not None and time.monotonic() + last_seconds > plan.stop_by)
+            if stop:                                   # preemption: honoured here, between steps
                 return step, "requested"
-            if plan.stop_by is not None and time.monotonic() + last_seconds > plan.stop_by:
+            if late:
                 return step, "deadline"                # the next step would end past the budget
             try:
                 metrics = trainer.train_step(step)     # sample a group, score, advantages, update
@@ -187,10 +200,12 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
             bar.update(step, metrics)
             if step < p.maxSteps:
                 asked, requests.checkpoint = requests.checkpoint, False   # a rebalance notice
+                asked, = world.agree(asked)
                 checkpoints.save(step, force=asked)
             _report_sealed(events, checkpoints, checkpoints.sealed())
             if p.evalSteps and step % p.evalSteps == 0 and step < p.maxSteps:
-                if plan.stop_by is not None and time.monotonic() + eval_seconds > plan.stop_by:
+                late, = world.agree(plan.stop_by is not None and time.monotonic() + eval_seconds > plan.stop_by)
+                if late:
                     log.info("held-out evaluation after step %d skipped: it would end past the budget", step)
                     continue
                 t0 = time.monotonic()

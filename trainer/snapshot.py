@@ -11,6 +11,14 @@ A checkpoint holds (paths relative to its folder):
     trainer_state.json                   step, seed, method, the optimizer's hyper-parameters,
                                          the scheduler, the RNGs' small parts
 
+With several processes (data parallel: every rank holds the same adapter and optimizer state),
+rank 0 writes these files once, and every other rank's RNG states go into the same two files
+under rank-indexed names (`rng.rank1.torch`, ...; `rng.ranks` and `worldSize` in
+trainer_state.json). A resume on M processes restores rank k's states where the checkpoint has
+them (k < N) and leaves the others as seeded: nothing a step draws depends on them, since every
+step re-seeds its prompts' generators from (seed, step, prompt) and torch's RNG from (seed, step,
+rank).
+
 `state_files` describes them with the trainer's *live* tensors, at a step boundary. `pack`
 copies those tensors into one buffer -- the only pause of the training thread -- and returns
 the layout from which `checkpoint.writer.write_files` writes the files, in this process (the
@@ -46,15 +54,26 @@ class TensorFile:
     metadata: dict[str, str] = field(default_factory=lambda: {"format": "pt"})
 
 
-def state_files(trainer, step: int, *, weights_only: bool = False) -> dict[str, TensorFile | str]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's RNG states (torch's CPU generator, numpy's, Python's, its GPU's)."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def state_files(trainer, step: int, *, weights_only: bool = False,
+                other_ranks: list[dict[str, Any]] | None = None,
+                full: tuple[dict, list[dict]] | None = None) -> dict[str, TensorFile | str]:
     """The checkpoint of `trainer` after `step` completed steps, by relative path: text, or a
     TensorFile of live tensors (copy them before the next step changes them: `pack`).
-    `weights_only`: the adapter or model alone (the final weights, an export)."""
+    `weights_only`: the adapter or model alone (the final weights, an export). `other_ranks`:
+    ranks 1..N-1's `rng_state()`s, with several processes. `full`: a full fine-tune sharded by FSDP,
+    its whole weights and optimizer state per parameter (trainer.distributed.full_state, on rank 0):
+    the files are the ones one process writes."""
     files: dict[str, TensorFile | str] = {}
     if trainer.params.method == "Full":
         files["model/config.json"] = trainer.model.config.to_json_string(use_diff=True)
         unique, seen = {}, set()
-        for name, tensor in trainer.model.state_dict().items():
+        for name, tensor in (full[0] if full else trainer.model.state_dict()).items():
             if tensor.data_ptr() in seen:   # tied weights: safetensors stores each storage once
                 continue
             seen.add(tensor.data_ptr())
@@ -68,7 +87,7 @@ def state_files(trainer, step: int, *, weights_only: bool = False) -> dict[str, 
 
     optimizer = trainer.optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    states = [optimizer.state.get(p, {}) for p in params]
+    states = full[1] if full else [optimizer.state.get(p, {}) for p in params]
     tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     stacked = []
     for kind in sorted(states[0]) if states and states[0] else []:
@@ -83,14 +102,25 @@ def state_files(trainer, step: int, *, weights_only: bool = False) -> dict[str, 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     for i, t in enumerate(cuda):
         tensors[f"rng.cuda.{i}"] = t
-    files[TRAINING_STATE] = TensorFile(tensors)
-    files[TRAINER_STATE] = json.dumps({
+    rng: dict[str, Any] = {"numpy": [int(numpy_state[2]), int(numpy_state[3]), float(numpy_state[4])],
+                           "python": [python_state[0], python_state[2]], "cuda": len(cuda)}
+    state: dict[str, Any] = {
         "step": step, "seed": trainer.params.seed, "method": trainer.params.method,
         "optimizer": {"param_groups": optimizer.state_dict()["param_groups"], "stacked": stacked},
-        "scheduler": trainer.scheduler.state_dict(),
-        "rng": {"numpy": [int(numpy_state[2]), int(numpy_state[3]), float(numpy_state[4])],
-                "python": [python_state[0], python_state[2]], "cuda": len(cuda)},
-    }, indent=2)
+        "scheduler": trainer.scheduler.state_dict(), "rng": rng}
+    if other_ranks:
+        rng["ranks"] = {}
+        for k, st in enumerate(other_ranks, start=1):
+            tensors[f"rng.rank{k}.torch"] = st["torch"]
+            tensors[f"rng.rank{k}.numpy"] = torch.from_numpy(st["numpy"][1].astype(np.int64))
+            tensors[f"rng.rank{k}.python"] = torch.tensor(st["python"][1], dtype=torch.int64)
+            if st["cuda"] is not None:
+                tensors[f"rng.rank{k}.cuda"] = st["cuda"]
+            rng["ranks"][str(k)] = {"numpy": [int(st["numpy"][2]), int(st["numpy"][3]), float(st["numpy"][4])],
+                                    "python": [st["python"][0], st["python"][2]]}
+        state["worldSize"] = 1 + len(other_ranks)
+    files[TRAINING_STATE] = TensorFile(tensors)
+    files[TRAINER_STATE] = json.dumps(state, indent=2)
     return files
 
 
@@ -144,16 +174,19 @@ def pack(files: dict[str, TensorFile | str], buffer_for: Callable[[int], Any]) -
     return layout, buffer
 
 
-def load_state(trainer, folder: Path) -> int:
-    """Restore a checkpoint folder written from `state_files`; returns the number of completed
-    steps. ValueError when it was written for other trainable parameters (the job's lora
-    settings or method changed since)."""
+def load_state(trainer, folder: Path, rank: int = 0) -> int:
+    """Restore a checkpoint folder written from `state_files` (into rank `rank` of several
+    processes: the same weights and optimizer, that rank's RNG states if it has them); returns
+    the number of completed steps. ValueError when it was written for other trainable
+    parameters (the job's lora settings or method changed since)."""
     from safetensors.torch import load_file
 
     if not (folder / TRAINING_STATE).exists() and (folder / "optimizer.pt").exists():
         raise ValueError(f"checkpoint {folder} was written by an earlier grpo-run (optimizer.pt, rng.pt), whose "
                          "format this version does not read; run the job again under a new metadata.name")
     device = str(trainer.device)
+    if getattr(trainer, "fsdp", False):
+        return _load_sharded(trainer, folder, rank)
     try:
         if trainer.params.method == "Full":
             for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
@@ -170,6 +203,9 @@ def load_state(trainer, folder: Path) -> int:
     trainer.optimizer.load_state_dict(_optimizer_state_dict(trainer.optimizer, tensors, meta["optimizer"], folder))
     trainer.scheduler.load_state_dict(meta["scheduler"])
     rng = meta["rng"]
+    if rank:
+        _load_rank_rng(tensors, rng.get("ranks", {}).get(str(rank)), rank, trainer.device)
+        return int(meta["step"])
     torch.set_rng_state(tensors["rng.torch"])
     np.random.set_state(("MT19937", tensors["rng.numpy"].numpy().astype(np.uint32), *rng["numpy"]))
     random.setstate((rng["python"][0], tuple(tensors["rng.python"].tolist()), rng["python"][1]))
@@ -177,6 +213,44 @@ def load_state(trainer, folder: Path) -> int:
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     return int(meta["step"])
+
+
+def _load_sharded(trainer, folder: Path, rank: int) -> int:
+    """load_state for a full fine-tune sharded by FSDP: the whole weights and optimizer state
+    (the files one process writes), sharded into this rank."""
+    from safetensors.torch import load_file
+
+    from trainer.distributed import load_full_state
+
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted((folder / "model").glob("*.safetensors")):
+        weights.update(load_file(shard, device=str(trainer.device)))
+    meta = json.loads((folder / TRAINER_STATE).read_text())
+    tensors = load_file(folder / TRAINING_STATE)
+    optimizer_state = _optimizer_state_dict(trainer.optimizer, tensors, meta["optimizer"], folder)
+    n = sum(len(g["params"]) for g in trainer.optimizer.param_groups)
+    load_full_state(trainer.model, trainer.optimizer, weights, [optimizer_state["state"].get(i, {}) for i in range(n)],
+                    meta["optimizer"]["param_groups"])
+    trainer.scheduler.load_state_dict(meta["scheduler"])
+    rng = meta["rng"]
+    if rank:
+        _load_rank_rng(tensors, rng.get("ranks", {}).get(str(rank)), rank, trainer.device)
+    else:
+        torch.set_rng_state(tensors["rng.torch"])
+        np.random.set_state(("MT19937", tensors["rng.numpy"].numpy().astype(np.uint32), *rng["numpy"]))
+        random.setstate((rng["python"][0], tuple(tensors["rng.python"].tolist()), rng["python"][1]))
+    return int(meta["step"])
+
+
+def _load_rank_rng(tensors: dict[str, torch.Tensor], small: dict | None, rank: int, device: torch.device) -> None:
+    """Rank `rank`'s RNG states, where the checkpoint was written with that rank (else as seeded)."""
+    if small is None:
+        return
+    torch.set_rng_state(tensors[f"rng.rank{rank}.torch"])
+    np.random.set_state(("MT19937", tensors[f"rng.rank{rank}.numpy"].numpy().astype(np.uint32), *small["numpy"]))
+    random.setstate((small["python"][0], tuple(tensors[f"rng.rank{rank}.python"].tolist()), small["python"][1]))
+    if f"rng.rank{rank}.cuda" in tensors and device.type == "cuda":
+        torch.cuda.set_rng_state(tensors[f"rng.rank{rank}.cuda"], device)
 
 
 _MISFIT = ("checkpoint {folder}: its {what} this run's trainable parameters; the job's lora "

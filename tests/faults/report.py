@@ -82,6 +82,8 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
         ["grader faults scored", f"{sum(1 for g in by['grader'] if g['scored'])} of {len(by['grader'])}"],
         ["split brain: nodes that trained",
          ", ".join(f"{s['trained']} of {s['nodes']}" for s in by["split"]) or "not measured"],
+        ["a SIGKILLed rank of 2 processes: seconds until its attempt ended",
+         ", ".join(f"{r['secondsToEndAttempt']:.2f}" for r in by["rank-death"]) or "not measured"],
         ["completed steps lost to a notice", steps_lost],
         ["adapter bytes lost (differing from the uninterrupted run)", bytes_lost],
     ])

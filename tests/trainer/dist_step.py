@@ -1,0 +1,46 @@
+"""Run by test_distributed.py under torchrun (1 or 2 processes): two GRPO steps of the tiny model,
+then rank 0 writes the adapter and the steps' metrics to OUT (safetensors + json)."""
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def main(reward: str, loss_type: str, out: str, method: str = "LoRA") -> None:
+    from safetensors.torch import save_file
+
+    from trainer.config import GRPOParams
+    from trainer.distributed import World, full_state
+    from trainer.envs import catalog_environment, user_environment
+    from trainer.loop import GRPOTrainer
+    from trainer.tinymodel import ensure_model
+
+    world = World.from_environment()
+    params = GRPOParams(numGenerations=4, promptsPerStep=4, maxCompletionLength=4, maxSteps=4, evalTasks=8,
+                        learningRate=2e-3 if method == "LoRA" else 1e-3, seed=0, lossType=loss_type, microBatchSize=3,
+                        method=method)
+    arith = catalog_environment("arithmetic", seed=0, n_eval=8)
+    env = user_environment(name="length", reward_ref=reward, tasks=list(arith.train_tasks),
+                           eval_tasks=list(arith.eval_tasks))
+    tr = GRPOTrainer(ensure_model("tiny:char"), env, params, world=world)
+    try:
+        metrics = [tr.train_step(step) for step in range(2)]
+        ev = tr.evaluate(env.eval_tasks)
+    finally:
+        tr.close()
+    if method == "Full":                 # a sharded model is gathered by every rank, onto rank 0
+        weights = full_state(tr.model, tr.optimizer)[0] if tr.fsdp else dict(tr.model.state_dict())
+    else:
+        weights = dict(tr.adapter_state())
+    if world.main:
+        save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, out + ".safetensors")
+        Path(out + ".json").write_text(json.dumps({"metrics": metrics, "eval": list(ev.rewards)}))
+    world.barrier()
+    world.close()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,115 @@
+"""Data parallelism inside the trainer (trainer.distributed): how a step is shared among
+processes, and that two processes (gloo) take the step one process takes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import grpo
+from trainer.distributed import World
+from trainer.loop import GRPOTrainer, prompt_seed
+from trainer.tinymodel import ensure_model
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_ranks_shards_cover_the_steps_prompts_in_order_without_overlap():
+    for n, size in [(8, 2), (8, 3), (5, 4), (4, 4), (7, 1)]:
+        shards = [list(World(rank=r, size=size).shard(n)) for r in range(size)]
+        assert sum(shards, []) == list(range(n)), (n, size)
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_one_process_agrees_and_gathers_without_a_process_group():
+    alone = World()
+    assert alone.agree(True, False) == (True, False)
+    assert alone.total(2, 3.5) == (2.0, 3.5)
+    assert alone.gather({"a": 1}) == [{"a": 1}]
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from trainer.config import GRPOParams
+    from trainer.policy import load_policy, load_tokenizer
+
+    path = ensure_model("tiny:char")
+    return load_policy(path, GRPOParams(), torch.device("cpu")), load_tokenizer(path)
+
+
+def test_a_groups_draws_do_not_depend_on_the_groups_sampled_beside_it(policy):
+    """One generator per prompt: prompt 1's group draws the same tokens sampled alone or after
+    prompt 0's group in one batch (as on one process, or as the second rank's only prompt)."""
+    model, tok = policy
+    G = 4
+
+    def sample(prompts, positions):
+        enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True)
+        gens = [torch.Generator().manual_seed(prompt_seed(0, 3, j)) for j in positions]
+        return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, temperature=1.0,
+                           eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, generator=gens)
+
+    both = sample(["3+5=", "2+2="], [0, 1])
+    alone = sample(["2+2="], [1])
+    width = alone.ids.size(1)
+    assert torch.equal(both.ids[G:, :width], alone.ids)
+    assert not torch.equal(both.ids[:G, :width], alone.ids)          # another prompt, another stream
+
+
+def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str, method: str = "LoRA") -> tuple[dict, dict]:
+    out = str(tmp_path / f"p{processes}-{loss_type}-{method}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+                    str(HERE / "dist_step.py"), reward, loss_type, out, method], check=True, env=env, timeout=240,
+                   capture_output=True)
+    from safetensors.torch import load_file
+
+    return load_file(out + ".safetensors"), json.loads(Path(out + ".json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_two_processes_take_the_steps_one_process_takes(tmp_path, loss_type):
+    """The same prompts, the same draws, the gradient of the same loss (each rank's part
+    normalised by the whole step's completions or tokens, averaged by DDP): the adapter after two
+    steps equals the one-process adapter up to float rounding, and so do the metrics."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(completion, task):\n    return float(len(completion))\n")
+    one, m1 = _steps(tmp_path, 1, f"{reward}:score", loss_type)
+    two, m2 = _steps(tmp_path, 2, f"{reward}:score", loss_type)
+    assert one.keys() == two.keys() and one
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(one[n], torch.zeros_like(one[n])) for n in one if "lora_B" in n)   # it learned
+    for a, b in zip(m1["metrics"], m2["metrics"]):
+        assert a["rewardMean"] == b["rewardMean"] and a["learningCompletions"] == b["learningCompletions"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["gradNorm"] == pytest.approx(b["gradNorm"], rel=1e-4)
+    assert m1["eval"] == m2["eval"]        # evaluation batches dealt to the ranks: the same scores
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_sharded_over_two_processes_takes_the_steps_one_process_takes(tmp_path):
+    """Method Full on two processes: FSDP shards the weights, their gradients and Adam's moments;
+    after two steps the whole model, gathered, equals the one-process model up to float rounding."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(completion, task):\n    return float(len(completion))\n")
+    one, m1 = _steps(tmp_path, 1, f"{reward}:score", "grpo", "Full")
+    two, m2 = _steps(tmp_path, 2, f"{reward}:score", "grpo", "Full")
+    assert set(one) - set(two) <= {"lm_head.weight"} and two      # the gathered model leaves out tied copies
+    from trainer.tinymodel import ensure_model
+    from safetensors.torch import load_file
+
+    start = load_file(Path(ensure_model("tiny:char")) / "model.safetensors")
+    assert any(not torch.equal(one[n], start[n]) for n in start if n in one)           # it learned
+    for name in two:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    for a, b in zip(m1["metrics"], m2["metrics"]):
+        assert a["rewardMean"] == b["rewardMean"]
+        assert a["gradNorm"] == pytest.approx(b["gradNorm"], rel=1e-4)
+    assert m1["eval"] == m2["eval"]

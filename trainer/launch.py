@@ -1,0 +1,139 @@
+"""The trainer on several processes: `python -m trainer.launch N WORK/plan.json`.
+
+The supervisor starts this in place of `python -m trainer.child` when the job asks for more than
+one process (spec.resources.processes). It runs accelerate's own launcher in this process
+(`accelerate launch --multi_gpu --num_processes N -m trainer.child plan.json`; torchrun's
+elastic agent underneath, no restarts), which starts one trainer.child per rank with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set. What this process adds, so that the supervisor
+sees one trainer as before:
+
+- the events pipe: torchrun closes inherited descriptors, so the ranks open it by path, as this
+  process's descriptor under /proc (GRPO_RUN_EVENTS_PATH);
+- signals: SIGTERM (a notice) goes to every rank through the agent, which forwards it and kills
+  what is still running after its shutdown timeout; SIGUSR1 (checkpoint at the next step) goes
+  to rank 0, and the ranks agree on it at the step boundary;
+- the exit status: trainer.child's protocol (done, stopped, the reward function's error,
+  crashed) from the ranks' exit statuses, which the agent reports only as a failure;
+- threads: a first attempt's pool (GRPO_RUN_CPU_SHARE) is split evenly among the ranks, each rank
+  gets the same count (replicas must round their optimizer steps alike), and the ranks take no
+  further share of the node's other trainers.
+
+A rank that dies ends the attempt: the agent sees it within its monitor interval, sends the
+others SIGTERM (their next collective fails on the lost peer anyway) and SIGKILLs whatever still
+runs 30 s later; this process then exits CHILD_CRASHED and the supervisor restarts from the last
+durable checkpoint. This process dies with the supervisor, the ranks with this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from checkpoint.procs import die_with_parent
+from trainer.child import (CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV, EVENTS_PATH_ENV,
+                           PARENT_ENV)
+from trainer.faults import NODE_PID_ENV
+from trainer.threads import SHARE_ENV
+
+log = logging.getLogger(__name__)
+
+MONITOR_INTERVAL_S = 0.2       # how often the agent looks at its ranks: a dead one is seen this fast
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_environment(env: dict[str, str], processes: int, launcher_pid: int, supervisor_pid: int) -> dict[str, str]:
+    """What the ranks inherit from this process (see the module's docstring)."""
+    out = dict(env)
+    out[EVENTS_PATH_ENV] = f"/proc/{launcher_pid}/fd/{env[EVENTS_FD_ENV]}"
+    out[PARENT_ENV] = str(launcher_pid)               # the ranks' parent, which they die with
+    out[NODE_PID_ENV] = str(supervisor_pid)           # fault points that kill the node kill this one
+    pool = out.pop(SHARE_ENV, None)
+    if pool is not None:                              # a first attempt: the run's pool split evenly
+        out["OMP_NUM_THREADS"] = str(max(1, int(pool) // processes))
+    return out
+
+
+def exit_status(codes: dict[int, int]) -> int:
+    """trainer.child's status for the run from the ranks that failed (rank -> exit status; the
+    agent reports the first ones it saw): the reward function's error wins, then a crash (any
+    other status, a signal); only ranks that all stopped cleanly make a stopped run. A rank
+    ended by SIGTERM was stopped by the agent because another rank had ended (a notice comes as
+    SignalException, not here): it says nothing of its own. Ranks leave trainer.child only
+    together (a barrier after rank 0 has sealed and reported), so one that the agent's SIGTERM
+    catches on its way out had finished its work."""
+    own = {rank: c for rank, c in codes.items() if c != -signal.SIGTERM}
+    if any(c == CHILD_CODE_ERROR for c in own.values()):
+        return CHILD_CODE_ERROR
+    if own and all(c == CHILD_STOPPED for c in own.values()):
+        return CHILD_STOPPED
+    return CHILD_CRASHED
+
+
+def launch(processes: int, plan: str) -> int:
+    import torch.distributed.run  # noqa: F401 - accelerate imports it late; its loggers must exist to be quieted
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # The agent logs every stop it makes (an ERROR line for a rank that ended as stopped, as for
+    # one that crashed); what the run makes of the ranks' statuses is logged below instead.
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    ranks = rank_environment(dict(os.environ), processes, os.getpid(), os.getppid())
+    os.environ.pop(SHARE_ENV, None)
+    os.environ.update(ranks)
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _to_rank_zero(signum))
+    args = launch_command_parser().parse_args([
+        "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--num_cpu_threads_per_process", threads, "--main_process_ip", "127.0.0.1",
+        "--main_process_port", str(free_port()), "--monitor_interval", str(MONITOR_INTERVAL_S), "--max_restarts", "0",
+        "--quiet", "--module", "trainer.child", plan])
+    try:
+        launch_command(args)
+    except ChildFailedError as e:
+        codes = {f.local_rank: f.exitcode for f in e.failures.values()}
+        status = exit_status(codes)
+        if status != CHILD_STOPPED:
+            log.warning("the attempt ends: ranks ended with %s (rank: exit status, negative: killed by that "
+                        "signal); their logs are logs/trainer*.log", codes)
+        return status
+    except SignalException:          # a notice: the agent stopped every rank (each at the same step)
+        return CHILD_STOPPED
+    return CHILD_DONE
+
+
+def _to_rank_zero(signum: int) -> None:
+    """Forward `signum` to rank 0 (a child of this process, RANK=0 in its environment)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            if child.environ().get("RANK") == "0":
+                os.kill(child.pid, signum)
+        except (psutil.Error, OSError):
+            continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return launch(int(argv[0]), str(Path(argv[1])))
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    if os.environ.get(PARENT_ENV) and os.getppid() != int(os.environ[PARENT_ENV]):
+        sys.exit(CHILD_CRASHED)          # the supervisor died before the line above
+    sys.exit(main())
