@@ -27,6 +27,8 @@ log = logging.getLogger("runner.supervisor")
 
 BASELINE = "baseline.json"
 RECORD_SYNC_S = 10.0         # the record's upload between phase changes, at most this often
+DURABLE_SYNC_S = 2.0         # ... and after a durable checkpoint, at most this often (fast tiny runs
+                             # seal several a second: an upload after each kept the store busy)
 CHECKPOINT_RESERVE_S = 5.0   # budget held back for the last checkpoint, its upload and the exit
 REWARD_WINDOW = 50           # steps the reward-signal diagnostic looks back over
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
@@ -108,9 +110,9 @@ class Books:
         if wait:
             done.result()
 
-    def sync_soon(self) -> None:
-        """Upload the record unless it was uploaded less than RECORD_SYNC_S ago."""
-        if time.monotonic() - self._last_sync >= RECORD_SYNC_S:
+    def sync_soon(self, within: float = RECORD_SYNC_S) -> None:
+        """Upload the record unless it was uploaded less than `within` seconds ago."""
+        if time.monotonic() - self._last_sync >= within:
             self.update_reward_signal()
             self.sync()
 
