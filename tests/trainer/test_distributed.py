@@ -12,7 +12,7 @@ import torch
 
 from trainer import grpo
 from trainer.distributed import World
-from trainer.loop import GRPOTrainer, prompt_seed
+from trainer.loop import prompt_seed
 from trainer.tinymodel import ensure_model
 
 HERE = Path(__file__).resolve().parent
