@@ -206,7 +206,9 @@ def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
     if usd:
         parts.append(f"${usd:.4f}")
     n = len(run["attempts"])
-    parts.append(f"{n} attempt{'s' if n != 1 else ''}, {sum(c['redone'] for c in cuts)} steps redone")
+    lower = any(c["reason"] == "Crashed" for c in cuts)     # a lost node's unseen steps are not counted
+    parts.append(f"{n} attempt{'s' if n != 1 else ''}, {'at least ' if lower else ''}"
+                 f"{sum(c['redone'] for c in cuts)} steps redone")
     return ", ".join(parts)
 
 

@@ -74,9 +74,8 @@ class Tracking(Strict):
     def _tensorboard(cls, v: bool | str | None, info: ValidationInfo) -> bool | str | None:
         if v == "":
             raise problem("must be true (event files in the job's storage) or a folder or URL (got '')")
-        if v not in (None, False) and importlib.util.find_spec("tensorboard") is None:
-            raise problem("needs the tensorboard package, which is not installed: "
-                          "pip install 'grpo-run[tensorboard]' (or leave spec.tracking.tensorboard out)")
+        if v not in (None, False):
+            _installed("tensorboard", "tensorboard")
         if isinstance(v, str) and "://" not in v:     # a folder: relative to the job file's, as spec.storage
             try:
                 return resolve_path(v, base_folder(info))
@@ -84,24 +83,22 @@ class Tracking(Strict):
                 raise problem(f"not a usable folder (got {fmt(v)}): {e}") from None
         return v
 
-    @field_validator("mlflow")
+    @field_validator("mlflow", "wandb")
     @classmethod
-    def _mlflow(cls, v: MlflowSpec | None) -> MlflowSpec | None:
-        if v is not None and importlib.util.find_spec("mlflow") is None:
-            raise problem("needs the mlflow package, which is not installed: pip install 'grpo-run[mlflow]' "
-                          "(or leave spec.tracking.mlflow out)")
-        return v
-
-    @field_validator("wandb")
-    @classmethod
-    def _wandb(cls, v: WandbSpec | None) -> WandbSpec | None:
-        if v is not None and importlib.util.find_spec("wandb") is None:
-            raise problem("needs the wandb package, which is not installed: pip install 'grpo-run[wandb]' "
-                          "(or leave spec.tracking.wandb out)")
+    def _package(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None:
+            _installed(info.field_name, info.field_name)
         return v
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True)
+
+
+def _installed(package: str, field: str) -> None:
+    """The house error when a tracker's package is missing: checked before anything runs."""
+    if importlib.util.find_spec(package) is None:
+        raise problem(f"needs the {package} package, which is not installed: pip install 'grpo-run[{field}]' "
+                      f"(or leave spec.tracking.{field} out)")
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
