@@ -242,8 +242,8 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
                      f"{span} | {_redone(cut) if cut else 0} | {usd_a:.4f} |")
         if cut and cut["reason"] == "Crashed":
             notes.append(f"Attempt {a['id']}'s node was lost without a word: its steps and spend are those its "
-                         "record had in storage (uploaded after every durable checkpoint and every "
-                         "10 s); what it did after that is not known, so its redone steps are a lower bound.")
+                         "record had in storage (uploaded after a durable checkpoint, at most every 2 s, "
+                         "and every 10 s); what it did after that is not known, so its redone steps are a lower bound.")
     if notes:
         lines += [""] + notes
     return "\n".join(lines) + "\n"
