@@ -70,6 +70,7 @@ class Books:
         self._last_sync = 0.0
         self._queued: Future | None = None
         self._open = False         # an attempt of this process is running (its ledger entry grows)
+        self._durable_waits = False  # a durable checkpoint's record upload was put off (DURABLE_SYNC_S)
         self.attempt: int | None = None
         self.tracking = (manifest.get("spec") or {}).get("tracking")
         self.trackers = Trackers([])       # opened per attempt (spec.tracking)
@@ -100,6 +101,7 @@ class Books:
             self.store.put_file(snap, RECORD_FILE)
 
         self._last_sync = time.monotonic()
+        self._durable_waits = False
         if self._open:             # the spend so far goes with it: a node killed later has it counted
             self.write_ledger()
         queued = self._queued
@@ -110,11 +112,20 @@ class Books:
         if wait:
             done.result()
 
-    def sync_soon(self, within: float = RECORD_SYNC_S) -> None:
-        """Upload the record unless it was uploaded less than `within` seconds ago."""
+    def sync_soon(self, within: float | None = None) -> None:
+        """Upload the record unless it was uploaded less than `within` seconds ago (default
+        RECORD_SYNC_S; DURABLE_SYNC_S while a durable checkpoint waits for its record upload)."""
+        if within is None:
+            within = DURABLE_SYNC_S if self._durable_waits else RECORD_SYNC_S
         if time.monotonic() - self._last_sync >= within:
             self.update_reward_signal()
             self.sync()
+
+    def sync_after_durable(self) -> None:
+        """A checkpoint became durable: the record with its steps goes up now, or within
+        DURABLE_SYNC_S of the last upload (the next step's sync_soon sends it)."""
+        self._durable_waits = True
+        self.sync_soon(DURABLE_SYNC_S)
 
     def phase(self, phase: Phase, message: str = "") -> None:
         """Phase changes are rare and are what a new node reads first: wait until stored."""

@@ -46,7 +46,7 @@ from checkpoint.procs import python_env
 from checkpoint.retry import backoff, nth_wait
 from checkpoint.store import StorageConfigError, StorageUnavailable, Store
 from checkpoint.sync import Uploader, restore_latest
-from runner.books import DURABLE_SYNC_S, Books
+from runner.books import Books
 from runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from runner.fingerprint import baseline_fingerprint, final_fingerprint
 from runner.live import EVAL_PLAN
@@ -380,9 +380,9 @@ class Supervisor:
                 self.books.record.add_checkpoint(s, durable=True)
         self._noted_durable.update(new)
         self._durable = max(self._durable, *new)
-        # the record after it: a node lost later leaves storage a record with every step up to
-        # the checkpoint a resume starts from (unless it came within DURABLE_SYNC_S of the last)
-        self.books.sync_soon(within=DURABLE_SYNC_S)
+        # the record after it, within DURABLE_SYNC_S: a node lost later leaves storage a record
+        # with every step up to the checkpoint a resume starts from
+        self.books.sync_after_durable()
 
     def _wait_durable(self, timeout: float | None = None) -> int:
         """The newest sealed local checkpoint made durable; its step (or the newest durable one
