@@ -3,8 +3,8 @@ in object storage, the cost ledger and the budget, the cached baseline and the e
 batches a stopped attempt finished.
 
 Storage layout of a job's folder that this module writes: `state.db` (a snapshot of the record,
-refreshed at every phase change, after a durable checkpoint (at most every DURABLE_SYNC_S) and at most every RECORD_SYNC_S
-otherwise), `baseline.json` (the baseline evaluation with its fingerprint) and, with
+refreshed at every phase change, within DURABLE_SYNC_S of a durable checkpoint and at most every
+RECORD_SYNC_S otherwise), `baseline.json` (the baseline evaluation with its fingerprint) and, with
 spec.tracking.tensorboard true, `tensorboard/` (the event files, copied with each snapshot).
 """
 
