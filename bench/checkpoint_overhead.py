@@ -72,7 +72,7 @@ class Measurement:
 
 
 def run_once(config: str, storage: str, steps: int, s3_url: str | None, env: dict[str, str]) -> Measurement:
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     home = Path(tempfile.mkdtemp(prefix=f"grpo-bench-{config}-"))
     doc = yaml.safe_load(JOB.read_text())
@@ -83,7 +83,7 @@ def run_once(config: str, storage: str, steps: int, s3_url: str | None, env: dic
     job = home / "job.yaml"
     job.write_text(yaml.safe_dump(doc))
     try:
-        proc = subprocess.run([sys.executable, "-m", "runner.cli", "apply", "-f", str(job)], cwd=REPO,
+        proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO,
                               env={**env, "GRPO_RUN_HOME": str(home)}, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{config}/{storage}: exit {proc.returncode}\n{proc.stderr[-2000:]}")

@@ -41,12 +41,12 @@ def main() -> int:
 
     import torch
 
-    from runner.memory import memory_estimate
-    from trainer.config import GRPOParams
-    from trainer.envs import catalog_environment
-    from trainer.loop import GRPOTrainer
-    from trainer.policy import fix_mmap_threshold
-    from trainer.tinymodel import build_chat_model
+    from grpo_run.runner.estimate.memory import memory_estimate
+    from grpo_run.trainer.config import GRPOParams
+    from grpo_run.trainer.envs.catalog import catalog_environment
+    from grpo_run.trainer.trainer import GRPOTrainer
+    from grpo_run.trainer.model.policy import fix_mmap_threshold
+    from grpo_run.trainer.model.tinymodel import build_chat_model
 
     fix_mmap_threshold()                 # as the trainer process of `grpo-run apply` does
 

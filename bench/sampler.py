@@ -43,11 +43,12 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from bench.vs_trl import build_bigger
-    from trainer import decode, grpo
-    from trainer.config import GRPOParams
-    from trainer.envs import arithmetic_tasks
-    from trainer.policy import fix_mmap_threshold, load_policy
-    from trainer.tinymodel import ensure_model
+    from grpo_run.trainer.sampling import decode
+    from grpo_run.trainer.sampling import sampler
+    from grpo_run.trainer.config import GRPOParams
+    from grpo_run.trainer.envs.catalog import arithmetic_tasks
+    from grpo_run.trainer.model.policy import fix_mmap_threshold, load_policy
+    from grpo_run.runner.home import ensure_model
 
     fix_mmap_threshold()
     train, _ = arithmetic_tasks(0, None, None)
@@ -68,20 +69,20 @@ def main() -> int:
         if args.compiled:
             decoders["compiled (static)"] = lambda m: decode.CompiledDecoder.of(m)
         times, outs = {}, {}
-        original = grpo.decoder_for
+        original = sampler.decoder_for
         for label, make in decoders.items():
-            grpo.decoder_for = lambda m, compiled=False, make=make: make(m)
+            sampler.decoder_for = lambda m, compiled=False, make=make: make(m)
             try:
                 runs = []
                 for r in range(args.rounds + 1):                 # the first is a warm-up (compiles)
                     t0 = time.perf_counter()
-                    out = grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=tokens,
+                    out = sampler.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=tokens,
                                       temperature=1.0, eos_ids=(), pad_id=tok.pad_token_id,
                                       generator=torch.Generator().manual_seed(0))
                     if r:
                         runs.append((time.perf_counter() - t0) / tokens)
             finally:
-                grpo.decoder_for = original
+                sampler.decoder_for = original
             times[label], outs[label] = statistics.median(runs), out.ids
         own = times["model's own forward"]
         for label in decoders:

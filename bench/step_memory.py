@@ -42,10 +42,10 @@ def one(model: str, completions: int, micro: int, fixed_mmap: bool = True) -> di
     import psutil
     import torch
 
-    from trainer.config import GRPOParams
-    from trainer.envs import user_environment
-    from trainer.loop import GRPOTrainer
-    from trainer.policy import fix_mmap_threshold
+    from grpo_run.trainer.config import GRPOParams
+    from grpo_run.trainer.envs.catalog import user_environment
+    from grpo_run.trainer.trainer import GRPOTrainer
+    from grpo_run.trainer.model.policy import fix_mmap_threshold
 
     if fixed_mmap:
         fix_mmap_threshold()             # as the trainer process of `grpo-run apply` does
@@ -80,7 +80,7 @@ def main() -> int:
         print(json.dumps(one(args.one[0], int(args.one[1]), int(args.one[2]), args.one[3] == "fixed")))
         return 0
 
-    from trainer.tinymodel import build_chat_model
+    from grpo_run.trainer.model.tinymodel import build_chat_model
 
     model = build_chat_model(Path(tempfile.mkdtemp()) / "qwen3-vocab", config={"vocab_size": QWEN3_VOCAB})
     runs = [(n, m) for m in args.micro for n in args.sizes]

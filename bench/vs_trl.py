@@ -55,7 +55,7 @@ def build_bigger(folder: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from trainer.tinymodel import build_tokenizer
+    from grpo_run.trainer.model.tinymodel import build_tokenizer
 
     out = folder / "bigger"
     if (out / "config.json").exists():
@@ -107,7 +107,7 @@ def run_grpo_run(cfg: dict, model: str, steps: int, home: Path) -> dict:
     path = home / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     env = {**os.environ, "GRPO_RUN_HOME": str(home)}
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "apply", "-f", str(path)], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = TreePeak(proc.pid)
     _, err = proc.communicate()
@@ -116,7 +116,7 @@ def run_grpo_run(cfg: dict, model: str, steps: int, home: Path) -> dict:
         raise RuntimeError(f"grpo-run apply failed ({proc.returncode}):\n{err[-3000:]}")
     from datetime import datetime
 
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     with Record(home / "runs" / "vs-trl" / "state.db") as record:
         logged = [datetime.fromisoformat(r["logged"]).timestamp()
@@ -152,8 +152,8 @@ def trl_one(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.envs import arithmetic_reward, arithmetic_tasks
-    from trainer.tinymodel import ensure_model
+    from grpo_run.trainer.envs.catalog import arithmetic_reward, arithmetic_tasks
+    from grpo_run.runner.home import ensure_model
 
     spent: dict[str, float] = {}
     original = profiling.ProfilingContext._log_metrics

@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Collection
 
-from .fsio import atomic_write_bytes, fsync_dir
+from .storage.fsio import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger(__name__)
 

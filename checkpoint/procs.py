@@ -1,16 +1,14 @@
 """Helpers for the child processes grpo-run starts (the trainer, its checkpoint writer, the
-grader): each finds this very source tree, and dies with the process that started it."""
+grader): each imports grpo-run as installed, never a look-alike from the folder it was started
+in, and dies with the process that started it."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
-import site
-from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def die_with_parent() -> None:
@@ -24,11 +22,10 @@ def die_with_parent() -> None:
 
 
 def python_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for `python -m <one of our modules>`: `base` (default os.environ) with
-    this package's root first on PYTHONPATH unless it is an installed site-packages folder
-    (never put site-packages before the standard library)."""
+    """The environment for `python -m grpo_run.<module>`: `base` (default os.environ) with
+    PYTHONSAFEPATH=1, so that (Python 3.11+) the child's own folder is not put first on
+    sys.path, and a `trainer/` or `state.py` of the user's cannot stand in for ours. Every caller
+    also starts the child in a folder of ours (`cwd=`), which covers Python 3.10 as well."""
     env = dict(os.environ if base is None else base)
-    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    if os.path.realpath(PACKAGE_ROOT) not in installed:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    env["PYTHONSAFEPATH"] = "1"
     return env

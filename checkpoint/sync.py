@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .fsio import atomic_write_bytes, fsync_dir
+from .storage.fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
     MANIFEST_NAME,
     CheckpointInvalid,
@@ -34,7 +34,7 @@ from .manifest import (
     step_of,
     verify,
 )
-from .store import Store, StorageConfigError
+from .storage.store import Store, StorageConfigError
 
 log = logging.getLogger(__name__)
 

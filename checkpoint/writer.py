@@ -93,6 +93,7 @@ class CheckpointWriter:
     def __init__(self, root: Path, *, keep: int = 3, meta: dict[str, Any] | None = None,
                  log_file: Path | None = None) -> None:
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)      # also the writer's working folder
         self._fd = _shared_fd(self.root)
         self._size = 0
         self._map: mmap.mmap | None = None
@@ -100,12 +101,12 @@ class CheckpointWriter:
         self._events: list[dict[str, Any]] = []
         self._pending = b""
         self._closing = False                 # close() asked it to end: its exit is no death
-        args = [sys.executable, "-m", "checkpoint.writer", "--fd", str(self._fd), "--root", str(self.root),
+        args = [sys.executable, "-m", "grpo_run.checkpoint.writer", "--fd", str(self._fd), "--root", str(self.root),
                 "--keep", str(keep), "--parent", str(os.getpid()), "--meta", json.dumps(meta or {})]
         if log_file is not None:
             args += ["--log", str(log_file)]
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=[self._fd],
-                                      env=python_env())
+                                      env=python_env(), cwd=self.root)
         os.set_blocking(self._proc.stdout.fileno(), False)
 
     # --- requests ----------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         to_file = logging.FileHandler(args.log)
         to_file.setFormatter(fmt)
         root.addHandler(to_file)
-        logging.getLogger("checkpoint").setLevel(logging.INFO)
+        logging.getLogger("grpo_run.checkpoint").setLevel(logging.INFO)
     try:
         return _serve(args)
     except BrokenPipeError:       # the trainer is gone (killed with its node): nobody to tell

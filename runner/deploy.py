@@ -7,15 +7,15 @@ IAM policy a node needs: read, write, list and delete under the job's storage pr
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlparse
 
-from runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
+from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
 UNIT = "grpo-run-resume.service"
 CLOUD_INIT = "cloud-init.yaml"
 INSTALL_PREFIX = "/opt/grpo-run"

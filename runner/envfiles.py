@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoint.store import Store
-from runner.environment import EnvironmentSpec
-from runner.job import TrainingJob
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.runner.spec.environment import EnvironmentSpec
+from grpo_run.runner.spec.job import TrainingJob
 
 PREFIX = "environment"
 

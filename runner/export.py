@@ -6,8 +6,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from checkpoint.store import Store
-from checkpoint.sync import download_latest
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.sync import download_latest
 
 
 def export_weights(job_url: str, out: Path) -> str:

@@ -17,12 +17,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint.lease import Lease, LeaseHeld
-from checkpoint.store import Store
-from runner.books import Books, fetch_record
-from runner.envfiles import upload_environment
-from runner.job import TrainingJob, usd_per_hour
-from state.record import Phase, Record
+from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.runner.books.books import Books, fetch_record
+from grpo_run.runner.envfiles import upload_environment
+from grpo_run.runner.spec.job import TrainingJob, usd_per_hour
+from grpo_run.state.phases import Phase
+from grpo_run.state.record import Record
 
 SUBMITTED = "submitted"      # under GRPO_RUN_HOME: one file per submitted job, holding its storage URI
 

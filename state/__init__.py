@@ -1,5 +1,2 @@
-"""The run's record in SQLite. Imports neither `runner` nor `trainer`."""
-
-from .record import ALLOWED_TRANSITIONS, EVAL_KINDS, MIGRATIONS, InvalidTransition, Phase, Record
-
-__all__ = ["ALLOWED_TRANSITIONS", "EVAL_KINDS", "MIGRATIONS", "InvalidTransition", "Phase", "Record"]
+"""The run's record in SQLite: `phases` (the status enum and its transitions), `record` (the
+record itself), `migrations` (its schema). Imports neither `runner` nor `trainer`."""

@@ -30,111 +30,14 @@ from typing import Any
 
 import sqlite_utils
 
-from checkpoint.fsio import fsync_dir, fsync_file
+from grpo_run.checkpoint.storage.fsio import fsync_dir, fsync_file
+from grpo_run.state.migrations import MIGRATIONS
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, InvalidTransition, Phase
 
 RECORD_FILE = "state.db"     # the record's name, in a job's work folder and in its storage folder
 
 
-class Phase(str, enum.Enum):
-    PENDING = "Pending"                 # accepted, nothing run yet
-    BASELINE_EVAL = "BaselineEval"      # evaluating the untrained model on the held-out tasks
-    TRAINING = "Training"               # GRPO steps; checkpoints every saveSteps
-    FINAL_EVAL = "FinalEval"            # evaluating the trained adapter on the same tasks
-    SUCCEEDED = "Succeeded"             # done, final evaluation recorded; terminal
-    FAILED = "Failed"                   # stopped by an error; resumable once it is fixed
-    PREEMPTED = "Preempted"             # the node was taken away; resumable from the last durable checkpoint
-    BUDGET_EXCEEDED = "BudgetExceeded"  # spend reached maxCostUSD; resumable with a larger budget
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_ACTIVE = (Phase.BASELINE_EVAL, Phase.TRAINING, Phase.FINAL_EVAL)
-_STOPPED = (Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED)
-STOPPED = _STOPPED                                      # ended without succeeding: resume may continue it
-TERMINAL = (Phase.SUCCEEDED, *_STOPPED)                 # no attempt is running
-
-# Allowed moves (besides staying in the same phase, always allowed: a resumed attempt re-enters
-# the phase a hard kill left recorded, and the message may change).
-ALLOWED_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.PENDING: frozenset({Phase.BASELINE_EVAL, Phase.TRAINING, *_STOPPED}),
-    Phase.BASELINE_EVAL: frozenset({Phase.TRAINING, *_STOPPED}),
-    # Training -> BaselineEval: a node killed without a word leaves Training recorded; the next
-    # attempt re-evaluates the baseline when its cache no longer matches the (edited) job.
-    Phase.TRAINING: frozenset({Phase.FINAL_EVAL, Phase.BASELINE_EVAL, *_STOPPED}),
-    # FinalEval -> BaselineEval / Training: likewise, a kill during the final evaluation, resumed
-    # from a checkpoint before the last step.
-    Phase.FINAL_EVAL: frozenset({Phase.SUCCEEDED, Phase.BASELINE_EVAL, Phase.TRAINING, *_STOPPED}),
-    # resume: back to whichever phase was interrupted
-    Phase.PREEMPTED: frozenset({*_ACTIVE, Phase.FAILED, Phase.BUDGET_EXCEEDED}),
-    Phase.FAILED: frozenset({*_ACTIVE}),
-    Phase.BUDGET_EXCEEDED: frozenset({*_ACTIVE, Phase.FAILED}),
-    Phase.SUCCEEDED: frozenset(),
-}
-
 EVAL_KINDS = ("baseline", "final")
-
-# Append only. Each entry runs once, in one transaction with its row in `migrations`.
-MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("0001_initial", (
-        """CREATE TABLE job (
-            id INTEGER PRIMARY KEY CHECK (id = 1),
-            name TEXT NOT NULL,
-            spec TEXT NOT NULL,
-            phase TEXT NOT NULL,
-            message TEXT NOT NULL DEFAULT '',
-            created TEXT NOT NULL,
-            updated TEXT NOT NULL)""",
-        """CREATE TABLE transitions (
-            id INTEGER PRIMARY KEY,
-            at TEXT NOT NULL,
-            from_phase TEXT,
-            to_phase TEXT NOT NULL,
-            message TEXT NOT NULL DEFAULT '')""",
-        """CREATE TABLE attempts (
-            id INTEGER PRIMARY KEY,
-            node TEXT NOT NULL,
-            started TEXT NOT NULL,
-            ended TEXT,
-            reason TEXT,
-            message TEXT NOT NULL DEFAULT '')""",
-        """CREATE TABLE steps (
-            step INTEGER PRIMARY KEY,
-            metrics TEXT NOT NULL,
-            logged TEXT NOT NULL)""",
-        """CREATE TABLE evals (
-            kind TEXT PRIMARY KEY,
-            result TEXT NOT NULL,
-            runs INTEGER NOT NULL DEFAULT 0,
-            fingerprint TEXT NOT NULL,
-            source TEXT NOT NULL,
-            updated TEXT NOT NULL)""",
-        """CREATE TABLE checkpoints (
-            step INTEGER PRIMARY KEY,
-            durable INTEGER NOT NULL DEFAULT 0,
-            created TEXT NOT NULL,
-            updated TEXT NOT NULL)""",
-        """CREATE TABLE kv (
-            key TEXT PRIMARY KEY,
-            value TEXT NOT NULL,
-            updated TEXT NOT NULL)""",
-    )),
-    # where each attempt started (the checkpoint's step, 0 for none) and the last step it
-    # completed: the steps a kill or a notice cost are the gap to the next attempt's start
-    ("0002_attempt_steps", (
-        "ALTER TABLE attempts ADD COLUMN from_step INTEGER",
-        "ALTER TABLE attempts ADD COLUMN to_step INTEGER",
-    )),
-    # which spot notice ended a preempted attempt (aws, gcp, azure, signal): the report's labels
-    ("0003_attempt_notice", (
-        "ALTER TABLE attempts ADD COLUMN notice TEXT",
-    )),
-)
-
-
-class InvalidTransition(RuntimeError):
-    """A phase change the lifecycle does not allow (e.g. anything after Succeeded)."""
-
 
 class Record:
     """Owns one SQLite connection to the run's record; safe to share between threads."""

@@ -31,7 +31,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `.venv/bin/pytest` works without an editable install
+if str(REPO) not in sys.path:  # `tests.emulators` and the like; grpo_run itself comes from the install
     sys.path.insert(0, str(REPO))
 
 _STARTUP_TIMES: list[float] = []

@@ -10,17 +10,27 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {"runner", "trainer", "checkpoint", "state"}
 FORBIDDEN = {"trainer": {"runner", "state"}, "checkpoint": {"runner", "trainer"}, "state": {"runner", "trainer"}}
 
 
 def imported_packages(path: Path) -> set[tuple[str, int]]:
+    """(package, line) for each import of ours in `path`: `grpo_run.runner.x` counts as `runner`."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {(alias.name.split(".")[0], node.lineno) for alias in node.names}
+            found |= {(_package(alias.name), node.lineno) for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add((node.module.split(".")[0], node.lineno))
+            if node.module == "grpo_run":          # from grpo_run import runner
+                found |= {(alias.name, node.lineno) for alias in node.names}
+            else:
+                found.add((_package(node.module), node.lineno))
     return found
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "grpo_run" and len(parts) > 1 else parts[0]
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -30,3 +40,16 @@ def test_a_package_imports_nothing_above_it(package):
              for name, line in sorted(imported_packages(path)) if name in FORBIDDEN[package]]
     assert not wrong, "\n".join(wrong)
     assert list((REPO / package).rglob("*.py"))          # the package is where it is said to be
+
+
+def test_every_import_of_ours_goes_through_grpo_run():
+    """The folders are installed as grpo_run.runner, ...: a bare `import trainer` would find a
+    user's own `trainer/` (or nothing, from a wheel)."""
+    wrong = [f"{path.relative_to(REPO)}:{node.lineno}"
+             for folder in ("runner", "trainer", "checkpoint", "state", "tests", "bench", "scripts", "examples")
+             for path in sorted((REPO / folder).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if (isinstance(node, ast.Import) and any(a.name.split(".")[0] in PACKAGES for a in node.names))
+             or (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                 and node.module.split(".")[0] in PACKAGES)]
+    assert not wrong, "\n".join(wrong)

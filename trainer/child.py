@@ -20,13 +20,13 @@ import signal
 import sys
 from pathlib import Path
 
-from checkpoint.procs import die_with_parent
-from checkpoint.writer import WriterDied
-from trainer.checkpointing import CheckpointFailed
-from trainer.distributed import World
-from trainer.grader import RewardFunctionError
-from trainer.logs import trainer_logging
-from trainer.run import Events, Plan, Requests, run
+from grpo_run.checkpoint.procs import die_with_parent
+from grpo_run.checkpoint.writer import WriterDied
+from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
+from grpo_run.trainer.distributed import World
+from grpo_run.trainer.grader.grader import RewardFunctionError
+from grpo_run.trainer.logs import trainer_logging
+from grpo_run.trainer.recipe import Events, Plan, Requests, run
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every t
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    from trainer import faults
-    from trainer.policy import fix_mmap_threshold
+    from grpo_run.trainer import faults
+    from grpo_run.trainer.model.policy import fix_mmap_threshold
 
     fix_mmap_threshold()                 # before the model's allocations: see trainer.policy
     argv = sys.argv[1:] if argv is None else argv

@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from checkpoint.manifest import MANIFEST_NAME, checkpoint_name
+from grpo_run.checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"

@@ -6,14 +6,13 @@ Every function here has a hand-computed test in tests/trainer/test_grpo_math.py.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import LOGPROB_CHUNK_ELEMENTS, LOSS_TYPES
-from trainer.decode import decoder_for, last_logits
+from grpo_run.trainer.config import LOGPROB_CHUNK_ELEMENTS, LOSS_TYPES
+from grpo_run.trainer.sampling.decode import last_logits
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, unbiased: bool, scale: bool = True) -> Tensor:
@@ -134,140 +133,6 @@ def learning_rows(advantages: Tensor, beta: float) -> Tensor:
     if beta > 0:
         return torch.arange(advantages.numel(), device=advantages.device)
     return (advantages != 0).nonzero().squeeze(1)
-
-
-class GenerationInterrupted(Exception):
-    """Sampling was abandoned because a stop (preemption) was requested between tokens."""
-
-
-class Completions(NamedTuple):
-    ids: Tensor          # [N, T] completion tokens, pad after a completion ends
-    mask: Tensor         # [N, T] 1 up to and including the token that ended it (EOS or a stop string's last)
-    truncated: Tensor    # [N] bool: cut at max_new_tokens without an EOS or a stop string
-
-
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """Hugging Face's repetition penalty (CTRL): for each token already seen in that row, a
-    positive logit is divided by `penalty`, a negative one multiplied by it.
-    logits [N, V] (float), seen [N, V] bool -> [N, V]."""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalised, logits)
-
-
-def top_k_filter(logits: Tensor, k: int) -> Tensor:
-    """Keep the k largest logits of each row (ties with the k-th kept, as transformers does);
-    the rest become -inf. logits [N, V] -> [N, V]."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[:, -1:]                  # [N, 1]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: Tensor, p: float) -> Tensor:
-    """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches
-    p (always at least the most likely one); the rest become -inf. logits [N, V] -> [N, V]."""
-    ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)   # [N, V]
-    probs = torch.softmax(ordered, dim=-1)
-    before = probs.cumsum(dim=-1) - probs                              # mass of the more likely tokens
-    drop_sorted = before >= p                                          # the set had reached p already
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-@torch.no_grad()
-def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
-           eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | Sequence[torch.Generator] | None,
-           top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
-           finished: Callable[[Tensor, Tensor], Tensor] | None = None,
-           should_stop: Callable[[], bool] | None = None, compiled: bool = False) -> Completions:
-    """Autoregressive sampling with a KV cache and an explicit generator (so it can be replayed).
-
-    prompt_ids, prompt_mask [N, P] (left-padded). A completion ends at the first token in
-    `eos_ids`, or at the token for which `finished(tokens [N, t], running [N] bool) -> [N] bool`
-    says so (stop strings: the callback sees the tokens so far and answers for the running
-    rows; the others are ignored). Returns Completions: ids [N, T<=max_new_tokens], mask [N, T],
-    truncated [N].
-
-    Each next token: repetition penalty on the raw logits (`repetition_penalty`, 1 = off; the
-    prompt's tokens and those generated so far count, padding does not), then temperature, then
-    top-k (0 = off), then top-p (1 = off), then one multinomial draw with `generator`; a list of
-    generators splits the rows into as many equal consecutive blocks (one per prompt's group),
-    each drawing from its own, so a group's draws do not depend on which rows sit beside it in
-    the batch (on how many processes share the step). Temperature 0
-    is greedy: argmax after the repetition penalty only. With the filters off the draws are
-    exactly those of plain temperature sampling, so seeded runs replay unchanged. The update's
-    log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
-    not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
-    `should_stop()` turns true. `compiled`: the decode step compiled with static shapes
-    (decode.CompiledDecoder; Llama-family models). The model decodes in eval mode (dropout off) and is left in the
-    mode it was in.
-    """
-    decoder = decoder_for(model, compiled=compiled)
-    training = bool(getattr(model, "training", False)) and decoder.needs_eval_mode
-    if training:
-        model.eval()
-    try:
-        return _sample(decoder, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                       eos_ids=eos_ids, pad_id=pad_id, generator=generator, top_k=top_k, top_p=top_p,
-                       repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop)
-    finally:
-        if training:
-            model.train()
-
-
-def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
-            eos_ids: Sequence[int], pad_id: int, generator, top_k: int, top_p: float,
-            repetition_penalty: float, finished, should_stop) -> Completions:
-    n, device = prompt_ids.size(0), prompt_ids.device
-    logits = decoder.start(prompt_ids, prompt_mask, max_new_tokens)                 # [N, V]
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    rows = torch.arange(n, device=device)
-    seen = None
-    if repetition_penalty != 1.0:                                     # [N, V]: tokens seen so far
-        seen = torch.zeros(n, logits.size(-1), dtype=torch.bool, device=device)
-        keep = prompt_mask.bool()
-        seen[rows.unsqueeze(1).expand_as(prompt_ids)[keep], prompt_ids[keep]] = True
-    tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [N, T]
-    masks = torch.zeros(n, max_new_tokens, dtype=torch.bool, device=device)             # [N, T]
-    length = 0
-    for t in range(max_new_tokens):
-        if should_stop is not None and should_stop():
-            raise GenerationInterrupted()
-        if seen is not None:
-            logits = apply_repetition_penalty(logits.float(), seen, repetition_penalty)
-        if temperature > 0:
-            scaled = logits.float() / temperature
-            if top_k > 0:
-                scaled = top_k_filter(scaled, top_k)
-            if top_p < 1.0:
-                scaled = top_p_filter(scaled, top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            nxt = _draw(probs, generator)                                       # [N]
-        else:
-            nxt = logits.argmax(dim=-1)
-        masks[:, t] = ~done
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        tokens[:, t], length = nxt, t + 1
-        ended = torch.isin(nxt, eos)
-        if finished is not None:
-            running = ~(done | ended)
-            if bool(running.any()):
-                ended = ended | (finished(tokens[:, :length], running) & running)
-        done = done | ended
-        if bool(done.all()):
-            break
-        if seen is not None:
-            seen[rows, nxt] = True
-        logits = decoder.step(nxt, ~done)
-    return Completions(tokens[:, :length], masks[:, :length].long(), ~done)
-
-
-def _draw(probs: Tensor, generator) -> Tensor:
-    """One token per row of probs [N, V] -> [N]: with one generator, or one per equal block of rows."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    blocks = probs.split(probs.size(0) // len(generator))                  # [G, V] each
-    return torch.cat([torch.multinomial(b, 1, generator=g) for b, g in zip(blocks, generator)]).squeeze(1)
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,

@@ -33,11 +33,10 @@ import socket
 import sys
 from pathlib import Path
 
-from checkpoint.procs import die_with_parent
-from trainer.child import (CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV, EVENTS_PATH_ENV,
-                           PARENT_ENV)
-from trainer.faults import NODE_PID_ENV
-from trainer.threads import SHARE_ENV
+from grpo_run.checkpoint.procs import die_with_parent
+from grpo_run.trainer.child import (CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV)
+from grpo_run.trainer.faults import NODE_PID_ENV
+from grpo_run.trainer.threads import SHARE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ def launch(processes: int, plan: str) -> int:
         "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--num_cpu_threads_per_process", threads, "--main_process_ip", "127.0.0.1",
         "--main_process_port", str(free_port()), "--monitor_interval", str(MONITOR_INTERVAL_S), "--max_restarts", "0",
-        "--quiet", "--module", "trainer.child", plan])
+        "--quiet", "--module", "grpo_run.trainer.child", plan])
     try:
         launch_command(args)
     except ChildFailedError as e:

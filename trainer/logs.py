@@ -21,13 +21,13 @@ def trainer_logging(work: Path, rank: int = 0) -> None:
     to_terminal = logging.StreamHandler(sys.stderr)
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     to_terminal.setLevel(logging.INFO)
-    # The terminal has the progress bar; it gets the phases (trainer.run, from rank 0 only) and any warning.
-    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or (r.name == "trainer.run" and rank == 0))
+    # The terminal has the progress bar; it gets the phases (the recipe's, from rank 0 only) and any warning.
+    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or (r.name == "grpo_run.trainer.recipe" and rank == 0))
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)
     root.addHandler(to_terminal)
-    for name in ("trainer", "checkpoint"):
+    for name in ("grpo_run.trainer", "grpo_run.checkpoint"):
         logging.getLogger(name).setLevel(logging.INFO)
     quiet_libraries()
     warnings.filterwarnings("ignore", category=FutureWarning)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoint.cas import Conflict, open_cas
-from checkpoint.store import StorageConfigError
+from grpo_run.checkpoint.storage.cas import Conflict, open_cas
+from grpo_run.checkpoint.storage.store import StorageConfigError
 
 
 @pytest.fixture(params=["memory", "local", "s3"])

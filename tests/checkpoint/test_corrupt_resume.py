@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.manifest import checkpoint_name
-from state.record import Record
+from grpo_run.checkpoint.manifest import checkpoint_name
+from grpo_run.state.record import Record
 from tests.runner.test_resume import SAVE, STEPS, exported_bytes, grpo_run, uninterrupted, write_job  # noqa: F401
 
 JOB = "resumable"                 # write_job's metadata.name

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.fenced import FencedStore
-from checkpoint.lease import Lease, LeaseLost
-from checkpoint.manifest import checkpoint_dir, finalize_checkpoint, staging_dir
-from checkpoint.store import Store
-from checkpoint.sync import Uploader
+from grpo_run.checkpoint.storage.fenced import FencedStore
+from grpo_run.checkpoint.storage.lease import Lease, LeaseLost
+from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, staging_dir
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.sync import Uploader
 
 URL = "memory://jobs/fenced"
 

@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
-from checkpoint.lease import Lease, LeaseHeld, LeaseLost, read_lease
-from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost, read_lease
+from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
 
 
 class Clock:

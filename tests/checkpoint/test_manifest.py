@@ -11,21 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import (
-    CheckpointInvalid,
-    Store,
-    StorageConfigError,
-    StorageUnavailable,
-    Uploader,
-    checkpoint_dir,
-    discover,
-    download_latest,
-    finalize_checkpoint,
-    prune,
-    remote_discover,
-    staging_dir,
-    verify,
-)
+from grpo_run.checkpoint.manifest import (CheckpointInvalid, checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir, verify)
+from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+from grpo_run.checkpoint.sync import Uploader, download_latest, remote_discover
 
 
 def make_checkpoint(root: Path, step: int, *, weights: bytes | None = None) -> Path:
@@ -468,8 +456,8 @@ def test_checkpoint_imports_neither_runner_nor_trainer():
     import subprocess
     import sys
 
-    code = ("import sys, checkpoint, checkpoint.store, checkpoint.manifest, checkpoint.sync; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'trainer')))")
+    code = ("import sys, grpo_run.checkpoint.storage.store, grpo_run.checkpoint.manifest, grpo_run.checkpoint.sync; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['grpo_run', 'runner'], ['grpo_run', 'trainer'])))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

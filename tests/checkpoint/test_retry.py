@@ -9,13 +9,7 @@ import threading
 
 import pytest
 
-from checkpoint.retry import (
-    RetryPolicy,
-    StorageConfigError,
-    StorageUnavailable,
-    backoff,
-    nth_wait,
-)
+from grpo_run.checkpoint.storage.retry import (RetryPolicy, StorageConfigError, StorageUnavailable, backoff, nth_wait)
 
 
 class RecordingSleep:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.store import Store, StorageConfigError, StorageUnavailable
+from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
 
 
 class RecordingSleep:
@@ -264,7 +264,7 @@ def test_a_preemption_cuts_a_real_backoff_short(refusing_url):
                 long_backoff.set()
 
     handler = OnLongBackoff()
-    logging.getLogger("checkpoint.store").addHandler(handler)
+    logging.getLogger("grpo_run.checkpoint.storage.store").addHandler(handler)
     store = Store(refusing_url, stop=stop, retry_seconds=600)  # the real sleep
     outcome: list[BaseException] = []
     worker = threading.Thread(target=lambda: outcome.extend(_raised(lambda: store.list(""))),
@@ -276,7 +276,7 @@ def test_a_preemption_cuts_a_real_backoff_short(refusing_url):
         stop.set()
         worker.join(30)
     finally:
-        logging.getLogger("checkpoint.store").removeHandler(handler)
+        logging.getLogger("grpo_run.checkpoint.storage.store").removeHandler(handler)
 
     assert time.monotonic() - preempted_at < 2.0  # not the 4s the backoff had left
     assert isinstance(outcome[0], StorageUnavailable)

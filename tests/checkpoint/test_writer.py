@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.manifest import checkpoint_dir, sealed, verify
-from checkpoint.store import Store
-from checkpoint.sync import Uploader, remote_discover
-from checkpoint.writer import CheckpointWriter, WriterDied, write_files
+from grpo_run.checkpoint.manifest import checkpoint_dir, sealed, verify
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.sync import Uploader, remote_discover
+from grpo_run.checkpoint.writer import CheckpointWriter, WriterDied, write_files
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli import EXIT_OK, EXIT_USAGE, main
-from runner.deploy import JOB_FILE, NodeSettings, cloud_init, iam_policy, systemd_unit
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.deploy import JOB_FILE, NodeSettings, cloud_init, iam_policy, systemd_unit
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = Path(__file__).parent / "data" / "schema-cloud-config-v1.json"

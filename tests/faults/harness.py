@@ -33,10 +33,10 @@ def start_node(home: Path, *args: str, fault: str | None = None, log: Path | Non
         env["GRPO_RUN_FAULT"] = fault
         env["GRPO_RUN_FAULT_MARKER"] = str(marker(home))
     if log is None:
-        return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with open(log, "a") as out:
-        return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+        return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.manifest import newest_sealed, verify
+from grpo_run.checkpoint.manifest import newest_sealed, verify
 from tests.faults.harness import start_node, wait_until
 from tests.faults.test_store_faults import checkpoints
 from tests.checkpoint.test_corrupt_resume import durable_steps

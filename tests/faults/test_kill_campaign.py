@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from state.record import Record
-from checkpoint.manifest import newest_sealed
+from grpo_run.state.record import Record
+from grpo_run.checkpoint.manifest import newest_sealed
 from tests.checkpoint.test_corrupt_resume import durable_steps, job_prefix
 from tests.faults.harness import children, cmdline, start_node, wait_until
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
@@ -43,8 +43,8 @@ def job(folder: Path, storage: str | None) -> Path:
 
 def processes(supervisor: int) -> dict[str, list[int]]:
     """The node's processes under its supervisor: the trainer and the trainer's checkpoint writer."""
-    trainers = [p for p in children(supervisor) if "trainer.child" in cmdline(p)]
-    writers = [w for t in trainers for w in children(t) if "checkpoint.writer" in cmdline(w)]
+    trainers = [p for p in children(supervisor) if "grpo_run.trainer.child" in cmdline(p)]
+    writers = [w for t in trainers for w in children(t) if "grpo_run.checkpoint.writer" in cmdline(w)]
     return {"supervisor": [supervisor], "trainer": trainers, "writer": writers}
 
 

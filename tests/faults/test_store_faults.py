@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint.manifest import newest_sealed, verify
-from state.record import Record
+from grpo_run.checkpoint.manifest import newest_sealed, verify
+from grpo_run.state.record import Record
 from tests.faults.harness import start_node, wait_until
 from tests.faults.s3proxy import S3Proxy
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job

@@ -2,8 +2,8 @@
 
 import pytest
 
-from checkpoint.store import Store
-from runner.books import BASELINE, Books
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.runner.books.books import BASELINE, Books
 
 RESULT = {"meanReward": 0.25, "rewards": [0.0, 0.5], "tasks": 2, "solved": 0, "batches": 1, "reusedBatches": 0}
 

@@ -6,9 +6,9 @@ import json
 
 import yaml
 
-from runner.cli import EXIT_OK, main
-from trainer.prompts import PromptEncoder
-from trainer.tinymodel import ensure_model
+from grpo_run.runner.cli.commands import EXIT_OK, main
+from grpo_run.trainer.model.prompts import PromptEncoder
+from grpo_run.runner.home import ensure_model
 
 ROWS = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
          "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"} for a in range(1, 5) for b in range(1, 4)]

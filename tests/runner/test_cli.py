@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
+from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
 
 SMALL = {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 4, "maxSteps": 4, "saveSteps": 2,
          "evalTasks": 6, "learningRate": 0.002}
@@ -73,7 +73,7 @@ def test_apply_runs_the_phases_and_export_loads_with_plain_peft(tmp_path, capsys
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from trainer.tinymodel import ensure_model
+    from grpo_run.runner.home import ensure_model
 
     base = AutoModelForCausalLM.from_pretrained(ensure_model("tiny:char"))
     model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
@@ -163,7 +163,7 @@ def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_ch
                                                                                            monkeypatch):
     import os
 
-    from runner.supervisor import trainer_threads
+    from grpo_run.runner.supervisor.supervisor import trainer_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)      # the tests' own setting: not a user's here
     monkeypatch.setenv("TMPDIR", str(tmp_path))               # this test's node registry
@@ -173,7 +173,7 @@ def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_ch
     assert get_json(capsys, "shared-cpu")["status"]["phase"] == "Succeeded"
     assert main(["logs", "shared-cpu"]) == EXIT_OK
     assert f"CPU threads: {pool} (1 trainer on this node share {pool})" in capsys.readouterr().out
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     with Record(tmp_path / "grpo-run-home" / "runs" / "shared-cpu" / "state.db") as record:
         assert record.value("cpuThreads") == int(pool)          # kept for the run's later attempts
@@ -183,14 +183,14 @@ def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_ch
 def test_a_restarted_trainer_runs_with_the_thread_count_the_first_one_took(tmp_path, caplog, monkeypatch):
     import logging
 
-    caplog.set_level(logging.INFO, logger="runner")
+    caplog.set_level(logging.INFO, logger="grpo_run.runner")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("GRPO_RUN_FAULT", "backward@3/trainer")            # the trainer alone dies once
     monkeypatch.setenv("GRPO_RUN_FAULT_MARKER", str(tmp_path / "fired"))
     job = write_job(tmp_path, name="kept-threads")
     assert main(["apply", "-f", str(job)]) == EXIT_OK
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     with Record(tmp_path / "grpo-run-home" / "runs" / "kept-threads" / "state.db") as record:
         kept = record.value("cpuThreads")

@@ -6,9 +6,9 @@ import json
 import pytest
 import yaml
 
-from runner.fingerprint import baseline_fingerprint
-from runner.job import JobError, build_environment, load_job, parse_job
-from trainer.config import GRPOParams
+from grpo_run.runner.books.fingerprint import baseline_fingerprint
+from grpo_run.runner.spec.job import JobError, build_environment, load_job, parse_job
+from grpo_run.trainer.config import GRPOParams
 
 ROWS = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
         for a in range(6) for b in range(5)]
@@ -82,7 +82,7 @@ def test_gsm8k_runs_offline_from_local_parquet_with_two_weighted_rewards(tmp_pat
         rewards=[{"function": "correct"}, {"function": "format", "weight": 0.2}])))
     env = build_environment(load_job(tmp_path / "job.yaml"))
     assert [(r.name, r.ref, r.weight) for r in env.rewards] == [
-        ("correct", "trainer.rewards:math_correct", 1.0), ("format", "trainer.rewards:boxed_format", 0.2)]
+        ("correct", "grpo_run.trainer.envs.rewards:math_correct", 1.0), ("format", "grpo_run.trainer.envs.rewards:boxed_format", 0.2)]
     assert len(env.train_tasks) == 24 and len(env.eval_tasks) == 6
     assert env.train_tasks[0]["prompt"].startswith("What is 0 plus 0?\nPlease reason step by step")
     assert env.train_tasks[0]["answer"].endswith("#### 0")
@@ -148,8 +148,8 @@ def test_a_problem_inside_a_list_item_names_the_fields_it_allows():
 
 
 def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, reward_file):
-    from checkpoint.store import Store
-    from runner.envfiles import localize_environment, upload_environment
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner.envfiles import localize_environment, upload_environment
 
     write(tmp_path, "train.parquet", ROWS[:20], "parquet")
     write(tmp_path, "test.parquet", ROWS[20:], "parquet")
@@ -167,8 +167,8 @@ def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, re
 
 
 def test_a_save_to_disk_folder_missing_on_the_node_is_named(tmp_path, reward_file):
-    from checkpoint.store import Store
-    from runner.envfiles import localize_environment
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner.envfiles import localize_environment
 
     doc = job(name="s", reward=reward_file, dataset=str(tmp_path / "gone"))
     with pytest.raises(LookupError, match="spec.environment.dataset: the folder .*gone is not on this node"):

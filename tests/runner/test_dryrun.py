@@ -10,18 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli import EXIT_OK, EXIT_USAGE, main
-from runner.dryrun import (
-    MEASURED_WINDOW,
-    check_fits,
-    estimate,
-    measured_step_seconds,
-    measured_steps_path,
-    model_config,
-    record_measured_step_seconds,
-)
-from runner.job import JobError, Pricing, TrainingJob, parse_job
-from runner.memory import format_count
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.estimate.estimate import (MEASURED_WINDOW, check_fits, estimate, measured_step_seconds, measured_steps_path, model_config, record_measured_step_seconds)
+from grpo_run.runner.spec.job import JobError, Pricing, TrainingJob, parse_job
+from grpo_run.runner.estimate.memory import format_count
 
 REPO = Path(__file__).resolve().parents[2]
 

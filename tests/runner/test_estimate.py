@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.estimate import CostEstimate, cost_estimate, lookup_gpu
+from grpo_run.runner.gpus import CostEstimate, cost_estimate, lookup_gpu
 
 
 # --- cost --------------------------------------------------------------------------------------

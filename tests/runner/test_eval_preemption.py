@@ -37,7 +37,7 @@ def write_eval_heavy_job(folder: Path, storage: str) -> Path:
 
 
 def finished_batches(home: Path, kind: str) -> int:
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     db = home / "runs" / "resumable" / "state.db"
     if not db.exists():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.deploy import NodeSettings, cloud_init, systemd_unit
+from grpo_run.runner.deploy import NodeSettings, cloud_init, systemd_unit
 from tests.runner.test_resume import REPO, STEPS, exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 ENV_FILE = "/etc/grpo-run/env"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.job import JobError, load_job, parse_job
+from grpo_run.runner.spec.job import JobError, load_job, parse_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -114,7 +114,7 @@ def test_invalid_yaml_is_a_job_error(tmp_path):
 
 
 def test_qlora_is_checked_before_anything_runs(monkeypatch):
-    import trainer.policy as policy
+    import grpo_run.trainer.model.policy as policy
 
     def broken(device):
         raise policy.QLoRAUnavailable("bitsandbytes has no working NF4 kernel for cpu")

@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from runner.exits import EXIT_USAGE
-from runner.job import JobError, load_job, parse_job
-from runner.jobfile import load as load_yaml
+from grpo_run.runner.exits import EXIT_USAGE
+from grpo_run.runner.spec.job import JobError, load_job, parse_job
+from grpo_run.runner.spec.yamlfile import load as load_yaml
 
 pytestmark = pytest.mark.fault
 
@@ -489,7 +489,7 @@ def test_a_megabyte_value_is_shortened_in_the_problem():
 
 def run_apply(path: Path) -> tuple[int, str]:
     """`grpo-run apply -f PATH` in-process (no --dry-run): (exit status, stdout + stderr)."""
-    from runner.cli import main
+    from grpo_run.runner.cli.commands import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -2,8 +2,9 @@
 
 from datetime import datetime, timedelta, timezone
 
-from runner.live import EVAL_PLAN, view
-from state.record import Phase, Record
+from grpo_run.runner.views.live import EVAL_PLAN, view
+from grpo_run.state.phases import Phase
+from grpo_run.state.record import Record
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 

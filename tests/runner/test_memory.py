@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runner.estimate import GPUS
-from runner.memory import fits, format_count, memory_estimate
+from grpo_run.runner.gpus import GPUS
+from grpo_run.runner.estimate.memory import fits, format_count, memory_estimate
 
 # Qwen/Qwen3-8B config.json (the keys the estimate reads, plus some it must ignore).
 QWEN3_8B = {

@@ -173,7 +173,7 @@ def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_ide
     marker = home.parent / f"{home.name}.fault-fired"
     env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_FAULT": "hold:sample@5",
            "GRPO_RUN_FAULT_MARKER": str(marker)}
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240

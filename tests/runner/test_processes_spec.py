@@ -3,13 +3,13 @@ estimate and the cost ledger charge for."""
 
 import pytest
 
-from runner.dryrun import estimate
-from runner.job import JobError, build_run_spec, node_processes, parse_job, usd_per_hour
+from grpo_run.runner.estimate.estimate import estimate
+from grpo_run.runner.spec.job import JobError, build_run_spec, node_processes, parse_job, usd_per_hour
 from tests.runner.test_dryrun import QWEN3_8B, SPEC_RUN, manifest, qwen3_8b  # noqa: F401 (a fixture)
-from trainer import faults
-from trainer.child import CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_STOPPED
-from trainer.launch import exit_status, rank_environment
-from trainer.threads import SHARE_ENV
+from grpo_run.trainer import faults
+from grpo_run.trainer.child import CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_STOPPED
+from grpo_run.trainer.launch import exit_status, rank_environment
+from grpo_run.trainer.threads import SHARE_ENV
 
 
 def test_processes_default_to_one_and_take_a_count_or_auto(tmp_path):
@@ -84,9 +84,9 @@ def test_a_fault_can_name_one_rank(monkeypatch):
 
 
 def test_a_node_runs_at_most_one_process_per_gpu(monkeypatch, tmp_path):
-    import runner.job
+    import grpo_run.runner.spec.job as job_module
 
-    monkeypatch.setattr(runner.job, "_node_gpus", lambda: 2)
+    monkeypatch.setattr(job_module, "_node_gpus", lambda: 2)
     auto = parse_job(manifest("tiny:char", resources={"processes": "auto"}))
     assert build_run_spec(auto, str(tmp_path / "store")).processes == 2
     with pytest.raises(JobError) as e:

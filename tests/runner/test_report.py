@@ -12,7 +12,7 @@ from collections import Counter
 
 import yaml
 
-from runner.report import boundaries, trailing_mean
+from grpo_run.runner.views.report import boundaries, trailing_mean
 from tests.faults.harness import wait_until
 from tests.runner.test_resume import REPO, grpo_run, write_job
 from tests.runner.test_supervisor import start_apply
@@ -64,7 +64,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     # attempt 3: another notice, at step 6; attempt 4 finishes the job
     held = tmp_path / "held-c"
     env = {"GRPO_RUN_NOTICES": "none", "GRPO_RUN_FAULT": "hold:backward@6", "GRPO_RUN_FAULT_MARKER": str(held)}
-    proc = subprocess.Popen([sys.executable, "-m", "runner.cli", "resume", "resumable", "--storage", store],
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage", store],
                             cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "node-c"), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until("the hold", held.exists, proc)
@@ -97,8 +97,8 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert len(usd) == 4 and all(u > 0 for u in usd), summary
 
     # the picture's own boundary lines sit at the steps the record gives, on every step panel
-    from runner.places import open_record
-    from runner.report import gather, render
+    from grpo_run.runner.jobs import open_record
+    from grpo_run.runner.views.report import gather, render
 
     os.environ["GRPO_RUN_HOME"] = str(viewer)
     try:
@@ -118,7 +118,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     folder = tmp_path / "bucket" / "resumable" / "tensorboard"
     files = sorted(folder.glob("events.out.tfevents.*"))
@@ -160,7 +160,7 @@ def test_tensorboard_holds_each_step_once_after_a_restart_redid_steps(tmp_path):
 
 
 def test_with_beta_the_loss_panel_carries_the_kl_and_every_panel_has_its_series(tmp_path):
-    from runner.report import render
+    from grpo_run.runner.views.report import render
 
     steps = [{"step": i, "logged": f"2026-12-01T12:00:{i:02d}+00:00", "rewardMean": i / 60, "completionLength": 5.0,
               "identicalGroups": 0.5, "loss": 0.01, "kl": 0.001 * i, "learningRate": 1e-5, "costUSD": i / 1000}

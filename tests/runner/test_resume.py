@@ -40,7 +40,7 @@ def grpo_run(home: Path, *args, fault: str | None = None, check: bool = True) ->
     if fault:
         env["GRPO_RUN_FAULT"] = fault
         env["GRPO_RUN_FAULT_MARKER"] = str(home.parent / f"{home.name}.fault-fired")   # fires once
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,7 +69,7 @@ def kill_and_resume(tmp_path, storage, fault):
     """(The exported bytes after the kill and the resume, whether the baseline was in storage
     when the node was killed (the kill may come before the supervisor stored it: its reports
     trail the trainer, which trains on))."""
-    from checkpoint.store import Store
+    from grpo_run.checkpoint.storage.store import Store
 
     job = write_job(tmp_path, storage)
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=fault, check=False)

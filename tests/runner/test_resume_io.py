@@ -17,8 +17,8 @@ from tests.runner.test_resume import STEPS, grpo_run, write_job
 @pytest.fixture
 def counted(monkeypatch):
     """Every Store call and every file hash in this process, by (operation, key or path)."""
-    import checkpoint.manifest as manifest
-    from checkpoint.store import Store
+    import grpo_run.checkpoint.manifest as manifest
+    from grpo_run.checkpoint.storage.store import Store
 
     calls: collections.Counter = collections.Counter()
     for op in ("get_file", "get_bytes", "put_file", "put_bytes"):
@@ -49,7 +49,7 @@ def counted(monkeypatch):
 
 def test_a_resume_on_an_empty_node_fetches_the_record_and_each_checkpoint_file_once(
         tmp_path, monkeypatch, counted):
-    from runner.cli import main
+    from grpo_run.runner.cli.commands import main
 
     storage = str(tmp_path / "store")
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(write_job(tmp_path, storage)), fault="upload@4",
@@ -81,15 +81,15 @@ def test_a_resume_on_an_empty_node_fetches_the_record_and_each_checkpoint_file_o
     assert restored_hashes and set(restored_hashes.values()) == {1}, restored_hashes
     assert max(hashed.values()) == 1, hashed.most_common(3)        # nothing hashed twice in the supervisor
 
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     with Record(tmp_path / "node-b" / "runs" / "resumable" / "state.db") as record:
         assert record.job()["phase"] == "Succeeded" and record.steps()[-1]["step"] == STEPS
 
 
 def test_the_trainer_loads_its_checkpoint_without_hashing_it(tmp_path, monkeypatch):
-    import checkpoint.manifest as manifest
-    from checkpoint.manifest import finalize_checkpoint, newest_sealed, staging_dir
+    import grpo_run.checkpoint.manifest as manifest
+    from grpo_run.checkpoint.manifest import finalize_checkpoint, newest_sealed, staging_dir
 
     staging = staging_dir(tmp_path, 4)
     staging.mkdir()

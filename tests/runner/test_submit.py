@@ -56,7 +56,7 @@ def test_a_changed_file_replaces_a_pending_spec_but_not_a_taken_one(tmp_path):
 def test_a_node_that_boots_before_the_job_waits_for_it(tmp_path):
     laptop, node = tmp_path / "laptop", tmp_path / "node"
     storage = str(tmp_path / "bucket")
-    waiting = subprocess.Popen([sys.executable, "-m", "runner.cli", "resume", "resumable", "--storage", storage,
+    waiting = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage", storage,
                                 "--wait"], cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(node),
                                                           "GRPO_RUN_WAIT_POLL_S": "0.2"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -27,13 +27,13 @@ CLOUDS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
 
 def start_apply(home: Path, job: Path, **env_extra) -> subprocess.Popen:
     env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
-    return subprocess.Popen([sys.executable, "-m", "runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for_training(home: Path, proc: subprocess.Popen, min_step: int = 2, timeout: float = 120) -> None:
     """Until the node's record shows `min_step` completed steps (polled, bounded)."""
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     db = home / "runs" / "resumable" / "state.db"
     deadline = time.monotonic() + timeout

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.job import JobError, parse_job
+from grpo_run.runner.spec.job import JobError, parse_job
 from tests.runner.test_report import with_tracking
 from tests.runner.test_resume import grpo_run, write_job
 
@@ -80,7 +80,7 @@ def test_mlflow_and_wandb_continue_one_run_across_a_restart_without_a_duplicate_
 
     from mlflow.tracking import MlflowClient
 
-    from state.record import Record
+    from grpo_run.state.record import Record
 
     with Record(tmp_path / "node" / "runs" / "resumable" / "state.db") as record:
         run_id, mlflow_run = record.value("runId"), record.value("tracking.mlflowRunId")

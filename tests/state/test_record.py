@@ -10,7 +10,9 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from state import ALLOWED_TRANSITIONS, MIGRATIONS, InvalidTransition, Phase, Record
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, InvalidTransition, Phase
+from grpo_run.state.migrations import MIGRATIONS
+from grpo_run.state.record import Record
 
 SPEC = {"runtime": "grpo-lora", "model": "tiny", "parameters": {"saveSteps": 25},
         "storage": "s3://bucket/prefix"}
@@ -293,8 +295,8 @@ def test_state_imports_neither_runner_nor_trainer():
     import sys
     from pathlib import Path
 
-    code = ("import sys, state, state.record; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('runner', 'trainer')))")
+    code = ("import sys, grpo_run.state.record; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['grpo_run', 'runner'], ['grpo_run', 'trainer'])))")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -12,11 +12,11 @@ sys.path.insert(0, str(REPO))
 def main(reward: str, loss_type: str, out: str, method: str = "LoRA") -> None:
     from safetensors.torch import save_file
 
-    from trainer.config import GRPOParams
-    from trainer.distributed import World, full_state
-    from trainer.envs import catalog_environment, user_environment
-    from trainer.loop import GRPOTrainer
-    from trainer.tinymodel import ensure_model
+    from grpo_run.trainer.config import GRPOParams
+    from grpo_run.trainer.distributed import World, full_state
+    from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
+    from grpo_run.trainer.trainer import GRPOTrainer
+    from grpo_run.runner.home import ensure_model
 
     world = World.from_environment()
     params = GRPOParams(numGenerations=4, promptsPerStep=4, maxCompletionLength=4, maxSteps=4, evalTasks=8,

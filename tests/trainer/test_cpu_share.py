@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from trainer.threads import CpuShare
+from grpo_run.trainer.threads import CpuShare
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def other_trainer(folder):
     code = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from trainer.threads import CpuShare
+        from grpo_run.trainer.threads import CpuShare
         CpuShare(2, Path({str(folder)!r}))
         print("ready", flush=True)
         time.sleep(600)

@@ -4,7 +4,8 @@ takes; models it does not take are sampled through their own forward."""
 import pytest
 import torch
 
-from trainer import decode, grpo
+from grpo_run.trainer.sampling import decode
+from grpo_run.trainer.sampling import sampler
 
 VOCAB = 40
 
@@ -48,10 +49,10 @@ def prompts():
 
 def both(model, monkeypatch, ids, mask, **kw):
     kw = {"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw}
-    fast = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+    fast = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     with monkeypatch.context() as m:
-        m.setattr(grpo, "decoder_for", lambda model, compiled=False: decode.TransformersDecoder(model))
-        slow = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
+        m.setattr(sampler, "decoder_for", lambda model, compiled=False: decode.TransformersDecoder(model))
+        slow = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     return fast, slow
 
 
@@ -120,7 +121,7 @@ def test_models_outside_the_family_are_sampled_through_their_own_forward(monkeyp
     assert "gpt2" in decode.llama_family_refusal(model)
     assert isinstance(decode.decoder_for(model), decode.TransformersDecoder)
     ids, mask = prompts()
-    out = grpo.sample(model, ids, mask, max_new_tokens=6, temperature=1.0, eos_ids=(1,), pad_id=0,
+    out = sampler.sample(model, ids, mask, max_new_tokens=6, temperature=1.0, eos_ids=(1,), pad_id=0,
                       generator=torch.Generator().manual_seed(0))
     assert out.ids.shape[0] == ids.size(0) and out.ids.size(1) <= 6
 
@@ -140,7 +141,7 @@ def test_qlora_samples_the_same_tokens_as_the_models_own_forward(monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from trainer.policy import QLoRAUnavailable, check_qlora
+    from grpo_run.trainer.model.policy import QLoRAUnavailable, check_qlora
 
     try:
         check_qlora(torch.device("cpu"))
@@ -188,14 +189,14 @@ def test_the_compiled_decoder_draws_the_same_tokens_and_keeps_its_compiled_step(
     assert isinstance(compiled, decode.CompiledDecoder) and decode.decoder_for(model, compiled=True) is compiled
     for kw in ({}, {"temperature": 0.0}):
         fast, slow = both(model, monkeypatch, ids, mask, **kw)
-        out = grpo.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), compiled=True,
+        out = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), compiled=True,
                           **{"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw})
         assert torch.equal(out.ids, slow.ids) and torch.equal(out.mask, slow.mask), kw
     # another prompt width within the same bucket: the compiled step is reused, not compiled again
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    grpo.sample(model, ids[:, 1:], mask[:, 1:], generator=torch.Generator().manual_seed(3), compiled=True,
+    sampler.sample(model, ids[:, 1:], mask[:, 1:], generator=torch.Generator().manual_seed(3), compiled=True,
                 max_new_tokens=12, temperature=1.0, eos_ids=(1,), pad_id=0)
     assert counters["stats"]["unique_graphs"] == graphs
     assert compiled.mask.size(1) == decode.CompiledDecoder.PROMPT_BUCKET + 12

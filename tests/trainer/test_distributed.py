@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import grpo
-from trainer.distributed import World
-from trainer.loop import prompt_seed
-from trainer.tinymodel import ensure_model
+from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.distributed import World
+from grpo_run.trainer.trainer import prompt_seed
+from grpo_run.runner.home import ensure_model
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,8 +35,8 @@ def test_one_process_agrees_and_gathers_without_a_process_group():
 
 @pytest.fixture(scope="module")
 def policy():
-    from trainer.config import GRPOParams
-    from trainer.policy import load_policy, load_tokenizer
+    from grpo_run.trainer.config import GRPOParams
+    from grpo_run.trainer.model.policy import load_policy, load_tokenizer
 
     path = ensure_model("tiny:char")
     return load_policy(path, GRPOParams(), torch.device("cpu")), load_tokenizer(path)
@@ -51,7 +51,7 @@ def test_a_groups_draws_do_not_depend_on_the_groups_sampled_beside_it(policy):
     def sample(prompts, positions):
         enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True)
         gens = [torch.Generator().manual_seed(prompt_seed(0, 3, j)) for j in positions]
-        return grpo.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, temperature=1.0,
+        return sampler.sample(model, enc.input_ids, enc.attention_mask, max_new_tokens=6, temperature=1.0,
                            eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, generator=gens)
 
     both = sample(["3+5=", "2+2="], [0, 1])
@@ -102,7 +102,7 @@ def test_a_full_fine_tune_sharded_over_two_processes_takes_the_steps_one_process
     one, m1 = _steps(tmp_path, 1, f"{reward}:score", "grpo", "Full")
     two, m2 = _steps(tmp_path, 2, f"{reward}:score", "grpo", "Full")
     assert set(one) - set(two) <= {"lm_head.weight"} and two      # the gathered model leaves out tied copies
-    from trainer.tinymodel import ensure_model
+    from grpo_run.runner.home import ensure_model
     from safetensors.torch import load_file
 
     start = load_file(Path(ensure_model("tiny:char")) / "model.safetensors")

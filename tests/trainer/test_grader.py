@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.grader import Grader, RewardFunctionError
+from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -550,7 +550,7 @@ def test_without_landlock_writes_through_python_are_still_refused_and_the_grader
     rewards_file, tmp_path, caplog, figures
 ):
     target = tmp_path / "outside.txt"
-    with caplog.at_level(logging.WARNING, logger="trainer.grader"):
+    with caplog.at_level(logging.WARNING, logger="grpo_run.trainer.grader.grader"):
         with grader_for(rewards_file, "writes", filesystem="python") as grader:
             assert grader.filesystem == "python"
             rewards, error = fault(figures, "writes outside its sandbox (no Landlock)", grader, tasks=[{"path": str(target)}])
@@ -558,7 +558,7 @@ def test_without_landlock_writes_through_python_are_still_refused_and_the_grader
                 grader.score(["x"], [{"path": str(target)}])  # again: no second warning
     assert not target.exists()
     assert rewards is None and error.kind == "refused"
-    warnings = [r.getMessage() for r in caplog.records if r.name == "trainer.grader"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_run.trainer.grader.grader"]
     assert len(warnings) == 1
     assert "cannot keep reward function" in warnings[0] and "filesystem='python' was asked for" in warnings[0]
 

@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import (clipped_token_loss, group_advantages, identical_group_fraction, k3_kl, reduce_loss,
-                          token_logprobs)
+from grpo_run.trainer.grpo import (clipped_token_loss, group_advantages, identical_group_fraction, k3_kl, reduce_loss, token_logprobs)
 
 SPEC_REWARDS = torch.tensor([1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.float32)
 

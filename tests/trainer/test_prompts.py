@@ -7,14 +7,14 @@ import pytest
 import torch
 import yaml
 
-from trainer import grpo
-from trainer.config import GRPOParams, parse_parameters, to_yaml_dict
-from trainer.envs import user_environment
-from trainer.loop import GRPOTrainer, batch_indices
-from trainer.policy import load_tokenizer
-from trainer.prompts import PromptEncoder
-from trainer.run import Plan
-from trainer.tinymodel import ensure_model
+from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.config import GRPOParams, parse_parameters, to_yaml_dict
+from grpo_run.trainer.envs.catalog import user_environment
+from grpo_run.trainer.trainer import GRPOTrainer, batch_indices
+from grpo_run.trainer.model.policy import load_tokenizer
+from grpo_run.trainer.model.prompts import PromptEncoder
+from grpo_run.trainer.recipe import Plan
+from grpo_run.runner.home import ensure_model
 
 QUESTION = "How many clips did Natalia sell?"
 CONVERSATION = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
@@ -125,14 +125,14 @@ def test_the_trainer_feeds_sampling_the_rendered_prompts(tmp_path, monkeypatch):
 
     def capture(model, prompt_ids, prompt_mask, **kwargs):
         fed.append((prompt_ids.tolist(), prompt_mask.tolist()))
-        raise grpo.GenerationInterrupted()
+        raise sampler.GenerationInterrupted()
 
     tr = GRPOTrainer(ensure_model("tiny:chat"), env, params)
     try:
-        monkeypatch.setattr(grpo, "sample", capture)
-        with pytest.raises(grpo.GenerationInterrupted):
+        monkeypatch.setattr(sampler, "sample", capture)
+        with pytest.raises(sampler.GenerationInterrupted):
             tr.train_step(0)
-        with pytest.raises(grpo.GenerationInterrupted):
+        with pytest.raises(sampler.GenerationInterrupted):
             tr.evaluate(env.eval_tasks)
         tok = tr.tokenizer
     finally:

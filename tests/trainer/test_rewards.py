@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainer.rewards import boxed_format, final_answer, last_boxed, math_correct, reference_answer
+from grpo_run.trainer.envs.rewards import (boxed_format, final_answer, last_boxed, math_correct, reference_answer)
 
 TASK = {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
         "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from state.record import Phase
-from trainer import run
+from grpo_run.state.phases import Phase
+from grpo_run.trainer import recipe as run
 
 
 def test_every_phase_the_trainer_reports_is_a_phase_of_the_record():

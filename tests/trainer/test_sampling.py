@@ -5,11 +5,12 @@ import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from trainer import grpo
-from trainer.config import GRPOParams, parse_parameters
-from trainer.envs import user_environment
-from trainer.loop import GRPOTrainer
-from trainer.tinymodel import ensure_model
+from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.sampling import filters
+from grpo_run.trainer.config import GRPOParams, parse_parameters
+from grpo_run.trainer.envs.catalog import user_environment
+from grpo_run.trainer.trainer import GRPOTrainer
+from grpo_run.runner.home import ensure_model
 
 
 class Scripted(torch.nn.Module):
@@ -52,15 +53,15 @@ def prompt(n: int, length: int = 3):
 def test_top_k_keeps_the_k_largest_logits_and_ties_with_the_kth():
     logits = torch.tensor([[1.0, 4.0, 2.0, 2.0, 0.5]])
     inf = float("-inf")
-    assert grpo.top_k_filter(logits, 2).tolist() == [[inf, 4.0, 2.0, 2.0, inf]]   # the tie at 2.0 stays
-    assert grpo.top_k_filter(logits, 1).tolist() == [[inf, 4.0, inf, inf, inf]]
-    assert grpo.top_k_filter(logits, 99).tolist() == logits.tolist()
+    assert filters.top_k_filter(logits, 2).tolist() == [[inf, 4.0, 2.0, 2.0, inf]]   # the tie at 2.0 stays
+    assert filters.top_k_filter(logits, 1).tolist() == [[inf, 4.0, inf, inf, inf]]
+    assert filters.top_k_filter(logits, 99).tolist() == logits.tolist()
 
 
 def test_top_p_keeps_the_smallest_set_of_most_likely_tokens_reaching_p():
     # probabilities 0.05, 0.5, 0.15, 0.3 (shuffled, so the order is undone correctly)
     logits = torch.tensor([[0.05, 0.5, 0.15, 0.3]]).log()
-    kept = lambda p: (grpo.top_p_filter(logits, p) > float("-inf")).squeeze(0).tolist()   # noqa: E731
+    kept = lambda p: (filters.top_p_filter(logits, p) > float("-inf")).squeeze(0).tolist()   # noqa: E731
     assert kept(0.4) == [False, True, False, False]     # 0.5 alone reaches 0.4
     assert kept(0.7) == [False, True, False, True]      # 0.5 + 0.3 = 0.8 reaches 0.7; 0.5 did not
     assert kept(0.9) == [False, True, True, True]       # 0.95
@@ -73,9 +74,9 @@ def test_the_filters_agree_with_transformers_warpers():
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 2
     ids = torch.zeros(6, 1, dtype=torch.long)
-    assert torch.equal(grpo.top_k_filter(logits, 7), TopKLogitsWarper(7)(ids, logits.clone()))
+    assert torch.equal(filters.top_k_filter(logits, 7), TopKLogitsWarper(7)(ids, logits.clone()))
     for p in (0.3, 0.75, 0.9):
-        assert torch.equal(grpo.top_p_filter(logits, p), TopPLogitsWarper(p)(ids, logits.clone())), p
+        assert torch.equal(filters.top_p_filter(logits, p), TopPLogitsWarper(p)(ids, logits.clone())), p
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
@@ -83,7 +84,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     seen = torch.tensor([[True, True, False, False]])
-    out = grpo.apply_repetition_penalty(logits, seen, 2.0)
+    out = filters.apply_repetition_penalty(logits, seen, 2.0)
     assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
     hf = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1, 0]]), logits.clone())
     assert torch.equal(out, hf)
@@ -96,7 +97,7 @@ def test_default_sampling_draws_exactly_as_plain_temperature_sampling():
     n, vocab, steps, t = 5, 11, 6, 0.8
     ids, mask = prompt(n)
     gen = torch.Generator().manual_seed(7)
-    out = grpo.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=t,
+    out = sampler.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=t,
                       eos_ids=(vocab + 5,), pad_id=0, generator=gen)
     ref_gen, script = torch.Generator().manual_seed(7), random_model(n, vocab, steps).script
     expected = [torch.multinomial(torch.softmax(script(k) / t, -1), 1, generator=ref_gen).squeeze(1)
@@ -109,9 +110,9 @@ def test_default_sampling_draws_exactly_as_plain_temperature_sampling():
 def test_top_k_of_one_samples_exactly_what_greedy_picks():
     n, vocab, steps = 6, 40, 8
     ids, mask = prompt(n)
-    greedy = grpo.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=0.0,
+    greedy = sampler.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=0.0,
                          eos_ids=(1,), pad_id=0, generator=None)
-    top1 = grpo.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=1.5,
+    top1 = sampler.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=1.5,
                        eos_ids=(1,), pad_id=0, generator=torch.Generator().manual_seed(3), top_k=1)
     assert torch.equal(top1.ids, greedy.ids) and torch.equal(top1.mask, greedy.mask)
 
@@ -121,7 +122,7 @@ def test_sampling_with_top_p_draws_only_from_the_nucleus():
     n = 200
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(n, -1)
     ids, mask = prompt(n)
-    out = grpo.sample(Scripted(lambda k: probs), ids, mask, max_new_tokens=3, temperature=1.0, eos_ids=(9,),
+    out = sampler.sample(Scripted(lambda k: probs), ids, mask, max_new_tokens=3, temperature=1.0, eos_ids=(9,),
                       pad_id=0, generator=torch.Generator().manual_seed(0), top_p=0.7)
     assert set(out.ids.unique().tolist()) == {0, 1}
 
@@ -132,7 +133,7 @@ def test_greedy_decoding_penalises_prompt_and_completion_tokens_but_not_padding(
     logits = torch.tensor([1.0, 3.0, 2.0, 0.0, -1.0]).expand(3, -1)
     ids = torch.tensor([[3, 3], [1, 3], [1, 3]])
     mask = torch.tensor([[1, 1], [0, 1], [1, 1]])
-    run = lambda penalty: grpo.sample(Scripted(lambda k: logits), ids, mask, max_new_tokens=3,   # noqa: E731
+    run = lambda penalty: sampler.sample(Scripted(lambda k: logits), ids, mask, max_new_tokens=3,   # noqa: E731
                                       temperature=0.0, eos_ids=(4,), pad_id=1, generator=None,
                                       repetition_penalty=penalty).ids.tolist()
     assert run(1.0) == [[1, 1, 1]] * 3
@@ -142,7 +143,7 @@ def test_greedy_decoding_penalises_prompt_and_completion_tokens_but_not_padding(
 def test_every_eos_id_given_ends_a_completion():
     rows = [[5, 7, 6, 6], [5, 8, 6, 6], [5, 6, 6, 6]]          # 7 and 8 both end a completion
     ids, mask = prompt(3)
-    out = grpo.sample(emitting(rows, 10), ids, mask, max_new_tokens=4, temperature=0.0, eos_ids=(7, 8),
+    out = sampler.sample(emitting(rows, 10), ids, mask, max_new_tokens=4, temperature=0.0, eos_ids=(7, 8),
                       pad_id=0, generator=None)
     assert out.ids.tolist() == [[5, 7, 0, 0], [5, 8, 0, 0], [5, 6, 6, 6]]
     assert out.mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]

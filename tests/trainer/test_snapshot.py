@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from checkpoint.writer import write_files
+from grpo_run.checkpoint.writer import write_files
 from tests.trainer.test_training import length_reward, make_trainer, small  # noqa: F401
-from trainer.config import LoraParams
-from trainer.snapshot import TRAINER_STATE, TRAINING_STATE, load_state, pack, state_files
+from grpo_run.trainer.config import LoraParams
+from grpo_run.trainer.checkpointing.snapshot import (TRAINER_STATE, TRAINING_STATE, load_state, pack, state_files)
 
 
 def save(trainer, step, folder):

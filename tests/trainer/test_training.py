@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from trainer.config import GRPOParams
-from trainer.envs import catalog_environment, user_environment
-from trainer.loop import GRPOTrainer, batch_indices
-from trainer.tinymodel import ensure_model
+from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
+from grpo_run.trainer.trainer import GRPOTrainer, batch_indices
+from grpo_run.runner.home import ensure_model
 
 
 def small(**kw):
@@ -179,7 +179,7 @@ def half_signal_reward(tmp_path_factory):
 
 def test_completions_without_signal_are_left_out_of_the_update_which_stays_the_same(half_signal_reward,
                                                                                     monkeypatch):
-    from trainer import grpo
+    from grpo_run.trainer import grpo
 
     every_row = grpo.learning_rows
 
@@ -232,7 +232,7 @@ def test_a_step_without_any_signal_still_steps_the_optimizer(tmp_path):
 
 
 def test_the_selective_log_softmax_equals_the_full_one_in_value_and_gradient():
-    from trainer.grpo import token_logprobs
+    from grpo_run.trainer.grpo import token_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50, dtype=torch.float64, requires_grad=True)

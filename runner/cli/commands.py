@@ -1,0 +1,467 @@
+"""`grpo-run`: a thin CLI over library calls. Every command has an example in its --help."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+
+from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error
+from grpo_run.runner.jobs import (already_succeeded as _already_succeeded, find_job as _find_job, get_job, job_doc as _job_doc)
+from grpo_run.runner.home import default_storage, home as _home, job_store_url, work_dir
+from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
+from grpo_run.state.record import RECORD_FILE
+from grpo_run.state.phases import STOPPED, Phase
+
+
+
+@click.group(context_settings=CONTEXT)
+@click.option("-v", "--verbose", is_flag=True, help="log more (INFO)")
+def cli(verbose: bool) -> None:
+    """Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
+
+    \b
+      grpo-run apply -f examples/tiny-arithmetic.yaml      train in the foreground
+      grpo-run get tj tiny-arithmetic                       phase, step, rewards
+      grpo-run report tiny-arithmetic --out report.png      the run as a picture
+      grpo-run export tiny-arithmetic --out adapter/        the adapter as PEFT files
+
+    \b
+    Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
+    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job.
+    Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
+    the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
+    """
+    from grpo_run.trainer.logs import quiet_libraries
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    quiet_libraries()
+    logging.getLogger("grpo_run.trainer").setLevel(logging.INFO)
+    logging.getLogger("grpo_run.runner").setLevel(logging.INFO)
+
+
+# --- apply / resume ------------------------------------------------------------------------------
+
+@cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
+@click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
+@click.option("--dry-run", is_flag=True, help="validate and print the job with its estimate; start nothing (exit 2 when apply would refuse it)")
+@click.option("--detach", is_flag=True, help="write the job into its storage (Pending) for a node to train; start nothing here")
+@click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
+def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int:
+    """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
+    With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
+
+    \b
+    example:
+      grpo-run apply -f examples/tiny-arithmetic.yaml
+      grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job
+      grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
+    """
+    from grpo_run.runner.spec.job import JobError, load_job
+
+    try:
+        job = load_job(file)
+    except FileNotFoundError:
+        _error(f"no such job file: {file}")
+        return EXIT_USAGE
+    except JobError as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_USAGE
+    from grpo_run.runner.estimate.estimate import check_fits, estimate
+
+    try:
+        est = estimate(job)
+    except (LookupError, ValueError) as e:     # config.json not found here / not readable
+        if dry_run:
+            _error(str(e))
+            return EXIT_USAGE
+        est = None                               # a real run may still fetch the model
+    refusal = check_fits(est) if est else None
+    if dry_run:                                  # the whole job, with why it does not fit if it does not
+        doc = job.to_dict()
+        doc["status"] = {"phase": str(Phase.PENDING), "estimate": {**est, "refusal": refusal} if refusal else est}
+        print(_dump(doc, output or "yaml"), end="")
+    if refusal:                                  # refused before anything starts, with the numbers
+        print(refusal, file=sys.stderr)
+        return EXIT_USAGE                        # what apply would answer
+    if dry_run:
+        return EXIT_OK
+    if detach:
+        return _submit(job, est, output)
+    return _run(job, output=output)
+
+
+def _submit(job, est: dict | None, output: str | None) -> int:
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+    from grpo_run.runner.submit import SubmitRefused, remember, submit
+    from grpo_run.runner.supervisor.supervisor import node_name
+
+    storage = job.storage
+    if storage is None:
+        _error(f"{job.name}: spec.storage is not set, so the job would stay in this machine's own store, where no "
+               "node can reach it: set spec.storage (e.g. s3://bucket/prefix) to submit it with --detach")
+        return EXIT_USAGE
+    try:
+        done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
+    except SubmitRefused as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except (StorageConfigError, StorageUnavailable, LookupError, ValueError) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    remember(_home(), job.name, storage)
+    if output:
+        print(_dump(get_job(job.name, storage), output), end="")
+        return EXIT_OK
+    said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
+            "unchanged": "already submitted with this spec"}[done.outcome]
+    print(f"{job.name}: {said} to {done.url} (phase {done.phase}); nothing runs on this machine.")
+    if est and est.get("costToCompletionUSD") is not None:
+        print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
+              f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
+    elif est:
+        print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
+    print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
+    print(f"  follow it: grpo-run get tj {job.name} -w")
+    return EXIT_OK
+
+
+@cli.command("resume", short_help="continue a job from object storage alone")
+@click.argument("name", required=False)
+@click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
+@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end")
+@click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
+def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | None) -> int:
+    """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
+    object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
+    A job submitted with `apply --detach` and not yet started starts here.
+
+    \b
+    example:
+      grpo-run resume my-grpo-lora --storage s3://bucket/prefix
+      grpo-run resume my-grpo-lora --storage s3://bucket/prefix --wait   # at boot, before the job exists
+    """
+    import time
+
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+    from grpo_run.runner.spec.job import JobError
+
+    storage = storage or default_storage()
+    told = False
+    while True:
+        missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
+        try:
+            found = _find_job(name, storage)
+        except StorageConfigError as e:
+            _error(str(e))
+            return EXIT_FAILED
+        except StorageUnavailable as e:
+            if not wait:
+                _error(str(e))
+                return EXIT_FAILED
+            found, missing = None, str(e)               # a node's network may come up late
+        except (JobError, ValueError) as e:            # several jobs; a spec that no longer parses
+            print(str(e), file=sys.stderr)
+            return EXIT_USAGE
+        if found is not None:
+            break
+        if not wait:
+            _error(missing)
+            return EXIT_USAGE
+        if not told:
+            print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
+    job, store = found
+    while True:
+        code = _run(job, output=output, storage=storage, store=store)
+        if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
+            return code
+        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
+
+
+WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
+HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
+
+
+def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
+    """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
+    spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
+    The record is fetched from storage at most once, and read here afterwards."""
+    from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+    from grpo_run.runner.books.books import fetch_record
+    from grpo_run.runner.spec.job import build_run_spec
+    from grpo_run.runner.supervisor.supervisor import Supervisor, disk_full, disk_full_message
+
+    storage = storage or job.storage
+    url = job_store_url(storage, job.name)
+    work = work_dir(job.name)
+    try:
+        if store is None:
+            store = Store(url)
+            store.check()                      # a bad bucket or credentials fail before any work
+            fetch_record(store, work)          # a job begun elsewhere: its record, once
+        local = _environment_here(job, store)
+        spec = build_run_spec(job, url, local=local)
+        if _already_succeeded(job, work):
+            print(f"{job.name}: already succeeded; nothing to do")
+            print(_dump(_job_doc(work / RECORD_FILE), output), end="") if output else None
+            return EXIT_OK
+        progress = sys.stderr.isatty() or os.environ.get("GRPO_RUN_PROGRESS") == "1"
+        result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress).run()
+    except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
+        _error(str(e))
+        return EXIT_FAILED
+    except (OSError, sqlite3.OperationalError) as e:
+        if not disk_full(e):
+            raise
+        _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
+        return EXIT_FAILED
+    if result.exit_code == EXIT_HELD:
+        _error(f"{job.name}: another node holds the job, so this node stops here: {result.message}")
+        return EXIT_HELD
+    doc = _job_doc(work / RECORD_FILE)
+    if result.exit_code == EXIT_OK and job.gpu:
+        _remember_step_time(job, doc["status"])
+    if result.exit_code == EXIT_FAILED:
+        _error(f"{job.name} failed: {result.message or doc['status'].get('message', '')}")
+    if output:
+        print(_dump(doc, output), end="")
+    else:
+        print(_summary(job.name, doc["status"], result))
+    return result.exit_code
+
+
+def _durable_here(work: Path) -> int:
+    """The newest durable checkpoint this node's record knows of (0 when it cannot be read)."""
+    try:
+        return int(_job_doc(work / RECORD_FILE)["status"]["checkpoints"].get("latestDurable") or 0)
+    except Exception:           # a record the full disk left unreadable: the message goes without it
+        return 0
+
+
+def _remember_step_time(job, status: dict) -> None:
+    """A finished run on a GPU teaches the estimates its measured step time (runs on a CPU, or
+    on a GPU other than spec.gpu says, would teach them wrong)."""
+    from grpo_run.runner.estimate.estimate import record_measured_step_seconds
+
+    device = status.get("device") or ""
+    seconds = status.get("medianStepSeconds")
+    if device.startswith("cuda") and seconds:
+        record_measured_step_seconds(job.gpu, seconds, job.name)
+
+
+def _environment_here(job, store):
+    """The job with its environment files on this node: the user's own (copied to storage for
+    the next node), or, on a fresh node, fetched from storage (and not sent back)."""
+    from grpo_run.runner.envfiles import localize_environment, upload_environment
+
+    local = localize_environment(job, store, work_dir(job.name))
+    if local is job:
+        upload_environment(job, store)
+    return local
+
+
+def _summary(name: str, status: dict, result) -> str:
+    lines = [f"{name}: {status['phase']} after {status['step']} steps"]
+    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
+        lines.append(f"  {status['message']}")
+    b, f = status.get("baseline"), status.get("final")
+    if b and f:
+        lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
+                     f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
+    if result.notice_to_durable_s is not None:
+        lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
+                     f"{result.notice_to_durable_s:.2f} s")
+    if status["phase"] in STOPPED:
+        lines.append(f"  continue with: grpo-run resume {name}")
+    return "\n".join(lines)
+
+
+def _watchers(job):
+    """Spot-notice watchers: spec.notices.clouds, else GRPO_RUN_NOTICES (auto: every cloud whose
+    metadata service answers; a comma-separated list of aws, gcp, azure; none). SIGTERM and
+    SIGINT always count. spec.notices.*MetadataURL override the GRPO_RUN_*_METADATA_URL variables."""
+    from grpo_run.runner.notices.clouds import make_watchers
+
+    clouds: Any = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    urls: dict[str, str] = {}
+    if job.notices is not None:
+        clouds = job.notices.clouds
+        urls = dict(job.notices.urls)
+    if clouds == "none":
+        return []
+    if isinstance(clouds, str) and clouds != "auto":
+        clouds = clouds.split(",")
+    return make_watchers(clouds, base_urls=urls)
+
+
+# --- export ----------------------------------------------------------------------------------------
+
+@cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
+@click.argument("name")
+@click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
+@click.option("--out", required=True, metavar="DIR", help="folder to write (created)")
+def cmd_export(name: str, storage: str | None, out: str) -> int:
+    """Write the job's final adapter (or, before it finished, the newest durable checkpoint's) as
+    standard PEFT files (adapter_config.json, adapter_model.safetensors).
+
+    \b
+    example:
+      grpo-run export tiny-arithmetic --out ./adapter
+      python -c "from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')"
+    """
+    from grpo_run.runner.export import export_weights
+
+    try:
+        what = export_weights(job_store_url(storage, name), Path(out))
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    print(f"wrote {what} of {name} to {out}")
+    return EXIT_OK
+
+
+@cli.command("tiny-model", short_help="build the tiny local demo model (tiny:char) into a folder")
+@click.option("--out", "out_dir", required=True, metavar="DIR", help="folder to write")
+@click.option("--seed", type=int, default=0, help="initialisation seed (default 0)")
+def cmd_tiny_model(out_dir: str, seed: int) -> int:
+    """Build a tiny Qwen3-style causal LM with a character tokenizer, saved with save_pretrained, for trying
+    grpo-run without downloads.
+
+    \b
+    example:
+      grpo-run tiny-model --out ./tiny-model
+    """
+    from grpo_run.trainer.model.tinymodel import build_tiny_model
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        _error(f"{out} exists and is not empty")
+        return EXIT_USAGE
+    if out.exists():
+        out.rmdir()
+    build_tiny_model(out, seed=seed)
+    print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
+    return EXIT_OK
+
+
+# --- deploy ----------------------------------------------------------------------------------------
+
+@cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
+@click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
+@click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
+@click.option("--job", metavar="NAME", help="the job's metadata.name (default: the only job under --storage)")
+@click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
+@click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
+@click.option("--repo", metavar="URL", default="https://github.com/grpo-run/grpo-run.git", show_default=True,
+              help="git URL the node installs grpo-run from")
+@click.option("--ref", metavar="REF", default="main", show_default=True, help="branch or tag to install")
+@click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
+              help="the torch build for the node's accelerator")
+@click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
+@click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
+@click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
+              help="k8s: whose spot node labels and taints to select")
+@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
+@click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
+@click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
+@click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
+def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
+               endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
+               pool: str, gpus: int, secret: str | None, service_account: str | None,
+               accelerators: str | None) -> int:
+    """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
+    settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
+    installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
+    retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
+    SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
+    list and delete under the job's prefix only).
+
+    \b
+    example:
+      grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
+      grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
+      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --secret aws
+      grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
+      grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+    """
+    from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
+
+    job_text, gpu = None, None
+    if file:
+        from grpo_run.runner.spec.job import JobError, load_job
+
+        try:
+            spec = load_job(file)
+        except (FileNotFoundError, JobError) as e:
+            print(str(e) if isinstance(e, JobError) else f"error: no such job file: {file}", file=sys.stderr)
+            return EXIT_USAGE
+        if spec.storage is None and storage is None:
+            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
+            return EXIT_USAGE
+        storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
+        job_text = Path(file).read_text()
+    if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
+        print(systemd_unit(prefix), end="")
+        return EXIT_OK
+    if storage is None:
+        _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
+        return EXIT_USAGE
+    try:
+        if kind == "iam":
+            print(iam_policy(storage), end="")
+            return EXIT_OK
+        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
+                                torch=torch_build, prefix=prefix, job_file=job_text)
+    except ValueError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    if kind == "skypilot":
+        from grpo_run.runner.deploy import SKYPILOT_GPUS, skypilot_task
+
+        print(skypilot_task(settings, accelerators=accelerators or SKYPILOT_GPUS.get(gpu or "")), end="")
+        return EXIT_OK
+    if kind == "k8s":
+        if not image:
+            _error("k8s: give --image, a container image with grpo-run installed")
+            return EXIT_USAGE
+        print(kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
+                             service_account=service_account), end="")
+        return EXIT_OK
+    print(cloud_init(settings), end="")
+    return EXIT_OK
+
+
+# the commands that look at a job: get, logs, report
+cli.add_command(cmd_get)
+cli.add_command(cmd_logs)
+cli.add_command(cmd_report)
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command (argv: default sys.argv[1:]) and return its exit status, which the console script
+    exits with; --help returns EXIT_OK and a usage error EXIT_USAGE (never SystemExit, as argparse did)."""
+    try:
+        return cli.main(args=None if argv is None else list(argv), prog_name="grpo-run", standalone_mode=False)
+    except click.UsageError as e:
+        e.show()
+        return EXIT_USAGE
+    except click.Abort:                 # Ctrl-C; click has already ended the ^C line on stderr
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

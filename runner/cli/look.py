@@ -1,0 +1,173 @@
+"""The commands that look at a job: `get` (with `-w`, the live view), `logs` and `report`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from grpo_run.runner.exits import EXIT_OK, EXIT_USAGE
+from grpo_run.runner.cli.output import FORMAT, dump as _dump, error as _error
+from grpo_run.runner.jobs import get_job, jobs_in as _jobs_in, local_jobs as _local_jobs
+from grpo_run.runner.home import work_dir
+from grpo_run.state.phases import TERMINAL
+
+
+@click.command("get", short_help="show jobs: phase, step, rewards")
+@click.argument("resource")
+@click.argument("name", required=False)
+@click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")
+@click.option("-o", "--output", type=FORMAT, help="output format (default: a table)")
+@click.option("-w", "--watch", is_flag=True, help="follow the job until it stops: a live bar per phase with steps/s, ETA, "
+              "reward, spend and projected cost (with -o: the job again on every change)")
+def cmd_get(resource: str, name: str | None, storage: str | None, output: str | None, watch: bool) -> int:
+    """Show a TrainingJob as {apiVersion, kind, metadata, spec, status}. RESOURCE: tj (TrainingJob);
+    NAME: the job (all jobs when left out).
+
+    \b
+    example:
+      grpo-run get tj tiny-arithmetic -o yaml
+      grpo-run get tj -w                      # follow every job on this node
+      grpo-run get tj my-grpo-lora --storage s3://bucket/prefix -o json
+    """
+    from grpo_run.runner.views.status import table
+
+    # checked here rather than by click.Choice: the error keeps naming the fix, as it always has
+    if resource not in ("tj", "trainingjob", "trainingjobs"):
+        _error(f"unknown resource {resource!r}: use tj (TrainingJob)")
+        return EXIT_USAGE
+    if name:
+        names = [name]
+    else:
+        names = _local_jobs() if storage is None else _jobs_in(storage)
+    if watch:
+        return _watch(names, storage, output)
+    try:
+        docs = [get_job(n, storage) for n in names]
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    if output:
+        out = docs[0] if name else {"apiVersion": "v1", "kind": "List", "items": docs}
+        print(_dump(out, output), end="")
+    else:
+        print(table(docs))
+    return EXIT_OK
+
+
+TERMINAL_PHASES = tuple(str(p) for p in TERMINAL)
+
+
+def _watch(names: list[str], storage: str | None, output: str | None, interval_s: float = 2.0) -> int:
+    """Until every job has stopped: with -o, print the job(s) again whenever phase or step changes;
+    without, a live bar per phase (runner.live), redrawn in place on a terminal and printed again
+    on every change otherwise."""
+    import time
+
+    from grpo_run.runner.views.live import view
+    from grpo_run.runner.jobs import open_record
+
+    tty = sys.stdout.isatty()
+    last, drawn = None, 0
+    while True:
+        try:
+            if output:
+                docs = [get_job(n, storage) for n in names]
+                key = [(d["status"]["phase"], d["status"]["step"]) for d in docs]
+            else:
+                views, key = [], []
+                for n in names:
+                    with open_record(n, storage) as record:
+                        views.append(view(record))
+                        key.append((str(record.job()["phase"]), views[-1][2:]))
+        except LookupError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        if key != last:
+            if output:
+                for d in docs:
+                    print(_dump(d, output) + ("---" if output == "yaml" else ""), flush=True)
+            else:
+                lines = [line for v in views for line in v]
+                if tty and drawn:       # back to the block's first line, then each line cleared and redrawn
+                    sys.stdout.write(f"\x1b[{drawn}F")
+                sys.stdout.write("".join(("\x1b[2K" if tty else "") + line + "\n" for line in lines))
+                sys.stdout.flush()
+                drawn = len(lines)
+            last = key
+        if all(phase in TERMINAL_PHASES for phase, _ in key):
+            return EXIT_OK
+        time.sleep(1.0 if tty and storage is None else interval_s)   # from storage: a download each time
+
+
+@click.command("logs", short_help="the trainer's log on this node")
+@click.argument("name")
+@click.option("-f", "--follow", is_flag=True, help="keep printing until the job stops")
+def cmd_logs(name: str, follow: bool) -> int:
+    """Print the trainer's log for a job run on this node (progress every 5% of the steps, checkpoints, warnings).
+
+    \b
+    example:
+      grpo-run logs tiny-arithmetic -f
+    """
+    import time
+
+    path = work_dir(name) / "logs" / "trainer.log"
+    if not path.exists():
+        _error(f"no log for {name!r} on this node ({path}); logs stay on the node that ran the job")
+        return EXIT_USAGE
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                print(chunk, end="", flush=True)
+            if not follow:
+                return EXIT_OK
+            try:
+                phase = get_job(name, None)["status"]["phase"]
+            except LookupError:
+                phase = None
+            if phase in TERMINAL_PHASES and not chunk:
+                return EXIT_OK
+            time.sleep(0.5)
+
+
+
+@click.command("report", short_help="draw the run as a PNG: rewards, cost, where attempts ended")
+@click.argument("name")
+@click.option("--storage", metavar="URL", help="read the job from this storage URL (no local run needed)")
+@click.option("--out", required=True, metavar="FILE.png", help="the picture to write; a Markdown summary goes beside it (.md)")
+def cmd_report(name: str, storage: str | None, out: str) -> int:
+    """Draw a job's run into a PNG from its record: the train reward (raw and smoothed) with the
+    held-out baseline, periodic and final evaluations, completion length, groups with identical
+    rewards, loss (and KL when beta > 0), learning rate, and the spend over wall time; every attempt
+    boundary is marked with why it ended and the steps the next attempt redid. A Markdown summary
+    with one row per attempt is written beside it (same name, .md).
+
+    \b
+    example:
+      grpo-run report tiny-arithmetic --out report.png
+      grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
+    """
+    from grpo_run.runner.jobs import open_record
+    from grpo_run.runner.views.report import gather, render, summary
+
+    path = Path(out)
+    if path.suffix.lower() != ".png":
+        _error(f"--out {out}: the picture is a PNG; name it FILE.png")
+        return EXIT_USAGE
+    try:
+        with open_record(name, storage) as record:
+            run = gather(record)
+    except LookupError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    drawn = render(run, path)
+    md = path.with_suffix(".md")
+    md.write_text(summary(run, path.name), encoding="utf-8")
+    cuts = drawn["boundaries"]
+    print(f"wrote {path} and {md}: {run['name']} {run['phase']}, {len(run['steps'])} steps, "
+          f"{len(run['attempts'])} attempt(s), {len(cuts)} boundar{'y' if len(cuts) == 1 else 'ies'}, "
+          f"{sum(c['redone'] for c in cuts)} steps redone")
+    return EXIT_OK

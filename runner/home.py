@@ -1,0 +1,53 @@
+"""This node's places: `GRPO_RUN_HOME` (default `~/.grpo-run`) with its work folders, its default
+store and its model cache, and `tiny:NAME`, the built-in demo models, resolved to a folder there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TINY_PREFIX = "tiny:"
+TINY_NAMES = ("char", "chat")
+
+
+def grpo_run_home() -> Path:
+    return Path(os.environ.get("GRPO_RUN_HOME", Path.home() / ".grpo-run")).expanduser()
+
+
+home = grpo_run_home
+
+
+def default_storage() -> str:
+    return str(home() / "store")
+
+
+def job_store_url(storage: str | None, name: str) -> str:
+    return f"{(storage or default_storage()).rstrip('/')}/{name}"
+
+
+def work_dir(name: str) -> Path:
+    return home() / "runs" / name
+
+
+def is_tiny(model: str) -> bool:
+    return model.startswith(TINY_PREFIX)
+
+
+def tiny_model_path(model: str) -> Path:
+    """Where `tiny:NAME` lives once built. Raises ValueError for an unknown NAME."""
+    name = model[len(TINY_PREFIX):]
+    if name not in TINY_NAMES:
+        raise ValueError(f"unknown tiny model {model!r}; available: " + ", ".join(TINY_PREFIX + n for n in TINY_NAMES))
+    return grpo_run_home() / "models" / f"tiny-{name}"
+
+
+def ensure_model(model: str) -> str:
+    """Resolve `spec.model` to what `from_pretrained` takes: builds `tiny:*` on first use."""
+    if not is_tiny(model):
+        return model
+    path = tiny_model_path(model)
+    if not (path / "config.json").exists():
+        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model
+
+        (build_chat_model if model == TINY_PREFIX + "chat" else build_tiny_model)(path)
+    return str(path)

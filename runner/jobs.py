@@ -1,0 +1,114 @@
+"""Finding a job, as the CLI does: in this node's work folders and store (runner/home.py), a
+storage URL, or the storage a job was submitted to from here; and the job as `get tj` shows it,
+from its record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grpo_run.state.record import RECORD_FILE
+from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
+from grpo_run.state.phases import Phase
+
+
+def find_job(name: str | None, storage: str):
+    """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
+    when storage holds several jobs and none is named, JobError for a stored spec that no longer
+    parses, StorageConfigError / StorageUnavailable."""
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner.books.books import fetch_record
+    from grpo_run.runner.spec.job import parse_job
+    from grpo_run.state.record import Record
+
+    names = [name] if name else jobs_in(storage)
+    if not names:
+        return None
+    if len(names) > 1:
+        raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
+                         f"grpo-run resume NAME --storage {storage}")
+    name = names[0]
+    store = Store(job_store_url(storage, name))
+    store.check()
+    local = fetch_record(store, work_dir(name))
+    if local is None:
+        return None
+    with Record(local) as record:
+        job_doc = record.job()
+    return parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False), store
+
+
+def already_succeeded(job, work: Path) -> bool:
+    """The job finished earlier (here or on another node) with this very spec: its record,
+    fetched into `work` if it was begun elsewhere, says so."""
+    from grpo_run.state.record import Record
+
+    if not (work / RECORD_FILE).exists():
+        return False
+    with Record(work / RECORD_FILE) as record:
+        done = record.job()
+    return bool(done) and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict()
+
+
+def jobs_in(storage: str) -> list[str]:
+    from grpo_run.checkpoint.storage.store import Store
+
+    store = Store(storage)
+    return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
+
+
+def open_record(name: str, storage: str | None):
+    """The job's record: the local work folder's when no storage is named, else the store's."""
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.state.record import Record
+
+    local = work_dir(name) / RECORD_FILE
+    if storage is None and local.exists():
+        return Record(local)
+    if storage is None:                  # submitted from here (apply --detach): follow it in storage
+        from grpo_run.runner.submit import submitted_storage
+
+        storage = submitted_storage(home(), name)
+    store = Store(job_store_url(storage, name))
+    # A read-only copy, refreshed on every call (get_file replaces it atomically).
+    copy = home() / "cache" / "records" / f"{name}.db"
+    for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):
+        leftover.unlink(missing_ok=True)    # an old copy's journal must never meet the new copy
+    try:
+        store.get_file(RECORD_FILE, copy)
+    except FileNotFoundError:
+        raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
+    return Record(copy)
+
+
+def get_job(name: str, storage: str | None) -> dict[str, Any]:
+    """The job as {apiVersion, kind, metadata, spec, status}."""
+    with open_record(name, storage) as record:
+        return as_doc(record)
+
+
+def job_doc(path: Path) -> dict[str, Any]:
+    """The job as `get tj` shows it, from a record on this node."""
+    from grpo_run.state.record import Record
+
+    with Record(path) as record:
+        return as_doc(record)
+
+
+def as_doc(record) -> dict[str, Any]:
+    from grpo_run.runner.views.status import job_status
+
+    job = record.job()
+    status = job_status(record)
+    spec = job["spec"]
+    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
+            "spec": spec.get("spec"), "status": status}
+
+
+def local_jobs() -> list[str]:
+    """Jobs run on this node, and jobs submitted from it."""
+    from grpo_run.runner.submit import submitted_jobs
+
+    runs = home() / "runs"
+    here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
+    return sorted(here | set(submitted_jobs(home())))

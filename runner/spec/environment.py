@@ -1,0 +1,300 @@
+"""`spec.environment` of a TrainingJob: a catalog environment, or your own rewards and tasks
+(files, a `save_to_disk` folder, a data set name), validated by pydantic, and the trainer's
+Environment built from it.
+
+Paths come out absolute, resolved against the job file's folder (the `base` in the validation
+context); `check_files` False (a resume on a fresh node) leaves files that may be in storage only.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from grpo_run.trainer.config import GRPOParams, Strict, fmt, problem, problems_at
+from grpo_run.trainer.envs.catalog import CATALOG, reward_name
+
+
+def base_folder(info: ValidationInfo) -> Path:
+    return (info.context or {}).get("base") or Path.cwd()
+
+
+def checks_files(info: ValidationInfo) -> bool:
+    return (info.context or {}).get("check_files", True)
+
+
+def resolve_path(path: str, base: Path) -> str:
+    """A path from the job file, relative to the file's folder; `module:function` refs untouched."""
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _ref(ref: str, info: ValidationInfo) -> str:
+    """`module:function` as is; `file.py:function` with the file resolved (and checked)."""
+    module, sep, func = ref.rpartition(":")
+    if not sep or not module or not func.isidentifier():
+        raise problem(f"must be module:function or file.py:function (got {ref!r})")
+    if not module.endswith(".py"):
+        return ref
+    path = Path(resolve_path(module, base_folder(info)))
+    if checks_files(info) and not path.is_file():
+        raise problem(f"no such file {path} (got {ref!r})")
+    return f"{path}:{func}"
+
+
+def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str:
+    """A data file or folder, resolved against the job file and checked; with `hub_ok`, a name
+    that is not a path here (a data set name such as openai/gsm8k) is kept as it is."""
+    looks_like_path = value.startswith(("/", "./", "../", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES
+    path = resolve_path(value, base_folder(info))
+    if hub_ok and not looks_like_path and not Path(path).exists():
+        return value
+    if checks_files(info) and not Path(path).exists():
+        raise problem(f"no such file {path} (got {value!r})")
+    return path
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+OWN_DATA = ("tasks", "evalTasks", "dataset", "datasetConfig", "trainSplit", "evalSplit", "columns",
+            "heldOutFraction", "path")
+TASKS_HINT = "a JSONL file, one {\"prompt\": ...} per line (or .json, .csv, .parquet, a save_to_disk folder)"
+
+
+class RewardSpec(Strict):
+    """One of `spec.environment.rewards`: a function and its weight in the step's reward."""
+    function: str = Field(json_schema_extra={"required": "module:function, file.py:function, or a catalog "
+                                             "environment's reward name such as correct"})
+    weight: float = 1.0
+    name: str | None = None          # how metrics name it (default: the function's name)
+
+    @field_validator("weight")
+    @classmethod
+    def _finite(cls, w: float) -> float:
+        if not math.isfinite(w):
+            raise problem(f"must be a finite number (got {w})")
+        return w
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, ref: str, info: ValidationInfo) -> str:
+        return _ref(ref, info) if ":" in ref else ref
+
+    @property
+    def label(self) -> str:
+        return self.name or reward_name(self.function)
+
+
+class EnvironmentSpec(Strict):
+    """`spec.environment`: a catalog environment, or your own rewards with your tasks. Paths come
+    out absolute, resolved against the job file's folder."""
+    name: str = Field(min_length=1)
+    reward: str | None = None        # your own: "module:function" or "file.py:function" (weight 1)
+    rewards: tuple[RewardSpec, ...] = ()   # several, weighted; for a catalog environment, its reward names
+    tasks: str | None = None         # your own: train tasks (.jsonl, .json, .csv, .parquet, a save_to_disk folder)
+    evalTasks: str | None = None     # your own: held-out tasks, same formats
+    dataset: str | None = None       # your own: a data set name for datasets.load_dataset, or a save_to_disk folder
+    datasetConfig: str | None = None  # the data set's configuration (subset), e.g. main
+    dataFiles: dict[str, str] | None = None   # {train: PATH, test: PATH}, as datasets' data_files
+    trainSplit: str = "train"
+    evalSplit: str = "test"
+    columns: dict[str, str] = {}     # task key -> column, e.g. {prompt: question, answer: answer}
+    heldOutFraction: float | None = Field(None, gt=0, lt=1)   # held out from train when no eval split/file
+    path: tuple[str, ...] = ()       # folders put on the grader's sys.path
+
+    @field_validator("reward")
+    @classmethod
+    def _reward(cls, ref: str | None, info: ValidationInfo) -> str | None:
+        return None if ref is None else _ref(ref, info)
+
+    @field_validator("tasks", "evalTasks")
+    @classmethod
+    def _task_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _data_path(value, info)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _data_path(value, info, hub_ok=True)
+
+    @field_validator("dataFiles")
+    @classmethod
+    def _data_files(cls, files: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if files is None:
+            return None
+        if "train" not in files:
+            raise problem(f"needs a train file: {{train: train.parquet, test: test.parquet}} (got {fmt(files)})")
+        return {split: _data_path(path, info) for split, path in files.items()}
+
+    @field_validator("path")
+    @classmethod
+    def _search_path(cls, folders: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        return tuple(resolve_path(p, base_folder(info)) for p in folders)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _kind(cls, raw: Any, handler: Any, info: ValidationInfo) -> EnvironmentSpec:
+        """Catalog or your own, checked on what was written, beside every other problem."""
+        if isinstance(raw, str):
+            raw = {"name": raw}
+        if isinstance(raw, dict):
+            raw = {**raw, **{k: tuple([raw[k]] if isinstance(raw[k], str) else raw[k])
+                             for k in ("path", "rewards") if isinstance(raw.get(k), (str, list))}}
+            if isinstance(raw.get("rewards"), tuple):
+                raw["rewards"] = tuple({"function": r} if isinstance(r, str) else r for r in raw["rewards"])
+        try:
+            env, error = handler(raw), None
+        except ValidationError as e:
+            env, error = None, e
+        given = raw if isinstance(raw, dict) else {}
+        found = _environment_problems(given)
+        if found or error is not None:
+            named = {loc for loc, _ in found}          # what was written in the wrong place: said once
+            also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
+            raise problems_at("EnvironmentSpec", found, also=also)
+        if not env.is_catalog and not env.path:
+            return env.model_copy(update={"path": (str(base_folder(info)),)})
+        return env
+
+    @property
+    def is_catalog(self) -> bool:
+        return self.reward is None and self.name in CATALOG
+
+    def reward_list(self) -> tuple[tuple[str, str, float], ...]:
+        """(name, ref or catalog reward name, weight) of each reward; () for a catalog default."""
+        if self.reward is not None:
+            return ((reward_name(self.reward), self.reward, 1.0),)
+        return tuple((r.label, r.function, r.weight) for r in self.rewards)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump(exclude_none=True, exclude_defaults=True)
+        out["name"] = self.name
+        if self.rewards:
+            out["rewards"] = [r.model_dump(exclude_none=True) for r in self.rewards]
+        if self.path:
+            out["path"] = list(self.path)
+        return out
+
+
+def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:
+    """Which fields a catalog environment takes, which your own needs, on what was written."""
+    found: list[tuple[tuple[str, ...], str]] = []
+    name = given.get("name")
+    if not isinstance(name, str) or not name:
+        return found
+    has = {k for k, v in given.items() if v not in (None, (), {}, [])}
+    if name in CATALOG and "reward" not in has:
+        entry = CATALOG[name]
+        for key in sorted(has & set(OWN_DATA), key=OWN_DATA.index):
+            found.append(((key,), f"only for environments with your own reward "
+                          f"(catalog environment {name!r} makes its own tasks)"))
+        if "dataFiles" in has and not entry.data:
+            found.append((("dataFiles",), f"catalog environment {name!r} makes its own tasks; dataFiles is for "
+                          + ", ".join(n for n, e in CATALOG.items() if e.data)))
+        for i, r in enumerate(given.get("rewards") or ()):
+            fn = r.get("function") if isinstance(r, dict) else None
+            if isinstance(fn, str) and ":" not in fn and fn not in entry.rewards:
+                found.append((("rewards", i, "function"), f"{name} has no reward {fn!r}: it has "
+                              + ", ".join(entry.rewards) + "; or give module:function"))
+        labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
+        for label in sorted({x for x in labels if x and labels.count(x) > 1}):
+            found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
+        return found
+    if not has & {"reward", "rewards", "tasks", "dataset", "dataFiles"}:
+        found.append((("name",), f"unknown catalog environment (got {name!r}): available: "
+                      + ", ".join(CATALOG) + "; or give reward, tasks and evalTasks for your own"))
+        return found
+    if "reward" in has and "rewards" in has:
+        found.append((("rewards",), "give reward (one function) or rewards (several, weighted), not both"))
+    elif not has & {"reward", "rewards"}:
+        found.append((("reward",), "required: module:function or file.py:function, or rewards: "
+                      "[{function: ..., weight: ...}]"))
+    for i, r in enumerate(given.get("rewards") or ()):
+        fn = r.get("function") if isinstance(r, dict) else None
+        if isinstance(fn, str) and ":" not in fn:
+            found.append((("rewards", i, "function"), f"must be module:function or file.py:function (got {fn!r}); "
+                          "reward names are for catalog environments"))
+    labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
+    for label in sorted({x for x in labels if x and labels.count(x) > 1}):
+        found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
+    sources = sorted(has & {"tasks", "dataset", "dataFiles"})
+    if len(sources) > 1:
+        found.append(((sources[1],), f"give one source of tasks: tasks, dataset or dataFiles (got {', '.join(sources)})"))
+    if not sources:
+        found.append((("tasks",), f"required with reward: {TASKS_HINT}; or dataset / dataFiles"))
+        found.append((("evalTasks",), f"required with reward: {TASKS_HINT}; or heldOutFraction"))
+    elif sources == ["tasks"] and not has & {"evalTasks", "heldOutFraction"}:
+        found.append((("evalTasks",), f"required with reward: {TASKS_HINT}; or heldOutFraction to hold out part of tasks"))
+    if "evalTasks" in has and sources != ["tasks"]:
+        found.append((("evalTasks",), "goes with tasks; with dataset or dataFiles the held-out tasks are evalSplit"))
+    if "heldOutFraction" in has and "evalTasks" in has:
+        found.append((("heldOutFraction",), "give evalTasks or heldOutFraction, not both"))
+    if "datasetConfig" in has and "dataset" not in has:
+        found.append((("datasetConfig",), "goes with dataset (the data set's subset)"))
+    for key in ("trainSplit", "evalSplit"):
+        if key in has and sources == ["tasks"]:
+            found.append(((key,), "goes with dataset or dataFiles; a tasks file is one split"))
+    return found
+
+
+def _label(reward: dict[str, Any]) -> str | None:
+    """The name a reward is recorded under (RewardSpec.label), from what was written."""
+    fn = reward.get("function")
+    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else None)
+    return name if isinstance(name, str) else None
+
+
+def environment_of(env: EnvironmentSpec, p: GRPOParams):
+    """The trainer's Environment: catalog tasks made from the seed (or loaded, for a data set),
+    or the user's rewards and tasks. Raises ValueError naming a bad task file, column or split."""
+    from dataclasses import replace
+
+    from grpo_run.trainer.envs.catalog import Reward, catalog_environment, user_environment
+
+    if env.is_catalog:
+        chosen = tuple((fn, w) for _, fn, w in env.reward_list()) or None
+        built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
+                                    rewards=chosen, data_files=env.dataFiles)
+        if env.rewards:    # the job's own names for them
+            built = replace(built, rewards=tuple(replace(r, name=spec.label) for r, spec in zip(built.rewards, env.rewards)))
+        return built
+    train, held = _own_tasks(env, p.seed)
+    return user_environment(name=env.name, rewards=tuple(Reward(n, ref, w) for n, ref, w in env.reward_list()),
+                            tasks=train, eval_tasks=held, search_path=env.path)
+
+
+def _own_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
+    """(train, held-out) tasks of your own environment, from its one source."""
+    from grpo_run.trainer.envs import data
+    from grpo_run.trainer.envs.tasks import read_tasks
+
+    def read(path: str, where: str) -> list:
+        if path.endswith(".jsonl") and not env.columns:
+            return read_tasks(Path(path))          # line-numbered errors for the common case
+        return data.as_tasks(data.load_split(path, "train"), env.columns, where)
+
+    if env.tasks is not None:
+        train = read(env.tasks, "spec.environment.tasks")
+        if env.evalTasks is not None:
+            return train, read(env.evalTasks, "spec.environment.evalTasks")
+        return data.held_out(train, env.heldOutFraction, seed)
+    source = env.dataFiles if env.dataFiles is not None else env.dataset
+    splits = data.splits_of(data.open_source(source, config=env.datasetConfig))
+    where = "spec.environment." + ("dataFiles" if env.dataFiles is not None else "dataset")
+    if env.trainSplit not in splits:
+        raise ValueError(f"{where}: no split {env.trainSplit!r} (it has {', '.join(splits)}): set trainSplit")
+    train = data.as_tasks(splits[env.trainSplit].to_list(), env.columns, where)
+    if env.evalSplit in splits:
+        return train, data.as_tasks(splits[env.evalSplit].to_list(), env.columns, where)
+    if env.heldOutFraction is None:
+        raise ValueError(f"{where}: no split {env.evalSplit!r} for held-out tasks (it has {', '.join(splits)}): "
+                         "set evalSplit, or heldOutFraction to hold out part of the train split")
+    return data.held_out(train, env.heldOutFraction, seed)

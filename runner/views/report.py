@@ -1,0 +1,253 @@
+"""`grpo-run report`: one picture of a run (and a Markdown summary beside it), drawn from its
+record alone — the copy in storage is enough, on a machine that never ran the job.
+
+Panels, every one against the training step except the last: the train reward (raw points faint,
+a trailing mean over them) with the held-out evaluations marked (baseline at step 0, the periodic
+ones, the final one at the last step); completion length; the fraction of groups whose G rewards
+were identical (they teach nothing); the loss, and the KL to the reference when beta > 0; the
+learning rate; and the spend in dollars over wall time, one segment per attempt.
+
+Every attempt that did not end the run is a boundary at the last step it completed, labelled with
+why it ended (preempted by which cloud's notice, crashed, out of budget), and the steps the next
+attempt had to redo (from its checkpoint back up to that step) are shaded.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from grpo_run.state.record import Record
+
+SMOOTH_FROM = 50          # steps from which a panel shows a trailing mean over faint raw points
+REASONS = {"Preempted": "preempted", "Crashed": "crashed", "BudgetExceeded": "budget reached",
+           "Failed": "failed"}
+
+
+def gather(record: Record) -> dict[str, Any]:
+    """Everything the picture shows, read from the record once."""
+    job = record.job()
+    spec = job["spec"].get("spec", {})
+    return {"name": job["name"], "phase": str(job["phase"]), "spec": spec,
+            "params": spec.get("parameters", {}), "steps": record.steps(logged=True),
+            "attempts": record.attempts(), "ledger": record.value("ledger", {}) or {},
+            "baseline": record.eval("baseline"), "final": record.eval("final"),
+            "heldOut": record.value("heldOut") or []}
+
+
+def boundaries(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per attempt that ended without finishing the run: {"attempt", "step" (its last
+    completed step), "reason", "label", "redone" (steps the next attempt did again, 0 when none
+    came yet), "resumedFrom" (the next attempt's checkpoint, None when none came yet)}."""
+    out = []
+    for i, a in enumerate(attempts):
+        if a["reason"] == "Succeeded" or a["ended"] is None:
+            continue                      # the run's end, or the attempt running now
+        step = a["to_step"] if a["to_step"] is not None else (a["from_step"] or 0)
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        resumed = None if nxt is None else (nxt["from_step"] or 0)
+        if resumed is not None and resumed > step:   # a node lost before its record was stored:
+            step = resumed                          # it got at least as far as the checkpoint
+        label = REASONS.get(a["reason"], a["reason"].lower())
+        if a["reason"] == "Preempted" and a.get("notice"):
+            label += f" ({a['notice']})"
+        out.append({"attempt": a["id"], "step": step, "reason": a["reason"], "label": label,
+                    "redone": max(0, step - resumed) if resumed is not None else 0, "resumedFrom": resumed})
+    return out
+
+
+def spend_segments(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spend over wall time: per attempt {"attempt", "t0", "t1" (minutes since the first
+    attempt began), "usd0", "usd1" (dollars spent by then)}; a gap between attempts (no node)
+    costs nothing. An attempt still running is drawn up to its newest step."""
+    attempts = run["attempts"]
+    if not attempts:
+        return []
+    origin = _time(attempts[0]["started"])
+    spent, out = 0.0, []
+    for a in attempts:
+        entry = run["ledger"].get(str(a["id"]), {})
+        seconds, usd = float(entry.get("seconds", 0.0)), float(entry.get("usd", 0.0))
+        if a["ended"] is None:            # live: its newest step says how far it got
+            mine = [s for s in run["steps"] if s["logged"] >= a["started"] and "costUSD" in s]
+            if mine:
+                seconds = max(seconds, (_time(mine[-1]["logged"]) - _time(a["started"])))
+                usd = max(usd, mine[-1]["costUSD"] - spent)
+        t0 = (_time(a["started"]) - origin) / 60
+        out.append({"attempt": a["id"], "t0": t0, "t1": t0 + seconds / 60, "usd0": spent, "usd1": spent + usd})
+        spent += usd
+    return out
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each point the mean of itself and the `window - 1` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Draw `run` (from `gather`) into the PNG `out`; what was drawn: {"boundaries", "panels",
+    "segments", "figure"} (the tests compare the figure's boundary lines with the record)."""
+    from matplotlib.figure import Figure      # no pyplot: no GUI backend, nothing global
+
+    steps = run["steps"]
+    xs = [s["step"] for s in steps]
+    cuts = boundaries(run["attempts"])
+    beta = float(run["params"].get("beta") or 0.0)
+    fig = Figure(figsize=(13, 10.5), dpi=100, layout="constrained")
+    axes = fig.subplots(3, 2)
+    reward_ax, length_ax, same_ax, loss_ax, lr_ax, cost_ax = axes.flat
+    panels = []
+
+    def series(ax, key: str, label: str, *, smooth: bool = False, color: str = "C0") -> None:
+        pts = [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]
+        if not pts:
+            ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="0.5")
+            return
+        x, y = zip(*pts)
+        if smooth and len(y) >= SMOOTH_FROM:
+            ax.plot(x, y, ".", color=color, alpha=0.18, markersize=3, label=f"{label} (each step)")
+            window = max(1, len(y) // 40)
+            ax.plot(x, trailing_mean(list(y), window), color=color, linewidth=1.8,
+                    label=f"{label} (mean of {window})" if window > 1 else label)
+        else:
+            ax.plot(x, y, color=color, linewidth=1.2, label=label)
+        panels.append(key)
+
+    # the reward, with the held-out evaluations on the same scale
+    series(reward_ax, "rewardMean", "train reward", smooth=True)
+    last = max(xs) if xs else int(run["params"].get("maxSteps") or 0)
+    if run["baseline"]:
+        reward_ax.plot([0], [run["baseline"]["meanReward"]], "s", color="C3", markersize=8,
+                       label=f"held-out baseline {run['baseline']['meanReward']:.3f}")
+    if run["heldOut"]:
+        reward_ax.plot([e["step"] for e in run["heldOut"]], [e["meanReward"] for e in run["heldOut"]], "o-",
+                       color="C2", markersize=4, label="held-out, every evalSteps")
+    if run["final"]:
+        reward_ax.plot([last], [run["final"]["meanReward"]], "*", color="C3", markersize=14,
+                       label=f"held-out final {run['final']['meanReward']:.3f}")
+    reward_ax.set_title("reward")
+    series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True)
+    length_ax.set_title("completion length (tokens)")
+    series(same_ax, "identicalGroups", "groups with identical rewards", color="C4", smooth=True)
+    same_ax.set_ylim(-0.03, 1.03)
+    same_ax.set_title("groups with identical rewards (no signal)")
+    series(loss_ax, "loss", "loss", color="C0", smooth=True)
+    loss_ax.set_title("loss" + (" and KL" if beta > 0 else ""))
+    if beta > 0:
+        kl_ax = loss_ax.twinx()
+        series(kl_ax, "kl", f"KL (beta {beta:g})", color="C5", smooth=True)
+        kl_ax.set_ylabel("KL")
+        kl_ax.legend(loc="upper right", fontsize=8)
+    series(lr_ax, "learningRate", "learning rate", color="C6")
+    lr_ax.set_title("learning rate")
+    for ax in (reward_ax, length_ax, same_ax, loss_ax, lr_ax):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.25)
+        for cut in cuts:
+            ax.axvline(cut["step"], color="C3", linestyle="--", linewidth=1, alpha=0.8, gid="attempt-boundary")
+            if cut["redone"]:
+                ax.axvspan(cut["resumedFrom"], cut["step"], color="C3", alpha=0.12, linewidth=0)
+    for i, cut in enumerate(cuts):          # labels staggered down, so close boundaries stay readable
+        reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
+                           (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                           textcoords="offset points", va="top", fontsize=8, color="C3")
+    if reward_ax.get_legend_handles_labels()[0]:
+        reward_ax.legend(loc="lower right", fontsize=8)
+
+    # the spend over wall time
+    segments = spend_segments(run)
+    rate = next((v.get("usdPerHour") for v in run["ledger"].values() if v.get("usdPerHour")), None)
+    for i, seg in enumerate(segments):
+        if rate:
+            cost_ax.plot([seg["t0"], seg["t1"]], [seg["usd0"], seg["usd1"]], color="C0", linewidth=2)
+            if i + 1 < len(segments):
+                cost_ax.plot([seg["t1"], segments[i + 1]["t0"]], [seg["usd1"]] * 2, color="0.6", linestyle=":")
+            cost_ax.annotate(f"#{seg['attempt']}", (seg["t0"], seg["usd0"]), xytext=(2, 4),
+                             textcoords="offset points", fontsize=8)
+        else:                      # no dollars to draw: when each attempt ran
+            cost_ax.axvspan(seg["t0"], seg["t1"], color="C0", alpha=0.15, linewidth=0)
+            cost_ax.annotate(f"attempt {seg['attempt']}", (seg["t0"], 0.92), xycoords=("data", "axes fraction"),
+                             xytext=(3, 0), textcoords="offset points", fontsize=8)
+    if not rate:
+        cost_ax.set_yticks([])
+        cost_ax.text(0.5, 0.5, "no rate: set spec.gpu or spec.pricing.usdPerHour", ha="center", va="center",
+                     transform=cost_ax.transAxes, color="0.3", fontsize=9)
+    cost_ax.set_title(f"spend (USD) over wall time at ${rate:g}/h" if rate else "attempts over wall time")
+    cost_ax.set_xlabel("minutes since the first attempt began")
+    cost_ax.grid(alpha=0.25)
+
+    fig.suptitle(_title(run, cuts), fontsize=12)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    return {"boundaries": cuts, "panels": panels, "segments": segments, "figure": fig}
+
+
+def _redone(cut: dict[str, Any]) -> str:
+    """Steps redone after a boundary; after a node lost without a word it is a lower bound: the
+    steps it did after the record last reached storage are not known."""
+    return f">= {cut['redone']}" if cut["reason"] == "Crashed" else str(cut["redone"])
+
+
+def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
+    steps = run["steps"]
+    parts = [f"{run['name']}: {run['phase']}, step {steps[-1]['step'] if steps else 0}/"
+             f"{run['params'].get('maxSteps', '?')}"]
+    if run["baseline"] and run["final"]:
+        parts.append(f"held-out {run['baseline']['meanReward']:.3f} -> {run['final']['meanReward']:.3f}")
+    usd = sum(float(v.get("usd", 0.0)) for v in run["ledger"].values())
+    if usd:
+        parts.append(f"${usd:.4f}")
+    n = len(run["attempts"])
+    lower = any(c["reason"] == "Crashed" for c in cuts)     # a lost node's unseen steps are not counted
+    parts.append(f"{n} attempt{'s' if n != 1 else ''}, {'at least ' if lower else ''}"
+                 f"{sum(c['redone'] for c in cuts)} steps redone")
+    return ", ".join(parts)
+
+
+def summary(run: dict[str, Any], picture: str | None = None) -> str:
+    """The run in Markdown: the outcome, the held-out evaluations and one row per attempt."""
+    cuts = {c["attempt"]: c for c in boundaries(run["attempts"])}
+    lines = [f"# {run['name']}", ""]
+    if picture:
+        lines += [f"![{run['name']}]({picture})", ""]
+    steps = run["steps"]
+    usd = sum(float(v.get("usd", 0.0)) for v in run["ledger"].values())
+    lines.append(f"- phase: **{run['phase']}**, step {steps[-1]['step'] if steps else 0} of "
+                 f"{run['params'].get('maxSteps', '?')}")
+    for kind in ("baseline", "final"):
+        ev = run[kind]
+        if ev:
+            lines.append(f"- held-out {kind}: mean reward {ev['meanReward']:.3f} on {ev.get('tasks', '?')} tasks "
+                         f"(solved {ev.get('solved', '?')}; computed {ev.get('runs', '?')} time(s))")
+    if steps:
+        lines.append(f"- train reward: first step {steps[0]['rewardMean']:.3f}, last step {steps[-1]['rewardMean']:.3f}")
+    lines.append(f"- spend: ${usd:.4f}" + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
+    lines += ["", "| attempt | node | started | ended | why | steps | redone after | USD |",
+              "|---|---|---|---|---|---|---|---|"]
+    notes = [] if run["attempts"] else ["No attempt yet: no node has run the job."]
+    for a in run["attempts"]:
+        cut = cuts.get(a["id"])
+        why = cut["label"] if cut else (a["reason"] or "running").lower()
+        span = f"{a['from_step'] or 0} -> {a['to_step'] if a['to_step'] is not None else '…'}"
+        usd_a = run["ledger"].get(str(a["id"]), {}).get("usd", 0.0)
+        lines.append(f"| {a['id']} | {a['node']} | {a['started'][:19]} | {(a['ended'] or '')[:19]} | {why} | "
+                     f"{span} | {_redone(cut) if cut else 0} | {usd_a:.4f} |")
+        if cut and cut["reason"] == "Crashed":
+            notes.append(f"Attempt {a['id']}'s node was lost without a word: its steps and spend are those its "
+                         "record had in storage (uploaded after a durable checkpoint, at most every 2 s, "
+                         "and every 10 s); what it did after that is not known, so its redone steps are a lower bound.")
+    if notes:
+        lines += [""] + notes
+    return "\n".join(lines) + "\n"
+
+
+def _time(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()

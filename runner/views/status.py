@@ -1,0 +1,81 @@
+"""`status` of a TrainingJob, read from its record: what `grpo-run get tj` shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_run.state.record import Record
+
+EVAL_KEYS = ("meanReward", "rewards", "tasks", "solved", "runs", "source", "batches", "reusedBatches")
+
+
+def _eval(record: Record, kind: str) -> dict[str, Any] | None:
+    ev = record.eval(kind)
+    return None if ev is None else {k: ev[k] for k in EVAL_KEYS if k in ev}
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def job_status(record: Record) -> dict[str, Any]:
+    """{phase, message, step, baseline, final, diagnostics, attempts, checkpoints, lastStep}."""
+    job = record.job()
+    steps = record.steps()
+    status: dict[str, Any] = {"phase": str(job["phase"]), "message": job.get("message") or "",
+                              "step": steps[-1]["step"] if steps else 0}
+    baseline, final = _eval(record, "baseline"), _eval(record, "final")
+    if baseline:
+        status["baseline"] = baseline
+    if final:
+        status["final"] = final
+    if record.value("heldOut"):
+        status["heldOut"] = record.value("heldOut")     # every evalSteps, while training
+    diagnostics: dict[str, Any] = {}
+    if record.value("rewardSignal") is not None:
+        diagnostics["rewardSignal"] = record.value("rewardSignal")
+    if record.value("baselineWarning"):
+        diagnostics["baseline"] = record.value("baselineWarning")
+    if diagnostics:
+        status["diagnostics"] = diagnostics
+    if steps:
+        last = steps[-1]
+        status["lastStep"] = {k: _rounded(v) for k, v in last.items()}
+    ckpts = record.checkpoints()
+    durable = [c["step"] for c in ckpts if c["durable"]]
+    status["checkpoints"] = {"latest": ckpts[-1]["step"] if ckpts else None,
+                             "latestDurable": max(durable) if durable else None}
+    if record.value("device"):
+        status["device"] = record.value("device")
+    if steps:
+        times = sorted(s["stepSeconds"] for s in steps if "stepSeconds" in s)
+        if times:
+            status["medianStepSeconds"] = round(times[len(times) // 2], 4)
+    ledger = record.value("ledger", {}) or {}
+    if ledger:
+        status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
+    if record.value("lastNotice"):
+        status["lastNotice"] = record.value("lastNotice")
+    status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},
+                           **{key: a[k] for k, key in (("from_step", "fromStep"), ("to_step", "toStep"))
+                              if a.get(k) is not None}}
+                          for a in record.attempts()]
+    return status
+
+
+def table(docs: list[dict[str, Any]]) -> str:
+    """kubectl-style table: NAME PHASE STEP BASELINE FINAL ATTEMPTS."""
+    rows = [("NAME", "PHASE", "STEP", "BASELINE", "FINAL", "ATTEMPTS")]
+    for d in docs:
+        st = d["status"]
+        total = d["spec"]["parameters"]["maxSteps"]
+        rows.append((d["metadata"]["name"], st["phase"], f"{st['step']}/{total}",
+                     f"{st['baseline']['meanReward']:.3f}" if "baseline" in st else "-",
+                     f"{st['final']['meanReward']:.3f}" if "final" in st else "-",
+                     str(len(st["attempts"]))))
+    if len(rows) == 1:
+        return "no jobs"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

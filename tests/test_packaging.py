@@ -1,0 +1,135 @@
+"""grpo-run as users install it: a wheel, not an editable checkout (SPEC §7).
+
+The wheel's only top-level name is `grpo_run`; the folders runner/, trainer/, checkpoint/,
+state/ and deploy/ are mapped under it. Installed (not editable) into a fresh virtual
+environment, it runs from a folder that holds a user's own `trainer/`, `state.py` and
+`runner.py`: the CLI, a deploy file (templates are package data), a dry run and a short real job,
+whose trainer, checkpoint writer and grader are child processes that must import the installed
+package, never the decoys.
+
+The fresh environment gets its dependencies from this test's own environment through a `.pth`
+line (nothing large is downloaded); that line adds the folder to sys.path without running the
+`.pth` files in it, so the editable install's finder never reaches the fresh environment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = ("runner", "trainer", "checkpoint", "state")
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    folders = {"grpo_run." + str(init.parent.relative_to(REPO)).replace("/", ".")
+               for top in FOLDERS for init in (REPO / top).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders | {"grpo_run.deploy"}
+    assert setuptools["package-dir"] == {f"grpo_run.{f}": f for f in (*FOLDERS, "deploy")}
+    # a folder of modules without __init__.py would be left out of the wheel silently
+    orphans = [str(p.relative_to(REPO)) for top in FOLDERS for p in (REPO / top).rglob("*.py")
+               if not (p.parent / "__init__.py").exists()]
+    assert not orphans
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(out), str(REPO)], check=True, capture_output=True, text=True)
+    (found,) = out.glob("grpo_run-*.whl")
+    return found
+
+
+def test_the_wheel_installs_one_top_level_name_with_its_templates(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"grpo_run"}
+    assert "grpo_run/deploy/grpo-run-resume.service" in names
+    assert "grpo_run/deploy/cloud-init.yaml" in names
+    assert "grpo_run/trainer/grader/worker.py" in names
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed, not editable; its dependencies through a .pth line."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "_deps_from_the_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True, text=True)
+    return venv
+
+
+@pytest.fixture
+def decoys(tmp_path) -> Path:
+    """A user's project folder whose own modules share our folders' names."""
+    folder = tmp_path / "my-project"
+    (folder / "trainer").mkdir(parents=True)
+    (folder / "trainer" / "__init__.py").write_text("raise ImportError('the decoy trainer package was imported')\n")
+    (folder / "trainer" / "config.py").write_text("raise ImportError('the decoy trainer.config was imported')\n")
+    (folder / "state.py").write_text("raise ImportError('the decoy state.py was imported')\n")
+    (folder / "runner.py").write_text("raise ImportError('the decoy runner.py was imported')\n")
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "__init__.py").write_text("raise ImportError('the decoy checkpoint was imported')\n")
+    return folder
+
+
+def _grpo_run(venv: Path, folder: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run([str(venv / "bin" / "grpo-run"), *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_installed_package_is_the_wheel_not_the_checkout(installed, decoys):
+    python = installed / "bin" / "python"
+    out = subprocess.run([str(python), "-c", "import grpo_run.runner.cli.commands as c, grpo_run.trainer.child as t; "
+                          "print(c.__file__); print(t.__file__)"], cwd=decoys, check=True, capture_output=True,
+                         text=True).stdout.split()
+    assert all(Path(p).is_relative_to(installed) for p in out), out
+
+
+def test_the_cli_and_deploy_run_from_a_folder_with_decoys(installed, decoys):
+    help_ = _grpo_run(installed, decoys, "--help")
+    assert help_.returncode == 0, help_.stderr
+    assert "apply" in help_.stdout
+    unit = _grpo_run(installed, decoys, "deploy", "systemd", "--storage", "s3://bucket/prefix", "--job", "my-job")
+    assert unit.returncode == 0, unit.stderr
+    assert "ExecStart=" in unit.stdout and "my-job" in unit.stdout
+
+
+@pytest.mark.slow
+def test_a_dry_run_and_a_short_job_run_from_a_folder_with_decoys(installed, decoys, tmp_path):
+    job = yaml.safe_load((REPO / "examples" / "tiny-arithmetic.yaml").read_text())
+    job["metadata"]["name"] = "from-the-wheel"
+    job["spec"]["parameters"].update(maxSteps=4, saveSteps=2, numGenerations=4, promptsPerStep=4)
+    (decoys / "job.yaml").write_text(yaml.safe_dump(job))
+
+    dry = _grpo_run(installed, decoys, "apply", "-f", "job.yaml", "--dry-run", "-o", "yaml")
+    assert dry.returncode == 0, dry.stderr
+    assert yaml.safe_load(dry.stdout)["status"]["estimate"]["memory"]["fits"] is True
+
+    run = _grpo_run(installed, decoys, "apply", "-f", "job.yaml")
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = _grpo_run(installed, decoys, "get", "tj", "from-the-wheel", "-o", "yaml")
+    status = yaml.safe_load(got.stdout)["status"]
+    assert status["phase"] == "Succeeded" and status["step"] == 4
+    assert status["final"]["tasks"] == status["baseline"]["tasks"] > 0      # the grader scored every task

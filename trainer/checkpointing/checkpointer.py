@@ -1,0 +1,137 @@
+"""The trainer's checkpoints, behind one object in the style of torchtitan's checkpoint manager:
+interval, keep-K, staging, the manifest, the writer process and pruning sit behind
+`save(step, force=...)` and `load_latest() -> step`.
+
+    checkpoints = Checkpointer(work / "checkpoints", interval=25, keep=3, meta={"job": name})
+    checkpoints.attach(trainer)
+    start = checkpoints.load_latest()            # 0 when there is none
+    ...
+    checkpoints.save(step)                       # every `interval` steps; force=True at a stop
+    for step in checkpoints.sealed(): ...        # sealed on the local disk since the last call
+
+With several processes every rank has a Checkpointer and calls it at the same steps, but only
+rank 0 owns a writer and seals: `save` gathers the other ranks' RNG states into rank 0's
+checkpoint, and `sealed` and `close` report nothing on the others.
+
+Everything is local: the trainer knows nothing of object storage. The supervisor restores the
+newest durable checkpoint into this folder before the trainer starts, and uploads each one the
+trainer reports sealed. A checkpoint is hashed once, by the writer process, when it is sealed;
+`load_latest` trusts that manifest (sizes checked, no hashing).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, newest_sealed, staging_dir
+from grpo_run.checkpoint.writer import CheckpointWriter, write_files
+from grpo_run.trainer.distributed import World, full_state
+from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointFailed(RuntimeError):
+    """The writer could not write a checkpoint (disk full, a bad layout): the run must stop.
+    `errno`: the OSError's, when that was the cause (errno.ENOSPC: the local disk is full)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class Checkpointer:
+    """Owns the checkpoint writer process for one trainer and the local checkpoints folder."""
+
+    def __init__(self, root: Path, *, interval: int, keep: int = 3, meta: dict[str, Any] | None = None,
+                 log_file: Path | None = None, world: World | None = None) -> None:
+        self.root = Path(root)
+        self.interval = interval
+        self.world = world or World()
+        # Started before the model loads: its imports overlap the model's.
+        self._writer = CheckpointWriter(self.root, keep=keep, meta=meta, log_file=log_file) \
+            if self.world.main else None
+        self._trainer: Any = None
+        self._last_saved: int | None = None
+
+    def attach(self, trainer: Any) -> None:
+        self._trainer = trainer
+
+    def load_latest(self) -> int:
+        """Restore the newest sealed local checkpoint into the trainer; its step (0: none)."""
+        found = newest_sealed(self.root)
+        if found is None:
+            return 0
+        step, folder, _ = found
+        loaded = load_state(self._trainer, folder, self.world.rank)
+        self._last_saved = step
+        return loaded
+
+    def save(self, step: int, *, force: bool = False) -> bool:
+        """Checkpoint the trainer after `step` completed steps when the interval says so (or
+        `force`). The training thread only copies the state into the writer's shared buffer
+        (waiting while the writer still reads the previous one); files, fsync, hashing, the
+        manifest and pruning happen in the writer process. True when a checkpoint was started."""
+        due = force or (step > 0 and step % self.interval == 0)
+        if not due or step == self._last_saved:
+            return False
+        ranks = self.world.gather(rng_state(self._trainer.device)) if self.world.distributed else [None]
+        full = self._gather_full()
+        if self._writer is None:          # not rank 0: its RNG states are in rank 0's checkpoint
+            self._last_saved = step
+            return True
+        layout, _ = pack(state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full),
+                         self._writer.buffer)
+        self._writer.submit(step, layout)
+        self._last_saved = step
+        return True
+
+    def sealed(self, wait_for: int | None = None) -> list[int]:
+        """Steps sealed on the local disk since the last call; with `wait_for`, first wait until
+        that step is sealed. Raises CheckpointFailed when one could not be written."""
+        if self._writer is None:
+            return []
+        events = self._writer.poll() if wait_for is None else self._writer.wait_sealed(wait_for)
+        for event in events:
+            if "failed" in event:
+                raise CheckpointFailed(f"checkpoint {event['failed']} could not be written: {event['error']}",
+                                       event.get("errno"))
+        return [event["sealed"] for event in events if "sealed" in event]
+
+    @property
+    def last_saved(self) -> int | None:
+        return self._last_saved
+
+    def _gather_full(self) -> tuple[dict, list[dict]] | None:
+        """A full fine-tune sharded by FSDP: its whole state, gathered on rank 0 (every rank calls this)."""
+        if not getattr(self._trainer, "fsdp", False):
+            return None
+        return full_state(self._trainer.model, self._trainer.optimizer)
+
+    def save_final(self, root: Path, step: int, meta: dict[str, Any]) -> Path | None:
+        """The final weights (adapter or model alone), sealed like a checkpoint under `root`
+        in this process (the writer's buffer is not needed for a one-off). Several processes:
+        every rank calls it (a sharded model is gathered), rank 0 writes; None on the others."""
+        full = self._gather_full()
+        if not self.world.main:
+            return None
+        staging = staging_dir(root, step)
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        layout, buffer = pack(state_files(self._trainer, -1, weights_only=True, full=full), bytearray)
+        write_files(staging, layout, buffer)
+        final = checkpoint_dir(root, step)
+        if final.exists():
+            shutil.rmtree(final)
+        finalize_checkpoint(staging, final, step=step, meta=meta)
+        return final
+
+    def close(self) -> list[int]:
+        """End the writer after what is queued; the steps it sealed since the last call."""
+        if self._writer is None:
+            return []
+        return [e["sealed"] for e in self._writer.close() if "sealed" in e]

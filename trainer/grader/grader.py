@@ -1,0 +1,429 @@
+"""The sandboxed grader: scores completions with the user's reward function in another process.
+
+The trainer never grades itself. A worker process (`trainer.grader_worker`, started and spoken
+to through `trainer.grader_process`) imports the reward function once and then scores one batch
+per request, with no network, writes only in a scratch directory of its own, a memory limit and
+a time limit per completion. A reward function that raises, hangs, returns something that is not
+a finite number, or kills its process is an infrastructure failure: it is retried (the worker is
+restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
+`RewardFunctionError` carrying the function's own error. One that does what the sandbox refuses
+(writes outside its scratch directory, os.fork()) fails at once, saying what was refused. It is
+never recorded as a reward of 0, which would silently teach the policy that the completion was
+wrong. What it prints reaches the trainer's stderr, up to 1 MiB per worker.
+
+    with Grader("my_env.rewards:exact_match", timeout_s=5) as grader:
+        rewards = grader.score(completions, tasks)      # [B*G] floats, one round trip
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable, Literal, Mapping, Sequence, get_args
+
+from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
+
+_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+log = logging.getLogger(__name__)
+
+NetworkSandbox = Literal["auto", "netns", "python"]
+FilesystemSandbox = Literal["auto", "landlock", "python"]
+FailureKind = Literal["exception", "timeout", "invalid", "refused", "hung", "crashed"]
+
+
+class RewardFunctionError(RuntimeError):
+    """The user's reward function failed (raised, hung, returned a non-number, or killed its process)
+    on every try, or did what the sandbox refuses. str() names the function ref and gives its own
+    error.
+
+    Also raised at once, without retries, when the ref cannot be loaded (malformed, module or file
+    not found, no such function, the module's top level raised).
+    """
+
+    def __init__(
+        self, message: str, *, ref: str | None = None, index: int | None = None, kind: FailureKind | None = None
+    ) -> None:
+        super().__init__(message)
+        self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
+        self.index = index  # which completion of the batch failed; None for load failures
+        self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One failed try at one completion."""
+
+    kind: FailureKind
+    detail: str
+
+
+class Grader:
+    """Owns one sandboxed worker process that runs a reward function.
+
+    reward_ref: "package.module:function" (imported in the worker, with search_path entries put
+        first on its sys.path) or "/path/to/file.py:function" (loaded by path as a module that is
+        not __main__, with the file's folder importable, so a script's main guard stays asleep).
+    timeout_s: per completion, enforced with SIGALRM inside the worker; code that ignores it is
+        killed kill_grace_s later by the parent (and the worker restarted).
+    memory_mb: the worker's address-space limit (RLIMIT_AS); allocating past it raises MemoryError.
+    retries: extra tries per completion after the first, so a transient failure (a crash, a flaky
+        dependency) costs a retry rather than the run. Waits between rounds: retry_wait_s, through
+        `sleep` (injectable so tests do not wait).
+    network: "auto" makes an empty network namespace when the kernel allows and otherwise blocks
+        sockets inside Python; "netns" insists on the namespace; "python" never tries it.
+        `Grader.sandbox` says which is in force.
+    filesystem: the reward function (and every program it runs) may write only in its scratch
+        directory, which is its working directory and $TMPDIR and is removed with the worker.
+        "auto" enforces that with Landlock when the kernel has it and otherwise refuses only
+        writes made through Python (a warning says so); "landlock" insists on Landlock; "python"
+        never tries it. `Grader.filesystem` says which is in force.
+    load_timeout_s: how long importing the reward module may take.
+
+    Raises RewardFunctionError at once when the ref cannot be loaded, ValueError for bad settings.
+    """
+
+    def __init__(
+        self,
+        reward_ref: str,
+        *,
+        search_path: Sequence[str] = (),
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        retries: int = 2,
+        network: NetworkSandbox = "auto",
+        filesystem: FilesystemSandbox = "auto",
+        kill_grace_s: float = 2.0,
+        load_timeout_s: float = 60.0,
+        retry_wait_s: float = 0.05,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        problems = [
+            f"{name}: must be > 0 (got {value})"
+            for name, value in [
+                ("timeout_s", timeout_s),
+                ("kill_grace_s", kill_grace_s),
+                ("load_timeout_s", load_timeout_s),
+            ]
+            if not value > 0
+        ]
+        if memory_mb < 64:
+            problems.append(f"memory_mb: must be >= 64 (got {memory_mb}): the interpreter alone needs ~20 MB")
+        if retries < 0:
+            problems.append(f"retries: must be >= 0 (got {retries})")
+        if retry_wait_s < 0:
+            problems.append(f"retry_wait_s: must be >= 0 (got {retry_wait_s})")
+        if network not in get_args(NetworkSandbox):
+            problems.append(f"network: must be 'auto', 'netns' or 'python' (got {network!r})")
+        if filesystem not in get_args(FilesystemSandbox):
+            problems.append(f"filesystem: must be 'auto', 'landlock' or 'python' (got {filesystem!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+        self.reward_ref = reward_ref
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self.retries = retries
+        self._ref = _resolve_ref(reward_ref)
+        self._search_path = [os.path.abspath(p) for p in search_path]
+        self._network = network
+        self._filesystem_setting = filesystem
+        self._kill_grace_s = kill_grace_s
+        self._load_timeout_s = load_timeout_s
+        self._retry_wait_s = retry_wait_s
+        self._sleep = sleep
+        self._lock = threading.Lock()  # one batch at a time: the pipe carries one conversation
+        self._closed = False
+        self._worker: WorkerProcess | None = None
+        self._sandbox = ""
+        self._filesystem = ""
+        # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
+        self._worker = self._start_worker()
+
+    # public ------------------------------------------------------------------------------------
+
+    @property
+    def sandbox(self) -> str:
+        """The network isolation in force: "netns" (no network interfaces at all) or "python"."""
+        return self._sandbox
+
+    @property
+    def filesystem(self) -> str:
+        """The write confinement in force: "landlock" (in the kernel, for every process the reward
+        function starts too) or "python" (only writes made through Python are refused)."""
+        return self._filesystem
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The live worker's pid, or None between a crash and the restart, and after close()."""
+        return self._worker.pid if self._worker is not None else None
+
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
+        """One reward per completion, fn(completions[i], tasks[i]), in order.
+
+        Raises RewardFunctionError when a completion failed on all 1 + retries tries (the last
+        error is reported), TypeError/ValueError when the inputs cannot be sent to the worker
+        (tasks must be JSON-compatible; tuples arrive as lists), RuntimeError after close().
+        """
+        if len(completions) != len(tasks):
+            raise ValueError(
+                f"got {len(completions)} completions but {len(tasks)} tasks; need one task per completion"
+            )
+        items = _encode_items(completions, tasks)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("Grader.score called after close()")
+            rewards: list[float | None] = [None] * len(items)
+            tries = [0] * len(items)
+            while pending := [i for i, reward in enumerate(rewards) if reward is None]:
+                outcomes = self._score_pass(pending, items)
+                failed = False
+                for i, outcome in outcomes.items():
+                    if isinstance(outcome, float):
+                        rewards[i] = outcome
+                        continue
+                    failed = True
+                    tries[i] += 1
+                    if tries[i] > self.retries or outcome.kind == "refused":  # a retry is refused again
+                        raise self._give_up(i, len(items), tries[i], outcome)
+                if failed and self._retry_wait_s:
+                    self._sleep(self._retry_wait_s)
+            return [reward for reward in rewards if reward is not None]
+
+    def close(self) -> None:
+        """Kill the worker. Idempotent; the Grader cannot score afterwards."""
+        with self._lock:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.release()
+                self._worker = None
+
+    def __enter__(self) -> Grader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A forgotten close() must not leave an orphan worker behind.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            try:
+                worker.release()
+            except Exception:
+                pass  # at interpreter shutdown modules may already be half torn down
+
+    # internals ---------------------------------------------------------------------------------
+
+    def _start_worker(self) -> WorkerProcess:
+        """A fresh worker with the reward function loaded. Load failures are not retried:
+        importing the same module again fails the same way."""
+        worker = WorkerProcess.spawn(
+            {
+                "ref": self._ref,
+                "search_path": self._search_path,
+                "timeout_s": self.timeout_s,
+                "memory_mb": self.memory_mb,
+                "network": self._network,
+                "filesystem": self._filesystem_setting,
+            }
+        )
+        try:
+            hello = worker.read(time.monotonic() + self._load_timeout_s)
+        except WorkerGone:
+            hello = {"type": "died"}
+        except WorkerOverdue:
+            worker.abort(self._kill_grace_s)
+            detail = (
+                f"importing it took longer than load_timeout_s={self._load_timeout_s:g}"
+                f"{_section('It was here', worker.crash_log())}"
+            )
+            worker.release()
+            raise RewardFunctionError(
+                f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref, kind="hung"
+            ) from None
+        if hello.get("type") == "ready":
+            if hello["filesystem"] != "landlock" and not self._filesystem:  # once, not per restart
+                log.warning(
+                    "the grader cannot keep reward function %r's writes in its scratch directory at the "
+                    "kernel level (%s): only writes made through Python are refused, not those of the "
+                    "programs it runs or of C code",
+                    self.reward_ref,
+                    hello["filesystem_why"],
+                )
+            self._sandbox = hello["sandbox"]
+            self._filesystem = hello["filesystem"]
+            return worker
+        worker.kill()
+        detail = hello.get("error") or (
+            f"the worker process {_how_it_died(worker.returncode)} while loading it"
+            f"{_section('Crash report', worker.crash_log())}"
+        )
+        worker.release()
+        raise RewardFunctionError(
+            f"cannot load reward function {self.reward_ref!r}:\n{detail}",
+            ref=self.reward_ref,
+            kind=hello.get("kind", "exception") if "error" in hello else "crashed",
+        )
+
+    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | _Failure]:
+        """Send the pending items in one request and collect what comes back.
+
+        The worker stops at the first failure (as it does when it crashes or hangs): items after
+        it get no outcome, were never tried, and go into the next pass without using up a try.
+        """
+        if self._worker is None:
+            self._worker = self._start_worker()
+        worker = self._worker
+        outcomes: dict[int, float | _Failure] = {}
+        try:
+            worker.send({"items": [items[i] for i in pending]})
+        except WorkerGone:
+            pass  # it died while idle or mid-request; reading reports how
+        for i in pending:
+            try:
+                frame = worker.read(time.monotonic() + self.timeout_s + self._kill_grace_s)
+            except WorkerGone:
+                outcomes[i] = self._restart_after(worker, "crashed")
+                break
+            except WorkerOverdue:
+                outcomes[i] = self._restart_after(worker, "hung")
+                break
+            if "ok" not in frame:
+                outcomes[i] = _Failure(frame["kind"], frame["error"])
+                break
+            outcomes[i] = float(frame["ok"])
+        return outcomes
+
+    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> _Failure:
+        """Put the dead or stuck worker down (the next pass starts a new one) and say what happened."""
+        if kind == "hung":
+            # SIGABRT first: faulthandler in the worker prints where the code is stuck.
+            worker.abort(self._kill_grace_s)
+            detail = (
+                f"did not return within timeout_s={self.timeout_s:g} and ignored the in-process "
+                f"timeout (stuck in C code, or SIGALRM ignored or caught); the grader worker was "
+                f"killed after {self.timeout_s + self._kill_grace_s:g} s"
+                f"{_section('Where it was stuck', worker.crash_log())}"
+            )
+        else:
+            worker.kill()
+            detail = (
+                f"the grader worker process {_how_it_died(worker.returncode)} while running it"
+                f"{_memory_hint(worker.returncode, self.memory_mb)}"
+                f"{_section('Crash report', worker.crash_log())}"
+            )
+        worker.release()
+        self._worker = None
+        return _Failure(kind, detail)
+
+    def _give_up(self, index: int, total: int, tries: int, failure: _Failure) -> RewardFunctionError:
+        if failure.kind == "refused":
+            return RewardFunctionError(
+                f"reward function {self.reward_ref!r} did what the grader refuses, on completion "
+                f"{index} of {total} (not retried: it would be refused again):\n{failure.detail.rstrip()}",
+                ref=self.reward_ref,
+                index=index,
+                kind=failure.kind,
+            )
+        what = {
+            "exception": "raised",
+            "timeout": "timed out",
+            "invalid": "returned a non-number",
+            "hung": "hung",
+            "crashed": "killed its process",
+        }[failure.kind]
+        detail = failure.detail
+        if failure.kind == "timeout":
+            detail = f"timed out after timeout_s={self.timeout_s:g} s; it was interrupted here:\n{detail}"
+        elif failure.kind == "invalid":
+            detail = f"{self._ref.rpartition(':')[2]} {detail}"
+        on_tries = "on its only try" if tries == 1 else f"on all {tries} tries"
+        return RewardFunctionError(
+            f"reward function {self.reward_ref!r} {what} on completion {index} of {total}, "
+            f"{on_tries} (retries={self.retries}); the last error:\n{detail.rstrip()}",
+            ref=self.reward_ref,
+            index=index,
+            kind=failure.kind,
+        )
+
+
+# helpers ---------------------------------------------------------------------------------------
+
+
+def _resolve_ref(ref: str) -> str:
+    """The ref as the worker needs it (file paths absolute); RewardFunctionError when malformed
+    or naming a file that does not exist."""
+    target, sep, attr_path = ref.rpartition(":")
+    if not sep or not target or not _IDENTIFIER_PATH.match(attr_path):
+        raise RewardFunctionError(
+            f"reward function ref {ref!r} is malformed: expected 'package.module:function' or "
+            f"'/path/to/file.py:function'",
+            ref=ref,
+        )
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise RewardFunctionError(
+                f"cannot load reward function {ref!r}: no such file {str(path)!r}", ref=ref
+            )
+        return f"{path}:{attr_path}"
+    if not _IDENTIFIER_PATH.match(target):
+        raise RewardFunctionError(
+            f"reward function ref {ref!r} is malformed: {target!r} is not a module name "
+            f"(expected 'package.module:function' or '/path/to/file.py:function')",
+            ref=ref,
+        )
+    return ref
+
+
+def _encode_items(completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+    items: list[list[Any]] = []
+    for i, (completion, task) in enumerate(zip(completions, tasks)):
+        if not isinstance(completion, str):
+            raise TypeError(f"completions[{i}] is a {type(completion).__name__}; completions must be str")
+        task = dict(task)
+        try:
+            json.dumps(task)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"tasks[{i}] cannot be sent to the grader process ({error}); tasks must be "
+                f"JSON-compatible: dicts, lists, str, numbers, bool, None"
+            ) from None
+        items.append([completion, task])
+    return items
+
+
+def _how_it_died(returncode: int | None) -> str:
+    if returncode is None:
+        return "stopped answering"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
+def _memory_hint(returncode: int | None, memory_mb: int) -> str:
+    if returncode == -signal.SIGKILL:
+        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
+    return ""
+
+
+def _section(title: str, text: str) -> str:
+    return f"\n{title}:\n{text.rstrip()}" if text.strip() else ""

@@ -1,0 +1,278 @@
+"""The grader's handle on its worker process, from the trainer's side: spawning it, framing
+requests and answers over two private pipes, deadlines, reading its crash log, killing it.
+
+`trainer.grader.Grader` decides what to send, when to retry and what to report; this module only
+moves frames. The code running inside the worker is `trainer.grader_worker` (the conversation is
+described there); the frame format is defined there once and imported here.
+
+    worker = WorkerProcess.spawn(settings)          # `python -m trainer.grader_worker SETTINGS`
+    worker.send({"items": [...]})                   # WorkerGone if it is dead
+    frame = worker.read(deadline)                   # WorkerGone on EOF, WorkerOverdue past it
+    worker.release()                                # SIGKILL, reap, close everything
+
+Besides the pipes, each worker gets a scratch directory (the only place its reward function may
+write; removed by release()) and its own process group (so kill() takes whatever it started too).
+Its stdout and stderr are one pipe, copied to our stderr by a thread up to _MAX_OUTPUT_BYTES per
+worker: a reward function that prints hundreds of MB must not fill the trainer's log or disk. Past
+the limit one line says the rest is dropped, and one more, when the worker ends, how much was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+from grpo_run.checkpoint.procs import python_env
+from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
+
+__all__ = ["WorkerGone", "WorkerOverdue", "WorkerProcess"]
+
+_MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
+_MAX_CRASH_LOG_CHARS = 8_000
+_MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
+_OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
+# faulthandler's frame lines for the worker's own code and the `-m` machinery under it
+_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader_(?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
+
+
+class WorkerGone(Exception):
+    """The worker closed its end of the pipe: it exited or was killed."""
+
+
+class WorkerOverdue(Exception):
+    """The worker did not answer by the deadline."""
+
+
+class WorkerProcess:
+    """One worker process and its pipes: spawning, framing, deadlines, killing."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        request_fd: int,
+        response_fd: int,
+        crash_file: IO[bytes],
+        output: _OutputRelay,
+        scratch: str,
+    ) -> None:
+        self._proc = proc
+        self._request_fd = request_fd
+        self._response_fd = response_fd
+        self._crash_file = crash_file
+        self._output = output
+        self._scratch = scratch
+        self._group_killed = False
+
+    @classmethod
+    def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
+        """Start `python -m trainer.grader_worker` with `settings` (ref, search_path, timeout_s,
+        memory_mb, network, filesystem) plus its scratch directory and the pipes' and the crash
+        log's file descriptors."""
+        request_r, request_w = os.pipe()
+        response_r, response_w = os.pipe()
+        output_r, output_w = os.pipe()
+        # faulthandler in the worker writes fatal-signal stack dumps here; anonymous, so nothing
+        # to clean up on disk.
+        crash_file = tempfile.TemporaryFile()
+        scratch = tempfile.mkdtemp(prefix="grpo-grader-")
+        config = dict(
+            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno()
+        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "grpo_run.trainer.grader.worker", json.dumps(config)],
+                pass_fds=(request_r, response_w, crash_file.fileno()),
+                stdin=subprocess.DEVNULL,
+                stdout=output_w,
+                stderr=output_w,
+                env=_worker_env(),
+                cwd=scratch,
+                start_new_session=True,  # its own process group: kill() takes its descendants too
+            )
+        except BaseException:
+            for fd in (request_r, request_w, response_r, response_w, output_r, output_w):
+                os.close(fd)
+            crash_file.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        # Only the child keeps these ends, so its death shows up here as EOF.
+        for fd in (request_r, response_w, output_w):
+            os.close(fd)
+        return cls(proc, request_w, response_r, crash_file, _OutputRelay(output_r, proc.pid), scratch)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def send(self, message: dict) -> None:
+        """One frame to the worker; raises WorkerGone when it is no longer reading."""
+        payload = json.dumps(message).encode()
+        data = memoryview(_HEADER.pack(len(payload)) + payload)
+        try:
+            while data:
+                data = data[os.write(self._request_fd, data) :]
+        except (BrokenPipeError, OSError) as error:
+            raise WorkerGone() from error
+
+    def read(self, deadline: float) -> dict:
+        """The next frame; raises WorkerGone on EOF (or a corrupt stream) and WorkerOverdue past
+        `deadline` (a time.monotonic() value)."""
+        (length,) = _HEADER.unpack(self._read_exactly(_HEADER.size, deadline))
+        if length > _MAX_FRAME_BYTES:
+            raise WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
+        try:
+            return json.loads(self._read_exactly(length, deadline))
+        except ValueError:
+            raise WorkerGone() from None
+
+    def _read_exactly(self, n: int, deadline: float) -> bytes:
+        buffer = bytearray()
+        poller = select.poll()  # not select.select: a trainer can hold more than 1024 fds
+        poller.register(self._response_fd, select.POLLIN)
+        while len(buffer) < n:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not poller.poll(remaining_ms):
+                raise WorkerOverdue()
+            chunk = os.read(self._response_fd, n - len(buffer))
+            if not chunk:
+                raise WorkerGone()
+            buffer += chunk
+        return bytes(buffer)
+
+    def crash_log(self) -> str:
+        """What faulthandler wrote in the worker (stack dumps on fatal signals), if anything,
+        without the worker's own frames below the user's."""
+        try:
+            data = os.pread(self._crash_file.fileno(), _MAX_CRASH_LOG_CHARS * 4, 0)
+        except (OSError, ValueError):
+            return ""
+        lines = data.decode(errors="replace").splitlines(keepends=True)
+        kept = [line for line in lines if not _WORKER_FRAME.match(line)]
+        return "".join(kept)[-_MAX_CRASH_LOG_CHARS:]
+
+    def abort(self, grace_s: float) -> None:
+        """SIGABRT (faulthandler dumps the stack, then the process dies); SIGKILL if it won't."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.send_signal(signal.SIGABRT)
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass  # SIGABRT ignored too; kill() below cannot be
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (the worker and what it started, unless that left
+        the group), reap, close our ends. Idempotent."""
+        if not self._group_killed:
+            # Also after the worker died: its orphans are still in the group. Its id cannot be
+            # reused while any of them lives, and with none left this is ESRCH. Once only: later
+            # the id may belong to someone else.
+            self._group_killed = True
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._proc.poll() is None:
+            self._proc.kill()  # it was no longer its group's leader (the reward function's doing)
+        self._proc.wait()
+        for fd_name in ("_request_fd", "_response_fd"):
+            fd = getattr(self, fd_name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, fd_name, -1)
+        # The crash log stays open: the error message reads it after the kill.
+
+    def release(self) -> None:
+        """kill(), then pass on the rest of its output, close the crash log and remove its scratch
+        directory. Idempotent."""
+        self.kill()
+        self._output.close(_OUTPUT_DRAIN_S)
+        self._crash_file.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+class _OutputRelay:
+    """A thread copying a worker's stdout and stderr (one pipe) to our stderr, at most
+    _MAX_OUTPUT_BYTES of it; the rest is read (so the worker never blocks on a full pipe) and
+    counted. Writes to fd 2 itself, where the worker's output went before it had a pipe."""
+
+    def __init__(self, fd: int, pid: int) -> None:
+        self._fd = fd
+        self._pid = pid
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"grader-output-{pid}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        passed = dropped = 0
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                break  # EOF: the worker and everything it started have closed the pipe
+            shown = chunk[: max(0, _MAX_OUTPUT_BYTES - passed)]
+            if shown:
+                passed += len(shown)
+                _write_stderr(shown)
+            if len(shown) < len(chunk):
+                if not dropped:
+                    _write_stderr(
+                        f"\n[grader worker {self._pid}: its output passed {_mib(_MAX_OUTPUT_BYTES)}; the rest "
+                        f"is dropped, and counted when the worker ends]\n".encode()
+                    )
+                dropped += len(chunk) - len(shown)
+        if dropped:
+            _write_stderr(
+                f"[grader worker {self._pid}: dropped {_mib(dropped)} ({dropped:,} bytes) of the reward "
+                f"function's output, after the first {_mib(_MAX_OUTPUT_BYTES)}]\n".encode()
+            )
+
+    def close(self, drain_s: float) -> None:
+        """Wait up to drain_s for the pipe's EOF (what is left in it still passes, or counts), then
+        stop and close it. Idempotent."""
+        if self._fd < 0:
+            return
+        self._thread.join(drain_s)  # all of it only when something outside the group holds the pipe
+        self._stop.set()
+        self._thread.join()
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _write_stderr(data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(2, data) :]
+    except OSError:
+        pass  # our own stderr is gone: nothing to tell
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _worker_env() -> dict[str, str]:
+    env = python_env()
+    # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
+    # reserve address space that counts against memory_mb.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, "1")
+    return env
+

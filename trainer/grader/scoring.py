@@ -1,0 +1,59 @@
+"""The environment's rewards, scored together: each function in its own sandboxed grader
+process, the step's reward the weighted sum, every function's scores kept for the record.
+
+    with Scorer(env.rewards, ...) as scorer:
+        by_name = scorer.score(completions, tasks)        # {name: [B*G] floats}
+        rewards = scorer.total(by_name)                   # [B*G] weighted sums
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Mapping, Sequence
+
+from grpo_run.trainer.envs.catalog import Reward
+from grpo_run.trainer.grader.grader import Grader
+
+
+class Scorer:
+    """Owns one Grader per reward function. Raises what Grader raises (RewardFunctionError
+    when a function fails on every try: never a score)."""
+
+    def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), **grader_settings: Any) -> None:
+        names = [r.name for r in rewards]
+        if not rewards or len(set(names)) != len(names):
+            raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'})")
+        self.rewards = tuple(rewards)
+        self._graders: list[Grader] = []
+        try:
+            for r in self.rewards:
+                self._graders.append(Grader(r.ref, search_path=search_path, **grader_settings))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def primary(self) -> str:
+        """The first reward's name: an evaluation's `solved` counts the tasks it scores 1.0."""
+        return self.rewards[0].name
+
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
+        """{reward name: one score per completion}, in the environment's order."""
+        return {r.name: g.score(completions, tasks) for r, g in zip(self.rewards, self._graders)}
+
+    def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
+        """The weighted sum per completion, summed in the environment's order (so it is the same
+        float on every run)."""
+        columns = [(r.weight, by_name[r.name]) for r in self.rewards]
+        return [sum(w * scores[i] for w, scores in columns) for i in range(len(columns[0][1]))]
+
+    def close(self) -> None:
+        for g in self._graders:
+            g.close()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,325 @@
+"""The grader's worker process: runs the user's reward function in a sandbox.
+
+Started by `trainer.grader.Grader` as `python -m trainer.grader_worker CONFIG_JSON`; never run by
+hand. It talks to its parent over two private pipes (file descriptors named in the config), with
+length-prefixed JSON frames, so a reward function that prints cannot corrupt the protocol: its
+stdout and stderr are a third pipe, which the parent reads and caps (`trainer.grader_process`).
+
+Conversation:
+    worker -> parent  {"type": "ready", "sandbox": "netns"|"python", "filesystem": "landlock"|"python",
+                       "filesystem_why": TEXT (why not Landlock; "" when it is), "pid": N}
+                   or {"type": "load_error", "kind": "exception"|"refused", "error": TEXT}
+                                                                       (then the worker exits)
+    parent -> worker  {"items": [[completion, task], ...]}             (one request per batch)
+    worker -> parent  one frame per item, in order, as soon as it is scored, up to and including
+                      the first failure:
+                      {"ok": FLOAT} or {"kind": "exception"|"timeout"|"invalid"|"refused", "error": TEXT}
+A closed request pipe means the parent is gone or done: the worker exits.
+
+Sandbox (network, filesystem, processes, memory, time): `trainer.grader_sandbox`, applied before
+the reward module is imported; its docstring describes each layer.
+
+Deliberately light: stdlib only, and nothing from the trainer (no torch) but the sandbox.
+"""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import reprlib
+import signal
+import struct
+import sys
+import traceback
+from types import TracebackType
+from typing import Any, Callable
+
+from grpo_run.trainer.grader import sandbox as grader_sandbox
+from grpo_run.trainer.grader.sandbox import _children, _end_leftover_processes, apply_sandbox
+
+_HEADER = struct.Struct(">I")  # big-endian payload length in bytes
+_MAX_ERROR_CHARS = 20_000  # a runaway traceback must not flood the trainer's logs
+_MAX_MESSAGE_CHARS = 4_000  # one exception's message, cut before the traceback around it is formatted
+# Frames of these files are the worker's machinery, noise in the user's tracebacks: this module's
+# and the sandbox's (its audit hook raises the refusals).
+_OWN_FILES = frozenset({__file__, grader_sandbox.__file__})
+
+RewardFn = Callable[[str, dict], Any]
+
+
+class RewardTimeout(BaseException):
+    """Raised inside the user's code when its time is up.
+
+    A BaseException so that a reward function's own `except Exception:` does not swallow it.
+    """
+
+
+# protocol -------------------------------------------------------------------------------------
+
+
+def write_frame(fd: int, message: dict) -> None:
+    payload = json.dumps(message).encode()
+    data = _HEADER.pack(len(payload)) + payload
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks, remaining = [], n
+    while remaining:
+        chunk = os.read(fd, remaining)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> dict | None:
+    """The next message from the parent, or None when the parent closed the pipe."""
+    header = _read_exactly(fd, _HEADER.size)
+    if header is None:
+        return None
+    payload = _read_exactly(fd, _HEADER.unpack(header)[0])
+    return None if payload is None else json.loads(payload)
+
+
+# loading the reward function ------------------------------------------------------------------
+
+
+def _module_name_for(path: str) -> str:
+    # Not "__main__", so a script's `if __name__ == "__main__":` block stays asleep; prefixed so a
+    # file called json.py cannot replace the stdlib module for everything imported after it.
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    return f"grader_reward_{stem}"
+
+
+def load_reward_fn(ref: str, search_path: list[str]) -> RewardFn:
+    """Import "pkg.module:function" or "/path/file.py:function" and return the callable.
+
+    Raises whatever the import raises (ModuleNotFoundError, SyntaxError, the module's own
+    errors), AttributeError for a missing function and TypeError for a non-callable one.
+    """
+    target, _, attr_path = ref.rpartition(":")
+    sys.path[:0] = list(search_path)
+    if target.endswith(".py") or os.sep in target:
+        # Like `python file.py`: the file's folder is importable, so it can import its neighbours.
+        sys.path.insert(0, os.path.dirname(target))
+        name = _module_name_for(target)
+        spec = importlib.util.spec_from_file_location(name, target)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load a Python module from {target!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickle look their module up here
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn: Any = module
+    for part in attr_path.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"{attr_path} in {target} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# scoring --------------------------------------------------------------------------------------
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from or while handling."""
+    chain: list[BaseException] = []
+    stack: list[BaseException | None] = [error]
+    while stack:
+        part = stack.pop()
+        if part is None or any(part is seen for seen in chain):
+            continue
+        chain.append(part)
+        stack += [part.__cause__, part.__context__]
+    return chain
+
+
+def _describe(error: BaseException) -> tuple[str, str]:
+    """How the user's code failed: ("refused", the sandbox's reason and the traceback) when one of
+    the sandbox's refusals ended it, else ("exception", the traceback)."""
+    chain = _chain(error)
+    reason = next((r for r in (getattr(e, "grader_refusal", None) for e in chain) if isinstance(r, str)), None)
+    if reason is not None:
+        return "refused", f"{reason}\n{_format_error(error)}"
+    text = _format_error(error)
+    if grader_sandbox._landlock_scratch and any(isinstance(e, OSError) and e.errno == errno.EACCES for e in chain):
+        # Landlock's refusals of writes below Python (C code, other programs) say only this.
+        text += (
+            f"\n(This 'Permission denied' may be the grader's sandbox: a reward function and the programs "
+            f"it runs may write only in its scratch directory {grader_sandbox._landlock_scratch}; "
+            f"that also rules out multiprocessing's locks and queues, which live in /dev/shm.)"
+        )
+    return "exception", text
+
+
+
+def _format_error(error: BaseException) -> str:
+    """The traceback from the user's code down, without the worker's own frames on top."""
+    tb: TracebackType | None = error.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _OWN_FILES:
+        tb = tb.tb_next
+    try:
+        report = traceback.TracebackException(type(error), error, tb)
+        _tidy(report)
+        text = "".join(report.format())
+    except Exception:  # a broken __str__ (or no memory left) must not take the worker down
+        text = f"{type(error).__qualname__} (its message could not be formatted)\n"
+    return _shorten(text)
+
+
+def _tidy(report: traceback.TracebackException) -> None:
+    """Before formatting, for each exception in the chain: drop the worker's frames (_OWN_FILES;
+    the sandbox's audit hook raises its refusals from trainer.grader_sandbox), and cut the message
+    to _MAX_MESSAGE_CHARS, since a 100 MB message would otherwise be copied into the traceback text
+    (twice), which a worker near its memory limit cannot afford. `_str` is private but present in every Python we support;
+    without it the whole text is still cut afterwards."""
+    stack, seen = [report], set()
+    while stack:
+        part = stack.pop()
+        if part is None or id(part) in seen:
+            continue
+        seen.add(id(part))
+        part.stack[:] = [frame for frame in part.stack if frame.filename not in _OWN_FILES]
+        message = getattr(part, "_str", None)
+        if isinstance(message, str) and len(message) > _MAX_MESSAGE_CHARS:
+            part._str = _shorten(message, _MAX_MESSAGE_CHARS, "message")
+        stack += [part.__cause__, part.__context__, *(getattr(part, "exceptions", None) or ())]
+
+
+def _where_interrupted(error: RewardTimeout) -> str:
+    """Where the user's code was when its time ran out: its frames only, no exception line."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename not in _OWN_FILES]
+    return _shorten("Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)))
+
+
+def _shorten(text: str, limit: int = _MAX_ERROR_CHARS, what: str = "traceback") -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {what} shortened: {len(text) - 2 * half:,} characters left out ...]\n{text[-half:]}"
+
+
+def _raise_timeout(_signum: int, _frame: Any) -> None:
+    raise RewardTimeout()
+
+
+def _call_with_alarm(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> Any:
+    # Reinstalled every call: the previous call's user code may have replaced or ignored it.
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return fn(completion, task)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def as_reward(value: Any) -> float:
+    """The reward as a float; raises TypeError/ValueError for anything but a finite number.
+
+    Anything float() takes without parsing text counts: bool, int, float, numpy scalars (a
+    np.bool_ from np.isclose is common), a one-element tensor.
+    """
+    if isinstance(value, (str, bytes)) or not hasattr(type(value), "__float__"):
+        kind = type(value).__name__
+        if isinstance(value, (str, bytes)) and len(value) > _SHOWN.maxstring:
+            kind += f" of length {len(value):,}"
+        raise TypeError(f"returned {_shown(value)} ({kind}); a reward must be a number (float, int or bool)")
+    try:
+        reward = float(value)
+    except Exception as error:  # a 10**400 int, a complex, a many-element array
+        kind = type(value).__name__
+        raise ValueError(f"returned a value of type {kind} that float() rejects ({error})") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"returned {reward!r}; a reward must be a finite number")
+    return reward
+
+
+_SHOWN = reprlib.Repr()  # slices a string before repr(): a 1 GB return value is not copied to show it
+_SHOWN.maxstring = _SHOWN.maxother = 200
+
+
+def _shown(value: Any) -> str:
+    try:
+        return _SHOWN.repr(value)
+    except Exception as error:  # a broken (or enormous) __repr__
+        return f"a {type(value).__name__} whose repr() failed ({type(error).__name__})"
+
+
+def score_one(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> dict:
+    """One completion's result frame; never raises (a RewardTimeout included)."""
+    try:
+        value = _call_with_alarm(fn, completion, task, timeout_s)
+    except RewardTimeout as error:
+        return {"kind": "timeout", "error": _where_interrupted(error)}
+    except BaseException as error:  # SystemExit and KeyboardInterrupt too: all the user's failures
+        kind, text = _describe(error)
+        return {"kind": kind, "error": text}
+    try:
+        return {"ok": as_reward(value)}
+    except (TypeError, ValueError) as error:
+        return {"kind": "invalid", "error": str(error)}
+
+
+def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, helpers: frozenset[int]) -> None:
+    """Answer requests until the parent closes the pipe. `helpers`: the children the module's import
+    started, spared by the cleanup after each item."""
+    worker_pid = os.getpid()
+    while (request := read_frame(request_fd)) is not None:
+        for completion, task in request["items"]:
+            result = score_one(fn, completion, task, timeout_s)
+            if os.getpid() != worker_pid:
+                # A copy forked below Python (os.fork() is refused) returned from the reward
+                # function: only the worker answers, or the parent would take its frame for the
+                # next item's.
+                os._exit(0)
+            _end_leftover_processes(helpers)
+            write_frame(response_fd, result)
+            if "ok" not in result:
+                # Stop at the first failure: the parent retries from here, or gives up, and
+                # should not wait for the rest of a batch it may throw away.
+                break
+
+
+def main(argv: list[str]) -> int:
+    config = json.loads(argv[1])
+    request_fd, response_fd = config["request_fd"], config["response_fd"]
+    # User prints (Python or C level) go to one pipe, fds 1 and 2 alike, which the parent reads;
+    # one Python stream for both keeps their lines in order.
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    # Ctrl-C reaches the whole process group; stopping the worker is the parent's decision, and a
+    # KeyboardInterrupt inside the reward function would read as the user's error.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Fatal signals (SIGSEGV, and the parent's SIGABRT for a hung call) dump the Python stack
+    # here; the parent reads it back into the error it reports.
+    faulthandler.enable(file=config["crash_fd"], all_threads=True)
+    try:
+        sandbox = apply_sandbox(config["memory_mb"], config["network"], config["filesystem"], config["scratch"])
+        fn = load_reward_fn(config["ref"], config["search_path"])
+    except BaseException as error:
+        kind, text = _describe(error)
+        write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text})
+        _end_leftover_processes(frozenset())
+        return 1
+    helpers = frozenset(_children())
+    write_frame(response_fd, {"type": "ready", **sandbox, "pid": os.getpid()})
+    try:
+        serve(fn, request_fd, response_fd, config["timeout_s"], helpers)
+    except BrokenPipeError:
+        pass  # the parent went away mid-batch: nothing left to report to
+    _end_leftover_processes(frozenset())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

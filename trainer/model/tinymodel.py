@@ -1,0 +1,145 @@
+"""A tiny causal LM built locally, for the demo and the tests.
+
+Nothing can be downloaded on these machines, so the demo builds its base model: a Qwen3-style
+transformers config with a character-level tokenizer, saved with `save_pretrained` and loaded
+back through the same `from_pretrained` path a hub id or a local checkpoint takes.
+
+Why these numbers (measured while building the demo): at transformers' default
+`initializer_range=0.02` a LoRA adapter cannot move the tied embeddings or the final norm far
+enough and the policy stays at chance; at 0.1, with 2 layers x 64 hidden and a vocabulary of
+single characters, LoRA r=8 learns `(a+b) mod 10` from ~0.1 to ~0.9 mean reward.
+
+A job names it as `spec.model: tiny:char`; runner/home.py builds it once under
+`$GRPO_RUN_HOME/models/` and reuses it. The build is deterministic (seeded), so every machine gets byte-identical weights.
+
+`tiny:chat` is shaped like an instruct model instead: a byte-level BPE tokenizer with Qwen's
+special tokens (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) and a Qwen-style Jinja chat
+template, so chat prompts, system prompts and template arguments run offline as they do with
+Qwen2.5 / Qwen3. Its weights are random: it exercises the path, it does not solve GSM8K.
+`build_chat_model` also takes any Qwen3 config (Qwen3-0.6B's own, say) for measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+# Every character the catalog environments use, one token each.
+ALPHABET = "0123456789+=-:,| "
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: one token per character of ALPHABET."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + tuple(ALPHABET))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
+    """Build the tiny model and tokenizer into `out` (atomically: a half-built folder is never seen)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out = Path(out)
+    tok = build_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        initializer_range=0.1, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        layer_types=["full_attention"] * 2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return _save_atomically(model, tok, Path(out))
+
+
+# Qwen2.5 / Qwen3's chat format: each message between <|im_start|>ROLE\n and <|im_end|>\n; the
+# generation prompt opens the assistant's turn; enable_thinking=false closes an empty think block
+# as Qwen3's template does.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+CHAT_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# What the BPE merges are learnt from: the words and digits of GSM8K-style problems and answers.
+_CHAT_CORPUS = (
+    "system user assistant You are a helpful assistant. Solve the problem step by step. "
+    "Put the final answer in \\boxed{}. The answer is #### 0 1 2 3 4 5 6 7 8 9 10 12 15 20 25 42 100 "
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? <think> </think> + - * / = $ % . , ? !"
+)
+
+
+def build_chat_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE fast tokenizer with Qwen's special tokens and chat template; EOS is
+    `<|im_end|>` (an assistant turn ends there), padding `<|endoftext|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator([_CHAT_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE,
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def build_chat_model(out: Path, *, seed: int = 0, config: dict | None = None) -> Path:
+    """A Qwen3 causal LM with random weights and the chat tokenizer, saved into `out`.
+    `config`: Qwen3Config fields over a tiny default (2 layers x 64 hidden); a vocab_size larger
+    than the tokenizer's is allowed (ids past it decode to nothing), so Qwen3-sized logits can
+    be measured with a small tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tok = build_chat_tokenizer()
+    fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  initializer_range=0.02, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    fields.update(config or {})
+    fields.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                  layer_types=["full_attention"] * fields["num_hidden_layers"])
+    if fields["vocab_size"] < len(tok):
+        raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tok)}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**fields), dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]   # as Qwen's instruct models
+    return _save_atomically(model, tok, Path(out))
+
+
+def _save_atomically(model, tok, out: Path) -> Path:
+    """save_pretrained into a staging folder renamed into place: a half-built folder is never seen."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    model.save_pretrained(staging)
+    tok.save_pretrained(staging)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        # Another process built it first; theirs is identical (same seed), keep it.
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

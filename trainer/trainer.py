@@ -1,0 +1,460 @@
+"""The GRPO training loop: one object that owns the policy, its optimizer and the grader.
+
+Read `train_step` top to bottom: it is SPEC §1 — sample a group, score, advantages, update.
+Inside this object a stop request (preemption) is honoured between tokens while sampling, in
+training and in evaluation, and between evaluation batches: either raises
+`GenerationInterrupted`, and the half-done step or batch is abandoned. Between steps it is the
+caller's (trainer.run.train). The last *completed* step is what a checkpoint holds.
+
+Determinism: everything random in step s is seeded from (seed, s) — the prompts it sees, one
+sampling generator per prompt (from (seed, s, the prompt's place in the step)), torch's global
+RNG (LoRA dropout) — so a run resumed at step s replays exactly what an uninterrupted run would
+have done, and a prompt draws from the same stream on any number of processes.
+
+Several processes (trainer.distributed): each samples, scores and computes the advantages of
+its shard of the step's prompts; DDP averages the gradients; rank 0 reports. Under a stop
+request a rank abandons sampling as one process does, and the ranks agree right after sampling
+whether the step is abandoned, so they never disagree about which collective comes next.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from grpo_run.trainer import grpo
+from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.config import GRPOParams, default_micro_batch
+from grpo_run.trainer.distributed import World, concat, shard_fsdp, unsharded, wrap_ddp
+from grpo_run.trainer.envs.catalog import Environment
+from grpo_run.trainer.envs.tasks import Task
+from grpo_run.trainer.grader.scoring import Scorer
+from grpo_run.trainer.model.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters)
+from grpo_run.trainer.model.prompts import Prompt, PromptEncoder
+from grpo_run.trainer.threads import CpuShare
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A distinct, reproducible seed for step `step` of a run seeded `seed`."""
+    return (seed * 1_000_003 + step * 7919 + 17) % (2**63 - 1)
+
+
+def prompt_seed(seed: int, step: int, position: int) -> int:
+    """The seed of the sampling generator of the prompt at `position` (0-based) among step `step`'s."""
+    return (step_seed(seed, step) * 1_000_033 + position * 104_729 + 1) % (2**63 - 1)
+
+
+def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int]:
+    """Which train tasks step `step` (0-based) sees: consecutive slices of per-epoch permutations.
+
+    Derived from (seed, step) alone, so the data position needs no state of its own.
+    """
+    out = []
+    for i in range(step * per_step, (step + 1) * per_step):
+        epoch, pos = divmod(i, n_tasks)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_tasks)
+        out.append(int(perm[pos]))
+    return out
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    meanReward: float           # of the weighted sum
+    tasks: int
+    solved: int                 # tasks the primary (first) reward scored 1.0
+    rewards: tuple[float, ...]  # the weighted sum per task
+    batches: int = 1            # evaluation batches in all
+    reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
+    byReward: Mapping[str, float] | None = None   # each reward function's mean
+
+    @property
+    def no_signal(self) -> bool:
+        """All held-out rewards equal: at 0% or 100% GRPO's groups would all be identical."""
+        return len(set(self.rewards)) <= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
+               "batches": self.batches, "reusedBatches": self.reusedBatches}
+        if self.byReward is not None:
+            out["rewards"] = {k: round(v, 6) for k, v in self.byReward.items()}
+        return out
+
+
+class GRPOTrainer:
+    """Owns the policy, optimizer, scheduler and grader for one run."""
+
+    def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
+                 stop: threading.Event | None = None, device: torch.device | None = None,
+                 model_name: str | None = None, world: World | None = None) -> None:
+        self.params = params
+        self.env = env
+        self.stop = stop or threading.Event()
+        self.world = world or World()
+        self.cpu = CpuShare.from_environment()     # this node's threads, shared with its other trainers
+        self.device = device or (self.world.device() if self.world.distributed else pick_device())
+        self._ddp: torch.nn.Module | None = None   # the model under DDP, for the update (several processes)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_policy(model_path, params, self.device)
+        # several processes: LoRA/QLoRA adapters replicated under DDP, a full fine-tune sharded (FSDP)
+        self.fsdp = self.world.distributed and params.method == "Full"
+        if self.fsdp:
+            if params.compileDecode:
+                raise ValueError("compileDecode does not work with method Full on several processes (FSDP): "
+                                 "its compiled step keeps weights that FSDP gathers afresh for every sampling")
+            shard_fsdp(self.model, self.world)      # before the optimizer: its parameters become shards
+        self._share_cpu()                      # after the load: a run started beside this one has registered
+        if model_name and hasattr(self.model, "peft_config"):
+            # Saved adapters name the base as the user did (a hub id, tiny:char), not as a path
+            # on this node: exports from any node are then byte-identical.
+            self.model.peft_config["default"].base_model_name_or_path = model_name
+        self.reference = load_reference(model_path, self.device) if params.beta > 0 and params.method == "Full" else None
+        self.trainable = trainable_parameters(self.model)
+        # foreach: one kernel per operation over all tensors, not one per tensor (the default on
+        # CPU); the same arithmetic, bit for bit, and a LoRA adapter is dozens of small tensors
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=params.learningRate, weight_decay=params.weightDecay,
+                                           foreach=True)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
+                                       num_training_steps=params.maxSteps)
+        self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
+        self.scorer = Scorer(env.rewards, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
+                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries)
+
+    def close(self) -> None:
+        self.scorer.close()
+        if self.cpu is not None:
+            self.cpu.close()
+
+    @property
+    def cpu_threads(self) -> int:
+        """The threads torch computes with on this process (the node's share, or the user's setting)."""
+        return torch.get_num_threads()
+
+    def _share_cpu(self) -> None:
+        if self.cpu is not None and self.device.type == "cpu":
+            self.cpu.take()                     # decided once, before the first forward
+
+    # --- helpers -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def prompts(self) -> PromptEncoder:
+        """Task prompts (text or chat messages) to ids, through the tokenizer's chat template."""
+        return PromptEncoder(self.tokenizer, system_prompt=self.params.systemPrompt,
+                             template_kwargs=self.params.chatTemplateKwargs)
+
+    @functools.cached_property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a completion: the generation config's and the tokenizer's."""
+        return eos_token_ids(self.tokenizer.name_or_path, self.tokenizer)
+
+    def _encode(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and attention mask [N, P]; raises ValueError for a prompt the
+        tokenizer cannot render (messages without a chat template)."""
+        ids, mask = self.prompts.encode(prompts)
+        return ids.to(self.device), mask.to(self.device)
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator) -> sampler.Completions:
+        """Sample completions (ids, mask, truncated); a stop request between two tokens abandons
+        them (GenerationInterrupted)."""
+        p = self.params
+        return sampler.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=p.maxCompletionLength,
+                           temperature=temperature, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
+                           generator=generator, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                           finished=self._stop_strings_check(), should_stop=lambda: self.stop.is_set(),
+                           compiled=p.compileDecode)
+
+    def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """sampler.sample's `finished` for stopStrings (None without any): a running row is finished
+        once one of them appears in the text of its newest tokens. Only that tail is decoded: as
+        many tokens as the longest stop string has UTF-8 bytes, plus one, because every token
+        (special tokens aside, which decoding skips) decodes to at least one byte, so a stop string
+        completed by the newest token lies inside it. Only the completion counts, not the prompt."""
+        stops = self.params.stopStrings
+        if not stops:
+            return None
+        window = max(len(s.encode("utf-8")) for s in stops) + 1
+
+        def finished(tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:   # [N, t], [N] -> [N]
+            tails = self.tokenizer.batch_decode(tokens[running][:, -window:].tolist(), skip_special_tokens=True)
+            out = torch.zeros_like(running)
+            out[running] = torch.tensor([any(s in text for s in stops) for text in tails], device=running.device)
+            return out
+        return finished
+
+    # --- evaluation ----------------------------------------------------------------------
+
+    def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
+                 on_batch: Callable[[int, dict[str, list[float]]], None] | None = None) -> EvalResult:
+        """Mean reward on held-out tasks (greedy by default), scored by the graders, in batches
+        of evalBatchSize. Batch i's scores in `done` (from an attempt that was stopped part-way)
+        are taken as they are; every batch computed here goes to `on_batch(i, {reward: scores})`.
+        Each batch draws from its own generator, seeded from (seed, i), so a batch computes the
+        same whichever batches came before it. Raises GenerationInterrupted on a stop request
+        between batches or between two tokens; the batches finished before it were reported.
+        Several processes: batch i is computed by rank i mod world size, all are gathered at the
+        end (a stop request on any rank stops all there) and rank 0's `on_batch` gets each."""
+        p, done, world = self.params, done or {}, self.world
+        by_reward: dict[str, list[float]] = {r.name: [] for r in self.scorer.rewards}
+        starts = range(0, len(tasks), p.evalBatchSize)
+        computed: dict[int, dict[str, list[float]]] = {}
+        stopped = False
+        try:
+            with self._whole_weights():          # FSDP: every rank gathers, whatever it computes
+                for i, start in enumerate(starts):
+                    if i in done or i % world.size != world.rank:
+                        continue
+                    if self.stop.is_set():               # preemption honoured between evaluation batches
+                        raise sampler.GenerationInterrupted()
+                    chunk = list(tasks[start:start + p.evalBatchSize])
+                    gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
+                    ids, mask = self._encode([t["prompt"] for t in chunk])
+                    comp, cmask, _ = self._generate(ids, mask, p.evalTemperature, gen)
+                    computed[i] = self.scorer.score(self._decode(comp, cmask), chunk)    # {reward: [scores]}
+                    if on_batch is not None:
+                        on_batch(i, computed[i])
+        except sampler.GenerationInterrupted:
+            if not world.distributed:
+                raise
+            stopped = True                           # the others still come to the gather below
+        if world.distributed:
+            shares = world.gather((stopped, computed))
+            for rank, (_, theirs) in enumerate(shares):
+                if rank != world.rank:
+                    computed.update(theirs)
+                    for i, batch in theirs.items():
+                        if on_batch is not None:
+                            on_batch(i, batch)
+            if any(s for s, _ in shares):
+                raise sampler.GenerationInterrupted()
+        for i in range(len(starts)):
+            batch = done[i] if i in done else computed[i]
+            for name in by_reward:
+                by_reward[name] += list(batch[name])
+        totals = self.scorer.total(by_reward)
+        return EvalResult(meanReward=float(np.mean(totals)), tasks=len(tasks),
+                          solved=sum(1 for r in by_reward[self.scorer.primary] if r == 1.0), rewards=tuple(totals),
+                          batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done),
+                          byReward={k: float(np.mean(v)) for k, v in by_reward.items()})
+
+    # --- one GRPO step -------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Step `step` (0-based). Returns its metrics. Raises GenerationInterrupted on a stop
+        request during sampling (nothing of this step has been applied; several processes: on
+        any of them), RewardFunctionError when the reward function fails on every try."""
+        p, t0, world = self.params, time.perf_counter(), self.world
+        seed = step_seed(p.seed, step)
+        torch.manual_seed(seed + world.rank)           # LoRA dropout: its own stream on each rank
+        step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
+        mine = world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
+        tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]
+        gens = [torch.Generator(device=self.device).manual_seed(prompt_seed(p.seed, step, j)) for j in mine]
+        group = [t for t in tasks for _ in range(p.numGenerations)]          # b*G, each prompt G times
+
+        # sample a group
+        # (topK, topP and repetitionPenalty shape the draws only: the update's log-probabilities are
+        # of the temperature-scaled distribution, as in TRL)
+        prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [b*G, P]
+        interrupted = False
+        try:
+            with self._whole_weights():
+                comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gens)  # [b*G, T], [b*G]
+        except sampler.GenerationInterrupted:
+            if not world.distributed:
+                raise
+            interrupted = True
+        # maskTruncatedCompletions (DAPO's overlong filtering): a completion cut at maxCompletionLength
+        # gets no loss, since its end was never seen; it was scored and counts in the metrics. As in
+        # TRL, it still counts among the n completions that grpo and dr_grpo divide by.
+        if interrupted:
+            loss_mask = None
+        else:
+            loss_mask = comp_mask * (~truncated).long().unsqueeze(1) if p.maskTruncatedCompletions else comp_mask
+        # several processes: abandoned on every rank if on any, and the whole step's token count
+        stopping, tokens = world.total(float(interrupted), 0.0 if loss_mask is None else float(loss_mask.sum()))
+        if stopping:
+            raise sampler.GenerationInterrupted()
+        n, tokens = p.promptsPerStep * p.numGenerations, int(tokens)               # the whole step's
+        texts = self._decode(comp_ids, comp_mask)
+        t_sampled = time.perf_counter()
+
+        # score (in the graders' processes; a failure raises, never becomes a 0)
+        by_reward = self.scorer.score(texts, group)                                    # {name: [b*G]}
+        rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
+
+        # advantages (per group: a group never spans processes)
+        adv = grpo.group_advantages(rewards, p.numGenerations, unbiased=p.advantageStd == "sample",
+                                    scale=p.lossType != "dr_grpo").to(self.device)     # [b*G]
+
+        # update, micro-batch by micro-batch: gradients accumulate over the step's B*G
+        # completions, so the update equals one over all of them (up to float rounding); with
+        # several processes DDP averages the ranks' gradients, each rank's loss normalised by the
+        # whole step's n or tokens and scaled by the world size: the average is the whole step's
+        if not self.model.training:        # sampling leaves the mode as it was: set once, not every step
+            self.model.train()
+        learning = grpo.learning_rows(adv, p.beta)                                     # [M <= b*G]
+        parts = [self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, rows)
+                 for rows in grpo.micro_batches(learning, self.micro_batch_size)]
+        refs = [self._reference_logprobs(*part[1:]) for part in parts] if p.beta > 0 else None
+        olds: list[torch.Tensor | None] = [None] * len(parts)
+        model = self._update_model()
+        for _ in range(p.numIterations):
+            # zeros, not None: with no completion to learn from, the optimizer still takes its step
+            # (Adam's moments decay, weight decay applies) exactly as over an all-zero gradient
+            self.optimizer.zero_grad(set_to_none=False)
+            for param in self.trainable:
+                if param.grad is None:                 # first step of this process
+                    param.grad = torch.zeros_like(param)
+            with self._whole_weights():     # FSDP: whole for the passes, sharded again for the step
+                loss = clipped_tokens = kl_sum = 0.0
+                for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
+                    with self._sync_gradients(last=j == len(parts) - 1):
+                        logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
+                        l_mask = loss_mask[sl, :c_mask.size(1)]                              # [m, T]
+                        if olds[j] is None:
+                            olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
+                        per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
+                        if refs is not None:
+                            kl = grpo.k3_kl(logps, refs[j])
+                            per_token = per_token + p.beta * kl
+                            kl_sum += (kl.detach() * l_mask).sum().item()
+                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
+                                                     completions=n, tokens=tokens)
+                        (part_loss * world.size if world.distributed else part_loss).backward()
+                    loss += part_loss.item()
+                    clipped_tokens += (clipped.float() * l_mask).sum().item()
+                if world.distributed and not parts:      # nothing to learn here: join the average with zeros
+                    self._zero_backward(model, prompt_ids, prompt_mask, comp_ids, comp_mask)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.maxGradNorm, foreach=True)
+            self.optimizer.step()
+        self.scheduler.step()
+
+        local = {"rewards": rewards.tolist(), "byReward": {k: list(v) for k, v in by_reward.items()},
+                 "lengths": comp_mask.sum(1).tolist(), "truncated": truncated.tolist(), "loss": loss,
+                 "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
+                 "learning": int(learning.numel())}
+        metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens)
+        if hasattr(grad_norm, "full_tensor"):          # FSDP: a DTensor, the whole gradient's norm
+            grad_norm = grad_norm.full_tensor()
+        metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
+                       sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
+        if refs is None:
+            metrics.pop("kl")
+        return metrics
+
+    def _whole_weights(self):
+        """Full fine-tunes on several processes (FSDP): every unit's whole weights for the block."""
+        import contextlib
+
+        return unsharded(self.model) if self.fsdp else contextlib.nullcontext()
+
+    def _update_model(self) -> torch.nn.Module:
+        """The model the update runs through: itself (alone, or sharded by FSDP), or under DDP
+        with several processes (made at the first step: a checkpoint has been loaded into the
+        very same parameters by then)."""
+        if not self.world.distributed or self.fsdp:
+            return self.model
+        if self._ddp is None:
+            self._ddp = wrap_ddp(self.model, self.world)
+        return self._ddp
+
+    def _sync_gradients(self, *, last: bool):
+        """DDP's all-reduce on the step's last micro-batch only; the others accumulate locally."""
+        import contextlib
+
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self._ddp is None or last:
+            return contextlib.nullcontext()
+        return self._ddp.no_sync()
+
+    def _zero_backward(self, model, prompt_ids, prompt_mask, comp_ids, comp_mask) -> None:
+        """A rank whose completions all have advantage 0 still joins DDP's all-reduce: one row's
+        forward, its loss times 0, so every trainable parameter gets a zero gradient."""
+        sl, p_ids, p_mask, c_ids, c_mask = self._trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                                         torch.zeros(1, dtype=torch.long, device=self.device))
+        logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, self.params.temperature)
+        (logps.sum() * 0.0).backward()
+
+    @functools.cached_property
+    def micro_batch_size(self) -> int:
+        """Completions per forward/backward, one figure for the whole run:
+        spec.parameters.microBatchSize, else trainer.config.default_micro_batch for this model on
+        this device at full completion length. The supervisor records it at the first start and
+        passes it back on a resume, so a run resumed on another kind of node keeps its arithmetic."""
+        p = self.params
+        completions = p.promptsPerStep * p.numGenerations
+        if p.microBatchSize is not None:
+            return min(p.microBatchSize, completions)
+        vocab = self.model.get_output_embeddings().weight.size(0)
+        device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
+                        if self.device.type == "cuda" else None)
+        return default_micro_batch(completions, p.maxCompletionLength + 1, vocab,
+                                   compute_dtype(self.device).itemsize, device_bytes)
+
+    @staticmethod
+    def _trimmed(prompt_ids, prompt_mask, comp_ids, comp_mask, sl: torch.Tensor):
+        """Micro-batch `sl` (row indices), without the prompt padding columns (left) and completion padding
+        columns (right) that none of its rows use: positions come from the mask, so the
+        log-probabilities are the same, for less memory when its completions are short."""
+        p_mask, c_mask = prompt_mask[sl], comp_mask[sl]
+        first = p_mask.size(1) - int(p_mask.sum(1).max())             # prompts are left-padded
+        last = int(c_mask.sum(1).max())                               # completions are right-padded
+        return sl, prompt_ids[sl, first:], p_mask[:, first:], comp_ids[sl, :last], c_mask[:, :last]
+
+    @torch.no_grad()
+    def _reference_logprobs(self, prompt_ids, prompt_mask, comp_ids, comp_mask) -> torch.Tensor:
+        if self.reference is not None:
+            return grpo.completion_logprobs(self.reference, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                            self.params.temperature)
+        with self.model.disable_adapter():   # LoRA/QLoRA: the base itself is the reference, no extra weights
+            return grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
+                                            self.params.temperature)
+
+    # --- state for checkpoints (trainer.snapshot reads it) ----------------------------
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors by their names in PEFT files (LoRA, QLoRA). Resolved once:
+        walking the whole model's state dict at every checkpoint cost more than copying the
+        adapter. The values share storage with the parameters, which the optimizer and
+        `load_state` update in place."""
+        if self._adapter is None:
+            from peft import get_peft_model_state_dict
+
+            self._adapter = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return self._adapter
+
+
+def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int) -> dict[str, Any]:
+    """A step's metrics from each process's share (one share alone), over all B x G completions."""
+    rewards = torch.tensor(concat([s["rewards"] for s in shares]), dtype=torch.float32)     # [B*G]
+    lengths = torch.tensor(concat([s["lengths"] for s in shares]), dtype=torch.float32)     # [B*G]
+    truncated = torch.tensor(concat([s["truncated"] for s in shares]), dtype=torch.float32)
+    names = shares[0]["byReward"]
+    return {
+        "rewardMean": rewards.mean().item(),
+        "rewardStd": rewards.std(unbiased=False).item(),
+        "rewards": {name: float(np.mean(concat([s["byReward"][name] for s in shares]))) for name in names},
+        "identicalGroups": grpo.identical_group_fraction(rewards, group_size),
+        "completionLength": lengths.mean().item(),
+        "truncatedFraction": truncated.mean().item(),   # cut at maxCompletionLength
+        "loss": sum(s["loss"] for s in shares),
+        "clipRatio": sum(s["clipped"] for s in shares) / max(tokens, 1),
+        "microBatches": sum(s["microBatches"] for s in shares),
+        "learningCompletions": sum(s["learning"] for s in shares),   # the others had advantage 0: no gradient
+        "kl": sum(s["kl"] for s in shares) / max(tokens, 1),
+    }
