@@ -34,9 +34,14 @@ from .manifest import (
     step_of,
     verify,
 )
-from .storage.store import Store, StorageConfigError
+from .storage.store import Store, StorageConfigError, StorageUnavailable
 
 log = logging.getLogger(__name__)
+
+class RestoreStopped(StorageUnavailable):
+    """A restore was abandoned between two files because a preemption notice came: nothing more is
+    worth downloading on a node that is going away."""
+
 
 Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
 
@@ -48,8 +53,8 @@ def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
     return sorted(_remote_checkpoints(store, prefix)[0], reverse=True)
 
 
-def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *,
-                   accept: Accept | None = None) -> tuple[int, Path, Manifest, bool] | None:
+def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, accept: Accept | None = None,
+                   stop: threading.Event | None = None) -> tuple[int, Path, Manifest, bool] | None:
     """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
     durable). A sealed local one at least as new as the newest in storage is used as it is
     (durable False when storage lacks it: sealed here before a crash, never uploaded); else the
@@ -58,7 +63,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *,
 
     `accept(manifest)`: why a checkpoint is not to be continued from (None: it is), e.g. another
     run's. Remote ones it refuses are skipped, local ones set aside (renamed `.set-aside-*`, not
-    deleted) so that nothing loads them."""
+    deleted) so that nothing loads them. `stop`: as download_latest's."""
     local = newest_sealed(root)
     while local is not None and accept is not None and (why := accept(local[2])) is not None:
         aside = local[1].with_name(f".set-aside-{local[1].name}-{uuid.uuid4().hex[:8]}")
@@ -69,7 +74,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *,
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
         return step, folder, manifest, step in durable
-    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept)
+    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop)
     if got is not None:
         return got[0], got[1], read_manifest(got[1]), True
     if local is not None:
@@ -79,8 +84,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *,
 
 
 def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
-                    listed: tuple[set[int], set[int]] | None = None,
-                    accept: Accept | None = None) -> tuple[int, Path] | None:
+                    listed: tuple[set[int], set[int]] | None = None, accept: Accept | None = None,
+                    stop: threading.Event | None = None) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -90,7 +95,9 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
     tried. Storage errors (StorageUnavailable, StorageConfigError) propagate: an outage must not
     silently send a run back to an older checkpoint. `listed`: what `_remote_checkpoints`
     returned, when the caller listed the store already. `accept`: as restore_latest's; a
-    checkpoint it refuses is skipped with its reason.
+    checkpoint it refuses is skipped with its reason. `stop` (a preemption): checked before every
+    file, so a notice ends a long restore between two files with RestoreStopped; what came down
+    so far is removed.
     """
     dest_root = Path(dest_root)
     durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
@@ -122,7 +129,10 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
 
         partial = dest_root / f".partial-{name}-{uuid.uuid4().hex[:8]}"
         try:
-            for entry in manifest.files:
+            for done, entry in enumerate(manifest.files):
+                if stop is not None and stop.is_set():
+                    raise RestoreStopped(f"restoring {where} stopped by a notice after {done} of "
+                                         f"{len(manifest.files)} files")
                 store.get_file(f"{prefix}/{name}/{entry.path}", partial / entry.path)
             atomic_write_bytes(partial / MANIFEST_NAME, raw)
             verify(partial)

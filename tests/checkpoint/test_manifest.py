@@ -13,7 +13,7 @@ import pytest
 
 from grpo_run.checkpoint.manifest import (CheckpointInvalid, checkpoint_dir, discover, finalize_checkpoint, prune, staging_dir, verify)
 from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
-from grpo_run.checkpoint.sync import Uploader, download_latest, remote_discover
+from grpo_run.checkpoint.sync import RestoreStopped, Uploader, download_latest, remote_discover
 
 
 def make_checkpoint(root: Path, step: int, *, weights: bytes | None = None) -> Path:
@@ -330,6 +330,27 @@ def test_a_verified_local_copy_is_reused_without_downloading(tmp_path):
 
     assert download_latest(store, tmp_path / "node-b") == (25, folder)
     assert marker.exists()
+
+
+def test_a_notice_stops_a_restore_between_two_files_and_leaves_nothing_half_downloaded(tmp_path):
+    store = Store("memory://bucket/run")
+    upload(store, make_checkpoint(tmp_path / "node-a", 25))
+    notice = threading.Event()
+    fetched = []
+    get_file = store.get_file
+
+    def first_file_then_a_notice(key, local):
+        get_file(key, local)
+        fetched.append(key)
+        notice.set()
+
+    store.get_file = first_file_then_a_notice
+    with pytest.raises(RestoreStopped, match="after 1 of 4 files"):
+        download_latest(store, tmp_path / "node-b", stop=notice)
+    assert len(fetched) == 1
+    assert list((tmp_path / "node-b").iterdir()) == []          # no partial folder, no checkpoint
+    store.get_file = get_file
+    assert download_latest(store, tmp_path / "node-b", stop=threading.Event())[0] == 25   # later, in full
 
 
 def test_nothing_to_resume_from_is_none(tmp_path):
