@@ -89,6 +89,10 @@ def decoys(tmp_path) -> Path:
     (folder / "runner.py").write_text("raise ImportError('the decoy runner.py was imported')\n")
     (folder / "checkpoint").mkdir()
     (folder / "checkpoint" / "__init__.py").write_text("raise ImportError('the decoy checkpoint was imported')\n")
+    # Even a folder named like ours: a child that put its working folder first on sys.path (no
+    # cwd=, no PYTHONSAFEPATH) would merge it into the grpo_run namespace and import this.
+    (folder / "grpo_run" / "trainer").mkdir(parents=True)
+    (folder / "grpo_run" / "trainer" / "__init__.py").write_text("raise ImportError('the decoy grpo_run.trainer')\n")
     return folder
 
 
@@ -113,7 +117,7 @@ def test_the_cli_and_deploy_run_from_a_folder_with_decoys(installed, decoys):
     assert "apply" in help_.stdout
     unit = _grpo_run(installed, decoys, "deploy", "systemd", "--storage", "s3://bucket/prefix", "--job", "my-job")
     assert unit.returncode == 0, unit.stderr
-    assert "ExecStart=" in unit.stdout and "my-job" in unit.stdout
+    assert "ExecStart=/opt/grpo-run/.venv/bin/grpo-run resume" in unit.stdout     # the template, filled in
 
 
 @pytest.mark.slow
@@ -121,6 +125,7 @@ def test_a_dry_run_and_a_short_job_run_from_a_folder_with_decoys(installed, deco
     job = yaml.safe_load((REPO / "examples" / "tiny-arithmetic.yaml").read_text())
     job["metadata"]["name"] = "from-the-wheel"
     job["spec"]["parameters"].update(maxSteps=4, saveSteps=2, numGenerations=4, promptsPerStep=4)
+    job["spec"]["gpu"] = "L40S"                   # so the dry run says whether it fits
     (decoys / "job.yaml").write_text(yaml.safe_dump(job))
 
     dry = _grpo_run(installed, decoys, "apply", "-f", "job.yaml", "--dry-run", "-o", "yaml")
