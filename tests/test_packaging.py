@@ -105,7 +105,7 @@ def _grpo_run(venv: Path, folder: Path, *args: str, timeout: float = 300) -> sub
 
 def test_the_installed_package_is_the_wheel_not_the_checkout(installed, decoys):
     python = installed / "bin" / "python"
-    out = subprocess.run([str(python), "-c", "import grpo_run.runner.cli.commands as c, grpo_run.trainer.child as t; "
+    out = subprocess.run([str(python), "-P", "-c", "import grpo_run.runner.cli.commands as c, grpo_run.trainer.child as t; "
                           "print(c.__file__); print(t.__file__)"], cwd=decoys, check=True, capture_output=True,
                          text=True).stdout.split()
     assert all(Path(p).is_relative_to(installed) for p in out), out
