@@ -12,6 +12,10 @@ with exponential backoff and jitter until `retry_seconds` have passed or the `st
 (the node is being preempted), then raise `StorageUnavailable`. Anything else (a missing key, a
 bug) propagates unchanged. botocore's and s3fs's own retry loops are switched off here so that
 the stop event and the injectable sleep govern every wait.
+
+A notice also bounds every call in time (`finish_by`): a stalled server holds a request until
+botocore's 60 s read timeout, longer than a 30 s notice, so a call still unanswered when the
+notice window ends is left to its thread and reported as StorageUnavailable.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class Store:
         self._retry = RetryPolicy(f"storage {url}", budget_s=float(retry_seconds), stop=stop,
                                   sleep=sleep, logger=log)
         self._bucket_confirmed = False
+        self._deadline: float | None = None
         self.protocol, self._root, self._fs = _open_filesystem(url)
         self._local = self.protocol == "file"
 
@@ -218,10 +223,47 @@ class Store:
             "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1))
         self._bucket_confirmed = True
 
+    def finish_by(self, deadline: float | None) -> None:
+        """From now on every call ends by `deadline` (a time.monotonic() value; None: no bound):
+        one not answered by then is abandoned to its thread with StorageUnavailable, and none is
+        started after it. For a notice window: what is not in storage when the node goes away
+        never will be, and the exit must not wait for it."""
+        self._deadline = deadline
+
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run `fn` under the retry policy (checkpoint.retry): StorageConfigError at once,
-        StorageUnavailable once transient errors outlast the budget or the stop event."""
-        return self._retry.call(f"{op} {key!r}", fn)
+        StorageUnavailable once transient errors outlast the budget, the stop event or the
+        deadline (finish_by)."""
+        what = f"{op} {key!r}"
+        deadline = self._deadline
+        if deadline is None:
+            return self._retry.call(what, fn)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StorageUnavailable(f"storage {self.url}: {what} not tried: the notice window is over")
+        return _within(left, lambda: self._retry.call(what, fn, budget_s=left), f"storage {self.url}: {what}")
+
+
+def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
+    """fn() in a daemon thread, given `seconds`: its result or exception, or StorageUnavailable
+    when it is still running then (the thread is left to finish or to die with the process)."""
+    done: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn()))
+        except BaseException as e:      # handed to the caller's thread
+            done.append((False, e))
+
+    thread = threading.Thread(target=run, name="storage-call", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not done:
+        raise StorageUnavailable(f"{what}: no answer within the {seconds:.1f} s left of the notice window; given up")
+    ok, value = done[0]
+    if ok:
+        return value
+    raise value
 
 
 _BOTOCORE_LOADER: Any = None

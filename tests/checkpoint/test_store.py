@@ -387,3 +387,25 @@ def test_an_s3_outage_is_ridden_out_when_the_server_comes_back(make_s3_server, m
 
     assert data == b"m"
     assert len(sleep.delays) == 2
+
+
+def test_a_call_to_a_stalled_server_is_given_up_when_the_notice_window_ends(s3_env, monkeypatch):
+    """A stalled server answers nothing until botocore's 60 s read timeout; after a notice the
+    store ends every call by the window's end instead, and starts none after it."""
+    from tests.faults.s3proxy import S3Proxy
+
+    with S3Proxy(s3_env.server.port) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint_url)
+        store = Store(s3_env.url)
+        store.put_bytes("before", b"stored")                  # the connection works
+        proxy.set("stall")
+        started = time.monotonic()
+        store.finish_by(started + 2.0)
+        with pytest.raises(StorageUnavailable, match="notice window"):
+            store.put_bytes("record", b"never answered")
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(StorageUnavailable, match="not tried"):
+            store.get_bytes("before")
+        proxy.set("pass")
+        store.finish_by(None)
+        assert store.get_bytes("before") == b"stored"
