@@ -42,7 +42,7 @@ _MAX_CRASH_LOG_CHARS = 8_000
 _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
 _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
 # faulthandler's frame lines for the worker's own code and the `-m` machinery under it
-_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader_(?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
+_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
 
 
 class WorkerGone(Exception):
