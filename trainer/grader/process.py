@@ -12,9 +12,11 @@ described there); the frame format is defined there once and imported here.
 
 Besides the pipes, each worker gets a scratch directory (the only place its reward function may
 write; removed by release()) and its own process group (so kill() takes whatever it started too).
-Its stdout and stderr are one pipe, copied to our stderr by a thread up to _MAX_OUTPUT_BYTES per
-worker: a reward function that prints hundreds of MB must not fill the trainer's log or disk. Past
-the limit one line says the rest is dropped, and one more, when the worker ends, how much was.
+Its stdout and stderr are one pipe, copied to our stderr by a thread, scrubbed of the trainer's
+secrets (`redact`), up to _MAX_OUTPUT_BYTES per worker: a reward function that prints hundreds of MB
+must not fill the trainer's log or disk. Past the limit one line says the rest is dropped, and one
+more, when the worker ends, how much was. Every text in its frames and its crash log is scrubbed and
+capped (`redact.clean`) before anything here returns it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from typing import IO, Any
 
 from grpo_run.checkpoint.procs import python_env
+from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
 __all__ = ["WorkerGone", "WorkerOverdue", "WorkerProcess"]
@@ -135,8 +138,12 @@ class WorkerProcess:
         if length > _MAX_FRAME_BYTES:
             raise WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
         try:
-            return json.loads(self._read_exactly(length, deadline))
+            frame = json.loads(self._read_exactly(length, deadline))
         except ValueError:
+            raise WorkerGone() from None
+        try:
+            return _cleaned(frame)
+        except RecursionError:
             raise WorkerGone() from None
 
     def _read_exactly(self, n: int, deadline: float) -> bytes:
@@ -162,7 +169,7 @@ class WorkerProcess:
             return ""
         lines = data.decode(errors="replace").splitlines(keepends=True)
         kept = [line for line in lines if not _WORKER_FRAME.match(line)]
-        return "".join(kept)[-_MAX_CRASH_LOG_CHARS:]
+        return clean("".join(kept)[-_MAX_CRASH_LOG_CHARS:])
 
     def abort(self, grace_s: float) -> None:
         """SIGABRT (faulthandler dumps the stack, then the process dies); SIGKILL if it won't."""
@@ -219,6 +226,7 @@ class _OutputRelay:
 
     def _run(self) -> None:
         passed = dropped = 0
+        scrubber = StreamScrubber()
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         while not self._stop.is_set():
@@ -227,6 +235,17 @@ class _OutputRelay:
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
                 break  # EOF: the worker and everything it started have closed the pipe
+            passed, dropped = self._pass_on(scrubber.feed(chunk), passed, dropped)
+        passed, dropped = self._pass_on(scrubber.flush(), passed, dropped)
+        if dropped:
+            _write_stderr(
+                f"[grader worker {self._pid}: dropped {_mib(dropped)} ({dropped:,} bytes) of the reward "
+                f"function's output, after the first {_mib(_MAX_OUTPUT_BYTES)}]\n".encode()
+            )
+
+    def _pass_on(self, chunk: bytes, passed: int, dropped: int) -> tuple[int, int]:
+        """Copy what fits under _MAX_OUTPUT_BYTES to our stderr; (passed, dropped) afterwards."""
+        if chunk:
             shown = chunk[: max(0, _MAX_OUTPUT_BYTES - passed)]
             if shown:
                 passed += len(shown)
@@ -238,11 +257,7 @@ class _OutputRelay:
                         f"is dropped, and counted when the worker ends]\n".encode()
                     )
                 dropped += len(chunk) - len(shown)
-        if dropped:
-            _write_stderr(
-                f"[grader worker {self._pid}: dropped {_mib(dropped)} ({dropped:,} bytes) of the reward "
-                f"function's output, after the first {_mib(_MAX_OUTPUT_BYTES)}]\n".encode()
-            )
+        return passed, dropped
 
     def close(self, drain_s: float) -> None:
         """Wait up to drain_s for the pipe's EOF (what is left in it still passes, or counts), then
@@ -276,3 +291,13 @@ def _worker_env() -> dict[str, str]:
         env.setdefault(var, "1")
     return env
 
+
+def _cleaned(value: Any) -> Any:
+    """A frame with every text in it scrubbed of our secrets and capped (`redact.clean`)."""
+    if isinstance(value, str):
+        return clean(value)
+    if isinstance(value, dict):
+        return {key: _cleaned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cleaned(item) for item in value]
+    return value

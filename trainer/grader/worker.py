@@ -45,7 +45,9 @@ from grpo_run.trainer.grader.sandbox import _children, _end_leftover_processes, 
 
 _HEADER = struct.Struct(">I")  # big-endian payload length in bytes
 _MAX_ERROR_CHARS = 20_000  # a runaway traceback must not flood the trainer's logs
-_MAX_MESSAGE_CHARS = 4_000  # one exception's message, cut before the traceback around it is formatted
+# One exception's message, cut before the traceback around it is formatted; short enough that the
+# parent's cap (redact._MAX_TEXT_CHARS) keeps the traceback around it whole.
+_MAX_MESSAGE_CHARS = 1_000
 # Frames of these files are the worker's machinery, noise in the user's tracebacks: this module's
 # and the sandbox's (its audit hook raises the refusals).
 _OWN_FILES = frozenset({__file__, grader_sandbox.__file__})

@@ -1,0 +1,202 @@
+"""A reward function is untrusted code (it may have been planted through the bucket): whatever text
+of its leaves the sandbox (its errors, what it prints) comes back scrubbed of the trainer's secrets
+and capped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
+from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
+
+SECRET = "FAKE-NODE-SECRET-1234567890"  # what the trainer's environment holds, and the files below
+CREDENTIALS = {
+    "AWS_SECRET_ACCESS_KEY": SECRET,
+    "AWS_ACCESS_KEY_ID": "AKIAFAKEFAKEFAKE",
+    "HF_TOKEN": "hf_fakefakefakefake",
+    "WANDB_API_KEY": "fake-wandb-key-0000",
+    "MLFLOW_TRACKING_TOKEN": "fake-mlflow-token",
+    "GRPO_RUN_PARENT_PID": "12345",
+}
+
+REWARDS = '''
+import ctypes, errno, json, os, signal, socket, struct, subprocess, sys
+
+NOT_FOUND, REFUSED, READ = 2.0, 0.0, 1.0
+
+def credentials_in_environment(completion, task):
+    return float(sum(name in os.environ or value in repr(os.environ) for name, value in task["env"].items()))
+
+def environment(completion, task):
+    return float(os.environ.get(task["name"]) == task["value"])
+
+def reads(completion, task):
+    """READ when the file's text came back; the sandbox's refusal ends the reward function."""
+    path = task["path"] if "path" in task else f"/proc/{os.getppid()}/environ"
+    try:
+        text = open(path, "rb").read()
+    except FileNotFoundError:
+        return NOT_FOUND
+    return READ if task.get("expect", "").encode() in text else 3.0
+
+def reads_with_a_program(completion, task):
+    done = subprocess.run(["cat", task["path"]], capture_output=True)
+    if done.returncode == 0:
+        return READ
+    return REFUSED if b"Permission denied" in done.stderr else NOT_FOUND
+
+def reads_a_neighbour(completion, task):
+    import neighbour  # a module next to this file
+    with open(os.path.join(os.path.dirname(__file__), "data.txt")) as f:
+        return float(f.read()) + neighbour.BONUS
+
+def c_connect(completion, task):
+    """socket() and connect() through libc, past Python's refusals: 0 once connected (or on its
+    way), else the errno of the step that failed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    family = socket.AF_UNIX if "path" in task else socket.AF_INET
+    fd = libc.socket(family, socket.SOCK_STREAM | socket.SOCK_NONBLOCK, 0)
+    if fd < 0:
+        return float(ctypes.get_errno())
+    if family == socket.AF_UNIX:
+        address = struct.pack("H", family) + task["path"].encode().ljust(108, b"\\0")
+    else:
+        address = struct.pack("H", family) + struct.pack(">H", task["port"]) + socket.inet_aton(task["host"]) + bytes(8)
+    code = 0 if libc.connect(fd, address, len(address)) == 0 else ctypes.get_errno()
+    if code == errno.EINPROGRESS:
+        code = 0  # a SYN went out
+    else:
+        libc.send(fd, b"LEAK", 4, 0)
+    os.close(fd)
+    return float(code)
+
+def dgram_socketpair(completion, task):
+    try:
+        socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    except PermissionError as error:
+        return float(error.errno)
+    return 0.0
+
+def stream_socketpair(completion, task):
+    a, b = socket.socketpair()
+    a.sendall(b"ping")
+    return float(b.recv(4) == b"ping")
+
+def signals(completion, task):
+    """1.0 when SIGTERM reached the target, 0.0 when refused, -1.0 when it has no pid in here."""
+    pid = os.getppid() if task["target"] == "parent" else task["pid"]
+    if pid == 0:
+        return -1.0  # a PID namespace: the parent is outside it
+    if task.get("with") == "a program":
+        return float(subprocess.run(["sh", "-c", f"kill -TERM {pid}"], capture_output=True).returncode == 0)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except (PermissionError, ProcessLookupError):
+        return 0.0
+    return 1.0
+
+def raises_the_secret(completion, task):
+    print("printing", task["secret"], flush=True)
+    os.write(1, task["secret"][:6].encode())
+    os.write(1, task["secret"][6:].encode() + b" written in two pieces\\n")
+    raise RuntimeError(f"the key is {task['secret']}")
+
+def raises_a_long_chain(completion, task):
+    error = None
+    for i in range(15):
+        try:
+            raise ValueError(f"{i} " + "x" * 900) from error
+        except ValueError as caught:
+            error = caught
+    raise error
+
+def returns(completion, task):
+    return task["value"]
+
+def forges_a_reply(completion, task):
+    config = json.loads(sys.argv[1])  # the worker's argv names the response pipe
+    payload = task["payload"].encode()
+    os.write(config["response_fd"], struct.pack(">I", len(payload)) + payload)
+    os._exit(0)
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path: Path) -> Path:
+    """The rewards, alone in a folder of their own: tmp_path holds the secrets the tests plant."""
+    folder = tmp_path / "reward"
+    folder.mkdir()
+    path = folder / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch) -> dict[str, Path]:
+    """A node's secrets: credentials in the trainer's environment, a home folder with AWS and
+    Hugging Face credentials, a work folder whose plan.json holds the eval answers."""
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    home = tmp_path / "home"
+    (home / ".aws").mkdir(parents=True)
+    (home / ".aws" / "credentials").write_text(f"[default]\naws_secret_access_key = {SECRET}\n")
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    (home / ".cache" / "huggingface" / "token").write_text(SECRET)
+    monkeypatch.setenv("HOME", str(home))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "plan.json").write_text(json.dumps({"evalAnswers": [SECRET]}))
+    return {"aws": home / ".aws" / "credentials", "hf": home / ".cache" / "huggingface" / "token",
+            "plan": work / "plan.json", "home": home}
+
+
+def grader_for(rewards_file: Path, name: str, **settings) -> Grader:
+    settings.setdefault("retries", 0)
+    settings.setdefault("retry_wait_s", 0)
+    return Grader(f"{rewards_file}:{name}", **settings)
+
+
+def failure_of(grader: Grader, tasks=({},)) -> RewardFunctionError:
+    with pytest.raises(RewardFunctionError) as raised:
+        grader.score(["x"] * len(tasks), list(tasks))
+    return raised.value
+
+
+# text that leaves the sandbox -----------------------------------------------------------------
+
+
+def test_a_secret_in_a_reward_functions_error_and_output_comes_back_redacted(rewards_file, node, capfd):
+    with grader_for(rewards_file, "raises_the_secret") as grader:
+        error = failure_of(grader, [{"secret": SECRET}])
+    message = str(error)
+    assert "RuntimeError: the key is [redacted $AWS_SECRET_ACCESS_KEY]" in message and SECRET not in message
+    err = capfd.readouterr().err
+    assert "printing [redacted $AWS_SECRET_ACCESS_KEY]" in err
+    assert "[redacted $AWS_SECRET_ACCESS_KEY] written in two pieces" in err and SECRET not in err
+
+
+def test_a_long_error_is_capped_saying_so(rewards_file, node):
+    with grader_for(rewards_file, "raises_a_long_chain") as grader:
+        message = str(failure_of(grader))
+    assert "characters cut" in message and len(message) < 5_000
+    assert "ValueError: 0 xxx" in message and "ValueError: 14 xxx" in message  # its head and its tail
+
+
+def test_scrubbing_catches_a_secret_split_across_chunks_and_leaves_short_values():
+    environ = {"AWS_SECRET_ACCESS_KEY": SECRET, "MY_API_KEY": "k" * 12, "PIN_TOKEN": "1234567", "PATH": "/usr/bin"}
+    text = f"a {SECRET} b {'k' * 12} c 1234567 /usr/bin".encode()
+    for cut in range(1, len(text)):
+        scrubber = StreamScrubber(environ)
+        out = scrubber.feed(text[:cut]) + scrubber.feed(text[cut:]) + scrubber.flush()
+        assert out == b"a [redacted $AWS_SECRET_ACCESS_KEY] b [redacted $MY_API_KEY] c 1234567 /usr/bin"
+    assert scrub(f"x{SECRET}x", environ) == "x[redacted $AWS_SECRET_ACCESS_KEY]x"
+    assert cap("y" * 10, 4) == "yy\n[... 6 characters cut: text from the reward function's sandbox is capped at 4 ...]\nyy"
+
+
+def test_whole_lines_of_output_pass_at_once():
+    scrubber = StreamScrubber({"HF_TOKEN": SECRET})
+    assert scrubber.feed(b"line one\nline tw") == b"line one\n"
+    assert scrubber.feed(b"o\n") == b"line two\n"
