@@ -1,6 +1,7 @@
 """A reward function is untrusted code (it may have been planted through the bucket): whatever text
 of its leaves the sandbox (its errors, what it prints) comes back scrubbed of the trainer's secrets
-and capped."""
+and capped, and what it returns, or writes to the worker's reply pipe itself, becomes training data
+only when it is a finite number within bounds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
+from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
 
 SECRET = "FAKE-NODE-SECRET-1234567890"  # what the trainer's environment holds, and the files below
@@ -200,3 +201,34 @@ def test_whole_lines_of_output_pass_at_once():
     scrubber = StreamScrubber({"HF_TOKEN": SECRET})
     assert scrubber.feed(b"line one\nline tw") == b"line one\n"
     assert scrubber.feed(b"o\n") == b"line two\n"
+
+
+# rewards that cannot be training data ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1e7, -1e39, float("inf")])
+def test_a_reward_past_the_bound_is_the_reward_functions_error(rewards_file, node, value):
+    with grader_for(rewards_file, "returns") as grader:
+        assert grader.score(["x"], [{"value": MAX_ABS_REWARD}]) == [MAX_ABS_REWARD]
+        message = str(failure_of(grader, [{"value": value}]))
+    assert f"returns returned {value!r}; a reward must be a finite number within ±1e+06" in message
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        ('{"ok": NaN}', "returned nan; a reward must be a finite number within ±1e+06"),
+        ('{"ok": Infinity}', "returned inf"),
+        ('{"ok": 1e39}', "returned 1e+39"),
+        ('{"ok": 1' + "0" * 400 + "}", "returned inf"),
+        ('{"ok": "1.0"}', "sent the grader a reply it cannot read"),
+        ('{"ok": true}', "sent the grader a reply it cannot read"),
+        ('{"kind": "exception"}', "sent the grader a reply it cannot read"),
+        ("[1, 2]", "exited with code 0"),
+        ("[" * 100_000, "exited with code 0"),
+    ],
+)
+def test_a_reply_the_reward_function_forges_is_checked_like_any_other(rewards_file, node, payload, says):
+    with grader_for(rewards_file, "forges_a_reply") as grader:
+        error = failure_of(grader, [{"payload": payload}])
+    assert says in str(error)

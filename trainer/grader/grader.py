@@ -4,7 +4,7 @@ The trainer never grades itself. A worker process (`trainer.grader_worker`, star
 to through `trainer.grader_process`) imports the reward function once and then scores one batch
 per request, with no network, writes only in a scratch directory of its own, a memory limit and
 a time limit per completion. A reward function that raises, hangs, returns something that is not
-a finite number, or kills its process is an infrastructure failure: it is retried (the worker is
+a finite number within ±MAX_ABS_REWARD, or kills its process is an infrastructure failure: it is retried (the worker is
 restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
 `RewardFunctionError` carrying the function's own error. One that does what the sandbox refuses
 (writes outside its scratch directory, os.fork()) fails at once, saying what was refused. It is
@@ -24,12 +24,15 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
+from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
+from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
+
+__all__ = ["MAX_ABS_REWARD", "Grader", "RewardFunctionError"]
 
 _IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -37,7 +40,6 @@ log = logging.getLogger(__name__)
 
 NetworkSandbox = Literal["auto", "netns", "python"]
 FilesystemSandbox = Literal["auto", "landlock", "python"]
-FailureKind = Literal["exception", "timeout", "invalid", "refused", "hung", "crashed"]
 
 
 class RewardFunctionError(RuntimeError):
@@ -56,14 +58,6 @@ class RewardFunctionError(RuntimeError):
         self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
         self.index = index  # which completion of the batch failed; None for load failures
         self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """One failed try at one completion."""
-
-    kind: FailureKind
-    detail: str
 
 
 class Grader:
@@ -267,19 +261,19 @@ class Grader:
             self._sandbox = hello["sandbox"]
             self._filesystem = hello["filesystem"]
             return worker
-        worker.kill()
-        detail = hello.get("error") or (
-            f"the worker process {_how_it_died(worker.returncode)} while loading it"
-            f"{_section('Crash report', worker.crash_log())}"
-        )
+        worker.kill_after_exit()
+        error, kind = hello.get("error"), hello.get("kind")
+        if not (isinstance(error, str) and kind in ("exception", "refused")):
+            error = (
+                f"the worker process {_how_it_died(worker.returncode)} while loading it"
+                f"{_section('Crash report', worker.crash_log())}"
+            )
+            kind = "crashed"
         worker.release()
-        raise RewardFunctionError(
-            f"cannot load reward function {self.reward_ref!r}:\n{detail}",
-            ref=self.reward_ref,
-            kind=hello.get("kind", "exception") if "error" in hello else "crashed",
-        )
+        raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
+                                  kind=kind)
 
-    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | _Failure]:
+    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | Failure]:
         """Send the pending items in one request and collect what comes back.
 
         The worker stops at the first failure (as it does when it crashes or hangs): items after
@@ -288,7 +282,7 @@ class Grader:
         if self._worker is None:
             self._worker = self._start_worker()
         worker = self._worker
-        outcomes: dict[int, float | _Failure] = {}
+        outcomes: dict[int, float | Failure] = {}
         try:
             worker.send({"items": [items[i] for i in pending]})
         except WorkerGone:
@@ -302,13 +296,12 @@ class Grader:
             except WorkerOverdue:
                 outcomes[i] = self._restart_after(worker, "hung")
                 break
-            if "ok" not in frame:
-                outcomes[i] = _Failure(frame["kind"], frame["error"])
+            outcomes[i] = result = outcome(frame)
+            if isinstance(result, Failure):
                 break
-            outcomes[i] = float(frame["ok"])
         return outcomes
 
-    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> _Failure:
+    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> Failure:
         """Put the dead or stuck worker down (the next pass starts a new one) and say what happened."""
         if kind == "hung":
             # SIGABRT first: faulthandler in the worker prints where the code is stuck.
@@ -320,7 +313,7 @@ class Grader:
                 f"{_section('Where it was stuck', worker.crash_log())}"
             )
         else:
-            worker.kill()
+            worker.kill_after_exit()
             detail = (
                 f"the grader worker process {_how_it_died(worker.returncode)} while running it"
                 f"{_memory_hint(worker.returncode, self.memory_mb)}"
@@ -328,9 +321,9 @@ class Grader:
             )
         worker.release()
         self._worker = None
-        return _Failure(kind, detail)
+        return Failure(kind, detail)
 
-    def _give_up(self, index: int, total: int, tries: int, failure: _Failure) -> RewardFunctionError:
+    def _give_up(self, index: int, total: int, tries: int, failure: Failure) -> RewardFunctionError:
         if failure.kind == "refused":
             return RewardFunctionError(
                 f"reward function {self.reward_ref!r} did what the grader refuses, on completion "

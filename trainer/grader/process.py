@@ -44,6 +44,7 @@ _MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a 
 _MAX_CRASH_LOG_CHARS = 8_000
 _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
 _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
+_EXIT_WAIT_S = 0.5  # how long a worker whose pipe is at EOF may take to exit before it is killed
 # faulthandler's frame lines for the worker's own code and the `-m` machinery under it
 _WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
 
@@ -139,8 +140,10 @@ class WorkerProcess:
             raise WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
         try:
             frame = json.loads(self._read_exactly(length, deadline))
-        except ValueError:
+        except (ValueError, RecursionError):  # a forged frame nested past the parser's depth
             raise WorkerGone() from None
+        if not isinstance(frame, dict):
+            raise WorkerGone()
         try:
             return _cleaned(frame)
         except RecursionError:
@@ -179,6 +182,16 @@ class WorkerProcess:
                 self._proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass  # SIGABRT ignored too; kill() below cannot be
+        self.kill()
+
+    def kill_after_exit(self) -> None:
+        """kill(), once the worker has had _EXIT_WAIT_S to end by itself: its pipe is at EOF, or
+        carried what it should not, and it may be on its way out; how it ended is what the error
+        reports."""
+        try:
+            self._proc.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill()
 
     def kill(self) -> None:

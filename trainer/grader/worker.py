@@ -4,6 +4,9 @@ Started by `trainer.grader.Grader` as `python -m trainer.grader_worker CONFIG_JS
 hand. It talks to its parent over two private pipes (file descriptors named in the config), with
 length-prefixed JSON frames, so a reward function that prints cannot corrupt the protocol: its
 stdout and stderr are a third pipe, which the parent reads and caps (`trainer.grader_process`).
+The reward function can still write frames of its own to the response pipe (its number is in
+argv): the parent checks every frame it reads as it would an untrusted one
+(`grpo_run.trainer.grader.replies`).
 
 Conversation:
     worker -> parent  {"type": "ready", "sandbox": "netns"|"python", "filesystem": "landlock"|"python",
@@ -225,8 +228,23 @@ def _call_with_alarm(fn: RewardFn, completion: str, task: dict, timeout_s: float
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+# Training data is float32: it holds integers exactly only up to 2**24 (about 1.7e7) and is inf
+# past 3.4e38, and the group statistics square the rewards. No meaningful reward is anywhere near
+# this; one that is, is a bug (or an attack) and must not become training data.
+MAX_ABS_REWARD = 1e6
+
+
+def reward_problem(reward: float) -> str:
+    """Why `reward` cannot be training data ("" when it can): the worker's check, and the parent's
+    again on every frame (the reward function can write frames to the response pipe itself)."""
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        return f"returned {reward!r}; a reward must be a finite number within ±{MAX_ABS_REWARD:g}"
+    return ""
+
+
 def as_reward(value: Any) -> float:
-    """The reward as a float; raises TypeError/ValueError for anything but a finite number.
+    """The reward as a float; raises TypeError/ValueError for anything but a finite number within
+    ±MAX_ABS_REWARD.
 
     Anything float() takes without parsing text counts: bool, int, float, numpy scalars (a
     np.bool_ from np.isclose is common), a one-element tensor.
@@ -241,8 +259,8 @@ def as_reward(value: Any) -> float:
     except Exception as error:  # a 10**400 int, a complex, a many-element array
         kind = type(value).__name__
         raise ValueError(f"returned a value of type {kind} that float() rejects ({error})") from None
-    if not math.isfinite(reward):
-        raise ValueError(f"returned {reward!r}; a reward must be a finite number")
+    if reward_problem(reward):
+        raise ValueError(reward_problem(reward))
     return reward
 
 
