@@ -1,11 +1,13 @@
-"""A reward function is untrusted code (it may have been planted through the bucket): whatever text
-of its leaves the sandbox (its errors, what it prints) comes back scrubbed of the trainer's secrets
-and capped, and what it returns, or writes to the worker's reply pipe itself, becomes training data
-only when it is a finite number within bounds."""
+"""A reward function is untrusted code (it may have been planted through the bucket): it finds none
+of the trainer's credentials in its environment, whatever text of its leaves the sandbox (its
+errors, what it prints) comes back scrubbed of the trainer's secrets and capped, and what it
+returns, or writes to the worker's reply pipe itself, becomes training data only when it is a
+finite number within bounds."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -164,6 +166,21 @@ def failure_of(grader: Grader, tasks=({},)) -> RewardFunctionError:
     with pytest.raises(RewardFunctionError) as raised:
         grader.score(["x"] * len(tasks), list(tasks))
     return raised.value
+
+
+# environment ----------------------------------------------------------------------------------
+
+
+def test_the_trainers_credentials_are_not_in_the_reward_functions_environment(rewards_file, node):
+    with grader_for(rewards_file, "credentials_in_environment") as grader:
+        assert grader.score(["x"], [{"env": CREDENTIALS}]) == [0.0]
+
+
+def test_the_reward_function_gets_a_scratch_home_and_one_thread_per_library(rewards_file, node):
+    with grader_for(rewards_file, "environment") as grader:
+        tasks = [{"name": "HOME", "value": os.environ["HOME"]}, {"name": "OMP_NUM_THREADS", "value": "1"},
+                 {"name": "PATH", "value": os.environ["PATH"]}]
+        assert grader.score(["x"] * 3, tasks) == [0.0, 1.0, 1.0]  # HOME is not the node's
 
 
 # text that leaves the sandbox -----------------------------------------------------------------

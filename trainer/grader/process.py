@@ -11,11 +11,12 @@ described there); the frame format is defined there once and imported here.
     worker.release()                                # SIGKILL, reap, close everything
 
 Besides the pipes, each worker gets a scratch directory (the only place its reward function may
-write; removed by release()) and its own process group (so kill() takes whatever it started too).
-Its stdout and stderr are one pipe, copied to our stderr by a thread, scrubbed of the trainer's
-secrets (`redact`), up to _MAX_OUTPUT_BYTES per worker: a reward function that prints hundreds of MB
-must not fill the trainer's log or disk. Past the limit one line says the rest is dropped, and one
-more, when the worker ends, how much was. Every text in its frames and its crash log is scrubbed and
+write; removed by release()), its own process group (so kill() takes whatever it started too) and
+an environment of its own (`_worker_env`: an allow-list, none of the trainer's credentials). Its
+stdout and stderr are one pipe, copied to our stderr by a thread, scrubbed of the trainer's secrets
+(`redact`), up to _MAX_OUTPUT_BYTES per worker: a reward function that prints hundreds of MB must
+not fill the trainer's log or disk. Past the limit one line says the rest is dropped, and one more,
+when the worker ends, how much was. Every text in its frames and its crash log is scrubbed and
 capped (`redact.clean`) before anything here returns it.
 """
 
@@ -34,7 +35,6 @@ import threading
 import time
 from typing import IO, Any
 
-from grpo_run.checkpoint.procs import python_env
 from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
@@ -47,6 +47,11 @@ _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF aft
 _EXIT_WAIT_S = 0.5  # how long a worker whose pipe is at EOF may take to exit before it is killed
 # faulthandler's frame lines for the worker's own code and the `-m` machinery under it
 _WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
+# What the worker's environment keeps of ours: where programs are, the language, Python's own
+# behaviour (never PYTHONPATH: the worker imports grpo_run as installed, and a folder there would be
+# readable to the reward too). Everything else, credentials above all, stays here.
+_KEPT_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING")
+_DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 class WorkerGone(Exception):
@@ -99,7 +104,7 @@ class WorkerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=output_w,
                 stderr=output_w,
-                env=_worker_env(),
+                env=_worker_env(scratch),
                 cwd=scratch,
                 start_new_session=True,  # its own process group: kill() takes its descendants too
             )
@@ -296,12 +301,22 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _worker_env() -> dict[str, str]:
-    env = python_env()
+def _worker_env(scratch: str) -> dict[str, str]:
+    """The worker's whole environment: an allow-list (_KEPT_ENV, LC_*), never a copy of ours with
+    things taken out: the trainer holds the node's credentials (AWS_*, HF_TOKEN, WANDB_API_KEY,
+    MLFLOW_TRACKING_TOKEN) and GRPO_RUN_* (the supervisor's pid), and a new variable of tomorrow's
+    must not reach the reward function either. What the worker needs of ours is in its argv."""
+    env = {name: value for name, value in os.environ.items() if name in _KEPT_ENV or name.startswith("LC_")}
+    env.setdefault("PATH", _DEFAULT_PATH)
+    # A user's trainer/ or state.py next to the worker's folder cannot stand in for ours (cwd= is
+    # the scratch directory too); see checkpoint.procs.python_env.
+    env["PYTHONSAFEPATH"] = "1"
     # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
     # reserve address space that counts against memory_mb.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, "1")
+        env[var] = "1"
+    # Caches and dotfiles a library writes under ~ land in the scratch directory, removed with it.
+    env["HOME"] = env["TMPDIR"] = scratch
     return env
 
 
