@@ -1,19 +1,28 @@
-"""A reward function is untrusted code (it may have been planted through the bucket): it finds none
-of the trainer's credentials in its environment, whatever text of its leaves the sandbox (its
-errors, what it prints) comes back scrubbed of the trainer's secrets and capped, and what it
-returns, or writes to the worker's reply pipe itself, becomes training data only when it is a
-finite number within bounds."""
+"""A reward function is untrusted code (it may have been planted through the bucket): it takes
+nothing of the node's. It finds none of the trainer's credentials in its environment or its files,
+reaches no socket but its own socketpairs, cannot signal the run's processes, and whatever text of
+its leaves the sandbox scrubbed of the trainer's secrets and capped. Every test runs with strict=True
+(all layers in force) unless it is about a layer alone."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
 
-from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError
+from grpo_run.trainer.envs.catalog import Reward
+from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
+from grpo_run.trainer.grader.scoring import Scorer
 
 SECRET = "FAKE-NODE-SECRET-1234567890"  # what the trainer's environment holds, and the files below
 CREDENTIALS = {
@@ -159,6 +168,7 @@ def node(tmp_path: Path, monkeypatch) -> dict[str, Path]:
 def grader_for(rewards_file: Path, name: str, **settings) -> Grader:
     settings.setdefault("retries", 0)
     settings.setdefault("retry_wait_s", 0)
+    settings.setdefault("strict", True)
     return Grader(f"{rewards_file}:{name}", **settings)
 
 
@@ -181,6 +191,127 @@ def test_the_reward_function_gets_a_scratch_home_and_one_thread_per_library(rewa
         tasks = [{"name": "HOME", "value": os.environ["HOME"]}, {"name": "OMP_NUM_THREADS", "value": "1"},
                  {"name": "PATH", "value": os.environ["PATH"]}]
         assert grader.score(["x"] * 3, tasks) == [0.0, 1.0, 1.0]  # HOME is not the node's
+
+
+# files ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", ["aws", "hf", "plan"])
+def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_file, node, secret):
+    task = {"path": str(node[secret]), "expect": SECRET}
+    with grader_for(rewards_file, "reads") as grader, grader_for(rewards_file, "reads_with_a_program") as program:
+        assert grader.sandbox_mode["filesystem"] == "landlock"
+        assert program.score(["x"], [task]) == [0.0]  # Landlock: `cat` is past Python's hook
+        error = failure_of(grader, [task])
+    # Python's own reads are refused before Landlock would, saying what and why, and not retried
+    assert error.kind == "refused" and f"reading {str(node[secret])!r} was refused" in str(error)
+
+
+def test_the_trainers_proc_environ_and_root_only_files_cannot_be_read(rewards_file, node):
+    with grader_for(rewards_file, "reads_with_a_program") as program:
+        paths = [f"/proc/{os.getpid()}/environ", "/etc/shadow"]
+        assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [0.0, 0.0]
+    with grader_for(rewards_file, "reads") as grader:
+        assert failure_of(grader, [{"expect": SECRET}]).kind == "refused"  # /proc/<its parent>/environ
+
+
+def test_a_reward_in_the_home_folder_is_given_its_own_file_not_the_folder(tmp_path, node):
+    module = node["home"] / "reward.py"
+    module.write_text("def reward(completion, task):\n    return len(open(task['path']).read())\n")
+    with Grader(f"{module}:reward", strict=True, retries=0) as grader:
+        assert grader.score(["x"], [{"path": str(module)}]) == [float(len(module.read_text()))]
+        with pytest.raises(RewardFunctionError, match="was refused"):
+            grader.score(["x"], [{"path": str(node["aws"])}])
+
+
+def test_the_reward_reads_its_own_folder_and_imports_its_neighbours(rewards_file, node):
+    (rewards_file.parent / "neighbour.py").write_text("BONUS = 0.5\n")
+    (rewards_file.parent / "data.txt").write_text("2")
+    with grader_for(rewards_file, "reads_a_neighbour") as grader:
+        assert grader.score(["x"], [{}]) == [2.5]
+
+
+@pytest.mark.parametrize("ref", ["grpo_run.trainer.envs.rewards:math_correct",
+                                 "grpo_run.trainer.envs.catalog:arithmetic_reward"])
+def test_the_catalogs_rewards_run_in_the_strict_sandbox(ref, node):
+    task = {"answer": "#### 72"} if ref.endswith("math_correct") else {"answer": "72"}
+    with Grader(ref, strict=True, retries=0) as grader:
+        assert grader.score(["so \\boxed{72}" if "math" in ref else "72"], [task]) == [1.0]
+
+
+def test_the_scorer_says_which_layers_are_in_force_for_the_trainers_events(node):
+    rewards = [Reward("correct", "grpo_run.trainer.envs.rewards:math_correct"),
+               Reward("format", "grpo_run.trainer.envs.rewards:boxed_format", 0.2)]
+    with Scorer(rewards, strict=True) as scorer:
+        mode = scorer.sandbox_mode
+    assert mode["network"] == "netns" and mode["filesystem"] == "landlock" and mode["seccomp"] == "on"
+    assert mode["signals"] in ("landlock", "pidns")
+
+
+# sockets --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unix_listener():
+    folder = tempfile.mkdtemp(prefix="gs-")  # short: a unix socket's path has 108 bytes
+    path = os.path.join(folder, "listen.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    listener.setblocking(False)
+    yield listener, path
+    listener.close()
+    os.unlink(path)
+    os.rmdir(folder)
+
+
+@pytest.mark.parametrize("network", ["auto", "python"])
+def test_no_socket_is_reachable_below_python_with_or_without_a_network_namespace(rewards_file, node, unix_listener,
+                                                                                  network):
+    listener, path = unix_listener
+    local = socket.create_server(("127.0.0.1", 0))
+    local.setblocking(False)
+    targets = [{"path": path}, {"host": "127.0.0.1", "port": local.getsockname()[1]},
+               {"host": "169.254.169.254", "port": 80}]
+    with local, grader_for(rewards_file, "c_connect", network=network, strict=network == "auto") as grader:
+        assert grader.sandbox_mode["network"] == ("netns" if network == "auto" else "python")
+        assert grader.sandbox_mode["seccomp"] == "on"
+        # seccomp refuses socket() itself: the errno is EPERM, not a namespace's "unreachable"
+        assert grader.score(["x"] * 3, targets) == [float(errno.EPERM)] * 3
+        for server in (listener, local):
+            with pytest.raises(BlockingIOError):
+                server.accept()  # nobody ever connected
+
+
+def test_stream_socketpairs_work_and_datagram_ones_are_refused(rewards_file, node):
+    with grader_for(rewards_file, "stream_socketpair") as grader:
+        assert grader.score(["x"], [{}]) == [1.0]  # multiprocessing.Pipe
+    with grader_for(rewards_file, "dgram_socketpair") as grader:
+        assert grader.score(["x"], [{}]) == [float(errno.EPERM)]  # sendto() on one reaches any path
+
+
+# signals --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signals", ["auto", "pidns"])
+@pytest.mark.parametrize("how", ["os.kill", "a program"])
+def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, node, signals, how):
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    supervisor = subprocess.Popen(["sleep", "60"])
+    try:
+        with grader_for(rewards_file, "signals", signals=signals) as grader:
+            assert grader.sandbox_mode["signals"] in (("landlock", "pidns") if signals == "auto" else ("pidns",))
+            tasks = [{"target": "parent", "with": how}, {"target": "trainer", "pid": os.getpid(), "with": how},
+                     {"target": "supervisor", "pid": supervisor.pid, "with": how}]
+            parent, trainer, supervised = grader.score(["x"] * 3, tasks)
+        assert (trainer, supervised) == (0.0, 0.0)
+        assert parent == (-1.0 if grader.sandbox_mode["signals"] == "pidns" else 0.0)
+        assert supervisor.poll() is None and got == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        supervisor.kill()
+        supervisor.wait()
 
 
 # text that leaves the sandbox -----------------------------------------------------------------
@@ -249,3 +380,51 @@ def test_a_reply_the_reward_function_forges_is_checked_like_any_other(rewards_fi
     with grader_for(rewards_file, "forges_a_reply") as grader:
         error = failure_of(grader, [{"payload": payload}])
     assert says in str(error)
+
+
+# strict ---------------------------------------------------------------------------------------
+
+# A node like a container under Docker's default seccomp profile: unshare() is refused, so there is
+# no user namespace and no network namespace.
+WITHOUT_NAMESPACES = textwrap.dedent('''
+    import ctypes, json, sys
+    from grpo_run.trainer.grader import seccomp
+    from grpo_run.trainer.grader.landlock import no_new_privs
+    from grpo_run.trainer.grader.grader import Grader, SandboxUnavailable
+    UNSHARE = 272
+    program = seccomp._assemble([(seccomp._LD_W_ABS, 0, 0, seccomp._NR), (seccomp._JEQ_K, "deny", 0, UNSHARE),
+                                 (seccomp._RET_K, 0, 0, seccomp._RET_ALLOW), "deny", (seccomp._RET_K, 0, 0, seccomp._RET_EPERM)])
+    array = (seccomp._SockFilter * len(program))(*(seccomp._SockFilter(*i) for i in program))
+    no_new_privs()
+    assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(seccomp._SockFprog(len(program), array)), 0, 0) == 0
+    try:
+        grader = Grader(sys.argv[1], strict=sys.argv[2] == "strict", retries=0)
+    except SandboxUnavailable as error:
+        print(json.dumps({"missing": list(error.missing), "message": str(error)}))
+    else:
+        print(json.dumps({"mode": grader.sandbox_mode, "score": grader.score(["x"], [{}])}))
+        grader.close()
+''')
+
+
+@pytest.mark.parametrize("strict", ["strict", "lenient"])
+def test_strict_refuses_a_node_without_namespaces_naming_the_fix_and_never_runs_the_reward(tmp_path, strict):
+    module = tmp_path / "reward.py"
+    module.write_text("import sys\nprint('IMPORTED', file=sys.stderr)\ndef reward(completion, task):\n    return 1.0\n")
+    done = subprocess.run([sys.executable, "-c", WITHOUT_NAMESPACES, f"{module}:reward", strict],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    if strict == "strict":
+        assert result["missing"] == ["network"] and "IMPORTED" not in done.stderr
+        assert "unshare(CLONE_NEWUSER|CLONE_NEWNET): Operation not permitted" in result["message"]
+        assert "allow user namespaces" in result["message"] and "strict=True" in result["message"]
+    else:  # runs, and says so; seccomp still keeps it off the network
+        assert result == {"mode": {"network": "python", "filesystem": "landlock", "signals": "landlock",
+                                   "seccomp": "on"}, "score": [1.0]}
+        assert "cannot keep reward function" in done.stderr
+
+
+def test_strict_cannot_be_combined_with_a_layer_turned_off(rewards_file):
+    with pytest.raises(ValueError, match="strict: cannot be combined with network='python'"):
+        grader_for(rewards_file, "returns", network="python", strict=True)

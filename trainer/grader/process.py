@@ -46,7 +46,8 @@ _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to our
 _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
 _EXIT_WAIT_S = 0.5  # how long a worker whose pipe is at EOF may take to exit before it is killed
 # faulthandler's frame lines for the worker's own code and the `-m` machinery under it
-_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
+_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox|namespaces)\.py|<frozen runpy>)", '
+                           r'line \d+ in ')
 # What the worker's environment keeps of ours: where programs are, the language, Python's own
 # behaviour (never PYTHONPATH: the worker imports grpo_run as installed, and a folder there would be
 # readable to the reward too). Everything else, credentials above all, stays here.
@@ -84,8 +85,9 @@ class WorkerProcess:
 
     @classmethod
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
-        """Start `python -m trainer.grader_worker` with `settings` (ref, search_path, timeout_s,
-        memory_mb, network, filesystem) plus its scratch directory and the pipes' and the crash
+        """Start `python -m grpo_run.trainer.grader.worker` with `settings` (ref, search_path,
+        timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch directory, the
+        folders it may never be given (the home folder: `protected`) and the pipes' and the crash
         log's file descriptors."""
         request_r, request_w = os.pipe()
         response_r, response_w = os.pipe()
@@ -95,7 +97,8 @@ class WorkerProcess:
         crash_file = tempfile.TemporaryFile()
         scratch = tempfile.mkdtemp(prefix="grpo-grader-")
         config = dict(
-            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno()
+            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
+            protected=[os.path.realpath(os.path.expanduser("~"))],
         )
         try:
             proc = subprocess.Popen(
@@ -191,8 +194,9 @@ class WorkerProcess:
 
     def kill_after_exit(self) -> None:
         """kill(), once the worker has had _EXIT_WAIT_S to end by itself: its pipe is at EOF, or
-        carried what it should not, and it may be on its way out; how it ended is what the error
-        reports."""
+        carried what it should not, and it may be on its way out (in a PID namespace the process we
+        started is its launcher, which exits a moment after the worker). How the worker ended is what
+        the error reports."""
         try:
             self._proc.wait(timeout=_EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
