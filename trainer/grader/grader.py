@@ -280,15 +280,16 @@ class Grader:
         )
         deadline = time.monotonic() + self._load_timeout_s
         try:
-            sandbox = worker.read(deadline)  # written before any of the reward's code ran
-            if not is_sandbox_frame(sandbox):
-                raise WorkerGone()
-            self._note_sandbox(sandbox["mode"], sandbox["why"])
-            if sandbox["missing"]:
-                worker.release()
-                raise SandboxUnavailable.of(self.reward_ref, sandbox["mode"], sandbox["why"], sandbox["missing"],
-                                            strict=self._strict)
-            hello = worker.read(deadline)
+            hello = worker.read(deadline)  # written before any of the reward's code ran
+            if hello.get("type") != "load_error":  # that one: setting the sandbox up failed
+                if not is_sandbox_frame(hello):
+                    raise WorkerGone()
+                self._note_sandbox(hello["mode"], hello["why"])
+                if hello["missing"]:
+                    worker.release()
+                    raise SandboxUnavailable.of(self.reward_ref, hello["mode"], hello["why"], hello["missing"],
+                                                strict=self._strict)
+                hello = worker.read(deadline)
         except WorkerGone:
             hello = {"type": "died"}
         except WorkerOverdue:
