@@ -1,15 +1,20 @@
 """The sandboxed grader: scores completions with the user's reward function in another process.
 
-The trainer never grades itself. A worker process (`trainer.grader_worker`, started and spoken
-to through `trainer.grader_process`) imports the reward function once and then scores one batch
-per request, with no network, writes only in a scratch directory of its own, a memory limit and
-a time limit per completion. A reward function that raises, hangs, returns something that is not
-a finite number, or kills its process is an infrastructure failure: it is retried (the worker is
-restarted when it died or hung) and, if it keeps failing, `Grader.score` raises
-`RewardFunctionError` carrying the function's own error. One that does what the sandbox refuses
-(writes outside its scratch directory, os.fork()) fails at once, saying what was refused. It is
-never recorded as a reward of 0, which would silently teach the policy that the completion was
-wrong. What it prints reaches the trainer's stderr, up to 1 MiB per worker.
+The trainer never grades itself. A worker process (`grpo_run.trainer.grader.worker`, started and
+spoken to through `grpo_run.trainer.grader.process`) imports the reward function once and then
+scores one batch per request, in a sandbox (`grpo_run.trainer.grader.sandbox`): none of the node's
+credentials in its environment, no network and no sockets, reads only of its own folder and the
+Python installation, writes only in a scratch directory of its own, no signals to the run's
+processes, a memory limit and a time limit per completion. The reward function may be untrusted
+code; `Grader.sandbox_mode` says which layers are in force, and `strict=True` refuses to run it
+without all of them (SandboxUnavailable). A reward function that raises, hangs, returns something
+that is not a finite number within ±MAX_ABS_REWARD, or kills its process is an infrastructure
+failure: it is retried (the worker is restarted when it died or hung) and, if it keeps failing,
+`Grader.score` raises `RewardFunctionError` carrying the function's own error, scrubbed of the
+trainer's secrets and capped (`grpo_run.trainer.grader.redact`). One that does what the sandbox
+refuses (reads or writes outside its folders, the network, os.fork()) fails at once, saying what
+was refused. It is never recorded as a reward of 0, which would silently teach the policy that the
+completion was wrong. What it prints reaches the trainer's stderr, scrubbed, up to 1 MiB per worker.
 
     with Grader("my_env.rewards:exact_match", timeout_s=5) as grader:
         rewards = grader.score(completions, tasks)      # [B*G] floats, one round trip
@@ -24,12 +29,16 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
+from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
+from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
+from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
+
+__all__ = ["MAX_ABS_REWARD", "Grader", "RewardFunctionError", "SandboxUnavailable"]
 
 _IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
@@ -37,7 +46,7 @@ log = logging.getLogger(__name__)
 
 NetworkSandbox = Literal["auto", "netns", "python"]
 FilesystemSandbox = Literal["auto", "landlock", "python"]
-FailureKind = Literal["exception", "timeout", "invalid", "refused", "hung", "crashed"]
+SignalsSandbox = Literal["auto", "landlock", "pidns"]
 
 
 class RewardFunctionError(RuntimeError):
@@ -58,14 +67,6 @@ class RewardFunctionError(RuntimeError):
         self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
 
 
-@dataclass(frozen=True)
-class _Failure:
-    """One failed try at one completion."""
-
-    kind: FailureKind
-    detail: str
-
-
 class Grader:
     """Owns one sandboxed worker process that runs a reward function.
 
@@ -78,17 +79,26 @@ class Grader:
     retries: extra tries per completion after the first, so a transient failure (a crash, a flaky
         dependency) costs a retry rather than the run. Waits between rounds: retry_wait_s, through
         `sleep` (injectable so tests do not wait).
-    network: "auto" makes an empty network namespace when the kernel allows and otherwise blocks
-        sockets inside Python; "netns" insists on the namespace; "python" never tries it.
-        `Grader.sandbox` says which is in force.
-    filesystem: the reward function (and every program it runs) may write only in its scratch
-        directory, which is its working directory and $TMPDIR and is removed with the worker.
-        "auto" enforces that with Landlock when the kernel has it and otherwise refuses only
-        writes made through Python (a warning says so); "landlock" insists on Landlock; "python"
-        never tries it. `Grader.filesystem` says which is in force.
+    network: "auto" makes an empty network namespace when the kernel allows and otherwise relies on
+        seccomp and Python-level refusals; "netns" insists on the namespace; "python" never tries
+        it. `Grader.sandbox` says which is in force.
+    filesystem: the reward function (and every program it runs) may read only its own folder, the
+        Python installation and the system's libraries, and write only in its scratch directory,
+        which is its working directory, $TMPDIR and $HOME and is removed with the worker. "auto"
+        enforces that with Landlock when the kernel has it and otherwise refuses only what goes
+        through Python (a warning says so); "landlock" insists on Landlock; "python" never tries
+        it. `Grader.filesystem` says which is in force.
+    signals: how the reward function is kept from signalling the run's processes: "auto" takes
+        Landlock's signal scope where the kernel has it (Linux 6.12+) and otherwise a PID namespace;
+        "landlock" or "pidns" insists on that one.
+    strict: refuse to run the reward function (SandboxUnavailable, naming what is missing and how
+        to get it) unless every layer is in force: network namespace, Landlock, signals, seccomp.
+        False (the library's default for now) runs it with what the node allows, and warns once.
+        `Grader.sandbox_mode` says which layers are in force.
     load_timeout_s: how long importing the reward module may take.
 
-    Raises RewardFunctionError at once when the ref cannot be loaded, ValueError for bad settings.
+    Raises RewardFunctionError at once when the ref cannot be loaded, SandboxUnavailable when a
+    layer that had to be in force is not, ValueError for bad settings.
     """
 
     def __init__(
@@ -101,6 +111,8 @@ class Grader:
         retries: int = 2,
         network: NetworkSandbox = "auto",
         filesystem: FilesystemSandbox = "auto",
+        signals: SignalsSandbox = "auto",
+        strict: bool = False,
         kill_grace_s: float = 2.0,
         load_timeout_s: float = 60.0,
         retry_wait_s: float = 0.05,
@@ -125,6 +137,11 @@ class Grader:
             problems.append(f"network: must be 'auto', 'netns' or 'python' (got {network!r})")
         if filesystem not in get_args(FilesystemSandbox):
             problems.append(f"filesystem: must be 'auto', 'landlock' or 'python' (got {filesystem!r})")
+        if signals not in get_args(SignalsSandbox):
+            problems.append(f"signals: must be 'auto', 'landlock' or 'pidns' (got {signals!r})")
+        if strict and "python" in (network, filesystem):
+            problems.append("strict: cannot be combined with network='python' or filesystem='python', which turn a "
+                            "layer of the sandbox off")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -136,6 +153,8 @@ class Grader:
         self._search_path = [os.path.abspath(p) for p in search_path]
         self._network = network
         self._filesystem_setting = filesystem
+        self._signals = signals
+        self._strict = strict
         self._kill_grace_s = kill_grace_s
         self._load_timeout_s = load_timeout_s
         self._retry_wait_s = retry_wait_s
@@ -143,23 +162,39 @@ class Grader:
         self._lock = threading.Lock()  # one batch at a time: the pipe carries one conversation
         self._closed = False
         self._worker: WorkerProcess | None = None
-        self._sandbox = ""
-        self._filesystem = ""
+        self._mode: dict[str, str] = {}
+        self._why: dict[str, str] = {}
         # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
         self._worker = self._start_worker()
 
     # public ------------------------------------------------------------------------------------
 
     @property
+    def sandbox_mode(self) -> dict[str, str]:
+        """The layers of the sandbox in force, for the trainer's events and the run's record:
+        {"network": "netns" (no network interfaces at all) | "python",
+         "filesystem": "landlock" (reads and writes confined in the kernel, for every process the
+             reward function starts too) | "python" (only what goes through Python is refused),
+         "signals": "landlock" (Landlock's scope) | "pidns" (a PID namespace of its own) | "none",
+         "seccomp": "on" (no sockets but socketpair, no reading other processes) | "off"}.
+        A layer's second value (or "none", "off") means it is not in force; `sandbox_gaps` says why.
+        The live worker's; a restarted worker that differs is warned about."""
+        return dict(self._mode)
+
+    @property
+    def sandbox_gaps(self) -> dict[str, str]:
+        """{layer: why it is not (fully) in force, in words}; empty when every layer is."""
+        return dict(self._why)
+
+    @property
     def sandbox(self) -> str:
-        """The network isolation in force: "netns" (no network interfaces at all) or "python"."""
-        return self._sandbox
+        """The network isolation in force: "netns" or "python" (sandbox_mode["network"])."""
+        return self._mode.get("network", "")
 
     @property
     def filesystem(self) -> str:
-        """The write confinement in force: "landlock" (in the kernel, for every process the reward
-        function starts too) or "python" (only writes made through Python are refused)."""
-        return self._filesystem
+        """The filesystem confinement in force: "landlock" or "python" (sandbox_mode["filesystem"])."""
+        return self._mode.get("filesystem", "")
 
     @property
     def worker_pid(self) -> int | None:
@@ -239,10 +274,22 @@ class Grader:
                 "memory_mb": self.memory_mb,
                 "network": self._network,
                 "filesystem": self._filesystem_setting,
+                "signals": self._signals,
+                "strict": self._strict,
             }
         )
+        deadline = time.monotonic() + self._load_timeout_s
         try:
-            hello = worker.read(time.monotonic() + self._load_timeout_s)
+            hello = worker.read(deadline)  # written before any of the reward's code ran
+            if hello.get("type") != "load_error":  # that one: setting the sandbox up failed
+                if not is_sandbox_frame(hello):
+                    raise WorkerGone()
+                self._note_sandbox(hello["mode"], hello["why"])
+                if hello["missing"]:
+                    worker.release()
+                    raise SandboxUnavailable.of(self.reward_ref, hello["mode"], hello["why"], hello["missing"],
+                                                strict=self._strict)
+                hello = worker.read(deadline)
         except WorkerGone:
             hello = {"type": "died"}
         except WorkerOverdue:
@@ -256,30 +303,34 @@ class Grader:
                 f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref, kind="hung"
             ) from None
         if hello.get("type") == "ready":
-            if hello["filesystem"] != "landlock" and not self._filesystem:  # once, not per restart
-                log.warning(
-                    "the grader cannot keep reward function %r's writes in its scratch directory at the "
-                    "kernel level (%s): only writes made through Python are refused, not those of the "
-                    "programs it runs or of C code",
-                    self.reward_ref,
-                    hello["filesystem_why"],
-                )
-            self._sandbox = hello["sandbox"]
-            self._filesystem = hello["filesystem"]
             return worker
-        worker.kill()
-        detail = hello.get("error") or (
-            f"the worker process {_how_it_died(worker.returncode)} while loading it"
-            f"{_section('Crash report', worker.crash_log())}"
-        )
+        worker.kill_after_exit()
+        error, kind = hello.get("error"), hello.get("kind")
+        if not (isinstance(error, str) and kind in ("exception", "refused")):
+            error = (
+                f"the worker process {_how_it_died(worker.returncode)} while loading it"
+                f"{_section('Crash report', worker.crash_log())}"
+            )
+            kind = "crashed"
         worker.release()
-        raise RewardFunctionError(
-            f"cannot load reward function {self.reward_ref!r}:\n{detail}",
-            ref=self.reward_ref,
-            kind=hello.get("kind", "exception") if "error" in hello else "crashed",
-        )
+        raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
+                                  kind=kind)
 
-    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | _Failure]:
+    def _note_sandbox(self, mode: dict[str, str], why: dict[str, str]) -> None:
+        """Keep the worker's sandbox mode; warn once when a layer is not in force, and when a
+        restarted worker's differs."""
+        if self._mode and mode != self._mode:
+            log.warning("the grader's sandbox for reward function %r changed with its restarted worker: %s -> %s",
+                        self.reward_ref, self._mode, mode)
+        elif not self._mode and why and not self._strict:
+            log.warning(
+                "the grader cannot keep reward function %r fully sandboxed, and runs it anyway (strict=False): %s",
+                self.reward_ref,
+                "; ".join(f"{layer}: {LAYERS[layer][-1]} ({text})" for layer, text in why.items()),
+            )
+        self._mode, self._why = dict(mode), dict(why)
+
+    def _score_pass(self, pending: list[int], items: list[list[Any]]) -> dict[int, float | Failure]:
         """Send the pending items in one request and collect what comes back.
 
         The worker stops at the first failure (as it does when it crashes or hangs): items after
@@ -288,7 +339,7 @@ class Grader:
         if self._worker is None:
             self._worker = self._start_worker()
         worker = self._worker
-        outcomes: dict[int, float | _Failure] = {}
+        outcomes: dict[int, float | Failure] = {}
         try:
             worker.send({"items": [items[i] for i in pending]})
         except WorkerGone:
@@ -302,13 +353,12 @@ class Grader:
             except WorkerOverdue:
                 outcomes[i] = self._restart_after(worker, "hung")
                 break
-            if "ok" not in frame:
-                outcomes[i] = _Failure(frame["kind"], frame["error"])
+            outcomes[i] = result = outcome(frame)
+            if isinstance(result, Failure):
                 break
-            outcomes[i] = float(frame["ok"])
         return outcomes
 
-    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> _Failure:
+    def _restart_after(self, worker: WorkerProcess, kind: Literal["crashed", "hung"]) -> Failure:
         """Put the dead or stuck worker down (the next pass starts a new one) and say what happened."""
         if kind == "hung":
             # SIGABRT first: faulthandler in the worker prints where the code is stuck.
@@ -320,7 +370,7 @@ class Grader:
                 f"{_section('Where it was stuck', worker.crash_log())}"
             )
         else:
-            worker.kill()
+            worker.kill_after_exit()
             detail = (
                 f"the grader worker process {_how_it_died(worker.returncode)} while running it"
                 f"{_memory_hint(worker.returncode, self.memory_mb)}"
@@ -328,9 +378,9 @@ class Grader:
             )
         worker.release()
         self._worker = None
-        return _Failure(kind, detail)
+        return Failure(kind, detail)
 
-    def _give_up(self, index: int, total: int, tries: int, failure: _Failure) -> RewardFunctionError:
+    def _give_up(self, index: int, total: int, tries: int, failure: Failure) -> RewardFunctionError:
         if failure.kind == "refused":
             return RewardFunctionError(
                 f"reward function {self.reward_ref!r} did what the grader refuses, on completion "

@@ -11,10 +11,13 @@ described there); the frame format is defined there once and imported here.
     worker.release()                                # SIGKILL, reap, close everything
 
 Besides the pipes, each worker gets a scratch directory (the only place its reward function may
-write; removed by release()) and its own process group (so kill() takes whatever it started too).
-Its stdout and stderr are one pipe, copied to our stderr by a thread up to _MAX_OUTPUT_BYTES per
-worker: a reward function that prints hundreds of MB must not fill the trainer's log or disk. Past
-the limit one line says the rest is dropped, and one more, when the worker ends, how much was.
+write; removed by release()), its own process group (so kill() takes whatever it started too) and
+an environment of its own (`_worker_env`: an allow-list, none of the trainer's credentials). Its
+stdout and stderr are one pipe, copied to our stderr by a thread, scrubbed of the trainer's secrets
+(`redact`), up to _MAX_OUTPUT_BYTES per worker: a reward function that prints hundreds of MB must
+not fill the trainer's log or disk. Past the limit one line says the rest is dropped, and one more,
+when the worker ends, how much was. Every text in its frames and its crash log is scrubbed and
+capped (`redact.clean`) before anything here returns it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
-from grpo_run.checkpoint.procs import python_env
+from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
 __all__ = ["WorkerGone", "WorkerOverdue", "WorkerProcess"]
@@ -41,8 +44,15 @@ _MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a 
 _MAX_CRASH_LOG_CHARS = 8_000
 _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
 _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
+_EXIT_WAIT_S = 0.5  # how long a worker whose pipe is at EOF may take to exit before it is killed
 # faulthandler's frame lines for the worker's own code and the `-m` machinery under it
-_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader_(?:worker|sandbox)\.py|<frozen runpy>)", line \d+ in ')
+_WORKER_FRAME = re.compile(r'^\s*File "(.*[/\\]trainer[/\\]grader[/\\](?:worker|sandbox|namespaces)\.py|<frozen runpy>)", '
+                           r'line \d+ in ')
+# What the worker's environment keeps of ours: where programs are, the language, Python's own
+# behaviour (never PYTHONPATH: the worker imports grpo_run as installed, and a folder there would be
+# readable to the reward too). Everything else, credentials above all, stays here.
+_KEPT_ENV = ("PATH", "LANG", "LANGUAGE", "TZ", "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING")
+_DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 class WorkerGone(Exception):
@@ -75,8 +85,9 @@ class WorkerProcess:
 
     @classmethod
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
-        """Start `python -m trainer.grader_worker` with `settings` (ref, search_path, timeout_s,
-        memory_mb, network, filesystem) plus its scratch directory and the pipes' and the crash
+        """Start `python -m grpo_run.trainer.grader.worker` with `settings` (ref, search_path,
+        timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch directory, the
+        folders it may never be given (the home folder: `protected`) and the pipes' and the crash
         log's file descriptors."""
         request_r, request_w = os.pipe()
         response_r, response_w = os.pipe()
@@ -86,7 +97,8 @@ class WorkerProcess:
         crash_file = tempfile.TemporaryFile()
         scratch = tempfile.mkdtemp(prefix="grpo-grader-")
         config = dict(
-            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno()
+            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
+            protected=[os.path.realpath(os.path.expanduser("~"))],
         )
         try:
             proc = subprocess.Popen(
@@ -95,7 +107,7 @@ class WorkerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=output_w,
                 stderr=output_w,
-                env=_worker_env(),
+                env=_worker_env(scratch),
                 cwd=scratch,
                 start_new_session=True,  # its own process group: kill() takes its descendants too
             )
@@ -135,8 +147,14 @@ class WorkerProcess:
         if length > _MAX_FRAME_BYTES:
             raise WorkerGone()  # corrupt stream (user code wrote to our fd?): treat as dead
         try:
-            return json.loads(self._read_exactly(length, deadline))
-        except ValueError:
+            frame = json.loads(self._read_exactly(length, deadline))
+        except (ValueError, RecursionError):  # a forged frame nested past the parser's depth
+            raise WorkerGone() from None
+        if not isinstance(frame, dict):
+            raise WorkerGone()
+        try:
+            return _cleaned(frame)
+        except RecursionError:
             raise WorkerGone() from None
 
     def _read_exactly(self, n: int, deadline: float) -> bytes:
@@ -162,7 +180,7 @@ class WorkerProcess:
             return ""
         lines = data.decode(errors="replace").splitlines(keepends=True)
         kept = [line for line in lines if not _WORKER_FRAME.match(line)]
-        return "".join(kept)[-_MAX_CRASH_LOG_CHARS:]
+        return clean("".join(kept)[-_MAX_CRASH_LOG_CHARS:])
 
     def abort(self, grace_s: float) -> None:
         """SIGABRT (faulthandler dumps the stack, then the process dies); SIGKILL if it won't."""
@@ -172,6 +190,17 @@ class WorkerProcess:
                 self._proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 pass  # SIGABRT ignored too; kill() below cannot be
+        self.kill()
+
+    def kill_after_exit(self) -> None:
+        """kill(), once the worker has had _EXIT_WAIT_S to end by itself: its pipe is at EOF, or
+        carried what it should not, and it may be on its way out (in a PID namespace the process we
+        started is its launcher, which exits a moment after the worker). How the worker ended is what
+        the error reports."""
+        try:
+            self._proc.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill()
 
     def kill(self) -> None:
@@ -219,6 +248,7 @@ class _OutputRelay:
 
     def _run(self) -> None:
         passed = dropped = 0
+        scrubber = StreamScrubber()
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         while not self._stop.is_set():
@@ -227,6 +257,17 @@ class _OutputRelay:
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
                 break  # EOF: the worker and everything it started have closed the pipe
+            passed, dropped = self._pass_on(scrubber.feed(chunk), passed, dropped)
+        passed, dropped = self._pass_on(scrubber.flush(), passed, dropped)
+        if dropped:
+            _write_stderr(
+                f"[grader worker {self._pid}: dropped {_mib(dropped)} ({dropped:,} bytes) of the reward "
+                f"function's output, after the first {_mib(_MAX_OUTPUT_BYTES)}]\n".encode()
+            )
+
+    def _pass_on(self, chunk: bytes, passed: int, dropped: int) -> tuple[int, int]:
+        """Copy what fits under _MAX_OUTPUT_BYTES to our stderr; (passed, dropped) afterwards."""
+        if chunk:
             shown = chunk[: max(0, _MAX_OUTPUT_BYTES - passed)]
             if shown:
                 passed += len(shown)
@@ -238,11 +279,7 @@ class _OutputRelay:
                         f"is dropped, and counted when the worker ends]\n".encode()
                     )
                 dropped += len(chunk) - len(shown)
-        if dropped:
-            _write_stderr(
-                f"[grader worker {self._pid}: dropped {_mib(dropped)} ({dropped:,} bytes) of the reward "
-                f"function's output, after the first {_mib(_MAX_OUTPUT_BYTES)}]\n".encode()
-            )
+        return passed, dropped
 
     def close(self, drain_s: float) -> None:
         """Wait up to drain_s for the pipe's EOF (what is left in it still passes, or counts), then
@@ -268,11 +305,31 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _worker_env() -> dict[str, str]:
-    env = python_env()
+def _worker_env(scratch: str) -> dict[str, str]:
+    """The worker's whole environment: an allow-list (_KEPT_ENV, LC_*), never a copy of ours with
+    things taken out: the trainer holds the node's credentials (AWS_*, HF_TOKEN, WANDB_API_KEY,
+    MLFLOW_TRACKING_TOKEN) and GRPO_RUN_* (the supervisor's pid), and a new variable of tomorrow's
+    must not reach the reward function either. What the worker needs of ours is in its argv."""
+    env = {name: value for name, value in os.environ.items() if name in _KEPT_ENV or name.startswith("LC_")}
+    env.setdefault("PATH", _DEFAULT_PATH)
+    # A user's trainer/ or state.py next to the worker's folder cannot stand in for ours (cwd= is
+    # the scratch directory too); see checkpoint.procs.python_env.
+    env["PYTHONSAFEPATH"] = "1"
     # Grading is small sequential work and the trainer owns the cores; BLAS thread pools would also
     # reserve address space that counts against memory_mb.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        env.setdefault(var, "1")
+        env[var] = "1"
+    # Caches and dotfiles a library writes under ~ land in the scratch directory, removed with it.
+    env["HOME"] = env["TMPDIR"] = scratch
     return env
 
+
+def _cleaned(value: Any) -> Any:
+    """A frame with every text in it scrubbed of our secrets and capped (`redact.clean`)."""
+    if isinstance(value, str):
+        return clean(value)
+    if isinstance(value, dict):
+        return {key: _cleaned(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cleaned(item) for item in value]
+    return value

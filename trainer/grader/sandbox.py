@@ -1,19 +1,33 @@
 """The grader worker's sandbox: what confines the user's reward function, in layers.
 
-`apply_sandbox` is called by the worker (`trainer.grader_worker`) before the reward module is
-imported, so its top level is confined too:
-  * network: a fresh network namespace (no interfaces up, not even loopback) when the kernel lets
-    us make one, otherwise Python-level blocking of sockets and name lookups (best effort: code
-    that shells out or uses ctypes gets past it);
-  * filesystem: reads anywhere, writes only inside a scratch directory (made by the parent, which
-    removes it with the worker; it is the worker's cwd and $TMPDIR) and to /dev/null. Landlock
-    enforces it in the kernel, for every process the reward function starts too; where Landlock
-    is unavailable only writes made through Python are refused (best effort, like the network).
-    Either way an audit hook refuses Python-level writes first, so the failure says what was
-    refused and why, and counts as "refused" (never retried, never a score). Writes below Python
-    get Landlock's bare "Permission denied", so a failure carrying one gets a note that the sandbox
-    may be why. This rules out multiprocessing's locks and queues (POSIX semaphores, files in
-    /dev/shm), hence multiprocessing.Queue and ProcessPoolExecutor; Process and Manager work;
+`apply_sandbox` is called by the worker (`grpo_run.trainer.grader.worker`) before the reward module
+is imported, so its top level is confined too. The reward function may be untrusted code (planted
+through the bucket): it must take nothing of the node's. Each layer, and which are in force (the
+`mode` the worker reports and `Grader.sandbox_mode` exposes):
+  * environment (the parent's doing, `grpo_run.trainer.grader.process`): an allow-list, with no
+    credentials; $HOME and $TMPDIR are the scratch directory;
+  * network ("netns" | "python"): a fresh network namespace (no interfaces up, not even loopback)
+    where the kernel lets us make one (`namespaces`); Python-level refusals of sockets and name
+    lookups in every mode, so a reward that tries gets a clear "refused";
+  * seccomp ("on" | "off"): no socket() or connect() at all, datagram socketpairs, io_uring or
+    reading other processes (`seccomp`): pathname unix sockets on the host and 169.254.169.254 stay
+    out of reach even where no namespace could be made;
+  * filesystem ("landlock" | "python"): reads only of the reward's own folder (or its file alone,
+    when that folder holds the home folder), the Python installation, the system's programs and
+    libraries, a few harmless files of /etc, /dev/null and /dev/urandom, /proc/self and the scratch
+    directory; writes only inside the scratch directory (made by the parent, removed with the
+    worker; the worker's cwd, $TMPDIR and $HOME) and to /dev/null; programs run only from those
+    folders. Landlock (`landlock`) enforces it in the kernel, for every process the reward function
+    starts too. An audit hook refuses the same through Python first, so the failure says what was
+    refused and why, and counts as "refused" (never retried, never a score); where Landlock is
+    unavailable that hook is all there is (best effort: C code and other programs get past it).
+    Refusals below Python get Landlock's bare "Permission denied", so a failure carrying one gets
+    a note that the sandbox may be why. This rules out multiprocessing's locks and queues (POSIX
+    semaphores, files in /dev/shm), hence multiprocessing.Queue and ProcessPoolExecutor, and
+    Manager (a unix socket); Process and Pipe work;
+  * signals ("landlock" | "pidns" | "none"): Landlock's scope (ABI 6, Linux 6.12) keeps the reward
+    from signalling any process outside its sandbox; on older kernels the worker is pid 1 of its
+    own PID namespace (`namespaces`), where no process of the node has a pid;
   * processes: os.fork() is refused (a forked copy of the worker would carry on in its serve
     loop); multiprocessing's fork start method is let through, as its children always exit. A
     copy forked below Python (ctypes, C code) that returns into the worker's serve loop exits
@@ -39,160 +53,67 @@ import resource
 import signal
 import socket
 import sys
-from typing import Any
+from typing import Any, Sequence
 
-_CLONE_NEWNET = 0x40000000
-_CLONE_NEWUSER = 0x10000000
+from grpo_run.trainer.grader import landlock, namespaces, seccomp
+
 _PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_NO_NEW_PRIVS = 38
 _MAX_KILL_ROUNDS = 100  # each round kills the children orphaned by the previous one
-# Landlock (linux/landlock.h). The syscall numbers are the same on every architecture: they came
-# after the tables were unified at 424.
-_SYS_LANDLOCK_CREATE_RULESET, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
-_LANDLOCK_CREATE_RULESET_VERSION = 1
-_LANDLOCK_RULE_PATH_BENEATH = 1
-_FS_WRITE_FILE = 1 << 1
-# ABI 1's rights that change the filesystem: write a file (bit 1), remove a directory or a file,
-# make a character device, directory, regular file, socket, fifo, block device or symlink (4-12).
-_FS_CHANGES_ABI1 = _FS_WRITE_FILE | sum(1 << bit for bit in range(4, 13))
-_FS_REFER = 1 << 13  # ABI 2: link or move a file into another directory
-_FS_TRUNCATE = 1 << 14  # ABI 3
-_FS_FILE_RIGHTS = _FS_WRITE_FILE | _FS_TRUNCATE  # of those, the ones a rule on one file may grant
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-
-# network --------------------------------------------------------------------------------------
-
-
-def _enter_network_namespace() -> bool:
-    """Move this process into an empty network namespace; False when the kernel refuses.
-
-    A new user namespace comes first where allowed, even for root: in it the reward code holds no
-    capabilities over the host, so it cannot setns() its way back into the host's network
-    namespace (real root could). Mapping our own uid/gid keeps file ownership as before. Where
-    user namespaces are off, root (CAP_SYS_ADMIN) can still unshare the network alone.
-    unshare(CLONE_NEWUSER) needs a single-threaded process: call this before starting threads.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return False
-    uid, gid = os.geteuid(), os.getegid()
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) == 0:
-        try:
-            with open("/proc/self/setgroups", "w") as f:
-                f.write("deny")
-            with open("/proc/self/uid_map", "w") as f:
-                f.write(f"{uid} {uid} 1")
-            with open("/proc/self/gid_map", "w") as f:
-                f.write(f"{gid} {gid} 1")
-        except OSError:
-            pass  # still cut off from the network; only the uid the reward code sees differs
-        return True
-    return libc.unshare(_CLONE_NEWNET) == 0
-
-
-def _network_disabled(*_args: Any, **_kwargs: Any) -> Any:
-    raise PermissionError("network access is disabled in the grader")
-
-
-class _NoNetworkSocket(socket.socket):
-    """socket.socket that refuses every family but AF_UNIX (multiprocessing needs that one)."""
-
-    def __init__(self, family: Any = -1, type: Any = -1, proto: Any = -1, fileno: Any = None):
-        if fileno is None and family != socket.AF_UNIX:  # -1, the default, means AF_INET
-            _network_disabled()
-        super().__init__(family, type, proto, fileno)
-
-
-def _block_network_in_python() -> None:
-    socket.socket = _NoNetworkSocket  # type: ignore[misc]
-    for name in (
-        "create_connection",
-        "create_server",
-        "getaddrinfo",
-        "gethostbyname",
-        "gethostbyname_ex",
-        "gethostbyaddr",
-        "getnameinfo",
-    ):
-        setattr(socket, name, _network_disabled)
+# What the interpreter and the programs a reward runs need besides the Python installation: the
+# system's programs and libraries (the dynamic loader reads /etc/ld.so.cache), the time zone, user
+# names (not /etc/shadow), file types, the machine's cores and memory. Nothing here holds a secret.
+_SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.preload", "/etc/localtime", "/etc/timezone", "/etc/passwd",
+                 "/etc/group", "/etc/nsswitch.conf", "/etc/mime.types", "/etc/os-release",
+                 "/proc/cpuinfo", "/proc/meminfo")
+_READ_ONLY = ("/sys/devices/system/cpu",  # how many cores (os.cpu_count, BLAS)
+              "/dev/urandom", "/dev/random", "/dev/zero", "/proc/self")
+_NETWORK_EVENTS = {  # audit event -> what it does; all refused (socket.__new__ and send* in part)
+    "socket.__new__": "opening a network socket",
+    "socket.connect": "connecting a socket",
+    "socket.bind": "binding a socket",
+    "socket.sendto": "sending to an address",
+    "socket.sendmsg": "sending to an address",
+    "socket.getaddrinfo": "looking up a host name",
+    "socket.gethostbyname": "looking up a host name",
+    "socket.gethostbyaddr": "looking up an address",
+    "socket.getnameinfo": "looking up an address",
+}
 
 
 # filesystem -----------------------------------------------------------------------------------
 
 
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64)]  # ABI 1's struct: all the rights used here
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1  # packed in the kernel's header too
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[str],
+                   protected: Sequence[str]) -> list[tuple[str, int]]:
+    """(path, Landlock rights) of everything the reward function may read (and run, and in the
+    scratch directory change). Computed from this interpreter's sys.path before the reward's folders
+    are added: the installation, the grpo_run package (an editable install's source folder too; the
+    catalog's rewards are ours). A folder that is / or holds one of `protected` (the node's home
+    folder) is never granted: a reward file there gets a rule for itself alone, a search_path entry
+    none."""
+    import grpo_run.trainer  # already imported: this module is part of it
 
+    def broad(folder: str) -> bool:
+        return folder == os.sep or any(_inside(p, folder) for p in protected)
 
-def _confine_writes_with_landlock(scratch: str) -> str:
-    """Let this process, and every process it starts, change the filesystem only inside `scratch`
-    and write to /dev/null (reads stay allowed everywhere). Returns "" once in force, otherwise why
-    not, in words; nothing is restricted then."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError as error:
-        return f"there is no C library to call it through ({error})"
-    libc.syscall.restype = ctypes.c_long
-
-    def syscall(name: str, number: int, *args: Any) -> int:
-        result = libc.syscall(ctypes.c_long(number), *args)
-        if result < 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"{name}: {os.strerror(code)}")
-        return result
-
-    try:
-        abi = syscall(
-            "landlock_create_ruleset",
-            _SYS_LANDLOCK_CREATE_RULESET,
-            None,
-            ctypes.c_size_t(0),
-            ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION),
-        )
-    except OSError as error:
-        return f"the kernel offers no Landlock ({error.strerror}; it needs Linux 5.13+ with landlock among its LSMs)"
-    handled = _FS_CHANGES_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
-    try:
-        attr = _RulesetAttr(handled)
-        ruleset = syscall(
-            "landlock_create_ruleset",
-            _SYS_LANDLOCK_CREATE_RULESET,
-            ctypes.byref(attr),
-            ctypes.c_size_t(ctypes.sizeof(attr)),
-            ctypes.c_uint32(0),
-        )
-        try:
-            for path, allowed in ((scratch, handled), (os.devnull, handled & _FS_FILE_RIGHTS)):
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-                try:
-                    rule = _PathBeneathAttr(allowed, fd)
-                    syscall(
-                        f"landlock_add_rule({path})",
-                        _SYS_LANDLOCK_ADD_RULE,
-                        ctypes.c_int(ruleset),
-                        ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH),
-                        ctypes.byref(rule),
-                        ctypes.c_uint32(0),
-                    )
-                finally:
-                    os.close(fd)
-            # Landlock insists on no_new_privs: no setuid program the reward runs can shed it.
-            if libc.prctl(_PR_SET_NO_NEW_PRIVS, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
-                code = ctypes.get_errno()
-                raise OSError(code, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(code)}")
-            syscall("landlock_restrict_self", _SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0))
-        finally:
-            os.close(ruleset)
-    except OSError as error:
-        return f"Landlock could not be set up ({error.strerror})"
-    return ""
+    installation = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                    *grpo_run.trainer.__path__, *(p for p in sys.path if p and os.path.isdir(p))}
+    rules = [(folder, landlock.RUN) for folder in _SYSTEM_FOLDERS]
+    rules += [(os.path.realpath(p), landlock.RUN) for p in sorted(installation) if not broad(os.path.realpath(p))]
+    rules += [(path, landlock.READ_FILE) for path in _SYSTEM_FILES]
+    rules += [(path, landlock.READ) for path in _READ_ONLY]
+    rules += [(os.devnull, landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE), (scratch, landlock.ALL)]
+    if reward_file is not None:
+        folder = os.path.dirname(reward_file)
+        rules.append((reward_file, landlock.READ_FILE) if broad(folder) else (folder, landlock.RUN))
+    rules += [(os.path.realpath(p), landlock.RUN) for p in search_path if not broad(os.path.realpath(p))]
+    return rules
 
 
 # audit event -> (what it does, which argument is the path it changes, which is that path's dir_fd)
@@ -209,22 +130,36 @@ _CHANGES = {
 
 
 class _Refusals:
-    """An audit hook that refuses, inside Python, what the sandbox does not allow: changing the
-    filesystem outside the scratch directory, and os.fork().
+    """An audit hook that refuses, inside Python, what the sandbox does not allow: reading outside
+    the readable folders, changing the filesystem outside the scratch directory, the network, and
+    os.fork().
 
-    Landlock would refuse the same writes with a bare "Permission denied"; refusing them first
-    gives an error that says what was refused and why, and marks it (`grader_refusal`) so that
-    the item counts as refused. Where Landlock is unavailable this hook is all there is.
+    Landlock and seccomp would refuse most of it with a bare "Permission denied" or "Operation not
+    permitted"; refusing first gives an error that says what was refused and why, and marks it
+    (`grader_refusal`) so that the item counts as refused. Where they are unavailable this hook is
+    all there is.
     """
 
-    def __init__(self, scratch: str) -> None:
+    def __init__(self, scratch: str, readable: Sequence[tuple[str, int]]) -> None:
         self.scratch = os.path.realpath(scratch)
+        self.folders: list[str] = []
+        self.files: set[str] = {os.devnull}
+        for path, _rights in readable:
+            real = os.path.realpath(path)
+            if os.path.isdir(real):
+                self.folders.append(real)
+            elif os.path.exists(real):
+                self.files.add(real)
 
     def __call__(self, event: str, args: tuple) -> None:
         if event == "open":
             path, _mode, flags = args
             if flags & _WRITE_FLAGS:
                 self._check("writing to", _changed_path(path, None, follow=True))
+            elif not flags & getattr(os, "O_PATH", 0):
+                self._check_read("reading", path)
+        elif event in ("os.listdir", "os.scandir"):
+            self._check_read("listing", args[0] if args[0] is not None else ".")
         elif event in _CHANGES:
             what, at, dir_fd_at = _CHANGES[event]
             dir_fd = args[dir_fd_at] if dir_fd_at is not None else None
@@ -234,19 +169,41 @@ class _Refusals:
             if event == "os.mkdir" and target is not None and os.path.lexists(target):
                 return  # fails with FileExistsError as it would anyway (os.makedirs(exist_ok=True))
             self._check(what, target)
+        elif event in _NETWORK_EVENTS:
+            self._check_network(event, args)
         elif event in ("os.fork", "os.forkpty"):
             self._check_fork()
 
     def _check(self, what: str, target: str | None) -> None:
-        if target is None or target == os.devnull:
-            return
-        if target == self.scratch or target.startswith(self.scratch + os.sep):
+        if target is None or target == os.devnull or _inside(target, self.scratch):
             return
         _refuse(
             f"{what} {target!r} was refused: a reward function may write only in its scratch "
-            f"directory {self.scratch} (its working directory and $TMPDIR, removed with the worker) "
-            f"and to /dev/null",
+            f"directory {self.scratch} (its working directory, $TMPDIR and $HOME, removed with the "
+            f"worker) and to /dev/null",
             errno.EACCES,
+        )
+
+    def _check_read(self, what: str, path: Any) -> None:
+        target = _changed_path(path, None, follow=True)
+        if target is None or target in self.files or any(_inside(target, f) for f in self.folders):
+            return
+        _refuse(
+            f"{what} {target!r} was refused: a reward function may read only its own folder (and "
+            f"search_path), the Python installation, the system's programs and libraries, and its "
+            f"scratch directory {self.scratch}; give it what it needs in the task, or next to its file",
+            errno.EACCES,
+        )
+
+    def _check_network(self, event: str, args: tuple) -> None:
+        if event == "socket.__new__" and args[1] == socket.AF_UNIX:
+            return  # socketpair() (multiprocessing.Pipe) wraps its sockets; a bare one is seccomp's
+        if event in ("socket.sendto", "socket.sendmsg") and args[1] is None:
+            return  # on a connected socket: the peer is the other end of a socketpair
+        _refuse(
+            f"network access is disabled in the grader: {_NETWORK_EVENTS[event]} was refused; a reward "
+            f"function may not reach the network or any socket but its own socketpair()s",
+            errno.EPERM,
         )
 
     def _check_fork(self) -> None:
@@ -293,7 +250,8 @@ def _refuse(reason: str, code: int) -> None:
 
 def _become_subreaper() -> None:
     """Orphans among this process's descendants are reparented to it, not to init, so the cleanup
-    after each item finds them. A no-op where prctl is missing."""
+    after each item finds them. A no-op where prctl is missing (and as pid 1 of a PID namespace,
+    it is its namespace's init anyway)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
@@ -302,9 +260,12 @@ def _become_subreaper() -> None:
 
 
 def _children() -> set[int]:
-    """This process's children, running or not yet reaped."""
+    """This process's children, running or not yet reaped. Empty in a PID namespace whose /proc is
+    the host's: its pids are not ours to kill (`_end_leftover_processes` kills the whole namespace)."""
     me = os.getpid()
     pids: set[int] = set()
+    if namespaces.foreign_proc:
+        return pids
     if os.path.exists(f"/proc/{me}/task/{me}/children"):
         for tid in os.listdir(f"/proc/{me}/task"):
             try:
@@ -313,8 +274,14 @@ def _children() -> set[int]:
             except FileNotFoundError:
                 pass  # the thread ended meanwhile
         return pids
-    # A kernel without CONFIG_PROC_CHILDREN: every process's parent, from its stat line.
-    for entry in os.listdir("/proc"):
+    # A kernel without CONFIG_PROC_CHILDREN: every process's parent, from its stat line. The
+    # sandbox lets us read no other process's /proc: then leftovers live until the worker's group
+    # is killed.
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
@@ -330,6 +297,9 @@ def _end_leftover_processes(keep: frozenset[int]) -> None:
     """SIGKILL and reap every child but those in `keep`. Their own children are orphaned onto us
     (a subreaper), so repeat until none is left; a fork bomb that outpaces this dies with the
     worker's process group, which the parent kills."""
+    if namespaces.foreign_proc:
+        _end_namespace()
+        return
     for _ in range(_MAX_KILL_ROUNDS):
         leftover = _children() - keep
         if not leftover:
@@ -346,45 +316,90 @@ def _end_leftover_processes(keep: frozenset[int]) -> None:
                 pass  # reaped meanwhile, by a thread of the reward function's
 
 
+def _end_namespace() -> None:
+    """As pid 1 of a PID namespace whose children we cannot list: kill(-1) reaches every other
+    process in the namespace (helpers too), and every orphan there is ours to reap."""
+    for _ in range(_MAX_KILL_ROUNDS):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # nobody left
+        try:
+            while True:
+                os.waitpid(-1, 0)
+        except ChildProcessError:
+            pass
+
+
 # applying it ----------------------------------------------------------------------------------
 
 
 _landlock_scratch = ""  # the scratch directory once Landlock confines writes to it
+_seccomp_on = False
 
 
-def apply_sandbox(memory_mb: int, network: str, filesystem: str, scratch: str) -> dict[str, str]:
-    """Confine this process; returns what is in force, for the ready frame: "sandbox" (the network:
-    "netns" or "python"), "filesystem" ("landlock" or "python") and "filesystem_why" (why not
-    Landlock; "" when it is in force).
+def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str, scratch: str,
+                  reward_file: str | None, search_path: Sequence[str], protected: Sequence[str],
+                  launcher_closes: tuple[int, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """Confine this process; returns what is in force, for the sandbox frame: the mode
+    {"network": "netns"|"python", "filesystem": "landlock"|"python", "signals": "landlock"|"pidns"|
+    "none", "seccomp": "on"|"off"} and {layer: why it is not in force (or in part), in words}.
 
-    Raises OSError when network == "netns" and no namespace could be made, or when
-    filesystem == "landlock" and Landlock could not be set up.
+    network, filesystem, signals: "auto" takes the strongest the kernel allows; "python" (network,
+    filesystem) or a named mechanism ("pidns") asks for that one. Whether a layer must be in force
+    is the worker's decision (strict). With a PID namespace this forks (`namespaces`): only the
+    child returns; `launcher_closes` are the file descriptors the launcher closes.
     """
-    global _landlock_scratch
-    # The network first: joining a user namespace writes /proc/self/uid_map, which Landlock forbids.
-    mode = "python"
-    if network in ("auto", "netns") and _enter_network_namespace():
-        mode = "netns"
-    elif network == "netns":
-        raise OSError("a network namespace was required (network='netns') but unshare() failed")
-    if mode == "python":
-        _block_network_in_python()
-    if filesystem == "python":
-        why = "filesystem='python' was asked for"
-    else:
-        why = _confine_writes_with_landlock(scratch)
-        if why and filesystem == "landlock":
-            raise OSError(f"Landlock was required (filesystem='landlock') but {why}")
-    if not why:
-        _landlock_scratch = scratch
-    sys.addaudithook(_Refusals(scratch))
+    global _landlock_scratch, _seccomp_on
+    why: dict[str, str] = {}
+    version, no_landlock = (0, "filesystem='python' was asked for") if filesystem == "python" else landlock.abi()
+    scope = version >= landlock.SCOPE_ABI and signals != "pidns"
+    # Namespaces first: joining a user namespace writes /proc/self/uid_map, which Landlock forbids.
+    net, pid, ns_why = namespaces.unshare(network != "python", signals == "pidns" or (signals == "auto" and not scope))
+    if pid:
+        proc_why = namespaces.enter_pid_namespace(launcher_closes)
+        if proc_why:
+            why["signals"] = f"{proc_why}: the worker kills every process of its namespace after each item"
+    if not net:
+        why["network"] = ns_why or "network='python' was asked for"
+    rules = readable_rules(scratch, reward_file, search_path, protected)
+    scoped = False
+    if version:
+        try:
+            scoped = landlock.restrict(rules, version)["scoped"] and scope
+            _landlock_scratch = scratch
+        except OSError as error:
+            no_landlock = f"Landlock could not be set up ({error.strerror})"
+    if not _landlock_scratch:
+        why["filesystem"] = no_landlock
+    if not scoped and not pid:
+        why["signals"] = "; ".join(filter(None, [
+            f"this kernel's Landlock (ABI {version}) has no signal scope (ABI {landlock.SCOPE_ABI}, Linux 6.12)"
+            if version else no_landlock,
+            ns_why if signals != "landlock" else "",
+            f"signals={signals!r} was asked for" if signals != "auto" else "",
+        ]))
+    try:
+        landlock.no_new_privs()  # set already where Landlock is in force
+        no_seccomp = seccomp.install()
+    except OSError as error:
+        no_seccomp = str(error)
+    _seccomp_on = not no_seccomp
+    if no_seccomp:
+        why["seccomp"] = no_seccomp
+    sys.addaudithook(_Refusals(scratch, rules))
     sys.dont_write_bytecode = True  # a __pycache__ next to the user's module would be refused
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"  # nor by the Python programs it runs
-    for var in ("TMPDIR", "TEMP", "TMP"):
+    for var in ("TMPDIR", "TEMP", "TMP", "HOME"):
         os.environ[var] = scratch
     os.chdir(scratch)
     _become_subreaper()
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    return {"sandbox": mode, "filesystem": "python" if why else "landlock", "filesystem_why": why}
-
+    mode = {
+        "network": "netns" if net else "python",
+        "filesystem": "landlock" if _landlock_scratch else "python",
+        "signals": "landlock" if scoped else "pidns" if pid else "none",
+        "seccomp": "on" if _seccomp_on else "off",
+    }
+    return mode, why

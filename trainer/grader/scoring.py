@@ -4,6 +4,7 @@ process, the step's reward the weighted sum, every function's scores kept for th
     with Scorer(env.rewards, ...) as scorer:
         by_name = scorer.score(completions, tasks)        # {name: [B*G] floats}
         rewards = scorer.total(by_name)                   # [B*G] weighted sums
+        scorer.sandbox_mode                               # {"network": "netns", ...}: for the events
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class Scorer:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def sandbox_mode(self) -> dict[str, str]:
+        """The sandbox layers in force for the environment's rewards (Grader.sandbox_mode), for the
+        trainer's events and the run's record. Every grader runs on the same node with the same
+        settings; a layer on which they differ anyway reads as their values joined by "|"."""
+        modes = [g.sandbox_mode for g in self._graders]
+        return {layer: "|".join(sorted({m[layer] for m in modes})) for layer in modes[0]}
 
     @property
     def primary(self) -> str:

@@ -1,13 +1,20 @@
 """The grader's worker process: runs the user's reward function in a sandbox.
 
-Started by `trainer.grader.Grader` as `python -m trainer.grader_worker CONFIG_JSON`; never run by
-hand. It talks to its parent over two private pipes (file descriptors named in the config), with
-length-prefixed JSON frames, so a reward function that prints cannot corrupt the protocol: its
-stdout and stderr are a third pipe, which the parent reads and caps (`trainer.grader_process`).
+Started by `grpo_run.trainer.grader.grader.Grader` as `python -m grpo_run.trainer.grader.worker
+CONFIG_JSON`, with an allow-listed environment; never run by hand. It talks to its parent over two
+private pipes (file descriptors named in the config), with length-prefixed JSON frames, so a reward
+function that prints cannot corrupt the protocol: its stdout and stderr are a third pipe, which the
+parent reads, scrubs and caps (`grpo_run.trainer.grader.process`). The reward function can still
+write frames of its own to the response pipe (its number is in argv): the parent checks every
+frame it reads as it would an untrusted one (`grpo_run.trainer.grader.replies`).
 
 Conversation:
-    worker -> parent  {"type": "ready", "sandbox": "netns"|"python", "filesystem": "landlock"|"python",
-                       "filesystem_why": TEXT (why not Landlock; "" when it is), "pid": N}
+    worker -> parent  {"type": "sandbox", "mode": {"network": "netns"|"python", "filesystem":
+                       "landlock"|"python", "signals": "landlock"|"pidns"|"none", "seccomp": "on"|"off"},
+                       "why": {layer: TEXT (why it is not in force)}, "missing": [layer, ...]}
+                      (before the reward's module is imported; when a layer that had to be in force
+                      is missing, the worker exits after it)
+    worker -> parent  {"type": "ready", "pid": N}
                    or {"type": "load_error", "kind": "exception"|"refused", "error": TEXT}
                                                                        (then the worker exits)
     parent -> worker  {"items": [[completion, task], ...]}             (one request per batch)
@@ -16,8 +23,9 @@ Conversation:
                       {"ok": FLOAT} or {"kind": "exception"|"timeout"|"invalid"|"refused", "error": TEXT}
 A closed request pipe means the parent is gone or done: the worker exits.
 
-Sandbox (network, filesystem, processes, memory, time): `trainer.grader_sandbox`, applied before
-the reward module is imported; its docstring describes each layer.
+Sandbox (environment, network, seccomp, filesystem, signals, processes, memory, time):
+`grpo_run.trainer.grader.sandbox`, applied before the reward module is imported; its docstring
+describes each layer.
 
 Deliberately light: stdlib only, and nothing from the trainer (no torch) but the sandbox.
 """
@@ -45,7 +53,9 @@ from grpo_run.trainer.grader.sandbox import _children, _end_leftover_processes, 
 
 _HEADER = struct.Struct(">I")  # big-endian payload length in bytes
 _MAX_ERROR_CHARS = 20_000  # a runaway traceback must not flood the trainer's logs
-_MAX_MESSAGE_CHARS = 4_000  # one exception's message, cut before the traceback around it is formatted
+# One exception's message, cut before the traceback around it is formatted; short enough that the
+# parent's cap (redact._MAX_TEXT_CHARS) keeps the traceback around it whole.
+_MAX_MESSAGE_CHARS = 1_000
 # Frames of these files are the worker's machinery, noise in the user's tracebacks: this module's
 # and the sandbox's (its audit hook raises the refusals).
 _OWN_FILES = frozenset({__file__, grader_sandbox.__file__})
@@ -152,12 +162,19 @@ def _describe(error: BaseException) -> tuple[str, str]:
     if reason is not None:
         return "refused", f"{reason}\n{_format_error(error)}"
     text = _format_error(error)
-    if grader_sandbox._landlock_scratch and any(isinstance(e, OSError) and e.errno == errno.EACCES for e in chain):
-        # Landlock's refusals of writes below Python (C code, other programs) say only this.
+    denied = {e.errno for e in chain if isinstance(e, OSError)}
+    if grader_sandbox._landlock_scratch and errno.EACCES in denied:
+        # Landlock's refusals of reads and writes below Python (C code, other programs) say only this.
         text += (
             f"\n(This 'Permission denied' may be the grader's sandbox: a reward function and the programs "
-            f"it runs may write only in its scratch directory {grader_sandbox._landlock_scratch}; "
+            f"it runs may read only its own folder, the Python installation and the system's libraries, "
+            f"and write only in its scratch directory {grader_sandbox._landlock_scratch}; "
             f"that also rules out multiprocessing's locks and queues, which live in /dev/shm.)"
+        )
+    if grader_sandbox._seccomp_on and errno.EPERM in denied:
+        text += (
+            "\n(This 'Operation not permitted' may be the grader's sandbox: a reward function and the "
+            "programs it runs may open no socket (socketpair() excepted) and may not read other processes.)"
         )
     return "exception", text
 
@@ -223,8 +240,23 @@ def _call_with_alarm(fn: RewardFn, completion: str, task: dict, timeout_s: float
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+# Training data is float32: it holds integers exactly only up to 2**24 (about 1.7e7) and is inf
+# past 3.4e38, and the group statistics square the rewards. No meaningful reward is anywhere near
+# this; one that is, is a bug (or an attack) and must not become training data.
+MAX_ABS_REWARD = 1e6
+
+
+def reward_problem(reward: float) -> str:
+    """Why `reward` cannot be training data ("" when it can): the worker's check, and the parent's
+    again on every frame (the reward function can write frames to the response pipe itself)."""
+    if not math.isfinite(reward) or abs(reward) > MAX_ABS_REWARD:
+        return f"returned {reward!r}; a reward must be a finite number within ±{MAX_ABS_REWARD:g}"
+    return ""
+
+
 def as_reward(value: Any) -> float:
-    """The reward as a float; raises TypeError/ValueError for anything but a finite number.
+    """The reward as a float; raises TypeError/ValueError for anything but a finite number within
+    ±MAX_ABS_REWARD.
 
     Anything float() takes without parsing text counts: bool, int, float, numpy scalars (a
     np.bool_ from np.isclose is common), a one-element tensor.
@@ -239,8 +271,8 @@ def as_reward(value: Any) -> float:
     except Exception as error:  # a 10**400 int, a complex, a many-element array
         kind = type(value).__name__
         raise ValueError(f"returned a value of type {kind} that float() rejects ({error})") from None
-    if not math.isfinite(reward):
-        raise ValueError(f"returned {reward!r}; a reward must be a finite number")
+    if reward_problem(reward):
+        raise ValueError(reward_problem(reward))
     return reward
 
 
@@ -290,6 +322,28 @@ def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, hel
                 break
 
 
+def _reward_file(ref: str) -> str | None:
+    target = ref.rpartition(":")[0]
+    return target if target.endswith(".py") or os.sep in target else None
+
+
+def _missing(config: dict, mode: dict[str, str]) -> list[str]:
+    """The layers that must be in force and are not: all of them when strict, else those a setting
+    names a mechanism for (network="netns", filesystem="landlock", signals="landlock"|"pidns")."""
+    strict = config.get("strict", False)
+    wanted = {
+        "network": strict or config["network"] == "netns",
+        "filesystem": strict or config["filesystem"] == "landlock",
+        "signals": strict or config["signals"] in ("landlock", "pidns"),
+        "seccomp": strict,
+    }
+    off = {"network": "python", "filesystem": "python", "signals": "none", "seccomp": "off"}
+    missing = [layer for layer, must in wanted.items() if must and mode[layer] == off[layer]]
+    if config["signals"] in ("landlock", "pidns") and mode["signals"] not in ("none", config["signals"]):
+        missing.append("signals")  # another mechanism than the one asked for
+    return missing
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
     request_fd, response_fd = config["request_fd"], config["response_fd"]
@@ -304,7 +358,18 @@ def main(argv: list[str]) -> int:
     # here; the parent reads it back into the error it reports.
     faulthandler.enable(file=config["crash_fd"], all_threads=True)
     try:
-        sandbox = apply_sandbox(config["memory_mb"], config["network"], config["filesystem"], config["scratch"])
+        mode, why = apply_sandbox(
+            memory_mb=config["memory_mb"], network=config["network"], filesystem=config["filesystem"],
+            signals=config["signals"], scratch=config["scratch"], reward_file=_reward_file(config["ref"]),
+            search_path=config["search_path"], protected=config["protected"],
+            launcher_closes=(request_fd, response_fd, config["crash_fd"]),
+        )
+        missing = _missing(config, mode)
+        # Sent before any of the reward's code runs, so this frame alone is the worker's own word:
+        # the reward's module could write a forged one later.
+        write_frame(response_fd, {"type": "sandbox", "mode": mode, "why": why, "missing": missing})
+        if missing:
+            return 1  # never import the reward with a layer missing that had to be in force
         fn = load_reward_fn(config["ref"], config["search_path"])
     except BaseException as error:
         kind, text = _describe(error)
@@ -312,7 +377,7 @@ def main(argv: list[str]) -> int:
         _end_leftover_processes(frozenset())
         return 1
     helpers = frozenset(_children())
-    write_frame(response_fd, {"type": "ready", **sandbox, "pid": os.getpid()})
+    write_frame(response_fd, {"type": "ready", "pid": os.getpid()})
     try:
         serve(fn, request_fd, response_fd, config["timeout_s"], helpers)
     except BrokenPipeError:
