@@ -15,7 +15,7 @@ import pytest
 
 from grpo_run.checkpoint.manifest import newest_sealed, verify
 from grpo_run.state.record import Record
-from tests.faults.harness import start_node, wait_until
+from tests.faults.harness import NOTICE_WINDOW_S, notice_source, start_node, wait_until
 from tests.faults.s3proxy import S3Proxy
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
 
@@ -105,6 +105,39 @@ def test_a_slow_link_and_a_stalled_server_cost_nothing(tmp_path, s3_env, referen
                 identical=identical)
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
     assert identical
+
+
+def test_a_notice_while_the_store_stalls_still_ends_inside_the_window(tmp_path, s3_env, reference, figures):
+    """A hung server (requests accepted, never answered, for longer than botocore's 60 s read
+    timeout) and then a notice: neither the stop checkpoint nor the record can reach storage, and
+    the node still ends Preempted inside the window, without waiting for them. A node resuming
+    once storage answers again continues from what was durable before the stall."""
+    node = tmp_path / "node-a"
+    with S3Proxy(s3_env.server.port) as proxy, notice_source("signal") as (env, notice):
+        proc = start_node(node, "apply", "-f", str(job(tmp_path, s3_env.url)), AWS_ENDPOINT_URL=proxy.endpoint_url,
+                          **env)
+        wait_until("a durable checkpoint", lambda: checkpoints(node)[1] >= SAVE, proc)
+        proxy.set("stall")
+        durable = checkpoints(node)[1]
+        wait_until("checkpoints sealed while the store stalls", lambda: checkpoints(node)[0] >= durable + SAVE, proc)
+        noticed = time.monotonic()
+        notice(proc)
+        out, err = proc.communicate(timeout=180)
+        exited = time.monotonic() - noticed
+        proxy.set("pass")
+    with Record(node / "runs" / "resumable" / "state.db") as record:
+        here = record.job()["phase"]
+    assert proc.returncode == 3, err[-3000:]
+    assert exited <= NOTICE_WINDOW_S, f"exited {exited:.1f} s after the notice"
+    assert here == "Preempted"
+    assert checkpoints(node)[1] == durable                  # nothing claimed durable that storage lacks
+    grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url)
+    st = status(tmp_path / "node-x", s3_env.url)
+    identical = exported_bytes(tmp_path / "node-y", s3_env.url, tmp_path / "export") == reference
+    figures.add("store", fault="the server stalled, then a notice (SIGTERM)", outage_seconds=0.0, outcome=st["phase"],
+                detail=f"Preempted {exited:.1f} s after the notice (window {NOTICE_WINDOW_S:.0f} s); durable "
+                       f"stayed {durable}; identical: {identical}", identical=identical)
+    assert st["phase"] == "Succeeded" and identical
 
 
 def _fails_clearly(proc, node: Path, *said: str) -> tuple[str, int]:
