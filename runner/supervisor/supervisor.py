@@ -1,7 +1,8 @@
 """The supervisor: one per node. It owns everything that outlives a trainer process — the lease,
 the run's books (record, ledger, budget, baseline cache), restoring the newest durable checkpoint
 before the trainer starts, uploading every checkpoint the trainer seals, spot notices, restarts.
-The trainer (`python -m trainer.child`) trains from the local folder and reports events.
+The trainer (`python -m grpo_run.trainer.child`) trains from the local folder and reports events;
+what the two say to each other is trainer.protocol.
 
     start:   lease -> restore the newest durable checkpoint into work/checkpoints -> the plan
              (baseline cached? evaluation batches already done? the budget as a deadline)
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
-import json
 import logging
 import os
 import signal
@@ -52,17 +52,26 @@ from grpo_run.runner.books.fingerprint import baseline_fingerprint, final_finger
 from grpo_run.runner.views.live import EVAL_PLAN
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.state.phases import Phase
-from grpo_run.trainer import child, faults
+from grpo_run.trainer import faults
 from grpo_run.trainer.config import GRPOParams
-from grpo_run.trainer.distributed import WORLD_ENV
 from grpo_run.trainer.envs.catalog import Environment
-from grpo_run.trainer.recipe import Plan
-from grpo_run.trainer.threads import SHARE_ENV
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV,
+                                       PARENT_ENV, PLAN_FILE, PROGRESS_ENV, SHARE_ENV, STOP_SIGNAL, WORLD_ENV,
+                                       EvalBatch, Evaluated, Failed, Final, HeldOut, PhaseStarted, Plan, Sealed,
+                                       Started, Step, Stopped, TrainerPhase, TrainerEvent, parse_event)
 
 log = logging.getLogger(__name__)
 
 # The shortest notice (GCP, Azure) is ~30 s; leave room for the upload after a forced kill.
 DEFAULT_NOTICE_WINDOW_S = 25.0
+
+# The record's phase for each phase a trainer reports: the one place the two are tied (the
+# trainer cannot import the record; runner sees both).
+RECORD_PHASE: Mapping[TrainerPhase, Phase] = {
+    TrainerPhase.BASELINE_EVAL: Phase.BASELINE_EVAL,
+    TrainerPhase.TRAINING: Phase.TRAINING,
+    TrainerPhase.FINAL_EVAL: Phase.FINAL_EVAL,
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,14 @@ class RestartLimits:
     crashes: int = 3            # the trainer process died or raised unexpectedly
     infrastructure: int = 5     # object storage unavailable past its own retries
     backoff_s: float = 2.0      # doubled after each restart, at most 60 s (plus jitter: checkpoint.retry)
+
+
+@dataclass
+class _Ending:
+    """What this attempt's trainer said about how it ended."""
+    stopped: Stopped | None = None
+    failed: Failed | None = None
+    final: Final | None = None
 
 
 @dataclass
@@ -140,7 +157,7 @@ class Supervisor:
         self._durable = 0                          # newest step durable in storage
         self._noted_durable: set[int] = set()
         self._fingerprints: dict[str, str] = {}
-        self._attempt_events: dict[str, Any] = {}  # this attempt's `stopped`, `failed`, `final` events
+        self._ending = _Ending()                   # this attempt's Stopped, Failed, Final events
         self._sealed: set[int] = set()             # checkpoints this attempt's trainer sealed (and we submitted)
         # A rebalance recommendation that came before the trainer's first event waits for it:
         # SIGUSR1 before the trainer's handler is installed would kill it (the default action).
@@ -252,14 +269,14 @@ class Supervisor:
 
     def _ended(self, code: int, restarts: dict[str, int]) -> SupervisorResult:
         """The trainer exited on its own: done, stopped at the deadline, or failed."""
-        stopped, failed = self._attempt_events.get("stopped"), self._attempt_events.get("failed")
-        if code == child.CHILD_DONE:
+        stopped, failed = self._ending.stopped, self._ending.failed
+        if code == CHILD_DONE:
             return self._succeeded(restarts)
-        if code == child.CHILD_STOPPED and self._fatal is None:
+        if code == CHILD_STOPPED and self._fatal is None:
             step = self._wait_durable()
-            if stopped and stopped.get("reason") == "deadline":
+            if stopped and stopped.reason == "deadline":
                 message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}; "
-                           f"stopped after step {stopped['step'] or 0} with a checkpoint (resume with a larger budget)")
+                           f"stopped after step {stopped.step or 0} with a checkpoint (resume with a larger budget)")
                 self._end(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
                 return SupervisorResult(EXIT_BUDGET, "BudgetExceeded", message, durable_step=step, restarts=restarts)
             message = f"stopped after step {step}; resume continues from there"
@@ -267,25 +284,25 @@ class Supervisor:
             return SupervisorResult(EXIT_PREEMPTED, "Preempted", message, durable_step=step, restarts=restarts)
         if self._fatal is not None:
             message = str(self._fatal)
-        elif failed and failed.get("diskFull"):       # restarting cannot help: the same disk is full
-            message = disk_full_message(self.work, failed["message"], self._durable)
-        elif code == child.CHILD_CODE_ERROR:
-            message = failed["message"] if failed else "the reward function failed"
+        elif failed and failed.diskFull:       # restarting cannot help: the same disk is full
+            message = disk_full_message(self.work, failed.message, self._durable)
+        elif code == CHILD_CODE_ERROR:
+            message = failed.message if failed else "the reward function failed"
         else:
             why = f"trainer exited with status {code}" if code >= 0 else \
                 f"trainer killed by {signal.Signals(-code).name}"
             if failed:
-                why += f" ({failed['message']})"
+                why += f" ({failed.message})"
             self.books.end_attempt("Crashed", why)
             raise _Restart("crashes", why)
         self._end(Phase.FAILED, "Failed", message)
         return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
 
     def _succeeded(self, restarts: dict[str, int], **notice: Any) -> SupervisorResult:
-        final = self._attempt_events.get("final")
+        final = self._ending.final
         if final is None:
             raise _Restart("crashes", "the trainer exited without its final weights")
-        folder = Path(final["path"])
+        folder = Path(final.path)
         with Uploader(self.store, "final", keep=2) as uploader:
             uploader.submit(folder, sealed(folder))
             if not uploader.wait():
@@ -304,7 +321,7 @@ class Supervisor:
         source = _source(monitor)
         log.warning("preemption notice (%s): stopping the trainer at the last completed step", source)
         if self._child.poll() is None:
-            self._child.send_signal(signal.SIGTERM)
+            self._child.send_signal(STOP_SIGNAL)
         if not self._child_done.wait(self.notice_window_s):
             log.error("the trainer did not stop within %.0f s; killing it", self.notice_window_s)
             self._child.kill()
@@ -315,7 +332,7 @@ class Supervisor:
         self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(elapsed, 3),
                                                    "durableStep": durable})
         notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
-        if self._child.returncode == child.CHILD_DONE:     # it finished before it heard
+        if self._child.returncode == CHILD_DONE:     # it finished before it heard
             return self._succeeded(restarts, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
         self._end(Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, "
@@ -369,7 +386,7 @@ class Supervisor:
             self._fatal = error
             log.error("%s; stopping the trainer", error)
             if self._child is not None and self._child.poll() is None:
-                self._child.send_signal(signal.SIGTERM)
+                self._child.send_signal(STOP_SIGNAL)
 
     def _note_durable(self, steps: list[int]) -> None:
         new = [s for s in steps if s not in self._noted_durable]
@@ -420,13 +437,13 @@ class Supervisor:
 
     def _start_child(self, plan: Plan) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        plan_path = self.work / child.PLAN_FILE
+        plan_path = self.work / PLAN_FILE
         atomic_write_bytes(plan_path, plan.to_json().encode())
         read_fd, write_fd = os.pipe()
         env = python_env()
-        env[child.EVENTS_FD_ENV] = str(write_fd)
-        env[child.PARENT_ENV] = str(os.getpid())
-        env["GRPO_RUN_PROGRESS"] = "1" if self.progress else "0"
+        env[EVENTS_FD_ENV] = str(write_fd)
+        env[PARENT_ENV] = str(os.getpid())
+        env[PROGRESS_ENV] = "1" if self.progress else "0"
         if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
             for var in WORLD_ENV:
                 env.pop(var, None)
@@ -435,7 +452,7 @@ class Supervisor:
         if kept and threads:
             log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
         env.update(threads)
-        self._attempt_events, self._sealed = {}, set()
+        self._ending, self._sealed = _Ending(), set()
         self._child_done.clear()
         with self._signal_lock:
             self._trainer_listens = False
@@ -456,7 +473,7 @@ class Supervisor:
             for line in lines:
                 try:
                     with _unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
-                        self._on_event(json.loads(line))
+                        self._on_event(parse_event(line))
                 except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
                     log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
                 except Exception:   # a bad line or a record error must not stop the reading
@@ -465,35 +482,39 @@ class Supervisor:
         self._child_done.set()
         self._wake.set()
 
-    def _on_event(self, ev: dict[str, Any]) -> None:
-        books, kind = self.books, ev["event"]
+    def _on_event(self, ev: TrainerEvent) -> None:
+        books = self.books
         if not self._trainer_listens:      # it installs its signal handlers before its first event
             self._trainer_started()
-        if kind == "step":
-            books.log_step(ev["step"], ev["metrics"])
-            books.sync_soon()
-        elif kind == "sealed":
-            books.record.add_checkpoint(ev["step"], durable=False)
-            self._sealed.add(ev["step"])
-            folder = Path(ev["path"])
-            self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
-        elif kind == "phase":
-            books.phase(Phase(ev["phase"]))
-        elif kind == "evalBatch":
-            books.add_eval_batch(ev["kind"], self._fingerprints[ev["kind"]], ev["batch"], ev["rewards"])
-        elif kind == "eval":
-            books.record_eval(ev["kind"], ev["result"], self._fingerprints[ev["kind"]], no_signal=ev["noSignal"])
-        elif kind == "heldOut":
-            books.add_held_out(ev["step"], ev["result"])
-        elif kind == "started":
-            books.record.set_value("device", ev["device"])
-            books.record.set_value("microBatchSize", ev.get("microBatchSize"))
-            if ev.get("cpuThreads") and books.record.value("cpuThreads") is None:
-                books.record.set_value("cpuThreads", ev["cpuThreads"])
-        elif kind in ("stopped", "failed", "final"):
-            if kind == "failed" and self._attempt_events.get("failed", {}).get("code"):
-                return       # several processes: the reward function's error, not the peers' lost connection
-            self._attempt_events[kind] = ev
+        match ev:
+            case Step():
+                books.log_step(ev.step, ev.metrics)
+                books.sync_soon()
+            case Sealed():
+                books.record.add_checkpoint(ev.step, durable=False)
+                self._sealed.add(ev.step)
+                folder = Path(ev.path)
+                self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
+            case PhaseStarted():
+                books.phase(RECORD_PHASE[ev.phase])
+            case EvalBatch():
+                books.add_eval_batch(ev.kind, self._fingerprints[ev.kind], ev.batch, ev.rewards)
+            case Evaluated():
+                books.record_eval(ev.kind, ev.result, self._fingerprints[ev.kind], no_signal=ev.noSignal)
+            case HeldOut():
+                books.add_held_out(ev.step, ev.result)
+            case Started():
+                books.record.set_value("device", ev.device)
+                books.record.set_value("microBatchSize", ev.microBatchSize)
+                if ev.cpuThreads and books.record.value("cpuThreads") is None:
+                    books.record.set_value("cpuThreads", ev.cpuThreads)
+            case Stopped():
+                self._ending.stopped = ev
+            case Final():
+                self._ending.final = ev
+            case Failed():
+                if not (self._ending.failed and self._ending.failed.code):   # several processes: the reward
+                    self._ending.failed = ev       # function's error, not the peers' lost connection after it
 
     def _request_checkpoint(self, notice) -> None:
         log.info("rebalance recommendation from %s: checkpointing early", notice.source)
@@ -511,7 +532,7 @@ class Supervisor:
         made before that is kept until it has. Called with _signal_lock held."""
         if self._checkpoint_asked and self._trainer_listens and self._child is not None \
                 and self._child.poll() is None:
-            self._child.send_signal(signal.SIGUSR1)
+            self._child.send_signal(CHECKPOINT_SIGNAL)
             self._checkpoint_asked = False
 
     def _lease_lost(self, lost: LeaseLost) -> None:
