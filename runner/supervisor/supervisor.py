@@ -49,7 +49,6 @@ from grpo_run.checkpoint.sync import Uploader, restore_latest
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.books.fingerprint import baseline_fingerprint, final_fingerprint
-from grpo_run.runner.views.live import EVAL_PLAN
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.state.phases import Phase
 from grpo_run.trainer import faults
@@ -218,7 +217,7 @@ class Supervisor:
                         limit = getattr(self.limits, why.kind)
                         if restarts[why.kind] > limit:
                             message = f"{why}; {why.kind} restart limit ({limit}) reached"
-                            self._end(Phase.FAILED, "Crashed", message, restart_limit=why.kind)
+                            self._end(Phase.FAILED, "Crashed", message)
                             return SupervisorResult(EXIT_FAILED, "Failed", message, restarts=restarts)
                         delay = nth_wait(wait, sum(restarts.values()))
                         log.warning("%s; restart %d of %d (%s) in %.0f s", why, restarts[why.kind], limit,
@@ -250,15 +249,12 @@ class Supervisor:
             source = _source(monitor)
             since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
                 if monitor.notice else 0.0
-            self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(since, 3),
-                                                       "durableStep": self._durable})
+            self.books.record_notice(source, since, self._durable)
             self._end(Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
                                                     f"step {self._durable} stays durable", notice=source)
             return SupervisorResult(EXIT_PREEMPTED, "Preempted", notice=source, durable_step=self._durable,
                                     restarts=restarts)
         books.start_attempt(node_name(), from_step=start)
-        if start:
-            books.record.set_value("resumedFrom", start)
         self._start_child(self._plan(start))
         while not (self._child_done.is_set() or self.preempt.is_set()):
             self._wake.wait()
@@ -308,7 +304,7 @@ class Supervisor:
             if not uploader.wait():
                 raise _Restart("infrastructure", f"the final weights could not be uploaded: {uploader.error}")
         books = self.books
-        b, f = books.record.eval("baseline"), books.record.eval("final")
+        b, f = books.evaluation("baseline"), books.evaluation("final")
         books.update_reward_signal()
         message = f"final held-out reward {f['meanReward']:.3f} (baseline {b['meanReward']:.3f})" if b and f else ""
         self._end(Phase.SUCCEEDED, "Succeeded", message)
@@ -329,8 +325,7 @@ class Supervisor:
         # inside the window even when the store stalls: the rest of it, at least a few seconds
         durable = self._wait_durable(timeout=max(5.0, self.notice_window_s - (time.monotonic() - notice_at)))
         elapsed = time.monotonic() - notice_at
-        self.books.record.set_value("lastNotice", {"source": source, "noticeToDurableSeconds": round(elapsed, 3),
-                                                   "durableStep": durable})
+        self.books.record_notice(source, elapsed, durable)
         notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
         if self._child.returncode == CHILD_DONE:     # it finished before it heard
             return self._succeeded(restarts, **notice)
@@ -339,17 +334,8 @@ class Supervisor:
                                                 f"durable; resume continues from there", notice=source)
         return SupervisorResult(EXIT_PREEMPTED, "Preempted", restarts=restarts, **notice)
 
-    def _end(self, phase: Phase, reason: str, message: str, restart_limit: str | None = None,
-             notice: str | None = None) -> None:
-        """Close the attempt and the phase in one go, and wait until storage has the record."""
-        books = self.books
-        with books.record.transaction():
-            if books.attempt is not None:
-                books.end_attempt(reason, message, notice)
-            if restart_limit:
-                books.record.set_value("restartLimit", {"kind": restart_limit, "message": message})
-            books.record.set_phase(phase, message)
-        books.sync(wait=True)
+    def _end(self, phase: Phase, reason: str, message: str, notice: str | None = None) -> None:
+        self.books.finish(phase, reason, message, notice)
 
     # --- checkpoints -------------------------------------------------------------------------------
 
@@ -392,14 +378,9 @@ class Supervisor:
         new = [s for s in steps if s not in self._noted_durable]
         if not new:
             return
-        with self.books.record.transaction():
-            for s in new:
-                self.books.record.add_checkpoint(s, durable=True)
+        self.books.note_durable(new)
         self._noted_durable.update(new)
         self._durable = max(self._durable, *new)
-        # the record after it, within DURABLE_SYNC_S: a node lost later leaves storage a record
-        # with every step up to the checkpoint a resume starts from
-        self.books.sync_after_durable()
 
     def _wait_durable(self, timeout: float | None = None) -> int:
         """The newest sealed local checkpoint made durable; its step (or the newest durable one
@@ -425,11 +406,10 @@ class Supervisor:
         cached = books.cached_baseline(fp)
         done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
         params = spec.params
-        tasks = len(spec.env.eval_tasks)                   # for `get tj -w`'s evaluation bars
-        books.record.set_value(EVAL_PLAN, {"tasks": tasks, "batches": -(-tasks // spec.params.evalBatchSize)})
-        chosen = books.record.value("microBatchSize")     # the first attempt's choice: a resume keeps it
+        books.plan_evaluations(len(spec.env.eval_tasks), params.evalBatchSize)
+        chosen = books.carry_over().micro_batch_size     # the first attempt's choice: a resume keeps it
         if params.microBatchSize is None and chosen:
-            params = params.model_copy(update={"microBatchSize": int(chosen)})
+            params = params.model_copy(update={"microBatchSize": chosen})
         return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
@@ -447,8 +427,8 @@ class Supervisor:
         if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
             for var in WORLD_ENV:
                 env.pop(var, None)
-        kept = self.books.record.value("cpuThreads")       # the first trainer's count: a run keeps it
-        threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=int(kept) if kept else None)
+        kept = self.books.carry_over().cpu_threads       # the first trainer's count: a run keeps it
+        threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=kept)
         if kept and threads:
             log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
         env.update(threads)
@@ -489,14 +469,13 @@ class Supervisor:
         match ev:
             case Step():
                 books.log_step(ev.step, ev.metrics)
-                books.sync_soon()
             case Sealed():
-                books.record.add_checkpoint(ev.step, durable=False)
+                books.note_sealed(ev.step)
                 self._sealed.add(ev.step)
                 folder = Path(ev.path)
                 self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
             case PhaseStarted():
-                books.phase(RECORD_PHASE[ev.phase])
+                books.enter_phase(RECORD_PHASE[ev.phase])
             case EvalBatch():
                 books.add_eval_batch(ev.kind, self._fingerprints[ev.kind], ev.batch, ev.rewards)
             case Evaluated():
@@ -504,10 +483,7 @@ class Supervisor:
             case HeldOut():
                 books.add_held_out(ev.step, ev.result)
             case Started():
-                books.record.set_value("device", ev.device)
-                books.record.set_value("microBatchSize", ev.microBatchSize)
-                if ev.cpuThreads and books.record.value("cpuThreads") is None:
-                    books.record.set_value("cpuThreads", ev.cpuThreads)
+                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads)
             case Stopped():
                 self._ending.stopped = ev
             case Final():
