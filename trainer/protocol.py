@@ -44,6 +44,7 @@ from grpo_run.trainer.envs.catalog import Environment
 # --- the work folder and the environment ---------------------------------------------------------
 
 PLAN_FILE = "plan.json"
+CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, the trainer resumes from and seals into it
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)

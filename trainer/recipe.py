@@ -29,8 +29,8 @@ from typing import Any, Callable
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
-from grpo_run.trainer.protocol import (Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut, PhaseStarted, Plan,
-                                       Sealed, Started, Step, Stopped, TrainerPhase)
+from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
+                                       PhaseStarted, Plan, Sealed, Started, Step, Stopped, TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
@@ -59,7 +59,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     `world`: this process's rank among several (default: alone)."""
     p, world = plan.params, world or World()
     logs = work / "logs" / "trainer.log"
-    checkpoints = Checkpointer(work / "checkpoints", interval=p.saveSteps, keep=plan.keep_checkpoints,
+    checkpoints = Checkpointer(work / CHECKPOINTS_DIR, interval=p.saveSteps, keep=plan.keep_checkpoints,
                                meta={"job": plan.name, "run": plan.run_id}, log_file=logs if logs.exists() else None,
                                world=world)
     trainer = None

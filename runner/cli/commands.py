@@ -198,7 +198,8 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.books.books import fetch_record
     from grpo_run.runner.spec.job import build_run_spec
-    from grpo_run.runner.supervisor.supervisor import Supervisor, disk_full, disk_full_message
+    from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
+    from grpo_run.runner.supervisor.supervisor import Supervisor
     from grpo_run.trainer.protocol import PROGRESS_ENV
 
     storage = storage or job.storage

@@ -1,6 +1,6 @@
 """The trainer's CPU threads: a pool from the node's cores, short spins, and a user's own setting kept."""
 
-from grpo_run.runner.supervisor.supervisor import SPIN_ROUNDS, trainer_threads
+from grpo_run.runner.supervisor.threads import SPIN_ROUNDS, trainer_threads
 from grpo_run.trainer.protocol import SHARE_ENV
 
 

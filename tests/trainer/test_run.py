@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from grpo_run.runner.supervisor.supervisor import RECORD_PHASE
+from grpo_run.runner.supervisor.attempt import RECORD_PHASE
 from grpo_run.state.phases import Phase
 from grpo_run.trainer.protocol import TrainerPhase
 
