@@ -12,7 +12,7 @@ sees one trainer as before:
 - signals: SIGTERM (a notice) goes to every rank through the agent, which forwards it and kills
   what is still running after its shutdown timeout; SIGUSR1 (checkpoint at the next step) goes
   to rank 0, and the ranks agree on it at the step boundary;
-- the exit status: trainer.child's protocol (done, stopped, the reward function's error,
+- the exit status: trainer.protocol's CHILD_* (done, stopped, the reward function's error,
   crashed) from the ranks' exit statuses, which the agent reports only as a failure;
 - threads: a first attempt's pool (GRPO_RUN_CPU_SHARE) is split evenly among the ranks, each rank
   gets the same count (replicas must round their optimizer steps alike), and the ranks take no
