@@ -80,3 +80,20 @@ def test_a_notice_between_a_crash_and_its_restart_ends_the_job_preempted_and_lea
         assert [t["reason"] for t in a.record.attempts()] == ["Crashed"]
     finally:
         a.close()
+
+
+def test_nothing_outside_the_books_writes_the_record():
+    """Books is the record's one writer: the supervisor, the CLI and the views go through it or
+    only read (opening a record to read it is fine)."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    writes = {"set_value", "set_phase", "set_spec", "add_checkpoint", "log_step", "record_eval", "start_attempt",
+              "end_attempt", "init_job", "transaction"}
+    found = [f"{path.relative_to(repo)}:{node.lineno} {node.func.attr}"
+             for path in sorted((repo / "runner").rglob("*.py")) if "books" not in path.parts
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writes
+             and "record" in ast.unparse(node.func.value).lower()]
+    assert not found, "\n".join(found)
