@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7, help="A/B pairs per storage (default 7)")
     ap.add_argument("--steps", type=int, default=60, help="training steps per attempt (default 60)")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every trainer (default: what the supervisor "
-                                                "gives it, runner.supervisor.trainer_threads)")
+                                                "gives it, runner.supervisor.threads.trainer_threads)")
     ap.add_argument("--omp-wait", choices=["passive", "active", "unset"],
                     help="OMP_WAIT_POLICY for torch's threads (default: the supervisor's choice); active / unset: "
                          "threads that spin while they wait, which leaves the checkpoint writer no idle CPU")

@@ -1,14 +1,14 @@
-"""The trainer as the supervisor's child process: `python -m trainer.child WORK/plan.json`.
+"""The trainer as the supervisor's child process: `python -m grpo_run.trainer.child WORK/plan.json`.
 
-It runs one Plan (trainer.run) and reports what happens as events on the file descriptor named
-by GRPO_RUN_EVENTS_FD, and how it ended through its exit status, which runner.supervisor reads
-to decide between done, restart and give up. SIGTERM/SIGINT ask it to stop at the last
-completed step; SIGUSR1 asks for a checkpoint at the next step boundary.
+It runs one Plan (trainer.recipe) and speaks trainer.protocol: events on the pipe the
+supervisor names, and how it ended through its exit status (CHILD_*), which the supervisor
+reads to decide between done, restart and give up. STOP_SIGNAL (and SIGINT) ask it to stop at
+the last completed step; CHECKPOINT_SIGNAL asks for a checkpoint at the next step boundary.
 
 Under accelerate's launcher (trainer.launch: spec.resources.processes > 1) one of these runs per
 rank. The launcher cannot hand the events pipe down (torchrun closes inherited descriptors), so
-it names it in GRPO_RUN_EVENTS_PATH, its own descriptor under /proc; rank 0 reports every event
-there, the other ranks only their `failed`.
+it names it in EVENTS_PATH_ENV, its own descriptor under /proc; rank 0 reports every event
+there, the other ranks only their `Failed`.
 """
 
 from __future__ import annotations
@@ -26,20 +26,12 @@ from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError
 from grpo_run.trainer.logs import trainer_logging
-from grpo_run.trainer.recipe import Events, Plan, Requests, run
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
+                                       EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
+                                       Failed, Plan)
+from grpo_run.trainer.recipe import Requests, run
 
 log = logging.getLogger(__name__)
-
-EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"
-EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"   # the pipe by path (under accelerate's launcher)
-PARENT_ENV = "GRPO_RUN_PARENT_PID"      # the supervisor's pid: the trainer dies with it
-PLAN_FILE = "plan.json"
-
-# Exit statuses, read by runner.supervisor (the trainer's own protocol, not the CLI's):
-CHILD_DONE = 0             # every phase the plan asked for is done; the final weights are sealed
-CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
-CHILD_STOPPED = 3          # stopped on request or at the plan's deadline, the last completed step sealed
-CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every try: restarting cannot help
 
 
 def child_main(argv: list[str] | None = None) -> int:
@@ -55,7 +47,7 @@ def child_main(argv: list[str] | None = None) -> int:
     trainer_logging(work, world.rank)
     path = os.environ.get(EVENTS_PATH_ENV)
     stream = open(path, "w", buffering=1) if path else os.fdopen(int(os.environ[EVENTS_FD_ENV]), "w", buffering=1)
-    events = Events(stream, only=None if world.main else ("failed",))
+    events = Events(stream, only=None if world.main else (Failed,))
     requests = Requests()
 
     def on_stop(signum, frame):  # noqa: ARG001 - Event.set only; the main thread never waits on it
@@ -64,25 +56,25 @@ def child_main(argv: list[str] | None = None) -> int:
     def on_checkpoint(signum, frame):  # noqa: ARG001
         requests.checkpoint = True
 
-    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(STOP_SIGNAL, on_stop)
     signal.signal(signal.SIGINT, on_stop)
-    signal.signal(signal.SIGUSR1, on_checkpoint)
-    progress = os.environ.get("GRPO_RUN_PROGRESS") == "1"
+    signal.signal(CHECKPOINT_SIGNAL, on_checkpoint)
+    progress = os.environ.get(PROGRESS_ENV) == "1"
     try:
         ending = run(plan, work, events, requests, progress=progress,
                      prepare=faults.arm_trainer if faults.wanted() else None, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
     except RewardFunctionError as e:
-        events.emit("failed", message=f"reward function failed: {e}", code=True)
+        events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
-        events.emit("failed", message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC)
+        events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))
         log.error("%s", e)
         return CHILD_CRASHED
     except Exception as e:
-        events.emit("failed", message=f"{type(e).__name__}: {e}", code=False)
+        events.emit(Failed(message=f"{type(e).__name__}: {e}", code=False))
         log.exception("the trainer crashed")
         return CHILD_CRASHED
     return CHILD_DONE if ending.how == "done" else CHILD_STOPPED

@@ -139,7 +139,7 @@ class GRPOParams(Strict):
     @field_validator("chatTemplateKwargs", mode="before")
     @classmethod
     def _template_kwargs(cls, v: Any) -> Any:
-        # They travel to the trainer as JSON (trainer.run.Plan): only what JSON keeps as it is.
+        # They travel to the trainer as JSON (trainer.protocol.Plan): only what JSON keeps as it is.
         if not isinstance(v, dict):
             return v                                  # pydantic's own "must be a mapping"
         for key, value in v.items():

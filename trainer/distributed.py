@@ -36,7 +36,6 @@ from typing import Any, Sequence
 
 import torch
 
-WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # torchrun's
 TIMEOUT_ENV = "GRPO_RUN_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -12,7 +12,7 @@ sees one trainer as before:
 - signals: SIGTERM (a notice) goes to every rank through the agent, which forwards it and kills
   what is still running after its shutdown timeout; SIGUSR1 (checkpoint at the next step) goes
   to rank 0, and the ranks agree on it at the step boundary;
-- the exit status: trainer.child's protocol (done, stopped, the reward function's error,
+- the exit status: trainer.protocol's CHILD_* (done, stopped, the reward function's error,
   crashed) from the ranks' exit statuses, which the agent reports only as a failure;
 - threads: a first attempt's pool (GRPO_RUN_CPU_SHARE) is split evenly among the ranks, each rank
   gets the same count (replicas must round their optimizer steps alike), and the ranks take no
@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 
 from grpo_run.checkpoint.procs import die_with_parent
-from grpo_run.trainer.child import (CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV)
 from grpo_run.trainer.faults import NODE_PID_ENV
-from grpo_run.trainer.threads import SHARE_ENV
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
+                                       EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, SHARE_ENV)
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def launch(processes: int, plan: str) -> int:
     os.environ.pop(SHARE_ENV, None)
     os.environ.update(ranks)
     threads = os.environ.get("OMP_NUM_THREADS", "1")
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _to_rank_zero(signum))
+    signal.signal(CHECKPOINT_SIGNAL, lambda signum, frame: _to_rank_zero(signum))
     args = launch_command_parser().parse_args([
         "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--num_cpu_threads_per_process", threads, "--main_process_ip", "127.0.0.1",

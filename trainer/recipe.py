@@ -3,117 +3,46 @@
 The trainer trains from a local folder and knows nothing of object storage, clouds, budgets or
 the run's record: the supervisor (runner/) restores the newest durable checkpoint into
 `work/checkpoints` before it starts this process, tells it what to run in a `Plan`, and turns
-what it reports (`Events`, one JSON line each) into the record and uploads.
+what it reports (events, one JSON line each) into the record and uploads.
 
 Where a stop request (preemption) is honoured: in `train`, before every step — the one place in
 this file — and, inside the trainer, between two tokens while sampling and between evaluation
 batches. Either way the last *completed* step is checkpointed and sealed locally, the process
-says `stopped`, and the supervisor makes that checkpoint durable. With several processes
+says `Stopped`, and the supervisor makes that checkpoint durable. With several processes
 (trainer.distributed) every rank runs this same recipe; the decision to stop, to checkpoint or
 to stop for the budget is agreed among them at each step boundary, so all stop at the same
 step; rank 0 alone reports events and seals checkpoints.
 
-Events, in the order they happen (each a JSON object with "event" and these fields):
-
-    started    step (the checkpoint resumed from, 0 for none), device, microBatchSize, cpuThreads, processes
-    phase      phase: BaselineEval | Training | FinalEval
-    evalBatch  kind (baseline | final), batch, rewards {reward name: scores}   (each batch as it is finished)
-    eval       kind, result {meanReward, rewards, tasks, solved, batches, reusedBatches}, noSignal
-    step       step (completed steps), metrics
-    heldOut    step, result                  (the held-out evaluation every evalSteps, while training)
-    sealed     step, path                    (a checkpoint sealed on the local disk)
-    final      step, path                    (the final weights sealed on the local disk)
-    stopped    step, phase, reason: requested | deadline
-    failed     message, code (true: the user's reward function)
+The plan, the events, the signals and the exit statuses: trainer.protocol.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
-from grpo_run.trainer.config import GRPOParams, parse_parameters, to_yaml_dict
 from grpo_run.trainer.distributed import World
-from grpo_run.trainer.envs.catalog import Environment
+from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
+                                       PhaseStarted, Plan, Sealed, Started, Step, Stopped, TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 progress_log = logging.getLogger("grpo_run.trainer.progress")   # the job's log file, not the terminal
 
-# The phases this process reports, named as state.record.Phase names them: the supervisor turns
-# each into the record's phase (the trainer cannot import state; a test keeps the names in step).
-BASELINE_EVAL, TRAINING, FINAL_EVAL = "BaselineEval", "Training", "FinalEval"
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the supervisor asks of one trainer process, everything resolved."""
-    name: str
-    model: str                            # what from_pretrained takes: a hub id or a folder
-    env: Environment
-    params: GRPOParams
-    model_name: str | None = None         # the model as the user named it (saved adapters say this)
-    keep_checkpoints: int = 3
-    baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
-    eval_done: dict[str, dict[int, dict[str, list[float]]]] = field(default_factory=dict)  # finished batches by kind
-    stop_by: float | None = None          # time.monotonic() past which no step may end (the budget, as time)
-    run_id: str | None = None             # the run's identity, written into each checkpoint's manifest
-
-    def to_json(self) -> str:
-        env = self.env
-        return json.dumps({
-            "name": self.name, "model": self.model, "model_name": self.model_name,
-            "keep_checkpoints": self.keep_checkpoints, "baseline": self.baseline,
-            "eval_done": {k: {str(i): r for i, r in v.items()} for k, v in self.eval_done.items()},
-            "stop_by": self.stop_by, "run_id": self.run_id, "params": to_yaml_dict(self.params),
-            "env": env.to_dict(),
-        })
-
-    @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        doc = json.loads(text)
-        problems: list[str] = []
-        params = parse_parameters(doc.pop("params"), "params", problems)
-        if problems:
-            raise ValueError("; ".join(problems))
-        e = doc.pop("env")
-        env = Environment.from_dict(e)
-        doc["eval_done"] = {k: {int(i): r for i, r in v.items()} for k, v in doc["eval_done"].items()}
-        return cls(env=env, params=params, **doc)
-
-
-class Events:
-    """The trainer's one channel to the supervisor: a JSON line per event on a pipe (or, in
-    tests and benchmarks, any text stream)."""
-
-    def __init__(self, stream: IO[str], only: tuple[str, ...] | None = None) -> None:
-        self._stream = stream
-        self._lock = threading.Lock()
-        self._only = only          # the events this process reports (ranks other than 0: failed)
-
-    def emit(self, event: str, **fields: Any) -> None:
-        if self._only is not None and event not in self._only:
-            return
-        line = json.dumps({"event": event, **fields}, default=float) + "\n"
-        with self._lock:
-            self._stream.write(line)
-            self._stream.flush()
-
 
 @dataclass
 class Requests:
     """What the supervisor asks for while the trainer runs (set from signal handlers)."""
-    stop: threading.Event = field(default_factory=threading.Event)   # SIGTERM: stop at the last completed step
-    checkpoint: bool = False                                          # SIGUSR1: checkpoint at the next step
+    stop: threading.Event = field(default_factory=threading.Event)   # STOP_SIGNAL: stop at the last completed step
+    checkpoint: bool = False                                          # CHECKPOINT_SIGNAL: checkpoint at the next step
 
 
 @dataclass(frozen=True)
@@ -130,7 +59,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     `world`: this process's rank among several (default: alone)."""
     p, world = plan.params, world or World()
     logs = work / "logs" / "trainer.log"
-    checkpoints = Checkpointer(work / "checkpoints", interval=p.saveSteps, keep=plan.keep_checkpoints,
+    checkpoints = Checkpointer(work / CHECKPOINTS_DIR, interval=p.saveSteps, keep=plan.keep_checkpoints,
                                meta={"job": plan.name, "run": plan.run_id}, log_file=logs if logs.exists() else None,
                                world=world)
     trainer = None
@@ -142,31 +71,31 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
         if plan.baseline:
-            events.emit("phase", phase=BASELINE_EVAL)
+            events.emit(PhaseStarted(phase=TrainerPhase.BASELINE_EVAL))
             log.info("baseline evaluation on %d held-out tasks", len(plan.env.eval_tasks))
             if evaluate(trainer, plan, "baseline", events) is None:
-                return _stopped(events, checkpoints, None, BASELINE_EVAL)
+                return _stopped(events, checkpoints, None, TrainerPhase.BASELINE_EVAL)
 
         start = checkpoints.load_latest()
         device = trainer.device
-        events.emit("started", step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
-                    microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads, processes=world.size)
+        events.emit(Started(step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
+                            microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads))
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 
         if start < p.maxSteps:
-            events.emit("phase", phase=TRAINING)
+            events.emit(PhaseStarted(phase=TrainerPhase.TRAINING))
         step, why = train(trainer, plan, start, checkpoints, events, requests, progress)
         if why is not None:
-            return _stopped(events, checkpoints, step, TRAINING, why)
+            return _stopped(events, checkpoints, step, TrainerPhase.TRAINING, why)
 
-        events.emit("phase", phase=FINAL_EVAL)
+        events.emit(PhaseStarted(phase=TrainerPhase.FINAL_EVAL))
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
         if evaluate(trainer, plan, "final", events) is None:
-            return _stopped(events, checkpoints, step, FINAL_EVAL)
+            return _stopped(events, checkpoints, step, TrainerPhase.FINAL_EVAL)
         final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True})   # rank 0's
         if final is not None:
-            events.emit("final", step=step, path=str(final))
+            events.emit(Final(step=step, path=str(final)))
         return Ending("done", step)
     finally:
         _report_sealed(events, checkpoints, checkpoints.close())
@@ -196,7 +125,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 return step, "requested"
             step += 1
             last_seconds = metrics["stepSeconds"]
-            events.emit("step", step=step, metrics=metrics)
+            events.emit(Step(step=step, metrics=metrics))
             bar.update(step, metrics)
             if step < p.maxSteps:
                 asked, requests.checkpoint = requests.checkpoint, False   # a rebalance notice
@@ -214,17 +143,17 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 except GenerationInterrupted:          # this step's evaluation is given up, not the step
                     return step, "requested"
                 eval_seconds = time.monotonic() - t0
-                events.emit("heldOut", step=step, result=ev.to_dict())
+                events.emit(HeldOut(step=step, result=ev.to_dict()))
         return step, None
     finally:
         bar.close()
 
 
-def evaluate(trainer: GRPOTrainer, plan: Plan, kind: str, events: Events) -> dict[str, Any] | None:
+def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events) -> dict[str, Any] | None:
     """The held-out evaluation `kind`, each batch reported as it is finished; batches an earlier
     attempt finished are reused. None when a stop request interrupted it."""
     def on_batch(i: int, rewards: dict[str, list[float]]) -> None:
-        events.emit("evalBatch", kind=kind, batch=i, rewards=rewards)
+        events.emit(EvalBatch(kind=kind, batch=i, rewards=rewards))
 
     try:
         ev = trainer.evaluate(plan.env.eval_tasks, done=plan.eval_done.get(kind), on_batch=on_batch)
@@ -234,11 +163,11 @@ def evaluate(trainer: GRPOTrainer, plan: Plan, kind: str, events: Events) -> dic
     if ev.reusedBatches:
         log.info("%s evaluation: %d of %d batches reused from an earlier attempt", kind, ev.reusedBatches, ev.batches)
     log.info("%s held-out mean reward %.3f (%d of %d tasks solved)", kind, ev.meanReward, ev.solved, ev.tasks)
-    events.emit("eval", kind=kind, result=result, noSignal=ev.no_signal)
+    events.emit(Evaluated(kind=kind, result=result, noSignal=ev.no_signal))
     return result
 
 
-def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase: str,
+def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase: TrainerPhase,
              reason: str = "requested") -> Ending:
     """Checkpoint the last completed step (unless there is nothing new to keep) and wait until it
     is sealed, then say so: the supervisor makes it durable."""
@@ -246,13 +175,13 @@ def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase:
         checkpoints.save(step, force=True)
         if checkpoints.last_saved == step:
             _report_sealed(events, checkpoints, checkpoints.sealed(wait_for=step))
-    events.emit("stopped", step=step, phase=phase, reason=reason)
+    events.emit(Stopped(step=step, phase=phase, reason=reason))
     return Ending("stopped", step or 0)
 
 
 def _report_sealed(events: Events, checkpoints: Checkpointer, steps: list[int]) -> None:
     for sealed in steps:
-        events.emit("sealed", step=sealed, path=str(checkpoint_dir(checkpoints.root, sealed)))
+        events.emit(Sealed(step=sealed, path=str(checkpoint_dir(checkpoints.root, sealed))))
 
 
 def _gpu_name(device) -> str:

@@ -1,7 +1,7 @@
 """CPU threads shared among the trainers of one node.
 
 The supervisor gives its trainer a pool of threads (all cores on a node of up to 3, all but one on
-a bigger node) and names it in GRPO_RUN_CPU_SHARE. Each trainer registers in a node-wide folder
+a bigger node) and names it in GRPO_RUN_CPU_SHARE (protocol.SHARE_ENV). Each trainer registers in a node-wide folder
 as it starts and, once its model is loaded, takes pool // (trainers on the node) threads, at
 least one: alone it uses the whole pool, two runs started side by side split it instead of
 fighting over it. Measured on 2 cores (wall time of the demo job, 300 steps; seconds per step of
@@ -20,7 +20,7 @@ than the node's share.
 The count is decided once per run and kept: CPU reductions (a gradient norm, a large sum) round
 differently with another number of threads, so a run that changed it midway, or a resume that
 took another share, would no longer end where an uninterrupted run ends. The trainer reports
-its count (the `started` event), the supervisor records it, and later attempts run with it,
+its count (the `Started` event), the supervisor records it, and later attempts run with it,
 whoever else is on the node then. Trainers that start later see the earlier ones; programs other
 than grpo-run are not counted: where they compete for the cores, set OMP_NUM_THREADS yourself (a
 user's setting is kept and nothing is shared).
@@ -37,9 +37,9 @@ import os
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from grpo_run.trainer.protocol import SHARE_ENV
 
-SHARE_ENV = "GRPO_RUN_CPU_SHARE"       # the trainer's pool of threads; absent: torch's threads are left alone
+log = logging.getLogger(__name__)
 
 
 def node_folder() -> Path:

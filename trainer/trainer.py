@@ -4,7 +4,7 @@ Read `train_step` top to bottom: it is SPEC §1 — sample a group, score, advan
 Inside this object a stop request (preemption) is honoured between tokens while sampling, in
 training and in evaluation, and between evaluation batches: either raises
 `GenerationInterrupted`, and the half-done step or batch is abandoned. Between steps it is the
-caller's (trainer.run.train). The last *completed* step is what a checkpoint holds.
+caller's (trainer.recipe.train). The last *completed* step is what a checkpoint holds.
 
 Determinism: everything random in step s is seeded from (seed, s) — the prompts it sees, one
 sampling generator per prompt (from (seed, s, the prompt's place in the step)), torch's global

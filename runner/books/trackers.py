@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from grpo_run.state.values import MLFLOW_RUN_ID, WANDB_STEPS   # by name: `values` is what write() is given
+
 log = logging.getLogger(__name__)
 
 TB_FOLDER = "tensorboard"               # the job's storage folder (and the node's work folder) for it
@@ -190,11 +192,11 @@ class MLflow:
         experiment = spec.get("experiment") or name
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        self.run = record.value("tracking.mlflowRunId")
+        self.run = MLFLOW_RUN_ID.get(record)
         if self.run is None:
             self.run = self.client.create_run(experiment_id, run_name=name,
                                               tags={"grpo-run.runId": run_id, "grpo-run.job": name}).info.run_id
-            record.set_value("tracking.mlflowRunId", self.run)
+            MLFLOW_RUN_ID.set(record, self.run)
         self.latest: dict[str, int] = {}      # tag -> newest step the run holds, asked once per tag
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -230,7 +232,7 @@ class Wandb:
         import wandb
 
         self.record = record
-        self.latest: dict[str, int] = dict(record.value("tracking.wandbSteps") or {})
+        self.latest: dict[str, int] = dict(WANDB_STEPS.get(record))
         # console off: W&B would otherwise wrap this process's stdout and stderr (the progress bar)
         self.run = wandb.init(project=spec["project"], entity=spec.get("entity"), id=run_id, name=name,
                               resume="allow", mode=spec.get("mode") or os.environ.get("WANDB_MODE") or None,
@@ -244,7 +246,7 @@ class Wandb:
             return
         self.run.log({**new, "step": step})
         self.latest.update({tag: step for tag in new})
-        self.record.set_value("tracking.wandbSteps", self.latest)
+        WANDB_STEPS.set(self.record, self.latest)
 
     def flush(self) -> None:
         pass                                  # wandb sends in its own process

@@ -198,7 +198,9 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.books.books import fetch_record
     from grpo_run.runner.spec.job import build_run_spec
-    from grpo_run.runner.supervisor.supervisor import Supervisor, disk_full, disk_full_message
+    from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
+    from grpo_run.runner.supervisor.supervisor import Supervisor
+    from grpo_run.trainer.protocol import PROGRESS_ENV
 
     storage = storage or job.storage
     url = job_store_url(storage, job.name)
@@ -214,7 +216,7 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
             print(f"{job.name}: already succeeded; nothing to do")
             print(_dump(_job_doc(work / RECORD_FILE), output), end="") if output else None
             return EXIT_OK
-        progress = sys.stderr.isatty() or os.environ.get("GRPO_RUN_PROGRESS") == "1"
+        progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
         result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))

@@ -28,7 +28,7 @@ from grpo_run.runner.notices.monitor import (CLOUDS, DEFAULT_REQUEST_TIMEOUT_S, 
 __all__ = ["AWS_METADATA_URL_ENV", "AZURE_METADATA_URL_ENV", "CLOUDS", "GCP_METADATA_URL_ENV",
            "AwsWatcher", "AzureWatcher", "GcpWatcher", "make_watchers"]
 
-logger = logging.getLogger("grpo_run.runner.notices.monitor")
+logger = logging.getLogger(__name__)
 
 AWS_METADATA_URL_ENV = "GRPO_RUN_AWS_METADATA_URL"
 GCP_METADATA_URL_ENV = "GRPO_RUN_GCP_METADATA_URL"

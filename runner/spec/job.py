@@ -28,6 +28,7 @@ from grpo_run.runner.gpus import GPUS
 from grpo_run.runner.spec.yamlfile import FileRefused, int_text, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
 from grpo_run.runner.spec.tracking import Tracking
+from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.trainer.config import GRPOParams, Strict, fmt, problem, problems_at, problems_in, to_yaml_dict
 from grpo_run.trainer.envs.catalog import CATALOG
 from grpo_run.runner.home import TINY_NAMES, TINY_PREFIX, is_tiny
@@ -430,10 +431,9 @@ def build_environment(job: TrainingJob):
     return environment_of(job.environment, job.parameters)
 
 
-def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None):
+def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None) -> RunSpec:
     """What the supervisor needs for `job`, its outputs under `storage_url`.
     `local`: the same job with its environment files where they are on this node."""
-    from grpo_run.runner.supervisor.supervisor import RunSpec
     from grpo_run.runner.home import ensure_model
 
     processes = node_processes(job.resources)

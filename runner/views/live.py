@@ -17,12 +17,12 @@ import math
 from datetime import datetime
 from typing import Any
 
+from grpo_run.state import values
 from grpo_run.state.phases import TERMINAL, Phase
 from grpo_run.state.record import Record
 
 BAR = 30                  # characters of each bar
 RATE_WINDOW = 20          # steps the rate is measured over
-EVAL_PLAN = "evalPlan"    # record value: {"tasks", "batches"} of one held-out evaluation (the supervisor's)
 
 
 def view(record: Record) -> list[str]:
@@ -38,7 +38,7 @@ def view(record: Record) -> list[str]:
     step = steps[-1]["step"] if steps else 0
     mine = [s for s in steps if running and s["logged"] >= current["started"]]
     rate = _rate(mine)
-    plan = record.value(EVAL_PLAN) or {}
+    plan = values.EVAL_PLAN.get(record) or {}
     baseline, final = record.eval("baseline"), record.eval("final")
     baseline_s = _baseline_seconds(record.transitions())
 
@@ -79,7 +79,7 @@ def view(record: Record) -> list[str]:
         lines.append(_eval_row("FinalEval", record, "final", plan, active=phase == Phase.FINAL_EVAL))
 
     # the spend
-    ledger = record.value("ledger", {}) or {}
+    ledger = values.LEDGER.get(record)
     spent = sum(v["usd"] for v in ledger.values())
     if running and steps and "costUSD" in steps[-1]:
         spent = max(spent, steps[-1]["costUSD"])
@@ -102,7 +102,7 @@ def _row(name: str, fraction: float, text: str) -> str:
 
 
 def _eval_row(name: str, record: Record, kind: str, plan: dict[str, Any], *, active: bool) -> str:
-    saved = record.value(f"evalBatches.{kind}") or {}
+    saved = values.EVAL_BATCHES[kind].get(record) or {}
     done = len(saved.get("batches") or {}) if active else 0
     total = plan.get("batches")
     if total:

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from grpo_run.state import values
 from grpo_run.state.record import Record
 
 SMOOTH_FROM = 50          # steps from which a panel shows a trailing mean over faint raw points
@@ -31,9 +32,9 @@ def gather(record: Record) -> dict[str, Any]:
     spec = job["spec"].get("spec", {})
     return {"name": job["name"], "phase": str(job["phase"]), "spec": spec,
             "params": spec.get("parameters", {}), "steps": record.steps(logged=True),
-            "attempts": record.attempts(), "ledger": record.value("ledger", {}) or {},
+            "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
-            "heldOut": record.value("heldOut") or []}
+            "heldOut": values.HELD_OUT.get(record)}
 
 
 def boundaries(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_run.state import values
 from grpo_run.state.record import Record
 
 EVAL_KEYS = ("meanReward", "rewards", "tasks", "solved", "runs", "source", "batches", "reusedBatches")
@@ -31,13 +32,13 @@ def job_status(record: Record) -> dict[str, Any]:
         status["baseline"] = baseline
     if final:
         status["final"] = final
-    if record.value("heldOut"):
-        status["heldOut"] = record.value("heldOut")     # every evalSteps, while training
+    if values.HELD_OUT.get(record):
+        status["heldOut"] = values.HELD_OUT.get(record)     # every evalSteps, while training
     diagnostics: dict[str, Any] = {}
-    if record.value("rewardSignal") is not None:
-        diagnostics["rewardSignal"] = record.value("rewardSignal")
-    if record.value("baselineWarning"):
-        diagnostics["baseline"] = record.value("baselineWarning")
+    if values.REWARD_SIGNAL.get(record) is not None:
+        diagnostics["rewardSignal"] = values.REWARD_SIGNAL.get(record)
+    if values.BASELINE_WARNING.get(record):
+        diagnostics["baseline"] = values.BASELINE_WARNING.get(record)
     if diagnostics:
         status["diagnostics"] = diagnostics
     if steps:
@@ -47,17 +48,17 @@ def job_status(record: Record) -> dict[str, Any]:
     durable = [c["step"] for c in ckpts if c["durable"]]
     status["checkpoints"] = {"latest": ckpts[-1]["step"] if ckpts else None,
                              "latestDurable": max(durable) if durable else None}
-    if record.value("device"):
-        status["device"] = record.value("device")
+    if values.DEVICE.get(record):
+        status["device"] = values.DEVICE.get(record)
     if steps:
         times = sorted(s["stepSeconds"] for s in steps if "stepSeconds" in s)
         if times:
             status["medianStepSeconds"] = round(times[len(times) // 2], 4)
-    ledger = record.value("ledger", {}) or {}
+    ledger = values.LEDGER.get(record)
     if ledger:
         status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
-    if record.value("lastNotice"):
-        status["lastNotice"] = record.value("lastNotice")
+    if values.LAST_NOTICE.get(record):
+        status["lastNotice"] = values.LAST_NOTICE.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},
                            **{key: a[k] for k, key in (("from_step", "fromStep"), ("to_step", "toStep"))
                               if a.get(k) is not None}}

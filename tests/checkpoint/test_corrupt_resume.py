@@ -64,12 +64,14 @@ def delete_a_listed_file(client, bucket: str, ckpt: str) -> str:
 
 
 def resumed_from(s3_env, tmp_path: Path) -> int | None:
-    """`resumedFrom` as the job's record in the bucket has it."""
+    """The checkpoint the newest attempt that resumed one started from, as the job's record in the
+    bucket has it (None: every attempt started from the beginning)."""
     local = tmp_path / "record" / "state.db"
     local.parent.mkdir()
     s3_env.server.client().download_file(s3_env.bucket, f"{job_prefix(s3_env)}/state.db", str(local))
     with Record(local) as record:
-        return record.value("resumedFrom")
+        attempts = record.attempts()
+    return next((a["from_step"] for a in reversed(attempts) if a["from_step"]), None)
 
 
 # One case on every edit (~25 s, plus ~13 s for the reference run); all four in CI.

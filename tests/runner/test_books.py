@@ -3,7 +3,8 @@
 import pytest
 
 from grpo_run.checkpoint.storage.store import Store
-from grpo_run.runner.books.books import BASELINE, Books
+from grpo_run.runner.books.books import Books
+from grpo_run.runner.books.evals import BASELINE
 
 RESULT = {"meanReward": 0.25, "rewards": [0.0, 0.5], "tasks": 2, "solved": 0, "batches": 1, "reusedBatches": 0}
 
@@ -48,7 +49,7 @@ def test_a_node_lost_without_a_word_is_charged_up_to_its_newest_step_and_each_up
     a = Books(store, tmp_path / "node-a", name="job", manifest={"kind": "TrainingJob", "metadata": {"name": "job"}},
               usd_per_hour=36.0, max_cost_usd=None)
     attempt = a.start_attempt("node-a", from_step=0)
-    a._t0 -= 20                                   # 20 s into the attempt, the record is uploaded
+    a.ledger._t0 -= 20                            # 20 s into the attempt, the record is uploaded
     a.sync(wait=True)
     assert a.record.value("ledger")[str(attempt)]["seconds"] >= 20
     # the node then trains on for 30 s more and dies: its last upload had the step 50 s in
@@ -64,3 +65,35 @@ def test_a_node_lost_without_a_word_is_charged_up_to_its_newest_step_and_each_up
     assert entry["seconds"] == 50.0 and entry["usd"] == 0.5                 # 50 s at $36/h
     assert b.record.attempts()[0]["reason"] == "Crashed"
     b.close()
+
+
+def test_a_notice_between_a_crash_and_its_restart_ends_the_job_preempted_and_leaves_the_crash_recorded(tmp_path):
+    from grpo_run.state.phases import Phase
+
+    store = Store(str(tmp_path / "store"))
+    a = books(store, tmp_path / "node-a")
+    try:
+        a.start_attempt("node-a", from_step=0)
+        a.end_attempt("Crashed", "trainer killed by SIGKILL")          # the restart's backoff begins
+        a.finish(Phase.PREEMPTED, "Preempted", "notice from aws between attempts", notice="aws")
+        assert a.record.job()["phase"] == Phase.PREEMPTED
+        assert [t["reason"] for t in a.record.attempts()] == ["Crashed"]
+    finally:
+        a.close()
+
+
+def test_nothing_outside_the_books_writes_the_record():
+    """Books is the record's one writer: the supervisor, the CLI and the views go through it or
+    only read (opening a record to read it is fine)."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    writes = {"set_value", "set_phase", "set_spec", "add_checkpoint", "log_step", "record_eval", "start_attempt",
+              "end_attempt", "init_job", "transaction"}
+    found = [f"{path.relative_to(repo)}:{node.lineno} {node.func.attr}"
+             for path in sorted((repo / "runner").rglob("*.py")) if "books" not in path.parts
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writes
+             and "record" in ast.unparse(node.func.value).lower()]
+    assert not found, "\n".join(found)

@@ -163,7 +163,7 @@ def test_without_a_thread_setting_the_trainer_takes_the_nodes_share_and_still_ch
                                                                                            monkeypatch):
     import os
 
-    from grpo_run.runner.supervisor.supervisor import trainer_threads
+    from grpo_run.runner.supervisor.threads import trainer_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)      # the tests' own setting: not a user's here
     monkeypatch.setenv("TMPDIR", str(tmp_path))               # this test's node registry

@@ -2,7 +2,8 @@
 
 from datetime import datetime, timedelta, timezone
 
-from grpo_run.runner.views.live import EVAL_PLAN, view
+from grpo_run.runner.views.live import view
+from grpo_run.state import values
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record
 
@@ -26,7 +27,7 @@ def a_run_in_training(tmp_path, *, rate_usd=3.6):
         record.db["steps"].insert({"step": step, "logged": (T0 + timedelta(seconds=step / 2)).isoformat(),
                                    "metrics": f'{{"rewardMean": {step / 20}, "costUSD": {step * 0.0005}}}'})
     record.set_value("ledger", {str(attempt): {"seconds": 0.0, "usd": 0.0, "usdPerHour": rate_usd}})
-    record.set_value(EVAL_PLAN, {"tasks": 30, "batches": 2})
+    values.EVAL_PLAN.set(record, {"tasks": 30, "batches": 2})
     return record
 
 

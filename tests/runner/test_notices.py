@@ -61,7 +61,7 @@ def warnings_logged(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]
 
 
 def logged(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "grpo_run.runner.notices.monitor" and r.levelno == level]
+    return [r for r in caplog.records if r.name.startswith("grpo_run.runner.notices.") and r.levelno == level]
 
 
 def assert_preempted_within_a_couple_of_polls(watcher: Watcher, trigger) -> NoticeMonitor:
@@ -212,7 +212,7 @@ def test_the_aws_watcher_renews_its_token_before_it_expires():
 
 @pytest.mark.parametrize("watcher_type", [AwsWatcher, GcpWatcher, AzureWatcher])
 def test_an_unreachable_service_is_warned_about_once_and_never_preempts(watcher_type, caplog):
-    caplog.set_level(logging.INFO, logger="grpo_run.runner.notices.monitor")
+    caplog.set_level(logging.INFO, logger="grpo_run.runner.notices")
     counting = CountingWatcher(watcher_type(closed_port_url()))
     with NoticeMonitor([counting], poll_interval_s=INTERVAL) as monitor:
         assert counting.wait_for_polls(20)
@@ -222,7 +222,7 @@ def test_an_unreachable_service_is_warned_about_once_and_never_preempts(watcher_
 
 
 def test_a_failing_service_is_warned_about_once_and_its_notice_arrives_after_it_recovers(caplog):
-    caplog.set_level(logging.INFO, logger="grpo_run.runner.notices.monitor")
+    caplog.set_level(logging.INFO, logger="grpo_run.runner.notices")
     with AwsImdsEmulator() as imds:
         watcher = AwsWatcher(imds.url)
         imds.fail_with(500)

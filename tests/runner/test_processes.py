@@ -206,7 +206,7 @@ def test_the_budget_stops_every_rank_once_charging_every_gpu(tmp_path):
     assert st["phase"] == "BudgetExceeded" and [a["reason"] for a in st["attempts"]] == ["BudgetExceeded"]
     attempt = st["attempts"][0]
     seconds = (dt.datetime.fromisoformat(attempt["ended"]) - dt.datetime.fromisoformat(attempt["started"])).total_seconds()
-    # the stop's own cost (last checkpoint, the ranks' exit) is held back as 5 s (books.CHECKPOINT_RESERVE_S);
+    # the stop's own cost (last checkpoint, the ranks' exit) is held back as 5 s (ledger.CHECKPOINT_RESERVE_S);
     # on a machine loaded 3x over it took longer once: $1.0753 spent
     assert st["costUSD"] <= 1.2
     assert st["costUSD"] == pytest.approx(seconds * 200.0 / 3600, abs=0.02)       # both GPUs charged

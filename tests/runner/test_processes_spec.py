@@ -7,9 +7,8 @@ from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.spec.job import JobError, build_run_spec, node_processes, parse_job, usd_per_hour
 from tests.runner.test_dryrun import QWEN3_8B, SPEC_RUN, manifest, qwen3_8b  # noqa: F401 (a fixture)
 from grpo_run.trainer import faults
-from grpo_run.trainer.child import CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_STOPPED
 from grpo_run.trainer.launch import exit_status, rank_environment
-from grpo_run.trainer.threads import SHARE_ENV
+from grpo_run.trainer.protocol import CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_STOPPED, SHARE_ENV
 
 
 def test_processes_default_to_one_and_take_a_count_or_auto(tmp_path):

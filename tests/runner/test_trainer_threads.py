@@ -1,7 +1,7 @@
 """The trainer's CPU threads: a pool from the node's cores, short spins, and a user's own setting kept."""
 
-from grpo_run.runner.supervisor.supervisor import SPIN_ROUNDS, trainer_threads
-from grpo_run.trainer.threads import SHARE_ENV
+from grpo_run.runner.supervisor.threads import SPIN_ROUNDS, trainer_threads
+from grpo_run.trainer.protocol import SHARE_ENV
 
 
 def test_on_two_cores_the_pool_is_both_cores_and_waits_spin_briefly():

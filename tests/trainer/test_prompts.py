@@ -13,7 +13,7 @@ from grpo_run.trainer.envs.catalog import user_environment
 from grpo_run.trainer.trainer import GRPOTrainer, batch_indices
 from grpo_run.trainer.model.policy import load_tokenizer
 from grpo_run.trainer.model.prompts import PromptEncoder
-from grpo_run.trainer.recipe import Plan
+from grpo_run.trainer.protocol import Plan
 from grpo_run.runner.home import ensure_model
 
 QUESTION = "How many clips did Natalia sell?"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from grpo_run.trainer.envs.tasks import Task
 
@@ -35,17 +35,6 @@ class Environment:
     train_tasks: tuple[Task, ...]
     eval_tasks: tuple[Task, ...]
     search_path: tuple[str, ...] = ()  # prepended to sys.path in the grader for user modules
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "rewards": [[r.name, r.ref, r.weight] for r in self.rewards],
-                "train_tasks": list(self.train_tasks), "eval_tasks": list(self.eval_tasks),
-                "search_path": list(self.search_path)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Environment":
-        return cls(name=d["name"], rewards=tuple(Reward(n, ref, w) for n, ref, w in d["rewards"]),
-                   train_tasks=tuple(d["train_tasks"]), eval_tasks=tuple(d["eval_tasks"]),
-                   search_path=tuple(d["search_path"]))
 
 
 # --- arithmetic: (a + b) mod 10 ------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The held-out evaluations' books: the baseline cache (the record's, else `baseline.json` in the
+job's storage folder), the evaluation batches a stopped attempt finished, the held-out curve and
+the size of one evaluation. A result is reused only for the fingerprint it was computed for
+(runner.books.fingerprint)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.state import values
+from grpo_run.state.record import Record
+
+log = logging.getLogger(__name__)
+
+BASELINE = "baseline.json"
+RESULT_KEYS = ("meanReward", "rewards", "tasks", "solved", "batches", "reusedBatches")
+NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
+                  "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
+
+
+class Evals:
+    def __init__(self, record: Record, store: Store) -> None:
+        self.record = record
+        self.store = store
+
+    def cached_baseline(self, fingerprint: str) -> dict[str, Any] | None:
+        """The baseline computed earlier for this very fingerprint (the record's, else the one in
+        storage), recorded as reused; None when it must be computed (said why when a cache for
+        other settings was there)."""
+        cached = self.record.eval("baseline")
+        if cached is None or cached.get("fingerprint") != fingerprint:
+            try:
+                doc = json.loads(self.store.get_bytes(BASELINE))
+                cached = doc if isinstance(doc, dict) else cached
+            except FileNotFoundError:
+                pass
+        if cached is not None and cached.get("fingerprint") == fingerprint:
+            result = {k: cached[k] for k in RESULT_KEYS if k in cached}
+            self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
+            log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
+            return result
+        if cached is not None:
+            log.warning("the cached baseline was computed for another model, environment, eval tasks or "
+                        "generation settings; evaluating again")
+        return None
+
+    def record_computed(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
+        """An evaluation the trainer just ran (counted: status.baseline.runs)."""
+        self.record.record_eval(kind, result, computed=True, fingerprint=fingerprint)
+        if kind == "baseline" and no_signal:
+            warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
+            log.warning(warning)
+            values.BASELINE_WARNING.set(self.record, warning)
+
+    def cache_baseline(self, result: dict[str, Any], fingerprint: str) -> None:
+        """The baseline beside the record in storage, for a job submitted again after its record
+        was deleted."""
+        self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint}).encode())
+
+    def add_held_out(self, step: int, result: dict[str, Any]) -> None:
+        """An evaluation on the held-out tasks after `step` (every evalSteps): the curve `get tj`
+        shows as status.heldOut while the job runs."""
+        curve = [e for e in values.HELD_OUT.get(self.record) if e["step"] != step]
+        curve.append({"step": step, **{k: result[k] for k in ("meanReward", "rewards", "solved") if k in result}})
+        values.HELD_OUT.set(self.record, sorted(curve, key=lambda e: e["step"]))
+
+    def batches(self, kind: str, fingerprint: str) -> dict[int, dict[str, list[float]]]:
+        """Evaluation batches of `kind` an earlier attempt finished for this fingerprint."""
+        saved = values.EVAL_BATCHES[kind].get(self.record) or {}
+        if saved.get("fingerprint") != fingerprint:
+            return {}
+        return {int(i): r for i, r in saved["batches"].items()}
+
+    def add_batch(self, kind: str, fingerprint: str, batch: int, rewards: dict[str, list[float]]) -> None:
+        """Keep batch `batch`'s scores ({reward name: one per task}) for a resume to reuse."""
+        saved = values.EVAL_BATCHES[kind].get(self.record) or {}
+        if saved.get("fingerprint") != fingerprint:
+            saved = {"fingerprint": fingerprint, "batches": {}}
+        saved["batches"][str(batch)] = rewards
+        values.EVAL_BATCHES[kind].set(self.record, saved)
+
+    def plan(self, tasks: int, batch_size: int) -> None:
+        """How big one held-out evaluation is, for `get tj -w`'s evaluation bars."""
+        values.EVAL_PLAN.set(self.record, {"tasks": tasks, "batches": -(-tasks // batch_size)})

@@ -1,0 +1,239 @@
+"""One trainer process, from its plan to how it ended. What the two processes say to each other
+is trainer.protocol; this is the supervisor's side of it:
+
+    plan       what the books already have: the cached baseline, the evaluation batches an earlier
+               attempt finished, the first trainer's micro-batch size, the budget as a deadline
+    spawn      its own session (a terminal's Ctrl-C reaches the supervisor only, which decides), the
+               events pipe, the thread pool; alone, or one rank per GPU under accelerate's launcher
+    events     read on a pipe by one thread, each into the books or an upload
+    signals    STOP_SIGNAL at a notice (then a kill when the window runs out), CHECKPOINT_SIGNAL at a
+               rebalance recommendation, once the trainer listens
+    outcome    its exit status and its last words, read as one of done, stopped, deadline, disk
+               full, code error, crashed
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Mapping
+
+from grpo_run.checkpoint.procs import python_env
+from grpo_run.checkpoint.storage.fsio import atomic_write_bytes
+from grpo_run.checkpoint.storage.lease import LeaseLost
+from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+from grpo_run.runner.books.books import Books
+from grpo_run.runner.books.fingerprint import baseline_fingerprint, final_fingerprint
+from grpo_run.runner.notices.monitor import Notice
+from grpo_run.runner.supervisor.diskfull import unless_disk_full
+from grpo_run.runner.supervisor.durability import Durability
+from grpo_run.runner.supervisor.runspec import RunSpec
+from grpo_run.runner.supervisor.threads import trainer_threads
+from grpo_run.state.phases import Phase
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV,
+                                       PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL, WORLD_ENV, EvalBatch,
+                                       Evaluated, Failed, Final, HeldOut, PhaseStarted, Plan, Sealed, Started, Step,
+                                       Stopped, TrainerEvent, TrainerPhase, parse_event)
+
+log = logging.getLogger(__name__)
+
+# The record's phase for each phase a trainer reports: the one place the two are tied (the
+# trainer cannot import the record; runner sees both).
+RECORD_PHASE: Mapping[TrainerPhase, Phase] = {
+    TrainerPhase.BASELINE_EVAL: Phase.BASELINE_EVAL,
+    TrainerPhase.TRAINING: Phase.TRAINING,
+    TrainerPhase.FINAL_EVAL: Phase.FINAL_EVAL,
+}
+
+
+class CheckpointRequest:
+    """A rebalance recommendation, delivered as CHECKPOINT_SIGNAL to a trainer that listens (it
+    sent an event, so its handler is installed: before that the signal's default action would
+    kill it). One made while no trainer listens waits for the next that does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._asked = False
+        self._listener: subprocess.Popen | None = None
+
+    def ask(self, notice: Notice) -> None:
+        log.info("rebalance recommendation from %s: checkpointing early", notice.source)
+        with self._lock:
+            self._asked = True
+            self._deliver()
+
+    def set_listener(self, proc: subprocess.Popen | None) -> None:
+        with self._lock:
+            self._listener = proc
+            self._deliver()
+
+    def _deliver(self) -> None:      # with _lock held
+        if self._asked and self._listener is not None and self._listener.poll() is None:
+            self._listener.send_signal(CHECKPOINT_SIGNAL)
+            self._asked = False
+
+
+@dataclass
+class LastWords:
+    """What the trainer said about how it ended."""
+    stopped: Stopped | None = None
+    failed: Failed | None = None
+    final: Final | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    how: Literal["done", "stopped", "deadline", "disk full", "code error", "crashed"]
+    message: str = ""         # disk full, code error, crashed: why
+    step: int = 0             # deadline: the last completed step
+
+
+class TrainerProcess:
+    """One trainer process of an attempt (several, under accelerate's launcher, seen as one)."""
+
+    def __init__(self, spec: RunSpec, work: Path, books: Books, durability: Durability, *,
+                 checkpoints: CheckpointRequest, wake: threading.Event) -> None:
+        self.spec, self.work, self.books, self.durability = spec, Path(work), books, durability
+        self.checkpoints = checkpoints
+        self.done = threading.Event()     # it exited and every event it sent is handled
+        self.last_words = LastWords()
+        self._wake = wake                 # the supervisor's: set with `done`
+        self._proc: subprocess.Popen | None = None
+        self._listens = False
+        self._fingerprints: dict[str, str] = {}
+
+    def start(self, step: int, *, progress: bool) -> None:
+        """The trainer, continuing from the checkpoint at `step` (0: from the beginning)."""
+        self._spawn(self._plan(step), progress)
+
+    def _plan(self, step: int) -> Plan:
+        spec, books = self.spec, self.books
+        fp = baseline_fingerprint(spec.model, spec.env, spec.params)
+        self._fingerprints = {"baseline": fp, "final": final_fingerprint(fp, spec.manifest)}
+        cached = books.cached_baseline(fp)
+        done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
+        params = spec.params
+        books.plan_evaluations(len(spec.env.eval_tasks), params.evalBatchSize)
+        chosen = books.carry_over().micro_batch_size     # the first attempt's choice: a resume keeps it
+        if params.microBatchSize is None and chosen:
+            params = params.model_copy(update={"microBatchSize": chosen})
+        return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
+                    keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
+                    eval_done={kind: batches for kind, batches in done.items() if batches},
+                    stop_by=books.stop_by(), run_id=books.run_id)
+
+    def _spawn(self, plan: Plan, progress: bool) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        plan_path = self.work / PLAN_FILE
+        atomic_write_bytes(plan_path, plan.to_json().encode())
+        read_fd, write_fd = os.pipe()
+        env = python_env()
+        env[EVENTS_FD_ENV] = str(write_fd)
+        env[PARENT_ENV] = str(os.getpid())
+        env[PROGRESS_ENV] = "1" if progress else "0"
+        if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
+            for var in WORLD_ENV:
+                env.pop(var, None)
+        kept = self.books.carry_over().cpu_threads       # the first trainer's count: a run keeps it
+        threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=kept)
+        if kept and threads:
+            log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
+        env.update(threads)
+        self.checkpoints.set_listener(None)
+        try:
+            command = ["-m", "grpo_run.trainer.child", str(plan_path)] if self.spec.processes == 1 else \
+                ["-m", "grpo_run.trainer.launch", str(self.spec.processes), str(plan_path)]    # one rank per GPU
+            self._proc = subprocess.Popen([sys.executable, *command], env=env, pass_fds=[write_fd],
+                                          cwd=self.work, start_new_session=True)
+        finally:
+            os.close(write_fd)
+        threading.Thread(target=self._read_events, args=(read_fd,), name="trainer-events", daemon=True).start()
+
+    # --- what it says ----------------------------------------------------------------------------
+
+    def _read_events(self, fd: int) -> None:
+        """The trainer's events, one JSON line each, until it exits (its end of the pipe closes)."""
+        with os.fdopen(fd, "r") as lines:
+            for line in lines:
+                try:
+                    with unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
+                        self._on_event(parse_event(line))
+                except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
+                    log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
+                except Exception:   # a bad line or a record error must not stop the reading
+                    log.exception("could not handle the trainer's event %s", line.strip()[:200])
+        self._proc.wait()
+        self.done.set()
+        self._wake.set()
+
+    def _on_event(self, ev: TrainerEvent) -> None:
+        books = self.books
+        if not self._listens:      # it installs its signal handlers before its first event
+            self._listens = True
+            self.checkpoints.set_listener(self._proc)
+        match ev:
+            case Step():
+                books.log_step(ev.step, ev.metrics)
+            case Sealed():
+                self.durability.sealed(ev.step, Path(ev.path))
+            case PhaseStarted():
+                books.enter_phase(RECORD_PHASE[ev.phase])
+            case EvalBatch():
+                books.add_eval_batch(ev.kind, self._fingerprints[ev.kind], ev.batch, ev.rewards)
+            case Evaluated():
+                books.record_eval(ev.kind, ev.result, self._fingerprints[ev.kind], no_signal=ev.noSignal)
+            case HeldOut():
+                books.add_held_out(ev.step, ev.result)
+            case Started():
+                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads)
+            case Stopped():
+                self.last_words.stopped = ev
+            case Final():
+                self.last_words.final = ev
+            case Failed():
+                if not (self.last_words.failed and self.last_words.failed.code):   # several processes: the reward
+                    self.last_words.failed = ev       # function's error, not the peers' lost connection after it
+
+    # --- what it is told -------------------------------------------------------------------------
+
+    def stop(self, window_s: float) -> None:
+        """Stop at the last completed step (STOP_SIGNAL); killed if not gone within `window_s`."""
+        self.terminate()
+        if not self.done.wait(window_s):
+            log.error("the trainer did not stop within %.0f s; killing it", window_s)
+            self.kill()
+            self.done.wait()
+
+    def terminate(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(STOP_SIGNAL)
+
+    def kill(self) -> None:
+        """No checkpoint, no word: for a lease lost to another node, or a supervisor on its way out."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    # --- how it ended ----------------------------------------------------------------------------
+
+    def outcome(self) -> Outcome:
+        """How it ended, from its exit status and its last words."""
+        code, stopped, failed = self._proc.returncode, self.last_words.stopped, self.last_words.failed
+        if code == CHILD_DONE:
+            return Outcome("done")
+        if code == CHILD_STOPPED:
+            if stopped is not None and stopped.reason == "deadline":
+                return Outcome("deadline", step=stopped.step or 0)
+            return Outcome("stopped")
+        if failed and failed.diskFull:       # restarting cannot help: the same disk is full
+            return Outcome("disk full", failed.message)
+        if code == CHILD_CODE_ERROR:
+            return Outcome("code error", failed.message if failed else "the reward function failed")
+        why = f"trainer exited with status {code}" if code >= 0 else f"trainer killed by {signal.Signals(-code).name}"
+        return Outcome("crashed", why + (f" ({failed.message})" if failed else ""))

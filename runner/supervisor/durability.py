@@ -1,0 +1,112 @@
+"""What is durable in storage, and making it so: the newest durable checkpoint restored before a
+trainer starts, every checkpoint the trainer seals uploaded (its manifest trusted: it was hashed
+once, when sealed, and goes up last), each noted durable in the books as its upload ends, and,
+inside a notice window, the newest sealed one made durable in what time is left."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from grpo_run.checkpoint.manifest import Manifest, newest_sealed, sealed
+from grpo_run.checkpoint.storage.lease import LeaseLost
+from grpo_run.checkpoint.storage.store import StorageConfigError, Store
+from grpo_run.checkpoint.sync import Uploader, restore_latest
+from grpo_run.runner.books.books import Books
+from grpo_run.runner.supervisor.diskfull import unless_disk_full
+from grpo_run.trainer.protocol import CHECKPOINTS_DIR
+
+log = logging.getLogger(__name__)
+
+
+class Durability:
+    """Owns the checkpoint uploads of one supervisor and knows the newest durable step."""
+
+    def __init__(self, store: Store, work: Path, books: Books, *, job: str, keep: int,
+                 on_lease_lost: Callable[[LeaseLost], None], on_fatal: Callable[[BaseException], None]) -> None:
+        self.store = store
+        self.local = Path(work) / CHECKPOINTS_DIR
+        self.books = books
+        self.job = job
+        self.durable = 0                           # the newest step durable in storage
+        self.fatal: BaseException | None = None    # a storage configuration error from an upload: the run stops
+        self._noted: set[int] = set()              # steps noted durable in the books
+        self._reported: set[int] = set()           # steps this attempt's trainer sealed (and were submitted)
+        self._on_lease_lost, self._on_fatal = on_lease_lost, on_fatal
+        self.uploads = Uploader(store, "checkpoints", keep=keep, on_upload=self._uploaded)
+
+    def restore(self) -> int:
+        """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
+        one sealed here before a crash is kept and uploaded); its step, 0 for none. Begins an
+        attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
+        self._reported = set()
+        got = restore_latest(self.store, self.local, accept=self.why_not_ours)
+        if got is None:
+            return 0
+        step, folder, manifest, durable = got
+        if durable:
+            self._note([step])
+        else:
+            log.info("checkpoint %d was sealed here but never uploaded; uploading it", step)
+            self.uploads.submit(folder, manifest)
+        return step
+
+    def why_not_ours(self, manifest: Manifest) -> str | None:
+        """Why a checkpoint is not this run's to continue from (None: it is). One without a run
+        id predates them and is trusted."""
+        run, ours = manifest.meta.get("run"), self.books.run_id
+        if run is None or run == ours:
+            return None
+        return (f"it was written by another run of job {self.job} (run {run[:12]}; this record's is "
+                f"{ours[:12]}): a job submitted again under the name of one whose record was deleted")
+
+    def sealed(self, step: int, folder: Path) -> None:
+        """The trainer sealed checkpoint `step` in `folder`: noted, and its upload begins."""
+        self.books.note_sealed(step)
+        self._reported.add(step)
+        self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The newest sealed local checkpoint made durable; its step (or the newest durable one
+        when that upload fails or outlasts `timeout`: what is reported durable is only what is).
+        A checkpoint the trainer sealed but could not report (it was killed) is uploaded too, its
+        manifest trusted: nothing is hashed inside a notice window."""
+        found = newest_sealed(self.local)
+        if found is not None and found[0] > self.durable and found[0] not in self._reported:
+            self.uploads.submit(found[1], found[2])
+        if not self.uploads.wait(timeout) and timeout is not None:
+            log.error("the newest checkpoint was not made durable within %.0f s (a stalled or failing "
+                      "store?); step %d is the newest durable one", timeout,
+                      max(self.durable, *self.uploads.durable_steps(), 0))
+        self._note(self.uploads.durable_steps())
+        return self.durable
+
+    def upload_final(self, folder: Path) -> BaseException | None:
+        """The final weights into storage (`final/`), waiting until they are there; the error
+        when they could not be."""
+        with Uploader(self.store, "final", keep=2) as uploader:
+            uploader.submit(folder, sealed(folder))
+            return None if uploader.wait() else uploader.error
+
+    def close(self) -> None:
+        self.uploads.close()
+
+    def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
+        """From the upload thread, after each upload ended."""
+        with unless_disk_full(f"checkpoints {durable} as durable"):
+            self._note(durable)
+        if isinstance(error, LeaseLost):       # refused by the fence before the renewal thread said so
+            self._on_lease_lost(error)
+        if isinstance(error, StorageConfigError) and self.fatal is None:
+            self.fatal = error
+            log.error("%s; stopping the trainer", error)
+            self._on_fatal(error)
+
+    def _note(self, steps: list[int]) -> None:
+        new = [s for s in steps if s not in self._noted]
+        if not new:
+            return
+        self.books.note_durable(new)
+        self._noted.update(new)
+        self.durable = max(self.durable, *new)

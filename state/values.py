@@ -1,0 +1,96 @@
+"""What the record's small-values table (kv) holds: every key named once, here, with the type of
+its value. Writers (runner/books) and readers (the views) go through these accessors; no key is
+spelled anywhere else.
+
+Records outlive versions: a key is never renamed or given another meaning, and one no longer
+written stays listed in RETIRED (old records still hold it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypedDict, TypeVar
+
+from grpo_run.state.record import EVAL_KINDS, Record
+
+T = TypeVar("T")
+
+
+class Value(Generic[T]):
+    """One key of the kv table and the type of what it holds."""
+
+    def __init__(self, key: str, empty: Callable[[], T] | None = None) -> None:
+        self.key = key
+        self._empty = empty          # what get() returns for a key never written (None without it)
+
+    def get(self, record: Record) -> T | None:
+        value = record.value(self.key)
+        return self._empty() if value is None and self._empty is not None else value
+
+    def set(self, record: Record, value: T) -> None:
+        record.set_value(self.key, value)
+
+    def __repr__(self) -> str:
+        return f"Value({self.key!r})"
+
+
+class LedgerEntry(TypedDict):
+    seconds: float                # the attempt's wall time so far
+    usd: float                    # ... at its rate
+    usdPerHour: float | None      # None: no rate known (spec.gpu or spec.pricing unset)
+
+
+class _RewardSignal(TypedDict):
+    identicalGroupFraction: float
+    window: int                   # the steps it was measured over
+
+
+class RewardSignal(_RewardSignal, total=False):
+    warning: str                  # half the groups or more taught nothing
+
+
+class HeldOutPoint(TypedDict, total=False):
+    step: int
+    meanReward: float
+    rewards: dict[str, float]
+    solved: int
+
+
+class SavedBatches(TypedDict):
+    fingerprint: str                               # what the batches were computed for
+    batches: dict[str, dict[str, list[float]]]     # batch (as text: JSON) -> {reward name: a score per task}
+
+
+class EvalPlan(TypedDict):
+    tasks: int                    # held-out tasks
+    batches: int                  # evaluation batches they make
+
+
+class LastNotice(TypedDict):
+    source: str                   # aws | gcp | azure | signal
+    noticeToDurableSeconds: float
+    durableStep: int
+
+
+# The run's identity, in every checkpoint's manifest: a checkpoint of an earlier run under the
+# same name (its record deleted, the job submitted again) is not this run's to continue.
+RUN_ID: Value[str] = Value("runId")
+# Each attempt's spend, by attempt id (as text: JSON keys): the spend so far goes up with every
+# upload of the record, so a node lost later still has it counted.
+LEDGER: Value[dict[str, LedgerEntry]] = Value("ledger", dict)
+# Chosen by the run's first trainer and kept: another count or size would round differently.
+CPU_THREADS: Value[int] = Value("cpuThreads")
+MICRO_BATCH_SIZE: Value[int] = Value("microBatchSize")
+DEVICE: Value[str] = Value("device")                       # "cpu" or "cuda:<GPU name>": what the newest trainer ran on
+EVAL_PLAN: Value[EvalPlan] = Value("evalPlan")             # the size of one held-out evaluation, for `get tj -w`
+HELD_OUT: Value[list[HeldOutPoint]] = Value("heldOut", list)   # the curve every evalSteps, by step
+REWARD_SIGNAL: Value[RewardSignal] = Value("rewardSignal")    # identical groups over the newest steps
+BASELINE_WARNING: Value[str] = Value("baselineWarning")   # the base model scores the same on every task
+LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot notice and how fast its step was durable
+# Evaluation batches a stopped attempt finished, kept for a resume to reuse.
+EVAL_BATCHES: dict[str, Value[SavedBatches]] = {kind: Value(f"evalBatches.{kind}") for kind in EVAL_KINDS}
+# The trackers' own continuity across attempts (runner.books.trackers).
+MLFLOW_RUN_ID: Value[str] = Value("tracking.mlflowRunId")
+WANDB_STEPS: Value[dict[str, int]] = Value("tracking.wandbSteps", dict)   # tag -> newest step written
+
+# Written by earlier versions and never read: old records may still hold them.
+RETIRED = ("restartLimit", "baselineCache", "resumedFrom")

@@ -1,0 +1,208 @@
+"""The seam between the supervisor (runner/) and one trainer process: everything both sides must
+agree on, in one file. The trainer speaks through it, the supervisor listens through it, and
+neither learns anything else about the other. Light to import (pydantic, no torch): the
+supervisor never loads the trainer's machinery.
+
+    plan.json     PLAN_FILE in the work folder: the `Plan`, written by the supervisor before it
+                  starts the trainer (`python -m grpo_run.trainer.child WORK/plan.json`)
+    events        one JSON object per line, each a `TrainerEvent`, on the descriptor named by
+                  EVENTS_FD_ENV (under accelerate's launcher, the path in EVENTS_PATH_ENV); the
+                  supervisor reads them with `parse_event`
+    signals       STOP_SIGNAL: stop at the last completed step, seal it, exit CHILD_STOPPED;
+                  CHECKPOINT_SIGNAL: checkpoint at the next step boundary and keep training
+                  (sent only after the trainer's first event: before its handler is installed
+                  the default action would kill it)
+    exit status   CHILD_*: how the process ended
+
+Events, in the order they happen (rank 0 reports all of them, other ranks only `Failed`):
+
+    Started        the trainer is up, its signal handlers installed; resumed from `step` (0: none)
+    PhaseStarted   BaselineEval | Training | FinalEval
+    EvalBatch      one held-out evaluation batch finished (a stopped evaluation resumes by batch)
+    Evaluated      a whole baseline or final evaluation
+    Step           a completed training step and its metrics
+    HeldOut        the held-out evaluation every evalSteps, while training
+    Sealed         a checkpoint sealed on the local disk (its manifest hashed once, trusted after)
+    Final          the final weights sealed on the local disk
+    Stopped        stopped on request or at the plan's deadline, the last completed step sealed
+    Failed         what went wrong, just before a CHILD_CODE_ERROR or CHILD_CRASHED exit
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import signal
+import threading
+from typing import IO, Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.envs.catalog import Environment
+
+# --- the work folder and the environment ---------------------------------------------------------
+
+PLAN_FILE = "plan.json"
+CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, the trainer resumes from and seals into it
+EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
+EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
+PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)
+PROGRESS_ENV = "GRPO_RUN_PROGRESS"          # "1": a progress bar on the terminal (also a user's switch for the CLI)
+SHARE_ENV = "GRPO_RUN_CPU_SHARE"            # the node's pool of threads to share (trainer.threads); absent: torch's own
+WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # torchrun's
+
+# --- signals and exit statuses (the trainer's own protocol, not the CLI's exit codes) -------------
+
+STOP_SIGNAL = signal.SIGTERM
+CHECKPOINT_SIGNAL = signal.SIGUSR1
+
+CHILD_DONE = 0             # every phase the plan asked for is done; the final weights are sealed
+CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
+CHILD_STOPPED = 3          # stopped on request or at the plan's deadline, the last completed step sealed
+CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every try: restarting cannot help
+
+
+class TrainerPhase(str, enum.Enum):
+    """The phases a trainer reports. They are named as the record names its phases, but the
+    trainer cannot import the record (state/): the supervisor maps each explicitly
+    (runner.supervisor.attempt.RECORD_PHASE)."""
+    BASELINE_EVAL = "BaselineEval"
+    TRAINING = "Training"
+    FINAL_EVAL = "FinalEval"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+EvalKind = Literal["baseline", "final"]
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+class Plan(BaseModel):
+    """What the supervisor asks of one trainer process, everything resolved."""
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    name: str
+    model: str                            # what from_pretrained takes: a hub id or a folder
+    env: Environment
+    params: GRPOParams
+    model_name: str | None = None         # the model as the user named it (saved adapters say this)
+    keep_checkpoints: int = 3
+    baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
+    # batches an earlier attempt finished, by kind: {batch: {reward name: a score per task}}
+    eval_done: dict[str, dict[int, dict[str, list[float]]]] = Field(default_factory=dict)
+    # time.monotonic() past which no step may end (the budget, as time). Computed in the
+    # supervisor's process: CLOCK_MONOTONIC is one clock for the whole machine on Linux.
+    stop_by: float | None = None
+    run_id: str | None = None             # the run's identity, written into each checkpoint's manifest
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        """Raises pydantic.ValidationError for a plan this version did not write."""
+        return cls.model_validate_json(text)
+
+
+# --- the events ----------------------------------------------------------------------------------
+
+class _Event(BaseModel):
+    # Field names are the wire's (camelCase, as the record and the job file name things).
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Started(_Event):
+    event: Literal["started"] = "started"
+    step: int                             # the checkpoint resumed from, 0 for none
+    device: str                           # "cpu" or "cuda:<the GPU's name>"
+    microBatchSize: int                   # the run keeps the first attempt's (trainer.GRPOTrainer.micro_batch_size)
+    cpuThreads: int                       # likewise: another count would round the arithmetic differently
+
+
+class PhaseStarted(_Event):
+    event: Literal["phase"] = "phase"
+    phase: TrainerPhase
+
+
+class EvalBatch(_Event):
+    event: Literal["evalBatch"] = "evalBatch"
+    kind: EvalKind
+    batch: int
+    rewards: dict[str, list[float]]       # {reward name: a score per task of the batch}
+
+
+class Evaluated(_Event):
+    event: Literal["eval"] = "eval"
+    kind: EvalKind
+    result: dict[str, Any]                # meanReward, rewards, tasks, solved, batches, reusedBatches
+    noSignal: bool                        # every held-out reward equal: GRPO's groups would all be identical
+
+
+class Step(_Event):
+    event: Literal["step"] = "step"
+    step: int                             # completed steps
+    metrics: dict[str, Any]
+
+
+class HeldOut(_Event):
+    event: Literal["heldOut"] = "heldOut"
+    step: int
+    result: dict[str, Any]                # as Evaluated's
+
+
+class Sealed(_Event):
+    event: Literal["sealed"] = "sealed"
+    step: int
+    path: str                             # the checkpoint's folder on the local disk
+
+
+class Final(_Event):
+    event: Literal["final"] = "final"
+    step: int
+    path: str                             # the final weights' folder on the local disk
+
+
+class Stopped(_Event):
+    event: Literal["stopped"] = "stopped"
+    step: int | None                      # the last completed step (None: stopped in the baseline evaluation)
+    phase: TrainerPhase
+    reason: Literal["requested", "deadline"]   # STOP_SIGNAL, or the next step would end past Plan.stop_by
+
+
+class Failed(_Event):
+    event: Literal["failed"] = "failed"
+    message: str
+    code: bool                            # the user's reward function failed: restarting cannot help
+    diskFull: bool = False                # the local disk is full: restarting cannot help either
+
+
+TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Step, HeldOut, Sealed, Final, Stopped,
+                               Failed], Field(discriminator="event")]
+_EVENT = TypeAdapter(TrainerEvent)
+
+
+def parse_event(line: str) -> TrainerEvent:
+    """One line of the events pipe as its event. Raises ValueError (pydantic's ValidationError
+    or json's JSONDecodeError) for a line that is none."""
+    return _EVENT.validate_python(json.loads(line))   # json's parser: it reads the NaN a metric may be
+
+
+class Events:
+    """The trainer's one channel to the supervisor: a JSON line per event on a pipe (or, in
+    tests and benchmarks, any text stream)."""
+
+    def __init__(self, stream: IO[str], only: tuple[type[_Event], ...] | None = None) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._only = only          # the events this process reports (ranks other than 0: Failed)
+
+    def emit(self, event: _Event) -> None:
+        if self._only is not None and not isinstance(event, self._only):
+            return
+        line = json.dumps(event.model_dump(), default=float) + "\n"    # default: numpy and torch scalars
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()
