@@ -43,7 +43,6 @@ CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every t
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    from grpo_run.trainer import faults
     from grpo_run.trainer.model.policy import fix_mmap_threshold
 
     fix_mmap_threshold()                 # before the model's allocations: see trainer.policy
@@ -69,8 +68,7 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, on_checkpoint)
     progress = os.environ.get("GRPO_RUN_PROGRESS") == "1"
     try:
-        ending = run(plan, work, events, requests, progress=progress,
-                     prepare=faults.arm_trainer if faults.wanted() else None, world=world)
+        ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
     except RewardFunctionError as e:

@@ -52,7 +52,7 @@ from grpo_run.runner.books.fingerprint import baseline_fingerprint, final_finger
 from grpo_run.runner.views.live import EVAL_PLAN
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.state.phases import Phase
-from grpo_run.trainer import child, faults
+from grpo_run.trainer import child
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.distributed import WORLD_ENV
 from grpo_run.trainer.envs.catalog import Environment
@@ -163,8 +163,6 @@ class Supervisor:
         # Every upload from here on (checkpoints, prunes, the record, the final weights) checks
         # that the lease is still ours right before it starts: a stale holder writes nothing.
         self.store = FencedStore(self.store, lease)
-        if faults.wanted():
-            faults.arm_uploads(self.store, stop=self.preempt)
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
