@@ -36,8 +36,8 @@ an upload or a restore).
 A fault fires once: the marker file named by GRPO_RUN_FAULT_MARKER remembers it (for a hold, it
 says the hold was reached).
 
-The grader's worker (sandboxed, stdlib only) is left alone: no point fires there. Everything
-here is stdlib until a point fires (psutil then, to find the supervisor).
+sitecustomize leaves the grader's worker alone (sandboxed, stdlib only): no point fires there.
+Everything here is stdlib until a point fires (psutil then, to find the supervisor).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
 POINTS = ("sample", "backward", "upload", "restore", "baseline", "final")
 HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
 
-GRADER_WORKER = "grpo_run.trainer.grader.worker"
 TRAINER = "grpo_run.trainer.trainer"                    # GRPOTrainer
 RECIPE = "grpo_run.trainer.recipe"                      # evaluate(trainer, plan, kind, events)
 FENCED = "grpo_run.checkpoint.storage.fenced"           # FencedStore
@@ -92,7 +91,7 @@ def install() -> None:
     except ValueError as e:
         sys.stderr.write(f"tests/faults/inject: {e}\n")
         os._exit(2)
-    if fault is None or GRADER_WORKER in sys.orig_argv:
+    if fault is None:
         return
     sys.meta_path.insert(0, _PatchOnLoad(functools.partial(_patch_for, fault)))
 
