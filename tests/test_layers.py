@@ -53,3 +53,23 @@ def test_every_import_of_ours_goes_through_grpo_run():
              or (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
                  and node.module.split(".")[0] in PACKAGES)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_production_module_imports_fault_injection():
+    """The fault points are armed from outside (tests/faults/inject, on the children's PYTHONPATH):
+    production code imports nothing named faults, at any depth, and calls no hook for them."""
+    wrong = [f"{path.relative_to(REPO)}:{node.lineno} imports {name}"
+             for package in sorted(PACKAGES)
+             for path in sorted((REPO / package).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             for name in _imported_names(node) if "faults" in name]
+    assert not wrong, "\n".join(wrong)
+
+
+def _imported_names(node: ast.AST) -> list[str]:
+    """`import a.b` -> a.b; `from a import b` -> a.b (b may be a module); anything else -> none."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [f"{'.' * node.level}{node.module or ''}.{alias.name}" for alias in node.names]
+    return []

@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    from grpo_run.trainer import faults
     from grpo_run.trainer.model.policy import fix_mmap_threshold
 
     fix_mmap_threshold()                 # before the model's allocations: see trainer.policy
@@ -61,8 +60,7 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(CHECKPOINT_SIGNAL, on_checkpoint)
     progress = os.environ.get(PROGRESS_ENV) == "1"
     try:
-        ending = run(plan, work, events, requests, progress=progress,
-                     prepare=faults.arm_trainer if faults.wanted() else None, world=world)
+        ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
     except RewardFunctionError as e:

@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 
 from grpo_run.checkpoint.procs import die_with_parent
-from grpo_run.trainer.faults import NODE_PID_ENV
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, SHARE_ENV)
 
@@ -54,7 +53,6 @@ def rank_environment(env: dict[str, str], processes: int, launcher_pid: int, sup
     out = dict(env)
     out[EVENTS_PATH_ENV] = f"/proc/{launcher_pid}/fd/{env[EVENTS_FD_ENV]}"
     out[PARENT_ENV] = str(launcher_pid)               # the ranks' parent, which they die with
-    out[NODE_PID_ENV] = str(supervisor_pid)           # fault points that kill the node kill this one
     pool = out.pop(SHARE_ENV, None)
     if pool is not None:                              # a first attempt: the run's pool split evenly
         out["OMP_NUM_THREADS"] = str(max(1, int(pool) // processes))

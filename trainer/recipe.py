@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
@@ -52,11 +52,10 @@ class Ending:
 
 
 def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress: bool = False,
-        prepare: Callable[[GRPOTrainer], None] | None = None, world: World | None = None) -> Ending:
+        world: World | None = None) -> Ending:
     """The phases the plan asks for, to the end or to a stop. Raises RewardFunctionError when
     the reward function fails on every try, CheckpointFailed when a checkpoint cannot be
-    written; `prepare(trainer)` runs once the trainer is built (fault injection in tests).
-    `world`: this process's rank among several (default: alone)."""
+    written. `world`: this process's rank among several (default: alone)."""
     p, world = plan.params, world or World()
     logs = work / "logs" / "trainer.log"
     checkpoints = Checkpointer(work / CHECKPOINTS_DIR, interval=p.saveSteps, keep=plan.keep_checkpoints,
@@ -65,8 +64,6 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     trainer = None
     try:
         trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world)
-        if prepare is not None:
-            prepare(trainer)
         checkpoints.attach(trainer)
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)

@@ -16,7 +16,8 @@ compare-and-swap on the storage itself, never read-then-write; `version` is opaq
   `os.link` from a complete temporary file (EEXIST like O_EXCL, and a reader never sees half of
   it), a replacement with fsync + rename. Atomic between processes on one machine; over NFS only
   as good as the server's lock support.
-* memory:// (unit tests): one process-wide lock.
+* memory:// (or any other) is refused: unit tests bring their own double
+  (tests/checkpoint/memory_cas.py).
 * gs:// is refused: gcsfs writes conditionally only to create (`mode="create"`, i.e.
   `ifGenerationMatch=0`, marked experimental in gcsfs itself); it has no precondition for
   replacing or deleting a given generation, which renewing and releasing a lease need.
@@ -31,7 +32,6 @@ import fcntl
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,17 +70,14 @@ def open_cas(url: str, key: str) -> Cas:
             f"lease on {url}: gs:// has no compare-and-swap here: gcsfs can only create an "
             f"object if absent (ifGenerationMatch=0), not replace or delete the generation that "
             f"was read, which renewing, taking over and releasing a lease need; keep the "
-            f"job's storage on s3://, a local folder, or memory://")
+            f"job's storage on s3:// or a local folder")
     store = Store(url)  # validates the URL: StorageConfigError for a bad or unsupported one
     if store.protocol == "s3":
         return S3Cas(store, key)
     if store.protocol == "file":
         return LocalCas(Path(store.fs_path(key)[1]))
-    if store.protocol == "memory":
-        store.fs_path(key)  # the key's validation
-        return MemoryCas(store, key)
     raise StorageConfigError(f"lease on {url}: {store.protocol}:// has no compare-and-swap here; "
-                             f"keep the job on s3://, a local folder, or memory://")
+                             f"keep the job on s3:// or a local folder")
 
 
 class S3Cas:
@@ -256,43 +253,3 @@ class LocalCas:
             f.flush()
             os.fsync(f.fileno())
         return tmp
-
-
-_MEMORY_LOCK = threading.Lock()
-
-
-class MemoryCas:
-    """memory:// for unit tests: one lock for the whole process."""
-
-    def __init__(self, store: Store, key: str) -> None:
-        self.store, self.key = store, key
-
-    def read(self) -> tuple[bytes, Any] | None:
-        with _MEMORY_LOCK:
-            try:
-                data = self.store.get_bytes(self.key)
-            except FileNotFoundError:
-                return None
-            return data, data
-
-    def create(self, data: bytes) -> Any:
-        with _MEMORY_LOCK:
-            if self.store.exists(self.key):
-                raise Conflict()
-            self.store.put_bytes(self.key, data)
-            return data
-
-    def replace(self, data: bytes, version: Any) -> Any:
-        with _MEMORY_LOCK:
-            if not self.store.exists(self.key) or self.store.get_bytes(self.key) != version:
-                raise Conflict()
-            self.store.put_bytes(self.key, data)
-            return data
-
-    def delete(self, version: Any) -> None:
-        with _MEMORY_LOCK:
-            if not self.store.exists(self.key):
-                return
-            if self.store.get_bytes(self.key) != version:
-                raise Conflict()
-            self.store.delete(self.key)

@@ -13,7 +13,7 @@ thread; a lease left unrenewed past its expiry (the node died) is taken over by 
 Every change is a compare-and-swap on the storage itself, never read-then-write
 (checkpoint.cas): S3 conditional writes (If-None-Match / If-Match on the ETag read, proven
 honoured by the server on a probe object before the first write), an exclusive flock on a local
-folder, one lock for memory://. gs:// is refused (checkpoint.cas says why). A lost
+folder. gs:// and memory:// are refused (checkpoint.cas says why). A lost
 compare-and-swap means another writer got there first: the lease reads again and decides anew.
 
 What the lease guarantees, and what it assumes:

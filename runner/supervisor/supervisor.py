@@ -36,7 +36,6 @@ from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
 from grpo_run.state.phases import Phase
-from grpo_run.trainer import faults
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +90,6 @@ class Supervisor:
         # Every upload from here on (checkpoints, prunes, the record, the final weights) checks
         # that the lease is still ours right before it starts: a stale holder writes nothing.
         self.store = FencedStore(self.store, lease)
-        if faults.wanted():
-            faults.arm_uploads(self.store, stop=self.preempt)
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)

@@ -1,17 +1,21 @@
 """Compare-and-swap, the lease's primitive: every backend refuses a write against a version that
-is no longer current, and says so with Conflict; gs:// is refused with the reason."""
+is no longer current, and says so with Conflict (the unit tests' memory:// double too); gs:// and
+memory:// are refused with the reason."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_run.checkpoint.storage.cas import Conflict, open_cas
+import grpo_run.checkpoint.storage.cas as storage_cas
+from grpo_run.checkpoint.storage.cas import Conflict
 from grpo_run.checkpoint.storage.store import StorageConfigError
+from tests.checkpoint.memory_cas import use_memory_cas
 
 
 @pytest.fixture(params=["memory", "local", "s3"])
-def url(request, tmp_path) -> str:
+def url(request, tmp_path, monkeypatch) -> str:
     if request.param == "memory":
+        use_memory_cas(monkeypatch)       # the unit tests' double, held to the same contract
         return "memory://jobs/cas"
     if request.param == "local":
         return str(tmp_path / "jobs" / "cas")
@@ -19,7 +23,7 @@ def url(request, tmp_path) -> str:
 
 
 def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
-    cas = open_cas(url, "lease.json")
+    cas = storage_cas.open_cas(url, "lease.json")
     assert cas.read() is None
 
     first = cas.create(b"one")
@@ -43,7 +47,7 @@ def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
 
 
 def test_two_objects_under_one_url_are_independent(url):
-    a, b = open_cas(url, "a.json"), open_cas(url, "b.json")
+    a, b = storage_cas.open_cas(url, "a.json"), storage_cas.open_cas(url, "b.json")
     a.create(b"a")
     b.create(b"b")
     assert a.read()[0] == b"a" and b.read()[0] == b"b"
@@ -52,10 +56,15 @@ def test_two_objects_under_one_url_are_independent(url):
 @pytest.mark.parametrize("gs_url", ["gs://bucket/job", "gcs://bucket/job"])
 def test_gcs_is_refused_with_the_reason_and_what_to_use(gs_url):
     # Whether or not gcsfs is installed: it writes conditionally only to create an object.
-    with pytest.raises(StorageConfigError, match=r"ifGenerationMatch=0.*s3://, a local folder"):
-        open_cas(gs_url, "lease.json")
+    with pytest.raises(StorageConfigError, match=r"ifGenerationMatch=0.*s3:// or a local folder"):
+        storage_cas.open_cas(gs_url, "lease.json")
 
 
-def test_a_key_must_be_a_relative_path():
+def test_memory_storage_has_no_compare_and_swap():
+    with pytest.raises(StorageConfigError, match=r"memory:// has no compare-and-swap.*s3:// or a local folder"):
+        storage_cas.open_cas("memory://jobs/cas", "lease.json")
+
+
+def test_a_key_must_be_a_relative_path(tmp_path):
     with pytest.raises(ValueError):
-        open_cas("memory://jobs/cas", "../lease.json")
+        storage_cas.open_cas(str(tmp_path / "jobs" / "cas"), "../lease.json")

@@ -12,8 +12,14 @@ from grpo_run.checkpoint.storage.lease import Lease, LeaseLost
 from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, staging_dir
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import Uploader
+from tests.checkpoint.memory_cas import use_memory_cas
 
 URL = "memory://jobs/fenced"
+
+
+@pytest.fixture(autouse=True)
+def _memory_leases(monkeypatch):
+    use_memory_cas(monkeypatch)
 
 
 class Clock:

@@ -1,6 +1,7 @@
 """Lease: two nodes resuming one job never both train. Exactly one acquires; the other is told
 who holds it; an expired lease is taken over and its old holder learns it lost. Against
-memory://, a local folder (real processes racing) and a real S3 (SeaweedFS, conditional writes).
+memory:// (the tests' own double: tests/checkpoint/memory_cas.py), a local folder (real
+processes racing) and a real S3 (SeaweedFS, conditional writes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost, read_lease
 from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+from tests.checkpoint.memory_cas import use_memory_cas
 
 
 class Clock:
@@ -38,9 +40,10 @@ class RecordingSleep:
 
 
 @pytest.fixture(params=["memory", "local", "s3"])
-def job_url(request, tmp_path) -> str:
+def job_url(request, tmp_path, monkeypatch) -> str:
     """The job's storage folder on each kind of storage."""
     if request.param == "memory":
+        use_memory_cas(monkeypatch)
         return "memory://jobs/my-job"
     if request.param == "local":
         return str(tmp_path / "jobs" / "my-job")

@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
 
 REPO = Path(__file__).resolve().parents[2]
+INJECT = Path(__file__).resolve().parent / "inject"    # sitecustomize: the fault points, armed from outside
 SOURCES = ("aws", "gcp", "azure", "signal")
 NOTICE_WINDOW_S = 25.0     # inside the shortest notice (GCP, Azure: about 30 s)
 _EMULATORS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
@@ -30,14 +31,23 @@ def start_node(home: Path, *args: str, fault: str | None = None, log: Path | Non
     env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
-        env["GRPO_RUN_FAULT"] = fault
-        env["GRPO_RUN_FAULT_MARKER"] = str(marker(home))
+        env.update(fault_env(fault, marker(home), env))
     if log is None:
         return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with open(log, "a") as out:
         return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def fault_env(fault: str, marker: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What arms `fault` ([hold:]POINT@STEP[/trainer|/rankR], see tests/faults/inject/grpo_run_faults.py)
+    in every process of a node: GRPO_RUN_FAULT, the marker file that makes it fire once, and
+    PYTHONPATH with tests/faults/inject first (then `env`'s own, default os.environ's), whose
+    sitecustomize each Python process of the node imports at start-up."""
+    path = (os.environ if env is None else env).get("PYTHONPATH")
+    return {"GRPO_RUN_FAULT": fault, "GRPO_RUN_FAULT_MARKER": str(marker),
+            "PYTHONPATH": os.pathsep.join([str(INJECT), path] if path else [str(INJECT)])}
 
 
 def marker(home: Path) -> Path:

@@ -106,7 +106,7 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
                           k.get("redone_max_same_node", ""), k["redone_max"], k["identical"]] for k in kills])
     if notices:
         lines += ["", "## Notices", "",
-                  "Each source in each phase; the moment is held by a `hold:` fault (trainer/faults.py; for the "
+                  "Each source in each phase; the moment is held by a `hold:` fault (tests/faults/inject/grpo_run_faults.py; for the "
                   "evaluations, two batches into 60). Seconds from the notice to the "
                   "process's exit, and to the newest checkpoint being durable as the record says.", ""]
         lines += _table(["phase", "source", "exit (s)", "notice -> durable (s)", "steps lost", "outcome"],

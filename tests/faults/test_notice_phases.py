@@ -3,8 +3,8 @@ the backward pass, an upload, the baseline and final evaluations, and a restore;
 notice while the first is handled. Each ends Preempted inside the shortest notice window with
 no completed step lost (the newest durable checkpoint is the last completed step).
 
-The moment is not left to timing: a `hold:POINT@K` fault (trainer/faults.py) stops the node right
-there until the notice's stop request reaches that process, so the notice lands in the middle of
+The moment is not left to timing: a `hold:POINT@K` fault (tests/faults/inject/grpo_run_faults.py)
+stops the node right there until the notice's stop request reaches that process, so the notice lands in the middle of
 it (for the evaluations: once two of their 60 batches are finished).
 
 One source per phase runs on every edit; the whole matrix in CI (`-m slow`)."""

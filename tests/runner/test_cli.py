@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, cli, main
+from tests.faults.harness import fault_env
 
 SMALL = {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 4, "maxSteps": 4, "saveSteps": 2,
          "evalTasks": 6, "learningRate": 0.002}
@@ -186,8 +187,8 @@ def test_a_restarted_trainer_runs_with_the_thread_count_the_first_one_took(tmp_p
     caplog.set_level(logging.INFO, logger="grpo_run.runner")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setenv("GRPO_RUN_FAULT", "backward@3/trainer")            # the trainer alone dies once
-    monkeypatch.setenv("GRPO_RUN_FAULT_MARKER", str(tmp_path / "fired"))
+    for var, value in fault_env("backward@3/trainer", tmp_path / "fired").items():   # the trainer alone dies once
+        monkeypatch.setenv(var, value)
     job = write_job(tmp_path, name="kept-threads")
     assert main(["apply", "-f", str(job)]) == EXIT_OK
     from grpo_run.state.record import Record

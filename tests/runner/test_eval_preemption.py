@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from tests.runner.test_resume import grpo_run, status
-from tests.faults.harness import wait_until
+from tests.faults.harness import fault_env, wait_until
 from tests.runner.test_supervisor import start_apply
 
 STEPS = 2
@@ -60,8 +60,7 @@ def notice_during(tmp_path, s3_env, kind: str) -> tuple[dict, dict]:
     (status after the notice, status after the resume)."""
     job = write_eval_heavy_job(tmp_path, s3_env.url)
     held = tmp_path / "held"          # the trainer holds once two batches are finished, until the notice
-    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", GRPO_RUN_FAULT=f"hold:{kind}@2",
-                       GRPO_RUN_FAULT_MARKER=str(held))
+    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", **fault_env(f"hold:{kind}@2", held))
     wait_for_batches(tmp_path / "node-a", proc, kind)
     wait_until("the hold", held.exists, proc)
     noticed = time.monotonic()

@@ -166,13 +166,13 @@ def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_ide
     import sys
     import time
 
+    from tests.faults.harness import fault_env
     from tests.runner.test_resume import REPO
 
     job = write_job(tmp_path, 2, s3_env.url)
     home = tmp_path / "node-a"
     marker = home.parent / f"{home.name}.fault-fired"
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_FAULT": "hold:sample@5",
-           "GRPO_RUN_FAULT_MARKER": str(marker)}
+    env = {**os.environ, "GRPO_RUN_HOME": str(home), **fault_env("hold:sample@5", marker)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -6,7 +6,7 @@ import pytest
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.spec.job import JobError, build_run_spec, node_processes, parse_job, usd_per_hour
 from tests.runner.test_dryrun import QWEN3_8B, SPEC_RUN, manifest, qwen3_8b  # noqa: F401 (a fixture)
-from grpo_run.trainer import faults
+from tests.faults.inject import grpo_run_faults as faults
 from grpo_run.trainer.launch import exit_status, rank_environment
 from grpo_run.trainer.protocol import CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_STOPPED, SHARE_ENV
 

@@ -13,7 +13,7 @@ from collections import Counter
 import yaml
 
 from grpo_run.runner.views.report import boundaries, trailing_mean
-from tests.faults.harness import wait_until
+from tests.faults.harness import fault_env, wait_until
 from tests.runner.test_resume import REPO, grpo_run, write_job
 from tests.runner.test_supervisor import start_apply
 
@@ -51,8 +51,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     job = with_tracking(write_job(tmp_path, store), {"tensorboard": True}, pricing={"usdPerHour": 36.0})
     # attempt 1: a notice (SIGTERM) while step 2 is in its backward pass
     held = tmp_path / "held-a"
-    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", GRPO_RUN_FAULT="hold:backward@2",
-                       GRPO_RUN_FAULT_MARKER=str(held))
+    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_NOTICES="none", **fault_env("hold:backward@2", held))
     wait_until("the hold", held.exists, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 3
@@ -63,7 +62,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert killed.returncode == -signal.SIGKILL
     # attempt 3: another notice, at step 6; attempt 4 finishes the job
     held = tmp_path / "held-c"
-    env = {"GRPO_RUN_NOTICES": "none", "GRPO_RUN_FAULT": "hold:backward@6", "GRPO_RUN_FAULT_MARKER": str(held)}
+    env = {"GRPO_RUN_NOTICES": "none", **fault_env("hold:backward@6", held)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage", store],
                             cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "node-c"), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

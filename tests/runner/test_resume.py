@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.faults.harness import fault_env
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE = 8, 2
 
@@ -38,8 +40,7 @@ def grpo_run(home: Path, *args, fault: str | None = None, check: bool = True) ->
     env = {**os.environ, "GRPO_RUN_HOME": str(home)}
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
-        env["GRPO_RUN_FAULT"] = fault
-        env["GRPO_RUN_FAULT_MARKER"] = str(home.parent / f"{home.name}.fault-fired")   # fires once
+        env.update(fault_env(fault, home.parent / f"{home.name}.fault-fired", env))   # fires once
     proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     if check:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
-from tests.faults.harness import wait_until
+from tests.faults.harness import fault_env, wait_until
 from tests.runner.test_resume import grpo_run, status, write_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,8 +51,7 @@ def wait_for_training(home: Path, proc: subprocess.Popen, min_step: int = 2, tim
 def preempt_then_resume(tmp_path, storage, trigger, **env_extra):
     job = write_job(tmp_path, storage, maxSteps=STEPS, saveSteps=50)
     held = tmp_path / "held"        # the node holds in step 2's backward pass until it hears the notice
-    proc = start_apply(tmp_path / "node-a", job, GRPO_RUN_FAULT="hold:backward@2", GRPO_RUN_FAULT_MARKER=str(held),
-                       **env_extra)
+    proc = start_apply(tmp_path / "node-a", job, **fault_env("hold:backward@2", held), **env_extra)
     wait_until("the hold", held.exists, proc)
     noticed = time.monotonic()
     trigger(proc)
