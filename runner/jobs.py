@@ -4,6 +4,7 @@ from its record."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,10 @@ from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
 from grpo_run.state.phases import Phase
 
 
-def find_job(name: str | None, storage: str):
+def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
     """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
     when storage holds several jobs and none is named, JobError for a stored spec that no longer
-    parses, StorageConfigError / StorageUnavailable."""
+    parses, StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
     from grpo_run.checkpoint.storage.store import Store
     from grpo_run.runner.books.books import fetch_record
     from grpo_run.runner.spec.job import parse_job
@@ -28,7 +29,7 @@ def find_job(name: str | None, storage: str):
         raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
                          f"grpo-run resume NAME --storage {storage}")
     name = names[0]
-    store = Store(job_store_url(storage, name))
+    store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
     store.check()
     local = fetch_record(store, work_dir(name))
     if local is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import threading
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -95,7 +96,7 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
         return EXIT_OK
     if detach:
         return _submit(job, est, output)
-    return _run(job, output=output)
+    return _run(job, output=output, stop=threading.Event())
 
 
 def _submit(job, est: dict | None, output: str | None) -> int:
@@ -154,11 +155,12 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
     from grpo_run.runner.spec.job import JobError
 
     storage = storage or default_storage()
+    stop = threading.Event()        # the job's: a notice stops its storage's retries
     told = False
     while True:
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
         try:
-            found = _find_job(name, storage)
+            found = _find_job(name, storage, stop=stop)
         except StorageConfigError as e:
             _error(str(e))
             return EXIT_FAILED
@@ -181,7 +183,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
         time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
     job, store = found
     while True:
-        code = _run(job, output=output, storage=storage, store=store)
+        code = _run(job, output=output, storage=storage, store=store, stop=stop)
         if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
             return code
         time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
@@ -191,7 +193,7 @@ WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
 
 
-def _run(job, *, output: str | None, storage: str | None = None, store=None) -> int:
+def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     The record is fetched from storage at most once, and read here afterwards."""
@@ -207,7 +209,7 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
     work = work_dir(job.name)
     try:
         if store is None:
-            store = Store(url)
+            store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
             fetch_record(store, work)          # a job begun elsewhere: its record, once
         local = _environment_here(job, store)
@@ -217,7 +219,7 @@ def _run(job, *, output: str | None, storage: str | None = None, store=None) -> 
             print(_dump(_job_doc(work / RECORD_FILE), output), end="") if output else None
             return EXIT_OK
         progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
-        result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress).run()
+        result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress, preempt=stop).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED

@@ -6,6 +6,7 @@ inside a notice window, the newest sealed one made durable in what time is left.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -24,11 +25,13 @@ class Durability:
     """Owns the checkpoint uploads of one supervisor and knows the newest durable step."""
 
     def __init__(self, store: Store, work: Path, books: Books, *, job: str, keep: int,
-                 on_lease_lost: Callable[[LeaseLost], None], on_fatal: Callable[[BaseException], None]) -> None:
+                 on_lease_lost: Callable[[LeaseLost], None], on_fatal: Callable[[BaseException], None],
+                 stop: threading.Event | None = None) -> None:
         self.store = store
         self.local = Path(work) / CHECKPOINTS_DIR
         self.books = books
         self.job = job
+        self.stop = stop                           # a notice: a restore ends between two files
         self.durable = 0                           # the newest step durable in storage
         self.fatal: BaseException | None = None    # a storage configuration error from an upload: the run stops
         self._noted: set[int] = set()              # steps noted durable in the books
@@ -41,7 +44,7 @@ class Durability:
         one sealed here before a crash is kept and uploaded); its step, 0 for none. Begins an
         attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
         self._reported = set()
-        got = restore_latest(self.store, self.local, accept=self.why_not_ours)
+        got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop)
         if got is None:
             return 0
         step, folder, manifest, durable = got

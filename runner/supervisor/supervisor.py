@@ -35,6 +35,7 @@ from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
+from grpo_run.runner.supervisor.window import NoticeWindow
 from grpo_run.state.phases import Phase
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Supervisor:
     def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher], store: Store | None = None,
                  notice_window_s: float = DEFAULT_NOTICE_WINDOW_S, limits: RestartLimits = RestartLimits(),
                  poll_interval_s: float = 1.0, progress: bool = False,
-                 sleep: Callable[[float], None] | None = None) -> None:
+                 sleep: Callable[[float], None] | None = None, preempt: threading.Event | None = None) -> None:
         self.spec = spec
         self.work = Path(work)
         self.store = store or Store(spec.storage)
@@ -71,7 +72,8 @@ class Supervisor:
         self.limits = limits
         self.poll_interval_s = poll_interval_s
         self.progress = progress
-        self.preempt = threading.Event()
+        self.preempt = preempt or threading.Event()   # the job's stop Event: its Store retries until it is set
+        self.window = NoticeWindow(self.preempt, notice_window_s)
         self._sleep = sleep or self.preempt.wait   # a backoff ends early on a notice
         self._wake = threading.Event()             # the trainer ended, or a notice came
         self._checkpoints = CheckpointRequest()    # rebalance recommendations, for whichever trainer listens
@@ -95,7 +97,7 @@ class Supervisor:
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
             self.durability = Durability(self.store, self.work, self.books, job=self.spec.name,
                                          keep=self.spec.keep_checkpoints, on_lease_lost=self._lease_lost,
-                                         on_fatal=self._storage_refused)
+                                         on_fatal=self._storage_refused, stop=self.preempt)
             return self._supervise()
         except LeaseLost as e:     # an upload found the job taken over: it belongs to another node now
             log.error("%s", e)
@@ -105,15 +107,14 @@ class Supervisor:
                 self.durability.close()
             if self.books is not None:
                 self.books.close()
-            lease.release()
+            self.window.release(lease)
 
     def _supervise(self) -> SupervisorResult:
         monitor = NoticeMonitor(self.watchers, preempt=self.preempt, on_rebalance=self._checkpoints.ask,
                                 poll_interval_s=self.poll_interval_s)
         restore = install_signal_handlers(self.preempt, on_notice=monitor.report) \
             if threading.current_thread() is threading.main_thread() else (lambda: None)
-        threading.Thread(target=lambda: (self.preempt.wait(), self._wake.set()), name="notice-wake",
-                         daemon=True).start()
+        self.window.watch(self.store, self._wake)
         try:
             with monitor:
                 self.books.close_dangling_attempts()
@@ -143,8 +144,8 @@ class Supervisor:
                 self._sleep(delay)
                 if self.preempt.is_set():
                     source = _source(monitor)
-                    self.books.finish(Phase.PREEMPTED, "Preempted", f"notice from {source} between attempts",
-                                      notice=source)
+                    self.window.last_write("the preempted attempt", lambda: self.books.finish(
+                        Phase.PREEMPTED, "Preempted", f"notice from {source} between attempts", notice=source))
                     return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=self.durability.durable)
 
     def _attempt(self, monitor: NoticeMonitor) -> SupervisorResult:
@@ -161,8 +162,9 @@ class Supervisor:
             since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
                 if monitor.notice else 0.0
             self.books.record_notice(source, since, durable)
-            self.books.finish(Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
-                                                    f"step {durable} stays durable", notice=source)
+            self.window.last_write("the preempted attempt", lambda: self.books.finish(
+                Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
+                                              f"step {durable} stays durable", notice=source))
             return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=durable)
         self.books.start_attempt(node_name(), from_step=start)
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
@@ -226,8 +228,9 @@ class Supervisor:
         if trainer.outcome().how == "done":     # it finished before it heard
             return self._succeeded(trainer, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
-        self.books.finish(Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, "
-                                                f"durable; resume continues from there", notice=source)
+        self.window.last_write("the preempted attempt", lambda: self.books.finish(
+            Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, durable; resume "
+                                          f"continues from there", notice=source))
         return SupervisorResult(EXIT_PREEMPTED, **notice)
 
     def _storage_refused(self, error: BaseException) -> None:
