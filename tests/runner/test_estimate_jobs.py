@@ -1,6 +1,6 @@
 """The estimate of whole jobs (issue 25): the step time follows the model, the group and the
 completion length; evaluations are paid for; every common spot GPU, and any card spec.pricing
-describes, gets an estimate."""
+describes, gets an estimate; the dry run answers in a few lines first."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.estimate.workload import evaluations, workload
 from grpo_run.runner.spec.job import JobError, parse_job
@@ -170,3 +172,64 @@ def test_several_processes_each_take_a_share_of_the_prompts(tmp_path, gsm8k_like
     four = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 4}}))
     assert four["gpus"] == 4 and four["usdPerHour"] == pytest.approx(4 * one["usdPerHour"])
     assert four["stepSeconds"] < one["stepSeconds"]
+
+
+# --- the dry run's answer first ----------------------------------------------------------------------
+
+
+def dry_run(capsys, tmp_path: Path, document: dict, *extra: str) -> tuple[int, str, str]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    capsys.readouterr()
+    rc = main(["apply", "-f", str(path), "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_few_lines(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=5,
+                   parameters={"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000})
+
+    rc, out, err = dry_run(capsys, tmp_path, document)
+
+    assert rc == EXIT_OK, err
+    lines = out.splitlines()
+    assert len(lines) <= 8
+    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from SPEC §3)")
+    assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
+    assert "2 x 100 held-out tasks (baseline, final)" in out
+    assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
+    assert "from the model of a step" in out and "64 completion tokens at most, prompts ~6.1 tokens" in out
+    assert "maxCostUSD $5: covers it" in out
+    assert "apiVersion" not in out                            # the document needs -o
+
+
+def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-8b", gpu="L4", parameters={"method": "Full"}))
+    assert rc == EXIT_USAGE
+    assert "does NOT fit: needs about 134.2 GB, 21.6 GB usable (90% of 24 GB): 112.6 GB short" in out
+    assert "L4 cannot hold this run" in err and "B200 fits as is" in err
+
+
+def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_fields(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="L4"), "-o", "json")
+    assert rc == EXIT_OK, err
+    est = json.loads(out)["status"]["estimate"]
+    assert {"costToCompletionUSD", "firstHoldUSD", "startTime", "stepSeconds", "gpu", "memory",
+            "stepSecondsSource", "evalSeconds", "evaluations", "trainingUSD", "evalUSD"} <= est.keys()
+    assert {"parameters", "trainableParameters", "weightsGB", "trainableStateGB", "referenceGB", "totalGB",
+            "kvCacheBytesPerToken", "kvCacheGB", "fits"} <= est["memory"].keys()
+
+
+def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_path, gsm8k_like):
+    from grpo_run.runner.cli.commands import _remember_step_time
+
+    job = gsm8k_like(model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B), "L4")
+    _remember_step_time(job, {"device": "cpu", "medianStepSeconds": 99.0})        # a CPU run teaches nothing
+    assert estimate(job)["stepSecondsSource"] == "model"
+    _remember_step_time(job, {"device": "cuda:0", "medianStepSeconds": 3.25})
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"]) == (3.25, "measured")
