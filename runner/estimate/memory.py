@@ -106,6 +106,8 @@ _REQUIRED_KEYS = (
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A Llama-style decoder's shape, read from its config.json (model_shape)."""
+
     hidden: int
     intermediate: int
     layers: int
