@@ -62,8 +62,10 @@ class Gpu:
 
 # --- the table ----------------------------------------------------------------------------------
 #
-# Compute and memory: NVIDIA's datasheets, peak *dense* bf16 tensor throughput (the datasheets
-# quote 2:4 sparsity too, at twice these) and memory bandwidth, transcribed 2026-12-02:
+# Compute and memory: peak *dense* bf16 tensor throughput (the datasheets quote 2:4 sparsity too,
+# at twice these) and memory bandwidth as NVIDIA's datasheets publish them, written down
+# 2026-12-02 (no copy of the datasheets could be fetched to check them against that day; the
+# datasheet each figure is from is named, so it can be):
 #   H100 SXM5 80 GB        989.5 TFLOP/s  3.35 TB/s   (H100 Tensor Core GPU datasheet; SkyPilot's
 #                                                       "H100" is also the PCIe card, which is slower)
 #   H200 SXM 141 GB        989.5 TFLOP/s  4.8 TB/s    (H200 datasheet)
