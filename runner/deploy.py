@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
+from grpo_run.runner.gpus import ALIASES
 
 DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
 UNIT = "grpo-run-resume.service"
@@ -229,6 +230,6 @@ _BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
     "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
-# spec.gpu names (runner.estimate) as SkyPilot's accelerators
-SKYPILOT_GPUS = {"H100-SXM-80GB": "H100:1", "A100-80GB": "A100-80GB:1", "L40S": "L40S:1", "RTX-4090": "RTX4090:1",
-                 "RTX-A6000": "RTXA6000:1"}
+# spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.gpus), and
+# the earlier names are aliases of them. A card the table does not list gets no accelerators line.
+SKYPILOT_GPUS = {name: f"{table_name}:1" for name, table_name in ALIASES.items()}

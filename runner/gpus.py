@@ -1,16 +1,21 @@
-"""The GPU table and the cost estimate for a run, before anything is spent.
+"""The GPU table and the cost arithmetic of an estimate, before anything is spent.
 
-These fill ``status.estimate`` for ``grpo-run apply --dry-run`` (SPEC §3, §6), together with
-the memory estimate from the model's config.json (``runner.memory``, which sizes a run against
-this table's cards).
+These fill ``status.estimate`` for ``grpo-run apply --dry-run`` (SPEC §3, §6) together with
+``runner.estimate`` (memory from the model's config.json, a step's time from the job). Names are
+SkyPilot's accelerator names (SPEC §6); the names grpo-run used before stay accepted as aliases.
+A card not in the table is described by the job's ``spec.pricing`` (``custom_gpu``).
 
-Cost (SPEC §3): cost to completion = steps x seconds/step x USD/hour / 3600, rounded half-up to
-the cent. Step time precedence: an explicit override, else the user's measured step time, else
-the GPU's reference step time. ``firstHoldUSD`` is defined in ``cost_estimate``.
+Cost: cost to completion = (steps x seconds/step + seconds of evaluation) x USD/hour / 3600,
+rounded half-up to the cent. Step time precedence: an explicit override, else the user's
+measured step time, else the model of a step (``runner.estimate.steptime``), else -- for a caller
+that has no model config -- the card's SPEC §3 reference time. ``firstHoldUSD``: ``cost_estimate``.
+
+This module imports nothing of ``runner.spec`` (the job's validation imports it).
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,62 +24,171 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 __all__ = [
+    "ALIASES",
     "GPUS",
     "CostEstimate",
     "Gpu",
+    "canonical_name",
     "cost_estimate",
+    "custom_gpu",
     "lookup_gpu",
+    "spelled_like",
+    "suggestion",
 ]
 
-
-# --- GPUs ---------------------------------------------------------------------------------------
+RateKind = Literal["on-demand", "spot", "unstated"]
 
 
 @dataclass(frozen=True)
 class Gpu:
     """One GPU model as the estimates see it."""
 
-    name: str  # SPEC §6 name, e.g. "H100-SXM-80GB"
-    memory_gb: float  # decimal GB on the card
-    usd_per_hour: float  # on-demand-ish market rate; users override with their own
-    step_seconds: float  # reference seconds per GRPO training step
+    name: str                       # SkyPilot's accelerator name, e.g. "H100"
+    memory_gb: float                # decimal GB on the card
+    bf16_flops: float               # peak dense bf16 tensor FLOP/s (vendor datasheet; no sparsity)
+    memory_bandwidth: float         # bytes/s (vendor datasheet)
+    usd_per_hour: float | None      # None: the job must give spec.pricing.usdPerHour
+    rate_kind: RateKind = "unstated"
+    rate_source: str = ""           # where usd_per_hour comes from, and when it was read
+    reference_step_seconds: float | None = None   # SPEC §3's reference job on this card
+    aliases: tuple[str, ...] = ()   # earlier names, still accepted
+    listed: bool = True             # False: described by the job's spec.pricing
+
+    @property
+    def step_seconds(self) -> float | None:
+        """SPEC §3's reference step time (the name older callers use)."""
+        return self.reference_step_seconds
 
 
-# Step times are SPEC §3's reference step times (a reference runtime's own measured runs). SPEC
-# states only the H100's rate ($2.60/h); every other rate is derived from SPEC's "cost of 1,000
-# steps" and the step time -- rate = cost x 3600 / (1000 x step seconds) -- and rounded to the
-# cent so that 1,000 steps reproduce SPEC's figure to the cent:
-#   A100 80 GB  $0.21 x 3600 / 700 s  = $1.08/h  (exact)
-#   L40S        $0.22 x 3600 / 1000 s = $0.792/h -> $0.79/h ($0.2194 per 1,000 steps)
-#   RTX 4090    $0.10 x 3600 / 1200 s = $0.30/h  -> $0.29/h: $0.30 also gives $0.10 but makes the
-#               H100 3.25x the cost per step, and SPEC says 3.4x; $0.29 satisfies both
-#               ($0.0967 per 1,000 steps; H100/4090 cost per step 3.36x).
-#   RTX A6000   $0.12 x 3600 / 1300 s = $0.332/h -> $0.33/h ($0.1192 per 1,000 steps)
-# Memory sizes are the cards' nominal capacities.
-GPUS: Mapping[str, Gpu] = MappingProxyType(
-    {
-        gpu.name: gpu
-        for gpu in (
-            Gpu("H100-SXM-80GB", memory_gb=80.0, usd_per_hour=2.60, step_seconds=0.45),
-            Gpu("A100-80GB", memory_gb=80.0, usd_per_hour=1.08, step_seconds=0.7),
-            Gpu("L40S", memory_gb=48.0, usd_per_hour=0.79, step_seconds=1.0),
-            Gpu("RTX-4090", memory_gb=24.0, usd_per_hour=0.29, step_seconds=1.2),
-            Gpu("RTX-A6000", memory_gb=48.0, usd_per_hour=0.33, step_seconds=1.3),
-        )
-    }
-)
+# --- the table ----------------------------------------------------------------------------------
+#
+# Compute and memory: peak *dense* bf16 tensor throughput (the datasheets quote 2:4 sparsity too,
+# at twice these) and memory bandwidth as NVIDIA's datasheets publish them, written down
+# 2026-12-02 (no copy of the datasheets could be fetched to check them against that day; the
+# datasheet each figure is from is named, so it can be):
+#   H100 SXM5 80 GB        989.5 TFLOP/s  3.35 TB/s   (H100 Tensor Core GPU datasheet; SkyPilot's
+#                                                       "H100" is also the PCIe card, which is slower)
+#   H200 SXM 141 GB        989.5 TFLOP/s  4.8 TB/s    (H200 datasheet)
+#   B200 (HGX) 180 GB     2250 TFLOP/s    8.0 TB/s    (HGX B200 datasheet: 36 PFLOP/s sparse and
+#                                                       64 TB/s for 8 GPUs; 1.44 TB of memory)
+#   A100 SXM 80 GB         312 TFLOP/s    2.039 TB/s  (A100 datasheet)
+#   A100 SXM 40 GB         312 TFLOP/s    1.555 TB/s  (A100 datasheet)
+#   L40S 48 GB             362.05 TFLOP/s 0.864 TB/s  (L40S datasheet)
+#   L4 24 GB               121 TFLOP/s    0.300 TB/s  (L4 datasheet: 242 with sparsity)
+#   A10G 24 GB             125 TFLOP/s    0.600 TB/s  (AWS's variant of the A10; NVIDIA publishes
+#                                                       the A10's datasheet only, used here)
+#   T4 16 GB                 8.1 TFLOP/s  0.320 TB/s  (T4 datasheet. Turing has no bf16 tensor
+#                                                       cores: bf16 matmuls run at about the FP32
+#                                                       rate, 8.1 TFLOP/s, not FP16's 65)
+#   RTX 4090 24 GB         165.2 TFLOP/s  1.008 TB/s  (Ada Lovelace whitepaper: bf16 with FP32
+#                                                       accumulate, as PyTorch multiplies)
+#   RTX A6000 48 GB        154.8 TFLOP/s  0.768 TB/s  (RTX A6000 datasheet: 309.7 with sparsity)
+#
+# Rates, per GPU-hour:
+# - The five SPEC §3 cards keep SPEC's rates. SPEC states the H100's ($2.60/h); the others are
+#   derived from SPEC's "cost of 1,000 steps" and reference step time -- rate = cost x 3600 /
+#   (1000 x step seconds) -- rounded to the cent so that 1,000 steps reproduce SPEC's figure:
+#     A100 80 GB  $0.21 x 3600 / 700 s  = $1.08/h (exact)
+#     L40S        $0.22 x 3600 / 1000 s = $0.792/h -> $0.79/h ($0.2194 per 1,000 steps)
+#     RTX 4090    $0.10 x 3600 / 1200 s = $0.30/h  -> $0.29/h: $0.30 also gives $0.10 but makes the
+#                 H100 3.25x the cost per step, and SPEC says 3.4x; $0.29 satisfies both
+#     RTX A6000   $0.12 x 3600 / 1300 s = $0.332/h -> $0.33/h ($0.1192 per 1,000 steps)
+#   SPEC does not say whether they are on-demand or spot prices: "unstated".
+# - The others: AWS us-east-1 on-demand prices from SkyPilot's own catalog
+#   (github.com/skypilot-org/skypilot-catalog, catalogs/v8/aws/vms.csv at commit 00148f2a, read
+#   2026-12-02), the whole instance divided by its GPUs (the host's CPUs and memory included):
+#     L4    g6.xlarge        $0.8048/h                  (spot there: $0.35-0.40)
+#     A10G  g5.xlarge        $1.006/h                   (spot: $0.42-0.45)
+#     T4    g4dn.xlarge      $0.526/h                   (spot: $0.20-0.22)
+#     A100  p4d.24xlarge     $21.957642 / 8 = $2.7447/h (8 x A100 40 GB)
+#     H200  p5en.48xlarge    $63.296 / 8    = $7.912/h
+#     B200  p6-b200.48xlarge $113.9328 / 8  = $14.2416/h
+#   Spot prices move every few minutes, so the table holds the on-demand price, an upper bound;
+#   give spec.pricing.usdPerHour for what you pay.
+_SPEC = "SPEC §3"
+_AWS = "AWS us-east-1 on-demand, SkyPilot catalog v8 (commit 00148f2a), read 2026-12-02"
+
+GPUS: Mapping[str, Gpu] = MappingProxyType({
+    gpu.name: gpu
+    for gpu in (
+        Gpu("H100", 80.0, 989.5e12, 3.35e12, 2.60, "unstated", _SPEC, 0.45, ("H100-SXM-80GB",)),
+        Gpu("H200", 141.0, 989.5e12, 4.8e12, 7.912, "on-demand", _AWS + ", p5en.48xlarge / 8"),
+        Gpu("B200", 180.0, 2250e12, 8.0e12, 14.2416, "on-demand", _AWS + ", p6-b200.48xlarge / 8"),
+        Gpu("A100-80GB", 80.0, 312e12, 2.039e12, 1.08, "unstated", _SPEC, 0.7),
+        Gpu("A100", 40.0, 312e12, 1.555e12, 2.7447, "on-demand", _AWS + ", p4d.24xlarge / 8"),
+        Gpu("L40S", 48.0, 362.05e12, 0.864e12, 0.79, "unstated", _SPEC, 1.0),
+        Gpu("L4", 24.0, 121e12, 0.300e12, 0.8048, "on-demand", _AWS + ", g6.xlarge"),
+        Gpu("A10G", 24.0, 125e12, 0.600e12, 1.006, "on-demand", _AWS + ", g5.xlarge"),
+        Gpu("T4", 16.0, 8.1e12, 0.320e12, 0.526, "on-demand", _AWS + ", g4dn.xlarge"),
+        Gpu("RTX4090", 24.0, 165.2e12, 1.008e12, 0.29, "unstated", _SPEC, 1.2, ("RTX-4090",)),
+        Gpu("A6000", 48.0, 154.8e12, 0.768e12, 0.33, "unstated", _SPEC, 1.3, ("RTX-A6000",)),
+    )
+})
+
+# Every accepted name -> its table name.
+ALIASES: Mapping[str, str] = MappingProxyType(
+    {name: gpu.name for gpu in GPUS.values() for name in (gpu.name, *gpu.aliases)})
+
+
+def canonical_name(name: str) -> str | None:
+    """The table name for `name` (itself, or what an alias stands for); None when not listed."""
+    return ALIASES.get(name)
+
+
+def _squash(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+def spelled_like(name: str) -> str | None:
+    """The table name `name` spells in another case or spacing (`h100`, `rtx 4090`), or None."""
+    wanted = _squash(name)
+    return next((table_name for accepted, table_name in ALIASES.items() if wanted and _squash(accepted) == wanted),
+                None)
+
+
+def suggestion(name: str) -> str | None:
+    """The table name `name` most likely means: `spelled_like`, else a very close spelling
+    (`A100-80G`), else the longest table name it begins with (`H100-PCIe`), else a close spelling
+    (`H10`), else None."""
+    found = spelled_like(name)
+    if found or not _squash(name):
+        return found
+    wanted = _squash(name)
+    squashed = {_squash(accepted): table_name for accepted, table_name in ALIASES.items()}
+    close = difflib.get_close_matches(wanted, squashed, n=1, cutoff=0.85)       # A100-80G
+    prefixes = [s for s in squashed if wanted.startswith(s)]                    # H100-PCIe, L4-24GB
+    if not close and prefixes:
+        return squashed[max(prefixes, key=len)]
+    close = close or difflib.get_close_matches(wanted, squashed, n=1, cutoff=0.75)
+    return squashed[close[0]] if close else None
 
 
 def lookup_gpu(name: str) -> Gpu:
-    """The table entry for ``name``.
+    """The table entry for `name` (a table name or an alias).
 
-    Raises ValueError for a name not in ``GPUS``, naming the allowed ones.
+    Raises ValueError for any other name, with a did-you-mean when one is close and the names
+    allowed.
     """
-    try:
-        return GPUS[name]
-    except KeyError:
-        allowed = ", ".join(GPUS)
-        raise ValueError(f"gpu: unknown GPU {name!r}; use one of {allowed}") from None
+    found = canonical_name(name)
+    if found is not None:
+        return GPUS[found]
+    guess = suggestion(name)
+    raise ValueError(f"gpu: unknown GPU {name!r}" + (f": did you mean {guess}?" if guess else ".")
+                     + f" Use one of {', '.join(GPUS)} (SkyPilot's names), or describe another card "
+                     "with spec.pricing: {usdPerHour: ..., memoryGB: ...}")
+
+
+def custom_gpu(name: str, *, usd_per_hour: float, memory_gb: float, bf16_tflops: float | None = None,
+               memory_bandwidth_gbps: float | None = None) -> Gpu:
+    """A card the table does not list, as the job's spec.pricing describes it. Without its
+    throughput figures the step model cannot place it: it gets the slowest listed card's
+    (the smallest FLOP/s and bandwidth in the table), an upper bound on its step time."""
+    slowest_flops = min(g.bf16_flops for g in GPUS.values())
+    slowest_bandwidth = min(g.memory_bandwidth for g in GPUS.values())
+    return Gpu(name, memory_gb=memory_gb,
+               bf16_flops=bf16_tflops * 1e12 if bf16_tflops else slowest_flops,
+               memory_bandwidth=memory_bandwidth_gbps * 1e9 if memory_bandwidth_gbps else slowest_bandwidth,
+               usd_per_hour=usd_per_hour, rate_kind="unstated", rate_source="spec.pricing", listed=False)
 
 
 # --- rounding -----------------------------------------------------------------------------------
@@ -92,7 +206,7 @@ def _cents_up(usd: Fraction) -> float:
 
 # --- cost ---------------------------------------------------------------------------------------
 
-StepSecondsSource = Literal["reference", "override", "measured"]
+StepSecondsSource = Literal["override", "measured", "model", "reference"]
 
 
 @dataclass(frozen=True)
@@ -104,8 +218,11 @@ class CostEstimate:
     step_seconds: float
     step_seconds_source: StepSecondsSource
     usd_per_hour: float
-    cost_to_completion_usd: float  # rounded half-up to the cent
-    first_hold_usd: float  # rounded up to the cent; see cost_estimate
+    cost_to_completion_usd: float  # training and evaluations, rounded half-up to the cent
+    first_hold_usd: float          # rounded up to the cent; see cost_estimate
+    eval_seconds: float = 0.0      # every evaluation of the run together
+    training_usd: float = 0.0      # the steps alone, rounded half-up to the cent
+    eval_usd: float = 0.0          # the evaluations alone, rounded half-up to the cent
 
     @property
     def usd_per_step(self) -> float:
@@ -120,48 +237,56 @@ class CostEstimate:
             "usdPerHour": self.usd_per_hour,
             "costToCompletionUSD": self.cost_to_completion_usd,
             "firstHoldUSD": self.first_hold_usd,
+            "evalSeconds": self.eval_seconds,
+            "trainingUSD": self.training_usd,
+            "evalUSD": self.eval_usd,
         }
 
 
 def cost_estimate(
     *,
-    gpu: str,
+    gpu: str | Gpu,
     steps: int,
     usd_per_hour: float | None = None,
     step_seconds: float | None = None,
     measured_step_seconds: float | None = None,
+    model_step_seconds: float | None = None,
+    eval_seconds: float = 0.0,
+    baseline_seconds: float = 0.0,
     save_steps: int = 25,
     max_cost_usd: float | None = None,
     gpus: int = 1,
 ) -> CostEstimate:
-    """What ``steps`` training steps on ``gpu`` will cost, before anything is spent.
+    """What ``steps`` training steps and the run's evaluations on ``gpu`` will cost.
 
     Step time: ``step_seconds`` (the user's explicit override) wins, then
-    ``measured_step_seconds`` (learned from the user's own runs), then the GPU's reference.
-    ``usd_per_hour`` overrides the table's rate. Rates are per GPU; ``gpus`` of them (one per
-    process of the node) are charged together, and ``usd_per_hour`` of the answer is theirs.
-    The step time is not divided among them: no speed-up from more processes is assumed.
+    ``measured_step_seconds`` (learned from the user's own runs), then ``model_step_seconds``
+    (the model of a step), then the card's SPEC §3 reference time. ``eval_seconds`` is every
+    evaluation of the run together (baseline, every evalSteps, final). ``usd_per_hour``
+    overrides the table's rate. Rates are per GPU; ``gpus`` of them (one per process of the
+    node) are charged together, and ``usd_per_hour`` of the answer is theirs.
 
     ``firstHoldUSD`` -- the first budget hold -- is what the run puts at risk before its first
-    durable checkpoint: the cost of the first ``save_steps`` steps (or of all steps, if fewer),
-    rounded *up* to the cent so a hold never under-covers its spend, and capped at
-    ``max_cost_usd`` since the run stops there anyway. Later holds cover one save interval each.
+    durable checkpoint: the baseline evaluation (``baseline_seconds``, a part of
+    ``eval_seconds``) and the first ``save_steps`` steps (or all steps, if fewer), rounded *up*
+    to the cent so a hold never under-covers its spend, and capped at ``max_cost_usd`` since the
+    run stops there anyway.
 
     Raises ValueError for an unknown GPU (naming the allowed ones), negative steps, a
-    non-positive save interval or step time, or a negative rate or budget.
+    non-positive save interval or step time, a card with no rate and no ``usd_per_hour``, or a
+    negative rate, budget or evaluation time.
     """
-    card = lookup_gpu(gpu)
+    card = gpu if isinstance(gpu, Gpu) else lookup_gpu(gpu)
     if isinstance(steps, bool) or steps < 0:
         raise ValueError(f"steps: must be >= 0 (got {steps!r})")
     if save_steps < 1:
         raise ValueError(f"saveSteps: must be >= 1 (got {save_steps})")
-    for name, value in (
-        ("stepSeconds", step_seconds),
-        ("measured step seconds", measured_step_seconds),
-    ):
+    for name, value in (("stepSeconds", step_seconds), ("measured step seconds", measured_step_seconds),
+                        ("model step seconds", model_step_seconds)):
         if value is not None and not value > 0:
             raise ValueError(f"{name}: must be > 0 (got {value})")
-    for name, value in (("usdPerHour", usd_per_hour), ("maxCostUSD", max_cost_usd)):
+    for name, value in (("usdPerHour", usd_per_hour), ("maxCostUSD", max_cost_usd), ("evalSeconds", eval_seconds),
+                        ("baseline seconds", baseline_seconds)):
         if value is not None and not value >= 0:
             raise ValueError(f"{name}: must be >= 0 (got {value})")
 
@@ -170,17 +295,26 @@ def cost_estimate(
         seconds, source = step_seconds, "override"
     elif measured_step_seconds is not None:
         seconds, source = measured_step_seconds, "measured"
+    elif model_step_seconds is not None:
+        seconds, source = model_step_seconds, "model"
+    elif card.reference_step_seconds is not None:
+        seconds, source = card.reference_step_seconds, "reference"
     else:
-        seconds, source = card.step_seconds, "reference"
+        raise ValueError(f"stepSeconds: {card.name} has no reference step time; give the model's config "
+                         "or spec.pricing.stepSeconds")
     rate = card.usd_per_hour if usd_per_hour is None else usd_per_hour
+    if rate is None:
+        raise ValueError(f"spec.pricing.usdPerHour: {card.name} has no rate in the table; give yours")
     if gpus != 1:
         rate = float(Fraction(str(rate)) * gpus)
 
     # Exact rational arithmetic on the decimal values as written: binary floating point cannot
     # hold $0.325 (1,000 x 0.45 s x $2.60/h) exactly, so which cent it rounds to would depend on
     # the order of the operations.
-    usd_per_step = Fraction(str(seconds)) * Fraction(str(rate)) / 3600
-    first_hold = _cents_up(usd_per_step * min(save_steps, steps))
+    per_second = Fraction(str(rate)) / 3600
+    usd_per_step = Fraction(str(seconds)) * per_second
+    eval_usd = Fraction(str(eval_seconds)) * per_second
+    first_hold = _cents_up(Fraction(str(baseline_seconds)) * per_second + usd_per_step * min(save_steps, steps))
     if max_cost_usd is not None:
         first_hold = min(first_hold, max_cost_usd)
 
@@ -190,6 +324,9 @@ def cost_estimate(
         step_seconds=seconds,
         step_seconds_source=source,
         usd_per_hour=rate,
-        cost_to_completion_usd=_cents_half_up(usd_per_step * steps),
+        cost_to_completion_usd=_cents_half_up(usd_per_step * steps + eval_usd),
         first_hold_usd=first_hold,
+        eval_seconds=eval_seconds,
+        training_usd=_cents_half_up(usd_per_step * steps),
+        eval_usd=_cents_half_up(eval_usd),
     )

@@ -52,7 +52,7 @@ def cli(verbose: bool) -> None:
 
 @cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
 @click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
-@click.option("--dry-run", is_flag=True, help="validate and print the job with its estimate; start nothing (exit 2 when apply would refuse it)")
+@click.option("--dry-run", is_flag=True, help="validate and print the estimate (with -o, the whole job); start nothing (exit 2 when apply would refuse it)")
 @click.option("--detach", is_flag=True, help="write the job into its storage (Pending) for a node to train; start nothing here")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
 def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int:
@@ -62,7 +62,8 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
     \b
     example:
       grpo-run apply -f examples/tiny-arithmetic.yaml
-      grpo-run apply -f job.yaml --dry-run -o yaml   # validate and print the job
+      grpo-run apply -f job.yaml --dry-run           # cost, time and fit in a few lines
+      grpo-run apply -f job.yaml --dry-run -o yaml   # the whole job with status.estimate
       grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
     from grpo_run.runner.spec.job import JobError, load_job
@@ -85,10 +86,14 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
             return EXIT_USAGE
         est = None                               # a real run may still fetch the model
     refusal = check_fits(est) if est else None
-    if dry_run:                                  # the whole job, with why it does not fit if it does not
+    if dry_run and output:                       # the whole job, with why it does not fit if it does not
         doc = job.to_dict()
         doc["status"] = {"phase": str(Phase.PENDING), "estimate": {**est, "refusal": refusal} if refusal else est}
-        print(_dump(doc, output or "yaml"), end="")
+        print(_dump(doc, output), end="")
+    elif dry_run:                                # the answer first: cost, time, fit, where the step time came from
+        from grpo_run.runner.estimate.summary import summary
+
+        print(summary(job.name, est, job_file=file, max_cost_usd=job.maxCostUSD))
     if refusal:                                  # refused before anything starts, with the numbers
         print(refusal, file=sys.stderr)
         return EXIT_USAGE                        # what apply would answer
@@ -259,7 +264,8 @@ def _remember_step_time(job, status: dict) -> None:
     device = status.get("device") or ""
     seconds = status.get("medianStepSeconds")
     if device.startswith("cuda") and seconds:
-        record_measured_step_seconds(job.gpu, seconds, job.name)
+        record_measured_step_seconds(job.gpu, seconds, job.name, model=job.model,
+                                     completion_length=job.parameters.maxCompletionLength)
 
 
 def _environment_here(job, store):

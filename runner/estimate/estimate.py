@@ -1,37 +1,42 @@
-"""`status.estimate` for `grpo-run apply --dry-run` (SPEC §3, §6): what a job will cost and
-whether it fits its GPU, before anything is spent.
+"""`status.estimate` for `grpo-run apply --dry-run` (SPEC §3, §6): what a job will cost, how
+long it will take and whether it fits its GPU, before anything is spent.
 
-The numbers come from `runner.memory` (memory from the model's config.json alone) and
-`runner.estimate` (cost from the GPU table). This module finds the inputs -- the model's config,
-the user's overrides, the user's own measured step times -- and shapes the answer:
+The numbers come from `memory.py` (memory from the model's config.json alone), `steptime.py`
+(a step's and an evaluation's time from the job and the card), `workload.py` (prompt lengths
+and held-out tasks), `measured.py` (the user's own step times) and `runner.gpus` (the cards, the
+cost arithmetic). This module finds the inputs and shapes the answer:
 
     model_config(job.model)                  config.json as a dict (no weights, no network)
     estimate(job)                            the status.estimate dict
     check_fits(estimate(job))                None, or the refusal to print before anything starts
-    record_measured_step_seconds(gpu, s, job)  after a finished run: learn this GPU's step time
+    record_measured_step_seconds(gpu, s, job, model=, completion_length=)
+                                             after a finished run: learn its step time
+    summary.summary(job, estimate(job))      the dry run's answer in a few lines
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
-import statistics
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from grpo_run.checkpoint.storage.fsio import atomic_write_text
-from grpo_run.runner.gpus import GPUS, cost_estimate, lookup_gpu
+from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, completion_bucket, measured_step_seconds,
+                                               measured_steps_path, record_measured_step_seconds)
+from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
+from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
+from grpo_run.runner.estimate.workload import workload
+from grpo_run.runner.gpus import GPUS, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
+from grpo_run.runner.home import ensure_model, is_tiny
 from grpo_run.runner.spec.job import TrainingJob
-from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate
-from grpo_run.runner.home import ensure_model, grpo_run_home, is_tiny
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "MEASURED_WINDOW",
+    "card_of",
     "check_fits",
     "estimate",
     "measured_step_seconds",
@@ -39,10 +44,6 @@ __all__ = [
     "model_config",
     "record_measured_step_seconds",
 ]
-
-# The estimate uses the median of this many most recent finished runs on a GPU type: recent
-# enough to follow a new driver or a new model, many enough that one odd run does not swing it.
-MEASURED_WINDOW = 20
 
 
 # --- the model's config -------------------------------------------------------------------------
@@ -105,78 +106,6 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-# --- the user's measured step times -------------------------------------------------------------
-#
-# $GRPO_RUN_HOME/measured-steps.json:
-#   {"version": 1, "gpus": {"H100-SXM-80GB": [{"job": "...", "stepSeconds": 0.52,
-#                                              "finishedAt": "2025-01-01T00:00:00Z"}, ...]}}
-# oldest first, at most MEASURED_WINDOW runs per GPU. Written atomically (temporary file, fsync,
-# rename) under a lock, so two jobs finishing at once both get recorded and a reader never sees
-# half a file.
-
-
-def measured_steps_path() -> Path:
-    return grpo_run_home() / "measured-steps.json"
-
-
-def measured_step_seconds(gpu: str) -> float | None:
-    """The median step time of the user's last MEASURED_WINDOW finished runs on `gpu`, or None
-    when there are none. An unreadable file counts as none (logged): a dry run never fails on it.
-    """
-    runs = _load_measured(measured_steps_path()).get(gpu, [])
-    seconds = [r["stepSeconds"] for r in runs[-MEASURED_WINDOW:]]
-    return statistics.median(seconds) if seconds else None
-
-
-def record_measured_step_seconds(gpu: str, seconds: float, job: str) -> None:
-    """Remember that `job` ran at `seconds` per training step on `gpu`; later estimates for `gpu`
-    use the median of the last MEASURED_WINDOW such runs.
-
-    Raises ValueError for a GPU not in the table or a step time that is not a number > 0.
-    """
-    lookup_gpu(gpu)
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-            or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"step seconds: must be a number > 0 (got {seconds!r})")
-    path = measured_steps_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path.with_name(path.name + ".lock")):
-        gpus = _load_measured(path)
-        runs = gpus.setdefault(gpu, [])
-        runs.append({"job": job, "stepSeconds": float(seconds), "finishedAt": _iso(_utcnow())})
-        del runs[:-MEASURED_WINDOW]
-        atomic_write_text(path, json.dumps({"version": 1, "gpus": gpus}, indent=2) + "\n")
-
-
-def _load_measured(path: Path) -> dict[str, list[dict[str, Any]]]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        gpus = doc["gpus"]
-        return {name: [r for r in runs if _valid_run(r)] for name, runs in gpus.items()
-                if name in GPUS and isinstance(runs, list)}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        # Written atomically, so this is a hand edit gone wrong; the next record starts afresh.
-        log.warning("ignoring %s (%s: %s); estimates use reference step times", path,
-                    type(e).__name__, e)
-        return {}
-
-
-def _valid_run(run: Any) -> bool:
-    s = run.get("stepSeconds") if isinstance(run, dict) else None
-    return isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s) and s > 0
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-        yield
-
-
 # --- the estimate -------------------------------------------------------------------------------
 
 
@@ -188,13 +117,42 @@ def _iso(t: datetime) -> str:
     return t.astimezone(timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def _figures(x: float) -> float:
+    """`x` to three significant figures: as precise as the model is, and what the cost is
+    computed from, so the printed step time times the steps is the printed cost."""
+    return float(f"{x:.3g}")
+
+
+def card_of(job: TrainingJob) -> Gpu | None:
+    """The job's GPU: the table's entry for spec.gpu with any figures spec.pricing gives over
+    it, or the card spec.pricing describes when the table does not list it (the job's
+    validation makes sure one of them exists); None without spec.gpu."""
+    if job.gpu is None:
+        return None
+    pricing = job.pricing
+    if canonical_name(job.gpu) is None:
+        if pricing is None or pricing.usdPerHour is None or pricing.memoryGB is None:
+            lookup_gpu(job.gpu)                     # raises, naming what is allowed
+        return custom_gpu(job.gpu, usd_per_hour=pricing.usdPerHour, memory_gb=pricing.memoryGB,
+                          bf16_tflops=pricing.bf16TFLOPS, memory_bandwidth_gbps=pricing.memoryBandwidthGBps)
+    card = lookup_gpu(job.gpu)
+    if pricing is None:
+        return card
+    return replace(card, memory_gb=pricing.memoryGB or card.memory_gb,
+                   bf16_flops=pricing.bf16TFLOPS * 1e12 if pricing.bf16TFLOPS else card.bf16_flops,
+                   memory_bandwidth=(pricing.memoryBandwidthGBps * 1e9 if pricing.memoryBandwidthGBps
+                                     else card.memory_bandwidth))
+
+
 def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]:
-    """`status.estimate` for `job` (SPEC §6 names), from the model's config alone.
+    """`status.estimate` for `job` (SPEC §6 names, and more), from the model's config alone.
 
     Cost needs `spec.gpu`; without it the cost fields are None and `note` says so, and
-    `memory.fits` is None. Step time: `spec.pricing.stepSeconds` ("override"), else the user's
-    measured median on this GPU ("measured"), else the table's ("reference"); the rate is
-    `spec.pricing.usdPerHour` or the table's.
+    `memory.fits` is None. Step time: `spec.pricing.stepSeconds` ("override"), else the median of
+    the user's measured runs of this model on this GPU with completions of this length bucket
+    ("measured"), else the model of a step ("model", steptime.py). Evaluations (baseline, every
+    evalSteps, final) are counted in `evalSeconds`, `evalUSD` and the cost to completion. The
+    rate is `spec.pricing.usdPerHour` or the table's.
 
     Raises LookupError when the model's config cannot be found (see `model_config`); ValueError
     for a config the estimate cannot read (missing keys, mixture-of-experts) or a LoRA target
@@ -204,22 +162,30 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
 
     p = job.parameters
     gpus = node_processes(job.resources)          # one process per GPU, each a replica (DDP)
+    prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
+    card = card_of(job)
+    config = model_config(job.model)
     targets = p.lora.targetModules
     memory = memory_estimate(
-        model_config(job.model),
+        config,
         method=p.method,
         lora_r=p.lora.r,
         lora_targets=(targets,) if isinstance(targets, str) else targets,  # "all-linear": all 7
         beta=p.beta,
-        # kvCacheGB is one group: numGenerations x maxCompletionLength tokens. Prompt tokens are
-        # not counted (their length is the environment's, unknown here); SPEC §3 counts the same.
+        # kvCacheGB is one group: numGenerations x maxCompletionLength tokens; prompt tokens are
+        # left out of memory, as SPEC §3 counts it.
         num_generations=p.numGenerations,
         max_completion_length=p.maxCompletionLength,
-        prompts_per_step=-(-p.promptsPerStep // gpus),   # per GPU: each samples its share of the prompts
+        prompts_per_step=prompts,
         micro_batch_size=p.microBatchSize,
         gradient_checkpointing=p.gradientCheckpointing,
-        gpu=job.gpu,
+        gpu=card,
     )
+    work = workload(job)
+    shape = model_shape(config)
+    step = StepWork(shape=shape, method=p.method, prompts=prompts, generations=p.numGenerations,
+                    prompt_tokens=work.prompt_tokens or 0.0, completion_tokens=p.maxCompletionLength,
+                    num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing)
     out: dict[str, Any] = {
         "costToCompletionUSD": None,
         "firstHoldUSD": None,
@@ -228,49 +194,102 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         "stepSeconds": None,
         "stepSecondsSource": None,
         "usdPerHour": None,
-        "gpu": job.gpu,
+        "gpu": card.name if card else None,
         "gpus": gpus,
         "steps": p.maxSteps,
         "method": p.method,
+        "evaluations": work.evaluations,
+        "evalTasks": work.eval_tasks,
+        "evalSeconds": None,
+        "completionSeconds": None,
+        "trainingUSD": None,
+        "evalUSD": None,
+        "tokens": {"prompt": work.prompt_tokens, "promptIs": "expected (mean of the tasks)",
+                   "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)"},
         "memory": memory.to_dict(),
     }
     notes: list[str] = []
-    if job.gpu is None:
-        notes.append("cost needs spec.gpu (one of " + ", ".join(GPUS) + "): set it to get "
-                     "costToCompletionUSD and firstHoldUSD, and whether memory fits"
-                     + ("; spec.pricing applies to that GPU" if job.pricing else ""))
+    if card is None:
+        notes.append("cost needs spec.gpu (one of " + ", ".join(GPUS) + ", or any card with spec.pricing "
+                     "usdPerHour and memoryGB): set it to get costToCompletionUSD and firstHoldUSD, and whether "
+                     "memory fits")
     else:
-        pricing = job.pricing
-        cost = cost_estimate(
-            gpu=job.gpu,
-            steps=p.maxSteps,
-            usd_per_hour=pricing.usdPerHour if pricing else None,
-            step_seconds=pricing.stepSeconds if pricing else None,
-            measured_step_seconds=measured_step_seconds(job.gpu),
-            save_steps=p.saveSteps,
-            max_cost_usd=job.maxCostUSD,
-            gpus=gpus,
-        )
-        c = cost.to_dict()
-        out.update({k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds",
-                                      "stepSecondsSource", "usdPerHour")})
-        notes.append({
-            "override": "step time from spec.pricing.stepSeconds",
-            "measured": f"step time: the median of your last finished runs on {job.gpu} "
-                        f"(up to {MEASURED_WINDOW}, from {measured_steps_path()})",
-            "reference": f"step time: SPEC's reference for {job.gpu}; your own runs on it replace it "
-                         "once they finish",
-        }[cost.step_seconds_source])
-        if gpus > 1:
-            notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {job.gpu}'s rate; the step time "
-                         "is one GPU's (no speed-up assumed), memory is per GPU")
-        if job.maxCostUSD is not None and cost.cost_to_completion_usd > job.maxCostUSD:
-            per_step = cost.usd_per_step
-            notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
-                         f"{int(job.maxCostUSD / per_step) if per_step else p.maxSteps} of "
-                         f"{p.maxSteps} steps: the run stops there (BudgetExceeded)")
+        out.update(_cost(job, card, step, work, gpus, notes))
+    if work.unknown:
+        notes.append(work.unknown)
     out["note"] = "; ".join(notes)
     return out
+
+
+def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str]) -> dict[str, Any]:
+    """The cost and time fields of the estimate for `card`, and their notes."""
+    p, pricing = job.parameters, job.pricing
+    timed = step_time(step, card)
+    one_eval = 0.0
+    if work.eval_tasks:
+        eval_prompt = work.eval_prompt_tokens if work.eval_prompt_tokens is not None else step.prompt_tokens
+        one_eval = eval_seconds(step.shape, p.method, tasks=work.eval_tasks, batch_size=p.evalBatchSize,
+                                prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card)
+    evals = round(one_eval * work.evaluations, 1)
+    cost = cost_estimate(
+        gpu=card,
+        steps=p.maxSteps,
+        usd_per_hour=pricing.usdPerHour if pricing else None,
+        step_seconds=pricing.stepSeconds if pricing else None,
+        measured_step_seconds=measured_step_seconds(card.name, job.model, p.maxCompletionLength),
+        model_step_seconds=_figures(timed.seconds),
+        eval_seconds=evals,
+        baseline_seconds=round(one_eval, 1),
+        save_steps=p.saveSteps,
+        max_cost_usd=job.maxCostUSD,
+        gpus=gpus,
+    )
+    c = cost.to_dict()
+    fields = {k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds", "stepSecondsSource",
+                                "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
+    fields["completionSeconds"] = round(cost.step_seconds * p.maxSteps + evals, 1)
+    fields["gpuMemoryGB"] = card.memory_gb
+    fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
+                      "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
+    fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
+                           "updateSeconds": _figures(timed.update_seconds),
+                           "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),
+                           "cardFigures": _figures_from(card, pricing)}
+    bucket = completion_bucket(p.maxCompletionLength)
+    notes.append({
+        "override": "step time from spec.pricing.stepSeconds",
+        "measured": f"step time: the median of your last finished runs of this model on {card.name} with completions "
+                    f"of up to {bucket} tokens (up to {MEASURED_WINDOW}, from {measured_steps_path()})",
+        "model": f"step time: the model of a step (runner/estimate/steptime.py) from the model's config and "
+                 f"{card.name}'s datasheet figures, calibrated on SPEC §3's reference job"
+                 + ("" if card.name in _REFERENCE_CARDS else f" (SPEC gives {card.name} no reference time: uncorrected)")
+                 + f"; your own runs of this model on {card.name} replace it once they finish",
+    }[cost.step_seconds_source])
+    if not card.listed and not (pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps):
+        notes.append(f"{card.name} is not in the table and spec.pricing gives no bf16TFLOPS and memoryBandwidthGBps: "
+                     "the slowest listed card's figures stand in (an upper bound on the step time)")
+    if gpus > 1:
+        notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
+                     "GPU's share of the prompts (communication not counted), memory is per GPU")
+    if job.maxCostUSD is not None and cost.cost_to_completion_usd > job.maxCostUSD:
+        per_step = cost.usd_per_step
+        notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
+                     f"{int(job.maxCostUSD / per_step) if per_step else p.maxSteps} of "
+                     f"{p.maxSteps} steps: the run stops there (BudgetExceeded)")
+    return fields
+
+
+def _figures_from(card: Gpu, pricing) -> str:
+    """Where the card's FLOP/s and bandwidth come from."""
+    given = bool(pricing and (pricing.bf16TFLOPS or pricing.memoryBandwidthGBps))
+    if card.listed:
+        return "datasheet, with spec.pricing's" if given else "datasheet"
+    if pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps:
+        return "spec.pricing"
+    return "stand-in: the slowest listed card's (spec.pricing has no bf16TFLOPS and memoryBandwidthGBps)"
+
+
+_REFERENCE_CARDS = frozenset(g.name for g in GPUS.values() if g.reference_step_seconds is not None)
 
 
 def check_fits(estimate: dict[str, Any]) -> str | None:
@@ -279,10 +298,10 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     memory, gpu = estimate["memory"], estimate.get("gpu")
     if gpu is None or memory.get("fits") is not False:
         return None
-    card = lookup_gpu(gpu)
+    card_gb = estimate.get("gpuMemoryGB") or lookup_gpu(gpu).memory_gb
     total, need = memory["totalGB"], memory["neededGB"]
     sampling, update = memory["samplingGB"], memory["updateGB"]
-    usable = card.memory_gb * USABLE_MEMORY_FRACTION
+    usable = card_gb * USABLE_MEMORY_FRACTION
     method = estimate.get("method")
     bigger = [g.name for g in GPUS.values() if need <= g.memory_gb * USABLE_MEMORY_FRACTION]
     largest = max(g.memory_gb for g in GPUS.values()) * USABLE_MEMORY_FRACTION
@@ -309,7 +328,7 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
         f"{gpu} cannot hold this run: it needs about {need:.1f} GB ({total:.1f} GB of weights, "
         f"trainable state and reference + the larger of {sampling:.1f} GB of KV cache while sampling "
         f"and {update:.1f} GB for the update of a micro-batch of {memory['microBatchSize']}), and {gpu} has "
-        f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card.memory_gb:.0f} GB). "
+        f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card_gb:.0f} GB). "
         "Nothing was started. To fit: " + "; ".join(options) + "."
     )
 

@@ -1,7 +1,7 @@
 """Memory estimate for a run, from a model's ``config.json`` alone (no weights).
 
 This fills ``status.estimate.memory`` for ``grpo-run apply --dry-run`` (SPEC §3, §6); the GPU
-table and the cost estimate are in ``runner.estimate``.
+table and the cost arithmetic are in ``runner.gpus``, a step's time in ``runner.estimate.steptime``.
 
 Memory (SPEC §3): weights and trainable state only -- activations and the generation cache are
 reported separately (``kvCacheGB`` for one group, ``samplingGB`` for the step's completions,
@@ -44,11 +44,14 @@ from grpo_run.trainer.config import LOGPROB_CHUNK_ELEMENTS, METHODS, default_mic
 
 __all__ = [
     "LORA_TARGETS",
+    "ModelShape",
     "USABLE_MEMORY_FRACTION",
     "MemoryEstimate",
     "fits",
     "format_count",
     "memory_estimate",
+    "model_shape",
+    "parameter_count",
     "quoted_count",
 ]
 
@@ -102,7 +105,9 @@ _REQUIRED_KEYS = (
 
 
 @dataclass(frozen=True)
-class _Shape:
+class ModelShape:
+    """A Llama-style decoder's shape, read from its config.json (model_shape)."""
+
     hidden: int
     intermediate: int
     layers: int
@@ -130,7 +135,7 @@ class _Shape:
         }
 
 
-def _shape(config: Mapping[str, Any]) -> _Shape:
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
     # Multimodal configs keep the language model's shape under text_config.
     if "hidden_size" not in config and isinstance(config.get("text_config"), Mapping):
         config = config["text_config"]
@@ -150,7 +155,7 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
         )
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
-    return _Shape(
+    return ModelShape(
         hidden=hidden,
         intermediate=int(config["intermediate_size"]),
         layers=int(config["num_hidden_layers"]),
@@ -166,7 +171,7 @@ def _shape(config: Mapping[str, Any]) -> _Shape:
     )
 
 
-def _parameter_count(shape: _Shape) -> int:
+def parameter_count(shape: ModelShape) -> int:
     dims = shape.linear_dims()
     per_layer = sum(i * o for i, o in dims.values())
     if shape.attention_bias:
@@ -232,7 +237,7 @@ def fits(needed: float, gpu: str | Gpu) -> bool:
     return needed <= card.memory_gb * USABLE_MEMORY_FRACTION
 
 
-def _update_bytes(shape: _Shape, micro: int, seq_tokens: int, completion_tokens: int, checkpointing: bool) -> int:
+def _update_bytes(shape: ModelShape, micro: int, seq_tokens: int, completion_tokens: int, checkpointing: bool) -> int:
     logits = 2 * micro * (completion_tokens + 1) * shape.vocab * _ACTIVATION_BYTES
     chunk = _LOGPROB_CHUNK_BUFFERS * LOGPROB_CHUNK_ELEMENTS * 4
     kv_width = shape.kv_heads * shape.head_dim
@@ -320,8 +325,8 @@ def memory_estimate(
         raise ValueError(f"prompt tokens: must be >= 0 (got {prompt_tokens})")
     card = lookup_gpu(gpu) if isinstance(gpu, str) else gpu
 
-    shape = _shape(config)
-    parameters = _parameter_count(shape)
+    shape = model_shape(config)
+    parameters = parameter_count(shape)
     quoted = quoted_count(parameters)
 
     if method == "Full":

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
-from grpo_run.runner.gpus import GPUS
+from grpo_run.runner.gpus import GPUS, canonical_name, spelled_like, suggestion
 from grpo_run.runner.spec.yamlfile import FileRefused, int_text, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
 from grpo_run.runner.spec.tracking import Tracking
@@ -92,19 +92,24 @@ def _unusable_paths(e: BaseException) -> bool:
 
 
 class Pricing(Strict):
-    """`spec.pricing`: the user's own numbers for `spec.gpu`, overriding the estimate's table."""
+    """`spec.pricing`: the user's own numbers for `spec.gpu`, over the estimate's table; for a card the
+    table does not list, its description (usdPerHour and memoryGB; bf16TFLOPS and memoryBandwidthGBps
+    from its datasheet for the step model)."""
     usdPerHour: float | None = None   # what this node costs you per hour
-    stepSeconds: float | None = None  # seconds per training step (wins over measured and reference)
+    stepSeconds: float | None = None  # seconds per training step (wins over measured and modelled)
+    memoryGB: float | None = None     # the card's memory, decimal GB
+    bf16TFLOPS: float | None = None   # its peak dense bf16 tensor TFLOP/s
+    memoryBandwidthGBps: float | None = None   # its memory bandwidth, GB/s
 
     @model_validator(mode="before")
     @classmethod
     def _some(cls, raw: Any) -> Any:
         if not isinstance(raw, dict) or not raw:
-            raise problem("must be a mapping with usdPerHour and/or stepSeconds, e.g. "
-                          f"{{usdPerHour: 2.1, stepSeconds: 0.5}} (got {fmt(raw)})")
+            raise problem("must be a mapping with usdPerHour, stepSeconds, memoryGB, bf16TFLOPS and/or "
+                          f"memoryBandwidthGBps, e.g. {{usdPerHour: 2.1, stepSeconds: 0.5}} (got {fmt(raw)})")
         return raw
 
-    @field_validator("usdPerHour", "stepSeconds", mode="before")
+    @field_validator("usdPerHour", "stepSeconds", "memoryGB", "bf16TFLOPS", "memoryBandwidthGBps", mode="before")
     @classmethod
     def _positive(cls, v: Any) -> Any:
         return positive_number(v)
@@ -187,7 +192,7 @@ class TrainingJob(Strict):
                                    json_schema_extra={"like": "{numGenerations: 8, maxSteps: 100}"})
     runtime: Literal[RUNTIMES] = "grpo-lora"
     maxCostUSD: float | None = None
-    gpu: Literal[tuple(GPUS)] | None = None
+    gpu: str | None = None            # SkyPilot's name (runner.gpus), or any card spec.pricing describes
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
     resources: Resources | None = None  # processes per node (default 1)
@@ -221,6 +226,14 @@ class TrainingJob(Strict):
         if not has_config:
             raise problem(f"{folder} has no config.json (got {model!r}): point at the folder `save_pretrained` wrote")
         return str(folder)
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str | None) -> str | None:
+        guess = None if v is None or canonical_name(v) else spelled_like(v)
+        if guess:
+            raise problem(f"unknown GPU (got {fmt(v)}): did you mean {guess}? Names are SkyPilot's, as written")
+        return v
 
     @field_validator("runtime", mode="before")
     @classmethod
@@ -288,6 +301,12 @@ class TrainingJob(Strict):
         if params.evalSteps is not None and params.evalSteps >= params.maxSteps:
             found.append((("parameters", "evalSteps"), f"must be < maxSteps ({params.maxSteps}) to evaluate while "
                           "training; the final evaluation runs after the last step anyway"))
+        if self.gpu is not None and canonical_name(self.gpu) is None and (
+                self.pricing is None or self.pricing.usdPerHour is None or self.pricing.memoryGB is None):
+            guess = suggestion(self.gpu)
+            found.append((("gpu",), f"unknown GPU (got {fmt(self.gpu)}){f': did you mean {guess}?' if guess else ''} "
+                          f"Use one of {', '.join(GPUS)} (SkyPilot's names), or describe your card with "
+                          "spec.pricing: {usdPerHour: 1.2, memoryGB: 32}"))
         if params.method == "QLoRA" and not found:
             from grpo_run.trainer.model.policy import QLoRAUnavailable, check_qlora, pick_device
 
@@ -456,8 +475,9 @@ def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
     spec.pricing.usdPerHour, else spec.gpu's table rate, per GPU."""
     if job.pricing is not None and job.pricing.usdPerHour is not None:
         return job.pricing.usdPerHour * gpus
-    if job.gpu is not None:
+    if job.gpu is not None and canonical_name(job.gpu) is not None:
         from grpo_run.runner.gpus import lookup_gpu
 
-        return lookup_gpu(job.gpu).usd_per_hour * gpus
+        rate = lookup_gpu(job.gpu).usd_per_hour
+        return None if rate is None else rate * gpus
     return None

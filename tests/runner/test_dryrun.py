@@ -28,6 +28,29 @@ SPEC_RUN = {"numGenerations": 8, "maxCompletionLength": 1024, "maxSteps": 1000}
 NOW = datetime(2025, 6, 1, 12, 30, 15, 999, tzinfo=timezone.utc)
 
 
+# Qwen/Qwen3-0.6B's config.json: the model of SPEC's reference job (SPEC §2, §3).
+QWEN3_0_6B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen3"}
+# SPEC §2's example job: the reference job of SPEC §3's step times (runner/estimate/steptime.py).
+REFERENCE = {"numGenerations": 4, "beta": 0.0, "maxCompletionLength": 64, "lora": {"r": 8}, "method": "LoRA",
+             "saveSteps": 25, "maxSteps": 1000}
+
+
+@pytest.fixture
+def qwen3_0_6b(tmp_path) -> Path:
+    """A folder holding only Qwen3-0.6B's config.json."""
+    folder = tmp_path / "qwen3-0.6b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    return folder
+
+
+def reference_job(model: Path, gpu: str = "H100-SXM-80GB", **kw) -> TrainingJob:
+    params = {**REFERENCE, **kw.pop("parameters", {})}
+    return parse_job(manifest(model, gpu=gpu, parameters=params, environment={"name": "graph-coloring"}, **kw))
+
+
 @pytest.fixture
 def qwen3_8b(tmp_path) -> Path:
     """A folder holding only Qwen3-8B's config.json: no weights, no tokenizer."""
@@ -39,7 +62,8 @@ def qwen3_8b(tmp_path) -> Path:
 
 def manifest(model, *, gpu="H100-SXM-80GB", name="qwen3-8b-grpo", **spec) -> dict:
     params = spec.pop("parameters", {})
-    body = {"model": str(model), "environment": {"name": "arithmetic"}, "parameters": params, **spec}
+    body = {"model": str(model), "environment": spec.pop("environment", {"name": "arithmetic"}),
+            "parameters": params, **spec}
     if gpu is not None:
         body["gpu"] = gpu
     return {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name}, "spec": body}
@@ -93,17 +117,20 @@ def test_dry_run_json_reproduces_spec_memory_from_a_folder_holding_only_config_j
     assert memory["fits"] is None
 
 
-def test_dry_run_prints_spec_s_lora_estimate_and_1000_h100_steps_cost_33_cents(capsys, tmp_path, qwen3_8b):
+def test_dry_run_prints_spec_s_lora_estimate_and_an_8b_step_time_from_the_model(capsys, tmp_path, qwen3_8b):
+    # Before the model of a step, this printed SPEC's reference 0.45 s -- the time of a 0.6B model's
+    # 4 x 64 tokens -- for an 8B model's 8 x 8 x 1,024 (issue 25).
     job_file = write_job(tmp_path, manifest("./qwen3-8b", parameters=SPEC_RUN))
 
     rc, out, err = apply(capsys, job_file, "json")
 
     assert rc == EXIT_OK, err
     est = json.loads(out)["status"]["estimate"]
-    assert est["costToCompletionUSD"] == 0.33
-    assert (est["gpu"], est["steps"], est["stepSeconds"], est["usdPerHour"]) == ("H100-SXM-80GB", 1000, 0.45, 2.6)
-    assert est["stepSecondsSource"] == "reference"
-    assert est["firstHoldUSD"] == 0.01  # 25 steps before the first checkpoint: $0.008, held as a cent
+    assert (est["gpu"], est["steps"], est["usdPerHour"], est["stepSecondsSource"]) == ("H100", 1000, 2.6, "model")
+    assert est["stepSeconds"] > 20 * 0.45
+    assert est["costToCompletionUSD"] == pytest.approx(est["trainingUSD"] + est["evalUSD"], abs=0.011)
+    assert est["tokens"] == {"prompt": 1.0, "promptIs": "expected (mean of the tasks)", "completion": 1024,
+                             "completionIs": "maximum (maxCompletionLength)"}   # "3+5=": 4 characters
     assert format_count(est["memory"]["trainableParameters"]) == "21.8M"
     assert est["memory"] == {"parameters": 8_190_735_360, "trainableParameters": 21_823_488,
                              "weightsGB": 16.4, "trainableStateGB": 0.35, "referenceGB": 0.0,
@@ -116,15 +143,27 @@ def test_dry_run_prints_spec_s_lora_estimate_and_1000_h100_steps_cost_33_cents(c
     assert start.tzinfo is not None and abs((datetime.now(timezone.utc) - start).total_seconds()) < 60
 
 
+def test_the_reference_job_costs_33_cents_per_1000_h100_steps_with_its_first_hold_a_cent(capsys, tmp_path, qwen3_0_6b):
+    job_file = write_job(tmp_path, manifest("./qwen3-0.6b", parameters=REFERENCE, environment={"name": "graph-coloring"}))
+
+    rc, out, err = apply(capsys, job_file, "json")
+
+    assert rc == EXIT_OK, err
+    est = json.loads(out)["status"]["estimate"]
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (0.45, "model", 0.33)
+    assert est["firstHoldUSD"] == 0.01  # the baseline (100 tasks) and 25 steps: $0.009, held as a cent
+    assert (est["evaluations"], est["evalTasks"]) == (2, 100)   # baseline and final, graph-coloring's 100
+
+
 def test_a_full_8b_fine_tune_on_an_rtx_4090_is_refused_with_the_numbers(capsys, tmp_path, qwen3_8b):
     job_file = write_job(tmp_path, manifest("./qwen3-8b", gpu="RTX-4090", parameters={"method": "Full"}))
 
     rc, out, err = apply(capsys, job_file, "json")
 
     assert rc == EXIT_USAGE                       # what apply answers: refused, nothing started
-    assert "RTX-4090 cannot hold this run: it needs about 134.2 GB (131.2 GB of weights" in err
+    assert "RTX4090 cannot hold this run: it needs about 134.2 GB (131.2 GB of weights" in err
     assert "21.6 GB usable" in err
-    assert "method: LoRA or QLoRA" in err and "no single GPU in the table fits it" in err
+    assert "method: LoRA or QLoRA" in err and "choose a bigger GPU: B200 fits as is" in err
     assert "Nothing was started" in err
     # the dry run still prints the whole job with its estimate, so -o json gives a user the numbers
     doc = json.loads(out)
@@ -143,7 +182,8 @@ def test_the_tiny_demo_model_is_estimated_offline_in_yaml(capsys, tmp_path):
     est = yaml.safe_load(out)["status"]["estimate"]
     assert est["memory"]["fits"] is True and est["memory"]["parameters"] > 0
     assert est["memory"]["kvCacheBytesPerToken"] == 2 * 2 * 2 * 16 * 2  # K,V x 2 layers x 2 heads x 16 x 2 B
-    assert est["costToCompletionUSD"] == 0.02  # 200 steps x 1.2 s x $0.29/h
+    assert est["stepSecondsSource"] == "model" and est["stepSeconds"] < 0.1   # 2 layers x 64 hidden
+    assert est["costToCompletionUSD"] <= 0.01
 
 
 def test_a_hub_id_that_is_not_in_the_cache_is_refused_with_how_to_pass_a_folder(capsys, tmp_path):
@@ -204,10 +244,14 @@ def test_the_estimate_has_the_status_estimate_fields_and_starts_now(qwen3_8b):
     assert est["startTime"] == "2025-06-01T12:30:15Z"
 
 
-@pytest.mark.parametrize(("gpu", "usd"), [("H100-SXM-80GB", 0.33), ("A100-80GB", 0.21), ("L40S", 0.22),
-                                          ("RTX-4090", 0.10), ("RTX-A6000", 0.12)])
-def test_1000_steps_cost_spec_s_figure_on_every_gpu(qwen3_8b, gpu, usd):
-    assert estimate(make_job(qwen3_8b, gpu=gpu, parameters={"maxSteps": 1000}))["costToCompletionUSD"] == usd
+@pytest.mark.parametrize(("gpu", "seconds", "usd"), [
+    ("H100-SXM-80GB", 0.45, 0.33), ("A100-80GB", 0.7, 0.21), ("L40S", 1.0, 0.22), ("RTX-4090", 1.2, 0.10),
+    ("RTX-A6000", 1.3, 0.12), ("H100", 0.45, 0.33), ("RTX4090", 1.2, 0.10), ("A6000", 1.3, 0.12)])
+def test_the_reference_job_takes_spec_s_step_time_and_1000_steps_cost_spec_s_figure(qwen3_0_6b, gpu, seconds, usd):
+    est = estimate(reference_job(qwen3_0_6b, gpu))
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (seconds, "model", usd)
+    # and the evaluations (100 tasks, twice) come on top, in the cost to completion
+    assert est["evalSeconds"] > 0 and est["costToCompletionUSD"] >= usd
 
 
 def test_the_users_rate_and_step_time_override_the_table(qwen3_8b):
@@ -218,28 +262,51 @@ def test_the_users_rate_and_step_time_override_the_table(qwen3_8b):
     assert "spec.pricing.stepSeconds" in est["note"]
 
 
-def test_a_rate_alone_keeps_the_reference_step_time(qwen3_8b):
-    est = estimate(make_job(qwen3_8b, parameters={"maxSteps": 1000}, pricing={"usdPerHour": 5.2}))
-    assert (est["stepSeconds"], est["stepSecondsSource"], est["costToCompletionUSD"]) == (0.45, "reference", 0.65)
+def test_a_rate_alone_keeps_the_modelled_step_time(qwen3_0_6b):
+    est = estimate(reference_job(qwen3_0_6b, pricing={"usdPerHour": 5.2}))
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (0.45, "model", 0.65)
+    assert est["rate"] == {"kind": "unstated", "source": "spec.pricing.usdPerHour"}
 
 
-def test_measured_step_times_replace_the_reference_once_a_run_finished(qwen3_8b):
-    job = make_job(qwen3_8b, gpu="RTX-4090", parameters={"maxSteps": 1000})
-    assert estimate(job)["stepSecondsSource"] == "reference"
+def test_measured_step_times_replace_the_model_for_that_gpu_model_and_length(qwen3_0_6b):
+    job = reference_job(qwen3_0_6b, "RTX-4090")
+    assert estimate(job)["stepSecondsSource"] == "model"
 
-    record_measured_step_seconds("RTX-4090", 2.4, "earlier-run")
+    record_measured_step_seconds("RTX-4090", 2.4, "earlier-run", model=job.model, completion_length=64)
 
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"]) == (2.4, "measured")
-    assert est["costToCompletionUSD"] == 0.19  # twice the reference 1.2 s
-    assert "median of your last finished runs on RTX-4090" in est["note"]
-    assert estimate(make_job(qwen3_8b, gpu="L40S"))["stepSecondsSource"] == "reference"  # per GPU type
+    assert est["trainingUSD"] == 0.19  # twice the modelled 1.2 s
+    assert "median of your last finished runs of this model on RTX4090 with completions of up to 64 tokens" in est["note"]
+    assert estimate(reference_job(qwen3_0_6b, "RTX4090"))["stepSecondsSource"] == "measured"   # the alias's card
+    assert estimate(reference_job(qwen3_0_6b, "L40S"))["stepSecondsSource"] == "model"         # per GPU
+    longer = reference_job(qwen3_0_6b, "RTX-4090", parameters={"maxCompletionLength": 512})
+    assert estimate(longer)["stepSecondsSource"] == "model"                                    # per length bucket
+    assert estimate(make_job(qwen3_0_6b, gpu="RTX-4090"))["stepSecondsSource"] == "measured"   # 64: the same bucket
 
 
-def test_an_explicit_step_time_wins_over_a_measured_one(qwen3_8b):
-    record_measured_step_seconds("L40S", 3.0, "earlier-run")
-    est = estimate(make_job(qwen3_8b, gpu="L40S", pricing={"stepSeconds": 0.5}))
+def test_a_measured_step_time_is_kept_per_model(qwen3_0_6b, qwen3_8b):
+    record_measured_step_seconds("L40S", 9.0, "run-8b", model=str(qwen3_8b), completion_length=64)
+    assert estimate(reference_job(qwen3_0_6b, "L40S"))["stepSecondsSource"] == "model"
+    assert measured_step_seconds("L40S", str(qwen3_8b), 50) == 9.0        # 50 tokens: the bucket of 64
+
+
+def test_an_explicit_step_time_wins_over_a_measured_one(qwen3_0_6b):
+    record_measured_step_seconds("L40S", 3.0, "earlier-run", model=str(qwen3_0_6b), completion_length=64)
+    est = estimate(reference_job(qwen3_0_6b, "L40S", pricing={"stepSeconds": 0.5}))
     assert (est["stepSeconds"], est["stepSecondsSource"]) == (0.5, "override")
+
+
+def test_a_version_1_measurements_file_is_read_and_kept_but_never_used_for_a_model(qwen3_0_6b):
+    measured_steps_path().parent.mkdir(parents=True, exist_ok=True)
+    measured_steps_path().write_text(json.dumps({"version": 1, "gpus": {"H100-SXM-80GB": [
+        {"job": "old", "stepSeconds": 0.6, "finishedAt": "2025-01-01T00:00:00Z"}]}}))
+    assert measured_step_seconds("H100") == 0.6                    # under today's name, with no model
+    assert estimate(reference_job(qwen3_0_6b))["stepSecondsSource"] == "model"
+    record_measured_step_seconds("H100", 0.5, "new", model=str(qwen3_0_6b), completion_length=64)
+    stored = json.loads(measured_steps_path().read_text())
+    assert stored["version"] == 2 and [r["job"] for r in stored["gpus"]["H100"]] == ["old", "new"]
+    assert estimate(reference_job(qwen3_0_6b))["stepSeconds"] == 0.5
 
 
 def test_the_measured_step_time_is_the_median_of_the_last_20_runs():
@@ -259,18 +326,18 @@ def test_the_measured_step_time_is_the_median_of_the_last_20_runs():
 
 
 def test_nonsense_measurements_are_refused():
-    with pytest.raises(ValueError, match="unknown GPU 'H100'"):
-        record_measured_step_seconds("H100", 1.0, "j")
+    with pytest.raises(ValueError, match="must be a GPU's name"):
+        record_measured_step_seconds("", 1.0, "j")
     for bad in (0.0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="must be a number > 0"):
             record_measured_step_seconds("L40S", bad, "j")
     assert not measured_steps_path().exists()
 
 
-def test_a_damaged_measurements_file_falls_back_to_the_reference_and_is_rewritten(qwen3_8b):
+def test_a_damaged_measurements_file_falls_back_to_the_model_and_is_rewritten(qwen3_8b):
     measured_steps_path().parent.mkdir(parents=True, exist_ok=True)
     measured_steps_path().write_text("{not json")
-    assert estimate(make_job(qwen3_8b))["stepSecondsSource"] == "reference"
+    assert estimate(make_job(qwen3_8b))["stepSecondsSource"] == "model"
     record_measured_step_seconds("H100-SXM-80GB", 0.6, "next-run")
     assert measured_step_seconds("H100-SXM-80GB") == 0.6
     assert [p.name for p in measured_steps_path().parent.iterdir() if p.name.endswith(".tmp")] == []
@@ -284,10 +351,10 @@ def test_without_a_gpu_memory_is_estimated_and_cost_is_left_open_with_a_note(qwe
     assert check_fits(est) is None
 
 
-def test_a_budget_below_the_cost_caps_the_first_hold_and_says_where_the_run_stops(qwen3_8b):
-    job = make_job(qwen3_8b, parameters={"maxSteps": 100_000, "saveSteps": 8000}, maxCostUSD=1.0)
+def test_a_budget_below_the_cost_caps_the_first_hold_and_says_where_the_run_stops(qwen3_0_6b):
+    job = reference_job(qwen3_0_6b, parameters={"maxSteps": 100_000, "saveSteps": 8000}, maxCostUSD=1.0)
     est = estimate(job)
-    assert est["costToCompletionUSD"] == 32.5 and est["firstHoldUSD"] == 1.0
+    assert est["trainingUSD"] == 32.5 and est["firstHoldUSD"] == 1.0
     assert "maxCostUSD 1 is reached after about 3076 of 100000 steps" in est["note"]
 
 
@@ -302,10 +369,10 @@ def test_a_step_whose_kv_cache_does_not_fit_is_refused_naming_cards_that_fit(qwe
     # 8 prompts x 8 completions x 4,096 tokens, all sampled at once: 38.7 GB of KV cache.
     run = {**SPEC_RUN, "maxCompletionLength": 4096}
     refusal = check_fits(estimate(make_job(qwen3_8b, method="QLoRA", gpu="RTX-4090", parameters=run)))
-    assert refusal.startswith("RTX-4090 cannot hold this run: it needs about 43.2 GB (4.5 GB of weights")
+    assert refusal.startswith("RTX4090 cannot hold this run: it needs about 43.2 GB (4.5 GB of weights")
     assert "the larger of 38.7 GB of KV cache while sampling and 9.4 GB for the update of a micro-batch of 2" in refusal
     assert "lower promptsPerStep, numGenerations or maxCompletionLength" in refusal
-    assert "H100-SXM-80GB, A100-80GB, L40S or RTX-A6000 fit as is" in refusal   # 43.2 GB usable on 48 GB
+    assert "H100, H200, B200, A100-80GB, L40S or A6000 fit as is" in refusal   # 43.2 GB usable on 48 GB
     assert "method: QLoRA" not in refusal  # it already is
 
 
@@ -377,5 +444,5 @@ def test_pricing_problems_are_reported_with_the_others(qwen3_8b):
 
 
 def test_an_empty_pricing_block_is_a_problem(qwen3_8b):
-    with pytest.raises(JobError, match="spec.pricing: must be a mapping with usdPerHour and/or stepSeconds"):
+    with pytest.raises(JobError, match="spec.pricing: must be a mapping with usdPerHour, stepSeconds, memoryGB"):
         parse_job(manifest(qwen3_8b, pricing={}))

@@ -1,10 +1,12 @@
-"""The cost estimate reproduces SPEC §3's worked examples."""
+"""The GPU table and the cost arithmetic: SPEC §3's worked examples, SkyPilot's names, rates
+with their sources."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_run.runner.gpus import CostEstimate, cost_estimate, lookup_gpu
+from grpo_run.runner.deploy import SKYPILOT_GPUS
+from grpo_run.runner.gpus import GPUS, CostEstimate, cost_estimate, custom_gpu, lookup_gpu, suggestion
 
 
 # --- cost --------------------------------------------------------------------------------------
@@ -28,7 +30,7 @@ def test_1000_steps_cost_what_spec_says_to_the_cent(gpu, usd):
 
 def test_the_h100_runs_at_spec_s_reference_step_time_and_rate():
     h100 = lookup_gpu("H100-SXM-80GB")
-    assert (h100.step_seconds, h100.usd_per_hour) == (0.45, 2.60)
+    assert (h100.name, h100.reference_step_seconds, h100.usd_per_hour) == ("H100", 0.45, 2.60)
 
 
 def test_the_fastest_gpu_is_not_the_cheapest_per_step():
@@ -70,21 +72,81 @@ def test_the_first_hold_never_exceeds_the_budget_or_the_whole_run():
     assert short.first_hold_usd == short.cost_to_completion_usd == 2.60
 
 
-def test_cost_to_dict_uses_the_status_estimate_keys():
+def test_cost_to_dict_uses_the_status_estimate_keys_and_skypilot_s_name():
     assert cost_estimate(gpu="RTX-4090", steps=1000).to_dict() == {
-        "gpu": "RTX-4090",
+        "gpu": "RTX4090",
         "steps": 1000,
         "stepSeconds": 1.2,
         "stepSecondsSource": "reference",
         "usdPerHour": 0.29,
         "costToCompletionUSD": 0.10,
         "firstHoldUSD": 0.01,
+        "evalSeconds": 0.0,
+        "trainingUSD": 0.10,
+        "evalUSD": 0.0,
     }
 
 
-def test_an_unknown_gpu_is_refused_naming_the_allowed_ones():
-    with pytest.raises(ValueError, match="H100-SXM-80GB, A100-80GB, L40S, RTX-4090, RTX-A6000"):
-        cost_estimate(gpu="H100", steps=10)
+def test_an_unknown_gpu_is_refused_with_a_did_you_mean_and_the_allowed_names():
+    with pytest.raises(ValueError, match="unknown GPU 'H100-PCIe': did you mean H100\\? Use one of H100, H200, B200, "
+                                         "A100-80GB, A100, L40S, L4, A10G, T4, RTX4090, A6000"):
+        cost_estimate(gpu="H100-PCIe", steps=10)
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def test_the_table_has_skypilot_s_names_and_the_earlier_ones_as_aliases():
+    assert {"H100", "H200", "B200", "A100-80GB", "A100", "L40S", "L4", "A10G", "T4", "RTX4090", "A6000"} <= set(GPUS)
+    for old, new in (("H100-SXM-80GB", "H100"), ("RTX-4090", "RTX4090"), ("RTX-A6000", "A6000"),
+                     ("A100-80GB", "A100-80GB"), ("L40S", "L40S")):
+        assert lookup_gpu(old) is GPUS[new]
+
+
+@pytest.mark.parametrize(("written", "meant"), [("h100", "H100"), ("rtx 4090", "RTX4090"), ("a10g", "A10G"),
+                                                ("H10", "H100"), ("A100-80G", "A100-80GB"), ("rtx-a6000", "A6000")])
+def test_a_near_miss_gets_a_did_you_mean(written, meant):
+    assert suggestion(written) == meant
+    with pytest.raises(ValueError, match=f"did you mean {meant}\\?"):
+        lookup_gpu(written)
+
+
+def test_every_card_has_datasheet_figures_and_a_rate_with_its_source_and_kind():
+    for gpu in GPUS.values():
+        assert gpu.memory_gb >= 16 and gpu.bf16_flops > 1e12 and gpu.memory_bandwidth > 1e11
+        assert gpu.usd_per_hour is not None and gpu.usd_per_hour > 0
+        assert gpu.rate_kind in ("on-demand", "spot", "unstated") and gpu.rate_source
+        # a rate is SPEC's (which does not say on-demand or spot), or a dated catalog's on-demand price
+        assert (gpu.rate_source == "SPEC §3" and gpu.rate_kind == "unstated") or \
+            ("on-demand" in gpu.rate_source and "2026-12-02" in gpu.rate_source and gpu.rate_kind == "on-demand")
+    assert [g.name for g in GPUS.values() if g.reference_step_seconds] == ["H100", "A100-80GB", "L40S", "RTX4090", "A6000"]
+
+
+def test_skypilot_accelerators_come_from_the_table_for_every_accepted_name():
+    assert SKYPILOT_GPUS["H100-SXM-80GB"] == SKYPILOT_GPUS["H100"] == "H100:1"
+    assert SKYPILOT_GPUS["RTX-A6000"] == "A6000:1" and SKYPILOT_GPUS["L4"] == "L4:1"
+    assert {v.split(":")[0] for v in SKYPILOT_GPUS.values()} == set(GPUS)
+
+
+def test_a_card_outside_the_table_is_what_spec_pricing_says_or_the_slowest_listed_card():
+    card = custom_gpu("RTX5090", usd_per_hour=0.9, memory_gb=32, bf16_tflops=209.5, memory_bandwidth_gbps=1792)
+    assert (card.name, card.memory_gb, card.bf16_flops, card.memory_bandwidth, card.listed) == \
+        ("RTX5090", 32, 209.5e12, 1792e9, False)
+    bare = custom_gpu("X1", usd_per_hour=1.0, memory_gb=24)
+    assert bare.bf16_flops == min(g.bf16_flops for g in GPUS.values())
+    assert bare.memory_bandwidth == min(g.memory_bandwidth for g in GPUS.values())
+    assert cost_estimate(gpu=card, steps=3600, model_step_seconds=1.0).cost_to_completion_usd == 0.9
+
+
+# --- evaluations --------------------------------------------------------------------------------
+
+
+def test_evaluations_are_paid_for_on_top_of_the_steps_and_the_baseline_is_in_the_first_hold():
+    plain = cost_estimate(gpu="H100", steps=1000, model_step_seconds=0.45)
+    evals = cost_estimate(gpu="H100", steps=1000, model_step_seconds=0.45, eval_seconds=3600, baseline_seconds=1800)
+    assert (plain.cost_to_completion_usd, evals.cost_to_completion_usd) == (0.33, 2.93)  # $0.325 + $2.60
+    assert (evals.training_usd, evals.eval_usd) == (0.33, 2.60)
+    assert evals.first_hold_usd == 1.31      # half an hour of baseline + 25 steps: $1.30 + $0.008, up
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,97 @@
+"""The dry run's answer first: a few lines a person reads before deciding to spend money.
+
+`grpo-run apply -f JOB --dry-run` prints this; `-o yaml|json` print the whole job with
+`status.estimate` instead (SPEC §3, §6). Every figure here is a field of that estimate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
+
+__all__ = ["duration", "summary"]
+
+_SOURCES = {
+    "override": "spec.pricing.stepSeconds",
+    "measured": "the median of your own finished runs of this model and completion length on this GPU",
+    "model": "the model of a step (the model's config, the card's datasheet figures, calibrated on SPEC §3's "
+             "reference job)",
+    "reference": "SPEC §3's reference time for this card",
+}
+
+
+def duration(seconds: float) -> str:
+    """`seconds` as a person says it: 40 s, 12 min, 3.2 h, 2.5 days."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def summary(name: str, est: dict[str, Any], *, job_file: str = "JOB.yaml", max_cost_usd: float | None = None) -> str:
+    """The estimate `est` of job `name` in a few lines: cost to completion with evaluations,
+    time, whether it fits and by how much, and where the step time came from."""
+    memory = est["memory"]
+    lines: list[str] = []
+    if est.get("gpu") is None:
+        lines.append(f"{name}: no spec.gpu, so no cost yet (set spec.gpu to a name such as H100, L4, A10G, or "
+                     "describe your card with spec.pricing: {usdPerHour: ..., memoryGB: ...})")
+        lines.append(f"  memory      needs about {memory['neededGB']:.1f} GB on the GPU")
+    else:
+        lines += _cost_lines(name, est, max_cost_usd)
+        lines.append("  memory      " + _fit_line(est))
+    lines.append(f"  everything: grpo-run apply -f {job_file} --dry-run -o yaml")
+    return "\n".join(lines)
+
+
+def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> list[str]:
+    gpu, gpus, steps = est["gpu"], est.get("gpus", 1), est["steps"]
+    rate = est.get("rate") or {}
+    on = f"{gpus} x {gpu}" if gpus > 1 else gpu
+    if gpus > 1:
+        on += " (one process each, a share of the prompts each)"
+    lines = [f"{name} on {on}: ${est['costToCompletionUSD']:.2f} to completion, about "
+             f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, rate from "
+             f"{rate.get('source') or 'the table'})"]
+    lines.append(f"  training    {steps:,} steps x {est['stepSeconds']:g} s = {duration(est['stepSeconds'] * steps)}, "
+                 f"${est['trainingUSD']:.2f}")
+    evals, tasks = est.get("evaluations"), est.get("evalTasks")
+    if tasks:
+        lines.append(f"  evaluating  {evals} x {tasks:,} held-out tasks (baseline, "
+                     + ("every evalSteps, " if evals > 2 else "") + f"final) = {duration(est['evalSeconds'])}, "
+                     f"${est['evalUSD']:.2f}")
+    else:
+        lines.append(f"  evaluating  {evals} evaluations, not counted (held-out tasks unknown here)")
+    tokens, model = est.get("tokens") or {}, est.get("stepModel") or {}
+    prompt = tokens.get("prompt")
+    shape = (f"{tokens.get('completion')} completion tokens at most, prompts ~{prompt:g} tokens" if prompt is not None
+             else f"{tokens.get('completion')} completion tokens at most, prompts not counted")
+    source = est["stepSecondsSource"]
+    lines.append(f"  step time   from {_SOURCES.get(source, source)}"
+                 + (f"; modelled {model['seconds']:g} s, {model['samplingShare']:.0%} of it sampling" if model else "")
+                 + f"; {shape}")
+    if model and model.get("cardFigures", "").startswith("stand-in"):
+        lines.append(f"  card        {gpu} is not in the table: {model['cardFigures']}; an upper bound")
+    if max_cost_usd is not None:
+        enough = est["costToCompletionUSD"] <= max_cost_usd
+        lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: "
+                     + ("covers it" if enough else "the run stops there, before completion"))
+    return lines
+
+
+def _fit_line(est: dict[str, Any]) -> str:
+    memory = est["memory"]
+    card_gb = est.get("gpuMemoryGB")
+    need = memory["neededGB"]
+    if card_gb is None or memory.get("fits") is None:
+        return f"needs about {need:.1f} GB"
+    usable = card_gb * USABLE_MEMORY_FRACTION
+    if memory["fits"]:
+        return (f"fits: needs about {need:.1f} GB of {usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of "
+                f"{card_gb:g} GB), {usable - need:.1f} GB to spare")
+    return (f"does NOT fit: needs about {need:.1f} GB, {usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of "
+            f"{card_gb:g} GB): {need - usable:.1f} GB short (what would fit is below)")

@@ -1,0 +1,235 @@
+"""The estimate of whole jobs (issue 25): the step time follows the model, the group and the
+completion length; evaluations are paid for; every common spot GPU, and any card spec.pricing
+describes, gets an estimate; the dry run answers in a few lines first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.estimate.estimate import estimate
+from grpo_run.runner.estimate.workload import evaluations, workload
+from grpo_run.runner.spec.job import JobError, parse_job
+
+# Published config.json values (huggingface.co/Qwen/Qwen3-8B, huggingface.co/Qwen/Qwen2.5-0.5B).
+QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+            "tie_word_embeddings": False}
+QWEN2_5_0_5B = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+                "tie_word_embeddings": True}
+QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
+              "tie_word_embeddings": True}
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?\n"
+            "Please reason step by step, and put your final answer within \\boxed{}.")
+GSM8K_LIKE = {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 512, "maxSteps": 500}
+
+
+def model_folder(tmp_path: Path, name: str, config: dict) -> Path:
+    folder = tmp_path / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def doc(model: Path | str, *, gpu: str | None = "L40S", parameters: dict | None = None, environment=None, **spec) -> dict:
+    body = {"model": str(model), "environment": environment or {"name": "graph-coloring"},
+            "parameters": parameters or {}, **spec}
+    if gpu is not None:
+        body["gpu"] = gpu
+    return {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "est"}, "spec": body}
+
+
+@pytest.fixture
+def gsm8k_like(tmp_path):
+    """Your own environment of GSM8K-shaped tasks: 64 to train on, 100 held out."""
+    (tmp_path / "rewards.py").write_text("def score(completion, task):\n    return 0.0\n")
+    for name, count in (("train.jsonl", 64), ("eval.jsonl", 100)):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": QUESTION, "answer": "72"}) + "\n"
+                                             for _ in range(count)))
+    env = {"name": "words", "reward": str(tmp_path / "rewards.py") + ":score",
+           "tasks": str(tmp_path / "train.jsonl"), "evalTasks": str(tmp_path / "eval.jsonl")}
+
+    def job(model: Path, gpu: str = "L40S", spec: dict | None = None, **params):
+        return parse_job(doc(model, gpu=gpu, parameters={**GSM8K_LIKE, **params}, environment=env, **(spec or {})))
+
+    return job
+
+
+# --- the step time follows the job ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu", ["L40S", "L4", "H100", "A10G", "RTX4090"])
+def test_qwen3_8b_steps_at_least_5x_longer_than_qwen2_5_0_5b_on_the_same_card(tmp_path, gsm8k_like, gpu):
+    big = estimate(gsm8k_like(model_folder(tmp_path, "qwen3-8b", QWEN3_8B), gpu))
+    small = estimate(gsm8k_like(model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B), gpu))
+    assert big["stepSecondsSource"] == small["stepSecondsSource"] == "model"
+    assert big["stepSeconds"] >= 5 * small["stepSeconds"], (big["stepSeconds"], small["stepSeconds"])
+
+
+@pytest.mark.parametrize("gpu", ["L40S", "H100", "T4"])
+def test_1024_token_completions_cost_at_least_3x_128_token_ones(tmp_path, gsm8k_like, gpu):
+    model = model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B)
+    long = estimate(gsm8k_like(model, gpu, maxCompletionLength=1024))
+    short = estimate(gsm8k_like(model, gpu, maxCompletionLength=128))
+    assert long["costToCompletionUSD"] >= 3 * short["costToCompletionUSD"] > 0
+
+
+def test_the_group_and_the_prompts_per_step_scale_the_step(tmp_path, gsm8k_like):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    base = estimate(gsm8k_like(model, "H100"))["stepSeconds"]
+    assert estimate(gsm8k_like(model, "H100", numGenerations=16))["stepSeconds"] > base
+    assert estimate(gsm8k_like(model, "H100", promptsPerStep=2))["stepSeconds"] < base
+
+
+def test_the_prompt_length_is_the_tasks_mean_and_the_completion_length_the_maximum(tmp_path, gsm8k_like):
+    est = estimate(gsm8k_like(model_folder(tmp_path, "qwen3-8b", QWEN3_8B)))
+    assert est["tokens"]["prompt"] == round(len(QUESTION) / 4, 1)
+    assert est["tokens"]["promptIs"].startswith("expected") and est["tokens"]["completionIs"].startswith("maximum")
+    reference = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)))
+    assert workload(reference).prompt_tokens == 6.1        # the reference job's, as steptime.py calibrates with
+
+
+# --- evaluations ------------------------------------------------------------------------------------
+
+
+def test_a_job_with_eval_steps_costs_more_than_the_same_job_without(tmp_path, gsm8k_like):
+    model = model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B)
+    plain, often = estimate(gsm8k_like(model)), estimate(gsm8k_like(model, evalSteps=50))
+    assert (plain["evaluations"], often["evaluations"]) == (2, 11)     # baseline, after 50, 100, ... 450, final
+    assert plain["evalTasks"] == often["evalTasks"] == 100
+    assert often["evalSeconds"] == pytest.approx(11 / 2 * plain["evalSeconds"], rel=0.01)
+    assert often["costToCompletionUSD"] > plain["costToCompletionUSD"]
+    assert often["trainingUSD"] == plain["trainingUSD"]
+
+
+def test_evaluations_are_counted_as_the_recipe_runs_them():
+    assert evaluations(200, None) == 2
+    assert evaluations(200, 50) == 5          # after steps 50, 100, 150 (not 200: the final one is then)
+    assert evaluations(201, 50) == 6
+
+
+def test_a_data_set_on_the_hub_leaves_its_prompts_uncounted_and_says_so(tmp_path):
+    job = parse_job(doc(model_folder(tmp_path, "qwen3-8b", QWEN3_8B), environment={"name": "gsm8k"}))
+    est = estimate(job)                                      # nothing is downloaded for an estimate
+    assert est["evalTasks"] == 1319 and est["tokens"]["prompt"] is None
+    assert "prompts not counted" in est["note"]
+
+
+# --- every common spot GPU, and any other card -------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu", ["L4", "H200", "A10G", "T4", "B200", "A100"])
+def test_the_cheap_spot_favourites_and_the_new_cards_get_an_estimate(tmp_path, gpu):
+    est = estimate(parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu)))
+    assert est["gpu"] == gpu and est["stepSecondsSource"] == "model"
+    assert est["costToCompletionUSD"] > 0 and est["stepSeconds"] > 0 and est["memory"]["fits"] is True
+    assert est["rate"]["kind"] == "on-demand" and "SkyPilot catalog" in est["rate"]["source"]
+
+
+def test_a_card_outside_the_table_gets_an_estimate_from_spec_pricing(tmp_path):
+    model = model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    bare = estimate(parse_job(doc(model, gpu="RTX5090", pricing={"usdPerHour": 0.9, "memoryGB": 32})))
+    assert (bare["gpu"], bare["usdPerHour"], bare["gpuMemoryGB"], bare["memory"]["fits"]) == ("RTX5090", 0.9, 32, True)
+    assert bare["costToCompletionUSD"] > 0 and bare["stepModel"]["cardFigures"].startswith("stand-in")
+    assert "the slowest listed card's figures stand in" in bare["note"]
+    described = estimate(parse_job(doc(model, gpu="RTX5090", pricing={
+        "usdPerHour": 0.9, "memoryGB": 32, "bf16TFLOPS": 209.5, "memoryBandwidthGBps": 1792})))
+    assert described["stepSeconds"] < bare["stepSeconds"] and described["stepModel"]["cardFigures"] == "spec.pricing"
+
+
+def test_a_card_outside_the_table_without_its_rate_and_memory_is_refused_saying_how(tmp_path):
+    with pytest.raises(JobError) as e:
+        parse_job(doc("tiny:char", gpu="RTX5090", pricing={"usdPerHour": 0.9}))
+    assert e.value.problems == [
+        "spec.gpu: unknown GPU (got 'RTX5090'): did you mean RTX4090? Use one of H100, H200, B200, A100-80GB, A100, "
+        "L40S, L4, A10G, T4, RTX4090, A6000 (SkyPilot's names), or describe your card with spec.pricing: "
+        "{usdPerHour: 1.2, memoryGB: 32}"]
+
+
+@pytest.mark.parametrize(("written", "meant"), [("h100", "H100"), ("rtx-4090", "RTX4090"), ("a10g", "A10G")])
+def test_a_gpu_name_in_the_wrong_case_is_refused_with_did_you_mean(written, meant):
+    with pytest.raises(JobError) as e:
+        parse_job(doc("tiny:char", gpu=written, pricing={"usdPerHour": 1.0, "memoryGB": 80}))   # even described
+    assert f"spec.gpu: unknown GPU (got '{written}'): did you mean {meant}?" in e.value.problems[0]
+
+
+def test_the_earlier_names_are_still_accepted_and_shown_as_written(tmp_path):
+    job = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu="H100-SXM-80GB"))
+    assert job.gpu == "H100-SXM-80GB" and job.to_dict()["spec"]["gpu"] == "H100-SXM-80GB"
+    assert estimate(job)["gpu"] == "H100"                    # estimates use SkyPilot's names (SPEC §6)
+
+
+def test_several_processes_each_take_a_share_of_the_prompts(tmp_path, gsm8k_like):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    one = estimate(gsm8k_like(model, "H100"))
+    four = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 4}}))
+    assert four["gpus"] == 4 and four["usdPerHour"] == pytest.approx(4 * one["usdPerHour"])
+    assert four["stepSeconds"] < one["stepSeconds"]
+
+
+# --- the dry run's answer first ----------------------------------------------------------------------
+
+
+def dry_run(capsys, tmp_path: Path, document: dict, *extra: str) -> tuple[int, str, str]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    capsys.readouterr()
+    rc = main(["apply", "-f", str(path), "--dry-run", *extra])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_few_lines(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=5,
+                   parameters={"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000})
+
+    rc, out, err = dry_run(capsys, tmp_path, document)
+
+    assert rc == EXIT_OK, err
+    lines = out.splitlines()
+    assert len(lines) <= 8
+    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from SPEC §3)")
+    assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
+    assert "2 x 100 held-out tasks (baseline, final)" in out
+    assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
+    assert "from the model of a step" in out and "64 completion tokens at most, prompts ~6.1 tokens" in out
+    assert "maxCostUSD $5: covers it" in out
+    assert "apiVersion" not in out                            # the document needs -o
+
+
+def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-8b", gpu="L4", parameters={"method": "Full"}))
+    assert rc == EXIT_USAGE
+    assert "does NOT fit: needs about 134.2 GB, 21.6 GB usable (90% of 24 GB): 112.6 GB short" in out
+    assert "L4 cannot hold this run" in err and "B200 fits as is" in err
+
+
+def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_fields(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="L4"), "-o", "json")
+    assert rc == EXIT_OK, err
+    est = json.loads(out)["status"]["estimate"]
+    assert {"costToCompletionUSD", "firstHoldUSD", "startTime", "stepSeconds", "gpu", "memory",
+            "stepSecondsSource", "evalSeconds", "evaluations", "trainingUSD", "evalUSD"} <= est.keys()
+    assert {"parameters", "trainableParameters", "weightsGB", "trainableStateGB", "referenceGB", "totalGB",
+            "kvCacheBytesPerToken", "kvCacheGB", "fits"} <= est["memory"].keys()
+
+
+def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_path, gsm8k_like):
+    from grpo_run.runner.cli.commands import _remember_step_time
+
+    job = gsm8k_like(model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B), "L4")
+    _remember_step_time(job, {"device": "cpu", "medianStepSeconds": 99.0})        # a CPU run teaches nothing
+    assert estimate(job)["stepSecondsSource"] == "model"
+    _remember_step_time(job, {"device": "cuda:0", "medianStepSeconds": 3.25})
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"]) == (3.25, "measured")
