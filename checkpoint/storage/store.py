@@ -224,10 +224,10 @@ class Store:
         self._bucket_confirmed = True
 
     def finish_by(self, deadline: float | None) -> None:
-        """From now on every call ends by `deadline` (a time.monotonic() value; None: no bound):
-        one not answered by then is abandoned to its thread with StorageUnavailable, and none is
-        started after it. For a notice window: what is not in storage when the node goes away
-        never will be, and the exit must not wait for it."""
+        """From now on every call ends by `deadline` (a time.monotonic() value; None: no bound),
+        the ones already in flight included: one not answered by then is abandoned to its thread
+        with StorageUnavailable, and none is started after it. For a notice window: what is not
+        in storage when the node goes away never will be, and the exit must not wait for it."""
         self._deadline = deadline
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
@@ -235,35 +235,37 @@ class Store:
         StorageUnavailable once transient errors outlast the budget, the stop event or the
         deadline (finish_by)."""
         what = f"{op} {key!r}"
-        deadline = self._deadline
-        if deadline is None:
+        if self._retry.stop is None:         # nothing can set a deadline that matters here
             return self._retry.call(what, fn)
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if self._deadline is not None and self._deadline <= time.monotonic():
             raise StorageUnavailable(f"storage {self.url}: {what} not tried: the notice window is over")
-        return _within(left, lambda: self._retry.call(what, fn, budget_s=left), f"storage {self.url}: {what}")
+        return self._within_deadline(lambda: self._retry.call(what, fn), f"storage {self.url}: {what}")
+
+    def _within_deadline(self, fn: Callable[[], T], what: str) -> T:
+        """fn() in a daemon thread, waited for until it ends or the deadline passes (a deadline
+        set while it runs counts: a notice can come mid-call); then StorageUnavailable, the
+        thread left to finish or to die with the process."""
+        done: list[tuple[bool, Any]] = []
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                done.append((True, fn()))
+            except BaseException as e:      # handed to the caller's thread
+                done.append((False, e))
+            finished.set()
+
+        threading.Thread(target=run, name="storage-call", daemon=True).start()
+        while not finished.wait(_DEADLINE_POLL_S):
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise StorageUnavailable(f"{what}: no answer by the end of the notice window; given up")
+        ok, value = done[0]
+        if ok:
+            return value
+        raise value
 
 
-def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
-    """fn() in a daemon thread, given `seconds`: its result or exception, or StorageUnavailable
-    when it is still running then (the thread is left to finish or to die with the process)."""
-    done: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        try:
-            done.append((True, fn()))
-        except BaseException as e:      # handed to the caller's thread
-            done.append((False, e))
-
-    thread = threading.Thread(target=run, name="storage-call", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not done:
-        raise StorageUnavailable(f"{what}: no answer within the {seconds:.1f} s left of the notice window; given up")
-    ok, value = done[0]
-    if ok:
-        return value
-    raise value
+_DEADLINE_POLL_S = 0.1       # how soon a call in flight notices that the window ended
 
 
 _BOTOCORE_LOADER: Any = None

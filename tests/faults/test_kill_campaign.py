@@ -10,6 +10,8 @@ node could have had.
 
 The schedule comes from a seed, printed, so a failure can be replayed:
     GRPO_RUN_KILL_SEED=1234 GRPO_RUN_KILLS=60 .venv/bin/pytest tests/faults/test_kill_campaign.py
+The whole suite (CI) runs a seeded sample of 25 kills; scripts/reliability runs the full 50 for
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tests.faults.harness import children, cmdline, start_node, wait_until
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
-KILLS = int(os.environ.get("GRPO_RUN_KILLS", "50"))
+KILLS = int(os.environ.get("GRPO_RUN_KILLS", "25"))     # a seeded sample; the full campaign: 50
 SEED = int(os.environ.get("GRPO_RUN_KILL_SEED", "20261201"))
 STEPS, SAVE = 1400, 4
 TARGETS = ("trainer", "writer", "supervisor", "all")
@@ -82,7 +84,7 @@ def reference(tmp_path_factory):
     return exported_bytes(folder / "home", None, folder / "export")
 
 
-def test_fifty_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_newest_checkpoint(
+def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_newest_checkpoint(
         tmp_path, s3_env, reference, figures):
     rng = random.Random(SEED)
     print(f"\nkill campaign: seed {SEED}, {KILLS} kills (replay: GRPO_RUN_KILL_SEED={SEED} GRPO_RUN_KILLS={KILLS})")
