@@ -35,6 +35,7 @@ from .storage.fsio import atomic_write_bytes, fsync_dir
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+KEEP_CHECKPOINTS = 3     # sealed checkpoints kept, on the node and in storage: the one setting of it
 MANIFEST_FORMAT = "grpo-run/checkpoint/v1"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 # Names prune may remove: staging folders, download partials and deletions cut short.
@@ -266,7 +267,7 @@ def discover(root: Path) -> list[tuple[int, Path]]:
     return [(step, folder) for step, folder in _named(Path(root)) if _verifies(folder)]
 
 
-def prune(root: Path, keep: int = 3, *, trusted: Collection[int] = ()) -> list[int]:
+def prune(root: Path, keep: int = KEEP_CHECKPOINTS, *, trusted: Collection[int] = ()) -> list[int]:
     """Keep the newest `keep` verified checkpoints under `root`; remove the rest. Returns the
     steps kept, newest first.
 

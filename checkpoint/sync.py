@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .storage.fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
+    KEEP_CHECKPOINTS,
     MANIFEST_NAME,
     CheckpointInvalid,
     Manifest,
@@ -168,7 +169,7 @@ class Uploader:
     re-raised by the next `submit`: a run without durable checkpoints should stop, not train on.
     """
 
-    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = 3, *,
+    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
                  on_upload: Callable[[int, list[int], BaseException | None], None] | None = None) -> None:
         """`on_upload(step, durable steps newest first, error or None)` is called from the
         upload thread after each upload of a checkpoint ends, well or not."""

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .manifest import checkpoint_dir, finalize_checkpoint, prune, staging_dir
+from .manifest import KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, prune, staging_dir
 from .procs import die_with_parent, python_env
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class CheckpointWriter:
     sealed on the local disk; `{"failed": step, "error": str}` when it could not be written.
     Raises WriterDied when the process is gone unasked."""
 
-    def __init__(self, root: Path, *, keep: int = 3, meta: dict[str, Any] | None = None,
+    def __init__(self, root: Path, *, keep: int = KEEP_CHECKPOINTS, meta: dict[str, Any] | None = None,
                  log_file: Path | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)      # also the writer's working folder

@@ -15,6 +15,7 @@ line (nothing large is downloaded); that line adds the folder to sys.path withou
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -49,8 +50,16 @@ def test_every_package_folder_is_listed_for_the_wheel():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # From a copy of the tracked files: setuptools' build/ folder inside the checkout would keep
+    # modules deleted since the last build, and put them into the wheel.
+    source = tmp_path_factory.mktemp("source")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(REPO)], check=True, capture_output=True, text=True)
+                    "-w", str(out), str(source)], check=True, capture_output=True, text=True)
     (found,) = out.glob("grpo_run-*.whl")
     return found
 

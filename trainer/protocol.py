@@ -38,6 +38,7 @@ from typing import IO, Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import Environment
 
@@ -89,7 +90,7 @@ class Plan(BaseModel):
     env: Environment
     params: GRPOParams
     model_name: str | None = None         # the model as the user named it (saved adapters say this)
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
     # batches an earlier attempt finished, by kind: {batch: {reward name: a score per task}}
     eval_done: dict[str, dict[int, dict[str, list[float]]]] = Field(default_factory=dict)

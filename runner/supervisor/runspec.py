@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import Environment
 
@@ -21,7 +22,7 @@ class RunSpec:
     env: Environment
     params: GRPOParams
     storage: str                     # URL of this job's folder in object storage
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     model_name: str | None = None    # the model as the user named it (saved adapters say this)
     usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
     max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it

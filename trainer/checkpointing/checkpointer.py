@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, newest_sealed, staging_dir
+from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, newest_sealed, staging_dir
 from grpo_run.checkpoint.writer import CheckpointWriter, write_files
 from grpo_run.trainer.distributed import World, full_state
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
@@ -46,7 +46,7 @@ class CheckpointFailed(RuntimeError):
 class Checkpointer:
     """Owns the checkpoint writer process for one trainer and the local checkpoints folder."""
 
-    def __init__(self, root: Path, *, interval: int, keep: int = 3, meta: dict[str, Any] | None = None,
+    def __init__(self, root: Path, *, interval: int, keep: int = KEEP_CHECKPOINTS, meta: dict[str, Any] | None = None,
                  log_file: Path | None = None, world: World | None = None) -> None:
         self.root = Path(root)
         self.interval = interval
