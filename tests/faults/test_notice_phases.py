@@ -100,6 +100,8 @@ def test_a_notice_in_any_phase_from_any_source_preempts_inside_the_window_losing
         assert durable == st["step"] > 0 and finished_batches(node, "final") >= 2
     elif phase == "restore":
         assert durable == 4 and "while restoring" in st["message"]
+        # stopped between two of checkpoint 4's files: nothing of it is left on the node
+        assert not list((node / "runs" / "resumable" / "checkpoints").glob("*ckpt-00000004*"))
         # nothing lost: a third node finishes the run byte for byte as one never interrupted
         grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", storage)
         assert exported_bytes(tmp_path / "node-c", storage, tmp_path / "export") == uninterrupted
