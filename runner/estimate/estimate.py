@@ -261,8 +261,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
         "measured": f"step time: the median of your last finished runs of this model on {card.name} with completions "
                     f"of up to {bucket} tokens (up to {MEASURED_WINDOW}, from {measured_steps_path()})",
         "model": f"step time: the model of a step (runner/estimate/steptime.py) from the model's config and "
-                 f"{card.name}'s datasheet figures, calibrated on SPEC §3's reference job"
-                 + ("" if card.name in _REFERENCE_CARDS else f" (SPEC gives {card.name} no reference time: uncorrected)")
+                 f"{card.name}'s datasheet figures, calibrated on a reference job's measured step times (Qwen3-0.6B LoRA, G=4, 64-token completions)"
+                 + ("" if card.name in _REFERENCE_CARDS else f" (none measured on {card.name}: uncorrected)")
                  + f"; your own runs of this model on {card.name} replace it once they finish",
     }[cost.step_seconds_source])
     if not card.listed and not (pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps):
