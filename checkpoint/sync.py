@@ -41,7 +41,12 @@ log = logging.getLogger(__name__)
 
 class RestoreStopped(StorageUnavailable):
     """A restore was abandoned between two files because a preemption notice came: nothing more is
-    worth downloading on a node that is going away."""
+    worth downloading on a node that is going away. `step`: the checkpoint it was fetching, durable
+    in storage (its manifest was read), so still the one a resume continues from."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
@@ -133,7 +138,7 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
             for done, entry in enumerate(manifest.files):
                 if stop is not None and stop.is_set():
                     raise RestoreStopped(f"restoring {where} stopped by a notice after {done} of "
-                                         f"{len(manifest.files)} files")
+                                         f"{len(manifest.files)} files", step)
                 store.get_file(f"{prefix}/{name}/{entry.path}", partial / entry.path)
             atomic_write_bytes(partial / MANIFEST_NAME, raw)
             verify(partial)

@@ -1,8 +1,8 @@
-"""The trainer on several processes: `python -m trainer.launch N WORK/plan.json`.
+"""The trainer on several processes: `python -m grpo_run.trainer.launch N WORK/plan.json`.
 
-The supervisor starts this in place of `python -m trainer.child` when the job asks for more than
+The supervisor starts this in place of `python -m grpo_run.trainer.child` when the job asks for more than
 one process (spec.resources.processes). It runs accelerate's own launcher in this process
-(`accelerate launch --multi_gpu --num_processes N -m trainer.child plan.json`; torchrun's
+(`accelerate launch --multi_gpu --num_processes N -m grpo_run.trainer.child plan.json`; torchrun's
 elastic agent underneath, no restarts), which starts one trainer.child per rank with RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT set. What this process adds, so that the supervisor
 sees one trainer as before:

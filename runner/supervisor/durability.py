@@ -13,7 +13,7 @@ from typing import Callable
 from grpo_run.checkpoint.manifest import Manifest, newest_sealed, sealed
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import StorageConfigError, Store
-from grpo_run.checkpoint.sync import Uploader, restore_latest
+from grpo_run.checkpoint.sync import RestoreStopped, Uploader, restore_latest
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
 from grpo_run.trainer.protocol import CHECKPOINTS_DIR
@@ -44,7 +44,11 @@ class Durability:
         one sealed here before a crash is kept and uploaded); its step, 0 for none. Begins an
         attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
         self._reported = set()
-        got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop)
+        try:
+            got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop)
+        except RestoreStopped as stopped:    # not fetched, but durable in storage: what a resume continues from
+            self._note([stopped.step])
+            raise
         if got is None:
             return 0
         step, folder, manifest, durable = got
