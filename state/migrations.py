@@ -57,4 +57,9 @@ MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0003_attempt_notice", (
         "ALTER TABLE attempts ADD COLUMN notice TEXT",
     )),
+    # which layers of the reward sandbox were in force for the attempt's reward functions (JSON:
+    # {"network": "netns", "filesystem": "landlock", ...}), as its trainer reported them
+    ("0004_attempt_sandbox", (
+        "ALTER TABLE attempts ADD COLUMN sandbox TEXT",
+    )),
 )

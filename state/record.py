@@ -159,13 +159,24 @@ class Record:
                                                     "message": message, "to_step": to_step,
                                                     "notice": notice})
 
+    def set_attempt_sandbox(self, attempt_id: int, mode: dict[str, str]) -> None:
+        """The reward sandbox's layers in force for the attempt (Grader.sandbox_mode)."""
+        with self._write():
+            if not list(self.db["attempts"].rows_where("id = ?", [attempt_id])):
+                raise ValueError(f"no attempt {attempt_id}")
+            self.db["attempts"].update(attempt_id, {"sandbox": json.dumps(mode, sort_keys=True)})
+
     def attempts(self) -> list[dict]:
-        """{"id", "node", "started", "ended", "reason", "message", "from_step", "to_step", "notice"}
-        oldest first; an attempt still running (or killed without a word) has ended, reason and
-        to_step None; from_step None for one recorded before grpo-run kept it; notice None unless
-        a spot notice ended it."""
+        """{"id", "node", "started", "ended", "reason", "message", "from_step", "to_step", "notice",
+        "sandbox"} oldest first; an attempt still running (or killed without a word) has ended,
+        reason and to_step None; from_step None for one recorded before grpo-run kept it; notice
+        None unless a spot notice ended it; sandbox (a dict of layers) None until its trainer
+        started, or for an attempt recorded before grpo-run kept it."""
         with self._lock:
-            return [dict(r) for r in self.db["attempts"].rows_where(order_by="id")]
+            rows = [dict(r) for r in self.db["attempts"].rows_where(order_by="id")]
+        for r in rows:
+            r["sandbox"] = json.loads(r["sandbox"]) if r.get("sandbox") else None
+        return rows
 
     # --- metrics -------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from grpo_run.checkpoint.procs import die_with_parent
 from grpo_run.checkpoint.writer import WriterDied
 from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
-from grpo_run.trainer.grader.grader import RewardFunctionError
+from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.logs import trainer_logging
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
@@ -66,6 +66,10 @@ def child_main(argv: list[str] | None = None) -> int:
     except RewardFunctionError as e:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
+        return CHILD_CODE_ERROR
+    except SandboxUnavailable as e:       # the node's, not the reward's: no restart gets the layer either
+        events.emit(Failed(message=str(e), code=True))
+        log.error("%s", e)
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))

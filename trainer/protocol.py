@@ -98,6 +98,9 @@ class Plan(BaseModel):
     # supervisor's process: CLOCK_MONOTONIC is one clock for the whole machine on Linux.
     stop_by: float | None = None
     run_id: str | None = None             # the run's identity, written into each checkpoint's manifest
+    # every layer of the reward sandbox must be in force, or no reward function runs (the job
+    # fails, saying which layer is missing and how to get it); False: run with what the node allows
+    sandbox_strict: bool = False
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -121,6 +124,7 @@ class Started(_Event):
     device: str                           # "cpu" or "cuda:<the GPU's name>"
     microBatchSize: int                   # the run keeps the first attempt's (trainer.GRPOTrainer.micro_batch_size)
     cpuThreads: int                       # likewise: another count would round the arithmetic differently
+    sandbox: dict[str, str] = Field(default_factory=dict)   # the reward sandbox's layers in force (Grader.sandbox_mode)
 
 
 class PhaseStarted(_Event):

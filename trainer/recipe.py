@@ -63,7 +63,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
                                world=world)
     trainer = None
     try:
-        trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world)
+        trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world,
+                              sandbox_strict=plan.sandbox_strict)
         checkpoints.attach(trainer)
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
@@ -76,7 +77,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         start = checkpoints.load_latest()
         device = trainer.device
         events.emit(Started(step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
-                            microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads))
+                            microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads,
+                            sandbox=trainer.scorer.sandbox_mode))
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 

@@ -94,7 +94,7 @@ class GRPOTrainer:
 
     def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
                  stop: threading.Event | None = None, device: torch.device | None = None,
-                 model_name: str | None = None, world: World | None = None) -> None:
+                 model_name: str | None = None, world: World | None = None, sandbox_strict: bool = False) -> None:
         self.params = params
         self.env = env
         self.stop = stop or threading.Event()
@@ -128,7 +128,7 @@ class GRPOTrainer:
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
         self.scorer = Scorer(env.rewards, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
-                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries)
+                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries, strict=sandbox_strict)
 
     def close(self) -> None:
         self.scorer.close()

@@ -159,6 +159,15 @@ class Books:
                     self.ledger.charge_lost(a)
                     self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
 
+    def preempted_without_progress(self) -> int:
+        """How many of the newest attempts, in a row, ended Preempted without completing a step."""
+        count = 0
+        for a in reversed(self.record.attempts()):
+            if a["reason"] != "Preempted" or (a["to_step"] or 0) > (a["from_step"] or 0):
+                break
+            count += 1
+        return count
+
     def start_attempt(self, node: str, from_step: int | None = None) -> int:
         """An attempt on `node` from the checkpoint at `from_step`; returns once storage has it."""
         attempt = self.record.start_attempt(node, from_step)
@@ -186,9 +195,13 @@ class Books:
 
     # --- what the trainer and the node report ---------------------------------------------------
 
-    def trainer_started(self, device: str, micro_batch_size: int, cpu_threads: int) -> None:
-        """The trainer's choices; the first trainer's threads are the run's (carry_over)."""
+    def trainer_started(self, device: str, micro_batch_size: int, cpu_threads: int,
+                        sandbox: dict[str, str] | None = None) -> None:
+        """The trainer's choices; the first trainer's threads are the run's (carry_over); the
+        reward sandbox's layers it runs with, on its attempt."""
         with self.record.transaction():
+            if sandbox and self.ledger.attempt is not None:
+                self.record.set_attempt_sandbox(self.ledger.attempt, sandbox)
             values.DEVICE.set(self.record, device)
             values.MICRO_BATCH_SIZE.set(self.record, micro_batch_size)
             if cpu_threads and values.CPU_THREADS.get(self.record) is None:

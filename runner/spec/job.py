@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -198,6 +199,11 @@ class TrainingJob(Strict):
     resources: Resources | None = None  # processes per node (default 1)
     notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
     tracking: Tracking | None = None  # experiment trackers (TensorBoard, MLflow, W&B), all off by default
+    # the reward sandbox: strict runs reward functions only with every layer in force (network
+    # and filesystem isolation, signal scope, seccomp); best-effort runs them with what the node
+    # allows and says what is missing. Unset: the node's GRPO_RUN_SANDBOX (the deploy files set
+    # strict), else best-effort. A node set to strict is never lowered by a job (sandbox_strict).
+    sandbox: Literal["strict", "best-effort"] | None = Field(None, json_schema_extra={"like": "strict"})
 
     @field_validator("model")
     @classmethod
@@ -323,7 +329,7 @@ class TrainingJob(Strict):
         spec: dict[str, Any] = {"runtime": self.runtime, "model": self.model,
                                 "environment": self.environment.to_dict(),
                                 "parameters": to_yaml_dict(self.parameters)}
-        for key in ("maxCostUSD", "gpu", "storage"):
+        for key in ("maxCostUSD", "gpu", "storage", "sandbox"):
             if getattr(self, key) is not None:
                 spec[key] = getattr(self, key)
         if self.pricing is not None:
@@ -467,7 +473,22 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(local or job), params=job.parameters, storage=storage_url,
                    model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
-                   processes=processes)
+                   processes=processes, sandbox_strict=sandbox_strict(job))
+
+
+SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)
+
+
+def sandbox_strict(job: TrainingJob) -> bool:
+    """Whether this node runs the job's reward functions only in the full sandbox: spec.sandbox,
+    or the node's GRPO_RUN_SANDBOX. The node's strict wins over a job's best-effort: on `resume`
+    the spec comes from storage, and whoever can write there must not lower the node's guard.
+    Raises JobError for a GRPO_RUN_SANDBOX that is neither value."""
+    node = os.environ.get(SANDBOX_ENV, "").strip()
+    if node not in ("", "strict", "best-effort"):
+        raise JobError(job.name, [f"{SANDBOX_ENV}={node!r} in this node's environment: set it to strict or "
+                                  "best-effort, or unset it to follow spec.sandbox"])
+    return node == "strict" or job.sandbox == "strict"
 
 
 def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:

@@ -126,7 +126,7 @@ class TrainerProcess:
         return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
-                    stop_by=books.stop_by(), run_id=books.run_id)
+                    stop_by=books.stop_by(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict)
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ class TrainerProcess:
             case HeldOut():
                 books.add_held_out(ev.step, ev.result)
             case Started():
-                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads)
+                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox)
             case Stopped():
                 self.last_words.stopped = ev
             case Final():

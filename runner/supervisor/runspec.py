@@ -27,6 +27,7 @@ class RunSpec:
     usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
     max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
     processes: int = 1               # spec.resources.processes, resolved: > 1 runs the trainer under accelerate
+    sandbox_strict: bool = False     # spec.sandbox or the node's GRPO_RUN_SANDBOX, resolved (runner.spec.job)
 
 
 @dataclass(frozen=True)

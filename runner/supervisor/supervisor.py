@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 # The shortest notice (GCP, Azure) is ~30 s; leave room for the upload after a forced kill.
 DEFAULT_NOTICE_WINDOW_S = 25.0
+# Attempts in a row that may end Preempted without completing a step before the job fails
+# instead: a real spot market rarely takes a node that often before its first step, while a
+# process that fakes notices (SIGTERM from something on the node) would otherwise have a
+# restarting Job or unit boot paid GPUs forever. `grpo-run resume` after the failure tries again.
+PREEMPTED_WITHOUT_PROGRESS = 5
 
 
 def node_name() -> str:
@@ -118,11 +123,25 @@ class Supervisor:
         try:
             with monitor:
                 self.books.close_dangling_attempts()
+                stuck = self.books.preempted_without_progress()
+                if stuck >= PREEMPTED_WITHOUT_PROGRESS:
+                    return self._fail_stuck(stuck)
                 return self._attempts(monitor)
         finally:
             restore()
             if self._trainer is not None:
                 self._trainer.kill()
+
+    def _fail_stuck(self, stuck: int) -> SupervisorResult:
+        """The job's newest attempts all ended Preempted without a step: fail it (an attempt on this
+        node, ended Failed, so that a `resume` afterwards counts afresh)."""
+        message = (f"the last {stuck} attempts all ended Preempted without completing a step, so this node does not "
+                   f"start another: real spot notices rarely come that close together, while anything on the node "
+                   f"that sends the supervisor SIGTERM looks the same (see the attempts: grpo-run get tj "
+                   f"{self.spec.name} -o yaml); `grpo-run resume {self.spec.name}` tries again")
+        self.books.start_attempt(node_name(), from_step=self.books.record.attempts()[-1]["to_step"] or 0)
+        self.books.finish(Phase.FAILED, "Failed", message)
+        return SupervisorResult(EXIT_FAILED, message)
 
     def _attempts(self, monitor: NoticeMonitor) -> SupervisorResult:
         """Attempts until one ends the job: one that ends in a way worth another (_Restart) is

@@ -61,7 +61,8 @@ def job_status(record: Record) -> dict[str, Any]:
         status["lastNotice"] = values.LAST_NOTICE.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},
                            **{key: a[k] for k, key in (("from_step", "fromStep"), ("to_step", "toStep"))
-                              if a.get(k) is not None}}
+                              if a.get(k) is not None},
+                           **({"sandbox": a["sandbox"]} if a.get("sandbox") else {})}
                           for a in record.attempts()]
     return status
 

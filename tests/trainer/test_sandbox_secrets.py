@@ -21,7 +21,7 @@ import pytest
 
 from grpo_run.trainer.envs.catalog import Reward
 from grpo_run.trainer.grader import landlock
-from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError, SandboxUnavailable
+from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
 from grpo_run.trainer.grader.scoring import Scorer
 

@@ -1,0 +1,133 @@
+"""What a node checks before and while it spends GPU time on an attempt: the reward sandbox it
+runs with (spec.sandbox, the node's GRPO_RUN_SANDBOX), recorded per attempt; and a job whose
+attempts keep ending Preempted without a step, failed instead of booted again."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_run.runner.supervisor.supervisor import PREEMPTED_WITHOUT_PROGRESS
+from grpo_run.state.phases import Phase
+from grpo_run.state.record import RECORD_FILE, Record
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs grpo-run the way a container under Docker's default seccomp profile would: unshare() is
+# refused (EPERM) to it and everything it starts, so no user or network namespace can be made.
+WITHOUT_NAMESPACES = textwrap.dedent('''
+    import ctypes, os, sys
+    from grpo_run.trainer.grader import seccomp
+    from grpo_run.trainer.grader.landlock import no_new_privs
+    UNSHARE = 272
+    program = seccomp._assemble([(seccomp._LD_W_ABS, 0, 0, seccomp._NR), (seccomp._JEQ_K, "deny", 0, UNSHARE),
+                                 (seccomp._RET_K, 0, 0, seccomp._RET_ALLOW), "deny",
+                                 (seccomp._RET_K, 0, 0, seccomp._RET_EPERM)])
+    array = (seccomp._SockFilter * len(program))(*(seccomp._SockFilter(*i) for i in program))
+    no_new_privs()
+    assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(seccomp._SockFprog(len(program), array)), 0, 0) == 0
+    os.execv(sys.executable, [sys.executable, "-m", "grpo_run.runner.cli", *sys.argv[1:]])
+''')
+
+
+def write_job(folder: Path, **spec_extra) -> Path:
+    (folder / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    (folder / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(3) for b in range(3)))
+    (folder / "eval.jsonl").write_text('{"prompt": "7+8="}\n{"prompt": "1+2="}\n')
+    spec = {"model": "tiny:char", "storage": str(folder / "store"),
+            "environment": {"name": "length", "reward": "length.py:score", "tasks": "train.jsonl",
+                            "evalTasks": "eval.jsonl"},
+            "parameters": {"numGenerations": 2, "promptsPerStep": 2, "maxCompletionLength": 2, "maxSteps": 2,
+                           "saveSteps": 2},
+            **spec_extra}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob",
+                                    "metadata": {"name": "guarded"}, "spec": spec}))
+    return path
+
+
+def grpo_run(folder: Path, *args: str, without_namespaces: bool = False, **env_extra: str
+             ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRPO_RUN_HOME": str(folder / "home"), **env_extra}
+    command = [sys.executable, "-c", WITHOUT_NAMESPACES] if without_namespaces else \
+        [sys.executable, "-m", "grpo_run.runner.cli"]
+    return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def stored(folder: Path) -> dict:
+    done = grpo_run(folder, "get", "tj", "guarded", "--storage", str(folder / "store"), "-o", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["status"]
+
+
+@pytest.mark.slow
+def test_a_node_set_to_strict_refuses_to_run_rewards_without_namespaces_whatever_the_job_says(tmp_path):
+    """The job asks for best-effort, as a planted spec in storage could; the node says strict,
+    and strict wins: the job fails at once, naming the missing layer and its fix, and is not
+    restarted as a crash."""
+    job = write_job(tmp_path, sandbox="best-effort")
+    done = grpo_run(tmp_path, "apply", "-f", str(job), without_namespaces=True, GRPO_RUN_SANDBOX="strict")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "allow user namespaces" in done.stderr and "Traceback" not in done.stderr
+    status = stored(tmp_path)
+    assert status["phase"] == "Failed" and "spec.sandbox: strict" in status["message"]
+    assert [a["reason"] for a in status["attempts"]] == ["Failed"]          # refused once, never restarted
+
+
+@pytest.mark.slow
+def test_each_attempt_records_the_sandbox_it_ran_with(tmp_path):
+    """Best-effort on a node without namespaces runs the rewards with what the node allows, and
+    the attempt says so; a node with every layer records them all."""
+    degraded = tmp_path / "degraded"
+    degraded.mkdir()
+    done = grpo_run(degraded, "apply", "-f", str(write_job(degraded)), without_namespaces=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    mode = stored(degraded)["attempts"][0]["sandbox"]
+    assert mode["network"] == "python" and mode["seccomp"] == "on", mode
+
+    full = tmp_path / "full"
+    full.mkdir()
+    done = grpo_run(full, "apply", "-f", str(write_job(full, sandbox="strict")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    mode = stored(full)["attempts"][0]["sandbox"]
+    assert {k: mode[k] for k in ("network", "filesystem", "seccomp")} == {"network": "netns", "filesystem": "landlock",
+                                                                          "seccomp": "on"}
+    assert mode["signals"] in ("landlock", "pidns"), mode
+
+
+def test_a_bad_node_sandbox_setting_is_refused_naming_it(tmp_path):
+    done = grpo_run(tmp_path, "apply", "-f", str(write_job(tmp_path)), GRPO_RUN_SANDBOX="paranoid")
+    assert done.returncode != 0 and "GRPO_RUN_SANDBOX='paranoid'" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_attempts_that_keep_ending_preempted_without_a_step_fail_the_job_until_resumed_by_hand(tmp_path):
+    """Something on the node that sends the supervisor SIGTERM before the first step looks like a
+    spot notice every time; a restarting Job or unit would boot paid GPUs for it forever. After
+    PREEMPTED_WITHOUT_PROGRESS such attempts the next node fails the job instead of training;
+    a `resume` by hand afterwards counts afresh and trains."""
+    job = write_job(tmp_path)
+    submitted = grpo_run(tmp_path, "apply", "-f", str(job), "--detach")
+    assert submitted.returncode == 0, submitted.stderr
+    record_path = tmp_path / "store" / "guarded" / RECORD_FILE
+    with Record(record_path) as record:       # the attempts such nodes leave behind
+        for _ in range(PREEMPTED_WITHOUT_PROGRESS):
+            attempt = record.start_attempt("spot-node", from_step=0)
+            record.end_attempt(attempt, "Preempted", "notice from signal", notice="signal")
+        record.set_phase(Phase.PREEMPTED)
+
+    stuck = grpo_run(tmp_path, "resume", "guarded", "--storage", str(tmp_path / "store"))
+    assert stuck.returncode == 1, stuck.stderr[-3000:]
+    assert f"the last {PREEMPTED_WITHOUT_PROGRESS} attempts all ended Preempted" in stuck.stderr
+    status = stored(tmp_path)
+    assert status["phase"] == "Failed" and status["step"] == 0
+    assert [a["reason"] for a in status["attempts"]][-2:] == ["Preempted", "Failed"]
+
+    again = grpo_run(tmp_path, "resume", "guarded", "--storage", str(tmp_path / "store"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert stored(tmp_path)["phase"] == "Succeeded"
