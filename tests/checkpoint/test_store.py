@@ -411,7 +411,7 @@ def test_a_call_to_a_stalled_server_is_given_up_when_the_notice_window_ends(s3_e
 
         in_flight = threading.Thread(target=upload)
         in_flight.start()
-        time.sleep(0.5)                                       # the request is out, unanswered
+        proxy.wait_stalled()                                  # the request is out, unanswered
         started = time.monotonic()
         notice.set()
         store.finish_by(started + 2.0)

@@ -30,6 +30,7 @@ class S3Proxy:
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self.requests_denied = 0
+        self.stalled = 0                 # requests held by `stall` right now
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="s3proxy-accept").start()
 
@@ -85,10 +86,22 @@ class S3Proxy:
         threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
         self._pump(client, upstream, True)
 
+    def wait_stalled(self, timeout: float = 10.0) -> None:
+        """Return once a request is being held by `stall` (sent, and not answered)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.stalled > 0, timeout):
+                raise AssertionError(f"no request reached the stalled proxy within {timeout} s")
+
     def _wait_while_stalled(self) -> str:
         with self._changed:
-            while self.mode == "stall" and not self._closed:
-                self._changed.wait()
+            if self.mode == "stall" and not self._closed:
+                self.stalled += 1
+                self._changed.notify_all()
+                try:
+                    while self.mode == "stall" and not self._closed:
+                        self._changed.wait()
+                finally:
+                    self.stalled -= 1
             return self.mode
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
