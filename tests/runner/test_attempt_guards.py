@@ -17,6 +17,7 @@ from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.trust
 
 # Runs grpo-run the way a container under Docker's default seccomp profile would: unshare() is
 # refused (EPERM) to it and everything it starts, so no user or network namespace can be made.
@@ -66,7 +67,7 @@ def stored(folder: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_node_set_to_strict_refuses_to_run_rewards_without_namespaces_whatever_the_job_says(tmp_path):
+def test_a_node_set_to_strict_refuses_to_run_rewards_without_namespaces_whatever_the_job_says(tmp_path, figures):
     """The job asks for best-effort, as a planted spec in storage could; the node says strict,
     and strict wins: the job fails at once, naming the missing layer and its fix, and is not
     restarted as a crash."""
@@ -77,6 +78,9 @@ def test_a_node_set_to_strict_refuses_to_run_rewards_without_namespaces_whatever
     status = stored(tmp_path)
     assert status["phase"] == "Failed" and "spec.sandbox: strict" in status["message"]
     assert [a["reason"] for a in status["attempts"]] == ["Failed"]          # refused once, never restarted
+    figures.add("trust", actor="bucket writer", tried="a stored spec with sandbox: best-effort, resumed on a "
+                "node set to strict that cannot make namespaces", protection="the node's GRPO_RUN_SANDBOX=strict wins",
+                outcome="job Failed once, the missing layer named; no reward ran", held=True)
 
 
 @pytest.mark.slow
@@ -106,7 +110,7 @@ def test_a_bad_node_sandbox_setting_is_refused_naming_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_attempts_that_keep_ending_preempted_without_a_step_fail_the_job_until_resumed_by_hand(tmp_path):
+def test_attempts_that_keep_ending_preempted_without_a_step_fail_the_job_until_resumed_by_hand(tmp_path, figures):
     """Something on the node that sends the supervisor SIGTERM before the first step looks like a
     spot notice every time; a restarting Job or unit would boot paid GPUs for it forever. After
     PREEMPTED_WITHOUT_PROGRESS such attempts the next node fails the job instead of training;
@@ -131,3 +135,7 @@ def test_attempts_that_keep_ending_preempted_without_a_step_fail_the_job_until_r
     again = grpo_run(tmp_path, "resume", "guarded", "--storage", str(tmp_path / "store"))
     assert again.returncode == 0, again.stderr[-3000:]
     assert stored(tmp_path)["phase"] == "Succeeded"
+    figures.add("trust", actor="reward author", tried=f"{PREEMPTED_WITHOUT_PROGRESS} fake notices in a row before "
+                "the first step (a restarting Job would boot GPUs forever)",
+                protection=f"fail after {PREEMPTED_WITHOUT_PROGRESS} Preempted attempts without progress",
+                outcome="job Failed, no trainer started; a resume by hand trains", held=True)

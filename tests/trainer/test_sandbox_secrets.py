@@ -25,6 +25,7 @@ from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctio
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
 from grpo_run.trainer.grader.scoring import Scorer
 
+pytestmark = pytest.mark.trust
 SECRET = "FAKE-NODE-SECRET-1234567890"  # what the trainer's environment holds, and the files below
 CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": SECRET,
@@ -182,9 +183,11 @@ def failure_of(grader: Grader, tasks=({},)) -> RewardFunctionError:
 # environment ----------------------------------------------------------------------------------
 
 
-def test_the_trainers_credentials_are_not_in_the_reward_functions_environment(rewards_file, node):
+def test_the_trainers_credentials_are_not_in_the_reward_functions_environment(rewards_file, node, figures):
     with grader_for(rewards_file, "credentials_in_environment") as grader:
         assert grader.score(["x"], [{"env": CREDENTIALS}]) == [0.0]
+    reward_author(figures, "read the trainer's AWS, HF, W&B, MLflow keys from its environment",
+                  "an allow-listed environment", "none of them there")
 
 
 def test_the_reward_function_gets_a_scratch_home_and_one_thread_per_library(rewards_file, node):
@@ -194,11 +197,16 @@ def test_the_reward_function_gets_a_scratch_home_and_one_thread_per_library(rewa
         assert grader.score(["x"] * 3, tasks) == [0.0, 1.0, 1.0]  # HOME is not the node's
 
 
+def reward_author(figures, tried: str, protection: str, outcome: str) -> None:
+    """A line of docs/reliability.md's trust section (written only by scripts/reliability)."""
+    figures.add("trust", actor="reward author", tried=tried, protection=protection, outcome=outcome, held=True)
+
+
 # files ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("secret", ["aws", "hf", "plan"])
-def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_file, node, secret):
+def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_file, node, secret, figures):
     task = {"path": str(node[secret]), "expect": SECRET}
     with grader_for(rewards_file, "reads") as grader, grader_for(rewards_file, "reads_with_a_program") as program:
         assert grader.sandbox_mode["filesystem"] == "landlock"
@@ -206,14 +214,18 @@ def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_
         error = failure_of(grader, [task])
     # Python's own reads are refused before Landlock would, saying what and why, and not retried
     assert error.kind == "refused" and f"reading {str(node[secret])!r} was refused" in str(error)
+    reward_author(figures, {"aws": "read ~/.aws/credentials", "hf": "read the Hugging Face token",
+                            "plan": "read plan.json (the evaluation answers)"}[secret],
+                  "Landlock: reads of its own folder, Python and its scratch only", "refused, from Python and from `cat`")
 
 
-def test_the_trainers_proc_environ_and_root_only_files_cannot_be_read(rewards_file, node):
+def test_the_trainers_proc_environ_and_root_only_files_cannot_be_read(rewards_file, node, figures):
     with grader_for(rewards_file, "reads_with_a_program") as program:
         paths = [f"/proc/{os.getpid()}/environ", "/etc/shadow"]
         assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [0.0, 0.0]
     with grader_for(rewards_file, "reads") as grader:
         assert failure_of(grader, [{"expect": SECRET}]).kind == "refused"  # /proc/<its parent>/environ
+    reward_author(figures, "read the trainer's /proc/PID/environ and /etc/shadow", "Landlock", "refused")
 
 
 def test_a_reward_in_the_home_folder_is_given_its_own_file_not_the_folder(tmp_path, node):
@@ -268,7 +280,7 @@ def unix_listener():
 
 @pytest.mark.parametrize("network", ["auto", "python"])
 def test_no_socket_is_reachable_below_python_with_or_without_a_network_namespace(rewards_file, node, unix_listener,
-                                                                                  network):
+                                                                                  network, figures):
     listener, path = unix_listener
     local = socket.create_server(("127.0.0.1", 0))
     local.setblocking(False)
@@ -282,6 +294,8 @@ def test_no_socket_is_reachable_below_python_with_or_without_a_network_namespace
         for server in (listener, local):
             with pytest.raises(BlockingIOError):
                 server.accept()  # nobody ever connected
+    reward_author(figures, f"connect with ctypes to a unix socket, 127.0.0.1 and 169.254.169.254 (network: {network})",
+                  "seccomp: socket() denied but socketpair", "EPERM on each; nobody connected")
 
 
 def test_stream_socketpairs_work_and_datagram_ones_are_refused(rewards_file, node):
@@ -296,7 +310,7 @@ def test_stream_socketpairs_work_and_datagram_ones_are_refused(rewards_file, nod
 
 @pytest.mark.parametrize("signals", ["auto", "pidns"])
 @pytest.mark.parametrize("how", ["os.kill", "a program"])
-def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, node, signals, how):
+def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, node, signals, how, figures):
     got: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     supervisor = subprocess.Popen(["sleep", "60"])
@@ -309,6 +323,8 @@ def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, no
         assert (trainer, supervised) == (0.0, 0.0)
         assert parent == (-1.0 if grader.sandbox_mode["signals"] == "pidns" else 0.0)
         assert supervisor.poll() is None and got == []
+        reward_author(figures, f"SIGTERM the trainer and the supervisor with {how} (signals: {signals})",
+                      f"{grader.sandbox_mode['signals']} (a PID namespace or Landlock's scope)", "no signal arrived")
     finally:
         signal.signal(signal.SIGTERM, previous)
         supervisor.kill()
@@ -318,7 +334,7 @@ def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, no
 # text that leaves the sandbox -----------------------------------------------------------------
 
 
-def test_a_secret_in_a_reward_functions_error_and_output_comes_back_redacted(rewards_file, node, capfd):
+def test_a_secret_in_a_reward_functions_error_and_output_comes_back_redacted(rewards_file, node, capfd, figures):
     with grader_for(rewards_file, "raises_the_secret") as grader:
         error = failure_of(grader, [{"secret": SECRET}])
     message = str(error)
@@ -326,6 +342,8 @@ def test_a_secret_in_a_reward_functions_error_and_output_comes_back_redacted(rew
     err = capfd.readouterr().err
     assert "printing [redacted $AWS_SECRET_ACCESS_KEY]" in err
     assert "[redacted $AWS_SECRET_ACCESS_KEY] written in two pieces" in err and SECRET not in err
+    reward_author(figures, "raise and print a secret it was handed, for the record and the logs",
+                  "secret values scrubbed from every text leaving the sandbox", "[redacted $AWS_SECRET_ACCESS_KEY]")
 
 
 def test_a_long_error_is_capped_saying_so(rewards_file, node):
@@ -356,11 +374,13 @@ def test_whole_lines_of_output_pass_at_once():
 
 
 @pytest.mark.parametrize("value", [1e7, -1e39, float("inf")])
-def test_a_reward_past_the_bound_is_the_reward_functions_error(rewards_file, node, value):
+def test_a_reward_past_the_bound_is_the_reward_functions_error(rewards_file, node, value, figures):
     with grader_for(rewards_file, "returns") as grader:
         assert grader.score(["x"], [{"value": MAX_ABS_REWARD}]) == [MAX_ABS_REWARD]
         message = str(failure_of(grader, [{"value": value}]))
     assert f"returns returned {value!r}; a reward must be a finite number within ±1e+06" in message
+    reward_author(figures, f"return {value!r}", "the parent checks every reward: finite, within ±1e6",
+                  "the reward function's error, never a score")
 
 
 @pytest.mark.parametrize(
@@ -377,10 +397,12 @@ def test_a_reward_past_the_bound_is_the_reward_functions_error(rewards_file, nod
         ("[" * 100_000, "exited with code 0"),
     ],
 )
-def test_a_reply_the_reward_function_forges_is_checked_like_any_other(rewards_file, node, payload, says):
+def test_a_reply_the_reward_function_forges_is_checked_like_any_other(rewards_file, node, payload, says, figures):
     with grader_for(rewards_file, "forges_a_reply") as grader:
         error = failure_of(grader, [{"payload": payload}])
     assert says in str(error)
+    reward_author(figures, f"forge its own reply frame: {payload[:24]}{'...' if len(payload) > 24 else ''}",
+                  "the parent reads every reply as untrusted", "the reward function's error, never a score")
 
 
 # strict ---------------------------------------------------------------------------------------
@@ -409,7 +431,7 @@ WITHOUT_NAMESPACES = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("strict", ["strict", "lenient"])
-def test_strict_refuses_a_node_without_namespaces_naming_the_fix_and_never_runs_the_reward(tmp_path, strict):
+def test_strict_refuses_a_node_without_namespaces_naming_the_fix_and_never_runs_the_reward(tmp_path, strict, figures):
     module = tmp_path / "reward.py"
     module.write_text("import sys\nprint('IMPORTED', file=sys.stderr)\ndef reward(completion, task):\n    return 1.0\n")
     done = subprocess.run([sys.executable, "-c", WITHOUT_NAMESPACES, f"{module}:reward", strict],
@@ -422,6 +444,9 @@ def test_strict_refuses_a_node_without_namespaces_naming_the_fix_and_never_runs_
         assert result["missing"] == ["network"] + ([] if scoped else ["signals"]) and "IMPORTED" not in done.stderr
         assert "unshare(CLONE_NEWUSER|CLONE_NEWNET): Operation not permitted" in result["message"]
         assert "allow user namespaces" in result["message"] and "strict=True" in result["message"]
+        figures.add("trust", actor="ordinary failure", tried="a node that refuses user namespaces (Docker's seccomp)",
+                    protection="strict sandbox", outcome="the reward is never run; the missing layer and its fix named",
+                    held=True)
     else:  # runs, and says so; seccomp still keeps it off the network
         assert result == {"mode": {"network": "python", "filesystem": "landlock",
                                    "signals": "landlock" if scoped else "none", "seccomp": "on"}, "score": [1.0]}
