@@ -45,6 +45,12 @@ def _closed_local_port() -> int:
 
 
 _CLOSED_PORT = _closed_local_port()
+_METADATA_URL_VARS = ("GRPO_RUN_AWS_METADATA_URL", "GRPO_RUN_GCP_METADATA_URL", "GRPO_RUN_AZURE_METADATA_URL")
+# For the whole session too, not only inside a test: a module- or session-scoped fixture that
+# starts grpo-run (a reference run) is set up before any test's own fixtures.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+for _var in _METADATA_URL_VARS:
+    os.environ[_var] = f"http://127.0.0.1:{_CLOSED_PORT}"
 
 
 # --- sitewide guards ----------------------------------------------------------------------------
@@ -57,7 +63,7 @@ def _isolated_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     # The spot-notice watchers of any grpo-run a test starts probe a closed local port, never
     # the real link-local metadata services; tests that want notices start an emulator.
-    for var in ("GRPO_RUN_AWS_METADATA_URL", "GRPO_RUN_GCP_METADATA_URL", "GRPO_RUN_AZURE_METADATA_URL"):
+    for var in _METADATA_URL_VARS:
         monkeypatch.setenv(var, f"http://127.0.0.1:{_CLOSED_PORT}")
     from fsspec.implementations.memory import MemoryFileSystem
 

@@ -58,9 +58,10 @@ def status(home: Path, storage: str) -> dict:
     return json.loads(grpo_run(home, "get", "tj", "resumable", "--storage", storage, "-o", "json").stdout)["status"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """The reference: the same job, never interrupted (local storage)."""
+    """The reference: the same job, never interrupted (local storage); one run for the whole
+    session (the resume, fresh-node, corrupt-checkpoint and notice tests all compare with it)."""
     folder = tmp_path_factory.mktemp("reference")
     grpo_run(folder / "home", "apply", "-f", str(write_job(folder)))
     return exported_bytes(folder / "home", None, folder / "export")
