@@ -125,24 +125,75 @@ SPOT_POOLS = {
 # server); 90 s leaves room for a bigger checkpoint over a real network and stays under AWS's
 # 120 s notice (GCP and Azure give about 30 s: the node goes first there, whatever this says).
 STOP_GRACE_S = 90
+# The pod's user and group: any uid but 0 (runAsNonRoot); the image's installed files must be
+# readable by it (scripts/setup leaves them world-readable). fsGroup makes the /work volume its.
+RUN_AS_UID = 1000
+# --seccomp: the container's seccomp profile (see K8S_SECURITY_NOTE for why the default is not
+# the runtime's).
+SECCOMP_CHOICES = ("unconfined", "runtime-default", "localhost/PATH")
+
+K8S_SECURITY_NOTE = """\
+# grpo-run deploy k8s: a Job that trains the job on spot nodes. Its security settings, and what the
+# cluster must allow (docs/deploy.md, "Kubernetes: what the pod may do"):
+# - uid/gid @UID@, never root (runAsNonRoot); fsGroup makes the /work volume writable; no privilege
+#   escalation; every capability dropped; no Kubernetes API token (grpo-run never calls the API;
+#   workload identity, IRSA or EKS Pod Identity mount their own token: --service-account-token
+#   mounts the API token all the same).
+# - seccomp @SECCOMP@ for the container: the reward sandbox's strict mode (spec.sandbox: strict)
+#   puts the reward function in user, network and PID namespaces of its own, and the runtime's
+#   default profile (RuntimeDefault) refuses unshare() to a container without CAP_SYS_ADMIN. The
+#   reward worker runs under grpo-run's own seccomp filter (no sockets) either way. Where Pod
+#   Security "baseline" or "restricted" refuses Unconfined, install a profile on the nodes that
+#   is the runtime's default plus unshare(), and pass --seccomp localhost/PATH.
+# - the nodes must allow unprivileged user namespaces (user.max_user_namespaces > 0; on Ubuntu
+#   23.10+ also kernel.apparmor_restrict_unprivileged_userns=0, or an AppArmor profile that
+#   allows userns); otherwise a strict job fails at its first reward, naming what is missing.
+"""
+
+
+def seccomp_profile(choice: str) -> dict:
+    """--seccomp as a securityContext.seccompProfile: `unconfined`, `runtime-default`, or
+    `localhost/PATH` (a profile under the kubelet's seccomp folder on every node). ValueError
+    naming the choices for anything else."""
+    if choice == "unconfined":
+        return {"type": "Unconfined"}
+    if choice == "runtime-default":
+        return {"type": "RuntimeDefault"}
+    path = choice.removeprefix("localhost/")
+    if choice.startswith("localhost/") and path and not path.startswith("/") and ".." not in path.split("/"):
+        return {"type": "Localhost", "localhostProfile": path}
+    raise ValueError(f"--seccomp {choice!r}: expected one of {', '.join(SECCOMP_CHOICES)} (PATH relative to "
+                     f"the kubelet's seccomp folder, e.g. localhost/profiles/grpo-run.json)")
 
 
 def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus: int = 1,
-                   secret: str | None = None, service_account: str | None = None) -> str:
+                   secret: str | None = None, service_account: str | None = None,
+                   seccomp: str = "unconfined", uid: int = RUN_AS_UID,
+                   service_account_token: bool = False) -> str:
     """A batch/v1 Job that runs the job on a spot node pool and survives losing nodes: a pod that
     exits 3 (preempted) or whose node was taken is replaced without counting against
     backoffLimit; exits 2 (bad input) and 4 (budget) fail the Job at once; other failures are
     retried up to backoffLimit. Credentials come from a Secret (`secret`: its keys become the
     environment, e.g. AWS_ACCESS_KEY_ID) or the service account's workload identity, never from
-    the manifest."""
+    the manifest.
+
+    The pod runs as `uid`, not root, with no privilege escalation, no capabilities and no
+    Kubernetes API token unless `service_account_token`; its seccomp profile is `seccomp`
+    (seccomp_profile; K8S_SECURITY_NOTE, printed at the top, says why Unconfined by default).
+    ValueError for a bad pool, seccomp choice or uid."""
     if pool not in SPOT_POOLS:
         raise ValueError(f"--pool {pool!r}: expected one of {', '.join(SPOT_POOLS)}")
+    if isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0:
+        raise ValueError(f"--uid {uid!r}: expected a user id above 0 (the pod never runs as root)")
+    profile = seccomp_profile(seccomp)
     import yaml
 
     selector, tolerations = SPOT_POOLS[pool]
     name = f"grpo-run-{s.job}" if s.job else "grpo-run"
     labels = {"app.kubernetes.io/name": "grpo-run", **({"grpo-run/job": s.job} if s.job else {})}
-    env = [{"name": "GRPO_RUN_HOME", "value": "/work"}, {"name": "GRPO_RUN_NOTICES", "value": "auto"}]
+    # HOME and HF_HOME on the volume: the pod's user has no home folder in the image to write caches to.
+    env = [{"name": "GRPO_RUN_HOME", "value": "/work"}, {"name": "GRPO_RUN_NOTICES", "value": "auto"},
+           {"name": "HOME", "value": "/work"}, {"name": "HF_HOME", "value": "/work/huggingface"}]
     env += [{"name": k, "value": v} for k, v in (("AWS_DEFAULT_REGION", s.region), ("AWS_ENDPOINT_URL", s.endpoint)) if v]
     container = {
         "name": "grpo-run", "image": image,
@@ -150,6 +201,12 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         "env": env,
         "resources": {"limits": {"nvidia.com/gpu": gpus}} if gpus else {},
         "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,          # no_new_privs: the sandbox's Landlock and seccomp want it too
+            "capabilities": {"drop": ["ALL"]},          # user namespaces need none
+            "seccompProfile": profile,
+        },
     }
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
@@ -159,6 +216,8 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         # SIGTERM and has the grace period for the emergency checkpoint and its upload
         "shareProcessNamespace": True,
         "terminationGracePeriodSeconds": STOP_GRACE_S,
+        "automountServiceAccountToken": service_account_token,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid},
         "nodeSelector": dict(selector),
         "containers": [container],
         "volumes": [{"name": "work", "emptyDir": {}}],
@@ -183,7 +242,8 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
             "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
         },
     }
-    return yaml.safe_dump(job, sort_keys=False)
+    note = K8S_SECURITY_NOTE.replace("@UID@", str(uid)).replace("@SECCOMP@", profile["type"])
+    return note + yaml.safe_dump(job, sort_keys=False)
 
 
 def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | None = None) -> str:

@@ -2,6 +2,10 @@
 
 `open_cas(url, key)` returns a `Cas` for the object `key` under a storage URL. Every change is a
 compare-and-swap on the storage itself, never read-then-write; `version` is opaque to callers.
+A read also says how long ago the object was written, measured on the store's own clock (both
+ends of the interval from the one party), so that a lease can be judged without comparing two
+machines' wall clocks: S3 gives its response's `Date` minus the object's `Last-Modified`, a local
+folder this machine's time minus the file's modification time.
 
 * s3://: conditional writes through the Store's own s3fs filesystem (one client, one set of
   credentials and timeouts): create with `pipe_file(mode="create")` (PutObject
@@ -28,13 +32,16 @@ These calls make one attempt each; the lease retries them under the package's re
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
+import email.utils
 import fcntl
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from .fsio import TMP_MARKER, fsync_dir, temp_sibling
@@ -52,10 +59,21 @@ class Unsupported(Exception):
     """The server refused a conditional request as not implemented."""
 
 
+class Found(NamedTuple):
+    """What a read found. `age_s`: seconds since the object was last written, both ends on the
+    store's own clock, cut down rather than rounded up (S3 loses a second to its whole-second
+    dates; a local file system's coarse timestamps may add a few milliseconds); None when the
+    store does not say."""
+
+    data: bytes
+    version: Any
+    age_s: float | None
+
+
 class Cas(Protocol):
     """One object with compare-and-swap. `version` is opaque: an ETag, or the bytes themselves."""
 
-    def read(self) -> tuple[bytes, Any] | None: ...           # None when there is none
+    def read(self) -> Found | None: ...                       # None when there is none
     def create(self, data: bytes) -> Any: ...                 # Conflict if it exists
     def replace(self, data: bytes, version: Any) -> Any: ...  # Conflict unless still `version`
     def delete(self, version: Any) -> None: ...               # Conflict unless still `version`
@@ -118,9 +136,10 @@ class S3Cas:
                             describe(exc))
         self._checked = True
 
-    def read(self) -> tuple[bytes, Any] | None:
-        # One GET for the bytes and their ETag together: an ETag read separately could belong
-        # to a newer object than the bytes, and a replace against it would then succeed.
+    def read(self) -> Found | None:
+        # One GET for the bytes, their ETag and their age together: an ETag read separately
+        # could belong to a newer object than the bytes, and a replace against it would then
+        # succeed.
         try:
             reply = self.fs.call_s3("get_object", Bucket=self.bucket, Key=self.key)
         except FileNotFoundError as exc:
@@ -134,7 +153,7 @@ class S3Cas:
             data = sync(self.fs.loop, body.read)
         finally:
             body.close()
-        return data, reply["ETag"]
+        return Found(data, reply["ETag"], _s3_age(reply))
 
     def create(self, data: bytes) -> Any:
         self.check_conditional_writes()
@@ -177,6 +196,24 @@ class S3Cas:
         return reply["ETag"]
 
 
+def _s3_age(reply: dict) -> float | None:
+    """The object's age on the server's clock: the response's `Date` header minus the object's
+    `Last-Modified`, both stamped by the server. Both are HTTP dates in whole seconds (each cut
+    down, by up to a second), so one second is taken off: the result never overstates the age.
+    None when the server sends either one not at all or unreadable."""
+    modified = reply.get("LastModified")
+    served = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if not isinstance(modified, dt.datetime) or not isinstance(served, str):
+        return None
+    try:
+        served_at = email.utils.parsedate_to_datetime(served)
+    except (TypeError, ValueError):
+        return None
+    if served_at.tzinfo is None or modified.tzinfo is None:
+        return None
+    return (served_at - modified).total_seconds() - 1.0
+
+
 def _is_conflict(exc: BaseException) -> bool:
     """412 PreconditionFailed or 409 ConditionalRequestConflict: another writer was first."""
     return s3_status(exc) in (409, 412)
@@ -192,12 +229,18 @@ class LocalCas:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def read(self) -> tuple[bytes, Any] | None:
+    def read(self) -> Found | None:
+        # The bytes and the modification time from one open file: a stat by name could see a
+        # newer file than the bytes. Writes are rename / link, so never half a file. The age is
+        # this machine's clock against the time its own kernel stamped (on a network folder:
+        # the file server's stamp, so keep its clock synchronised with the nodes').
         try:
-            data = self.path.read_bytes()  # writes are rename / link: never half a file
+            with open(self.path, "rb") as f:
+                data = f.read()
+                modified = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return None
-        return data, data
+        return Found(data, data, time.time() - modified)
 
     def create(self, data: bytes) -> Any:
         with self._locked():
@@ -213,7 +256,8 @@ class LocalCas:
 
     def replace(self, data: bytes, version: Any) -> Any:
         with self._locked():
-            if self.read() != (version, version):
+            current = self.read()
+            if current is None or current.data != version:
                 raise Conflict()
             tmp = self._write_temp(data)
             try:
@@ -228,7 +272,7 @@ class LocalCas:
             current = self.read()
             if current is None:
                 return
-            if current[0] != version:
+            if current.data != version:
                 raise Conflict()
             self.path.unlink()
             fsync_dir(self.path.parent)

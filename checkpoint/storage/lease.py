@@ -4,11 +4,11 @@ Two nodes resuming the same job at once (a replacement node booting while the ol
 alive, an operator running `grpo-run resume` by hand) race to create `lease.json` next to the
 job's checkpoints. Exactly one wins and trains; the other gets `LeaseHeld`, whose message names
 the winner. The winner renews the lease every `renew_every_s` (default ttl/3) from a background
-thread; a lease left unrenewed past its expiry (the node died) is taken over by the next node.
+thread; a lease left unrenewed for its `ttl_s` (the node died) is taken over by the next node.
 
-    {"holder": "i-0abc", "host": "ip-10-0-0-5", "pid": 4242, "token": "<random>",
-     "since": "2025-01-01T00:00:00Z", "expires": "2025-01-01T00:01:00Z",
-     "since_epoch": 1735689600.0, "expires_epoch": 1735689660.0, "ttl_s": 60.0}
+    {"holder": "i-0abc", "host": "ip-10-0-0-5", "boot_id": "5f1c...", "pid_ns": "pid:[4026531836]",
+     "pid": 4242, "token": "<random>", "since": "2025-01-01T00:00:00Z", "since_epoch": 1735689600.0,
+     "renewed": "2025-01-01T00:00:40Z", "renewals": 2, "ttl_s": 60.0}
 
 Every change is a compare-and-swap on the storage itself, never read-then-write
 (checkpoint.cas): S3 conditional writes (If-None-Match / If-Match on the ETag read, proven
@@ -16,18 +16,43 @@ honoured by the server on a probe object before the first write), an exclusive f
 folder. gs:// and memory:// are refused (checkpoint.cas says why). A lost
 compare-and-swap means another writer got there first: the lease reads again and decides anew.
 
+When a lease has run out is never decided by comparing two machines' clocks. The times in the
+body are the holder's wall clock, for people to read; nothing here compares them with anything.
+Each party measures intervals on a clock of its own:
+
+* The holder, on its own monotonic clock (`clock`; by default one that also counts time the
+  machine spent suspended): its lease runs out `ttl_s` after the moment it sent its last
+  successful renewal, and it stops itself before that (below).
+* A taker takes the lease over once it has been unrenewed for the holder's `ttl_s`, by either
+  (a) the store's clock: the object's age as the store reports it (S3: the response's `Date`
+      minus the object's `Last-Modified`, both the server's; a local folder: this machine's time
+      minus the file's modification time). A replacement node booting minutes after a hard kill
+      takes over at once, as it always did; or
+  (b) its own clock: it has itself seen the very same version (ETag, or bytes: every renewal
+      writes a new one) unchanged for `ttl_s`. This covers a store that reports no times; it
+      costs a node one wait of ttl_s, which `resume --wait`'s polling absorbs (what this process
+      saw is remembered across the leases it makes, per clock).
+  Either suffices: the holder sent its last renewal before the store stamped it and before the
+  taker first saw it, and stops itself `renew_every_s / 2` before ttl_s have passed since.
+
+Identity: a holder is its `holder` name, its host name, the machine's boot id
+(/proc/sys/kernel/random/boot_id) and its pid namespace. Only the same holder on the same host,
+same boot and same pid namespace may retake a lease at once when its recorded pid is gone (a
+crashed supervisor, restarted); anywhere else that pid number means nothing, and a holder of the
+same name elsewhere (another machine or container with the same host name, or this machine after
+a reboot) is waited for like anyone else.
+
 What the lease guarantees, and what it assumes:
 
-* Expiry is judged on the clock of the node that wants to take over, against `expires_epoch`
-  written with the holder's clock (NTP keeps cloud VMs within milliseconds of each other).
 * The holder fences itself: when renewals keep failing or hanging (storage outage, credentials
   revoked) the renewal thread reports `LeaseLost` once only `renew_every_s / 2` of the lease is
-  left, so the trainer can stop before anyone may take over. With the defaults (ttl 60 s, renew
-  every 20 s) that is 50 s after the last successful renewal, 10 s before expiry; node clocks
-  must agree to well within those 10 s.
-* It cannot stop a holder that is frozen (a suspended VM) and wakes after its lease was taken:
-  the first renewal then reports `LeaseLost`, up to `renew_every_s` later. Writes that must
-  never come from a stale holder go through checkpoint.fenced, which checks `Lease.held` first.
+  left by its own clock, so the trainer can stop before anyone may take over. With the defaults
+  (ttl 60 s, renew every 20 s) that is 50 s after the last successful renewal was sent, 10 s
+  before anyone may take over; the clocks' rates (not their settings) must agree within that.
+* It cannot stop a holder that is frozen (a VM paused by its hypervisor, whose clocks may not
+  count the pause) and wakes after its lease was taken: the first renewal then reports
+  `LeaseLost`, up to `renew_every_s` later. Writes that must never come from a stale holder go
+  through checkpoint.fenced, which checks `Lease.held` first.
 
 Raises, besides `LeaseHeld` and `LeaseLost`: `StorageConfigError` at once for configuration
 errors (missing bucket, bad credentials, unsupported URL); `StorageUnavailable` when transient
@@ -39,33 +64,53 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from .cas import Conflict, Unsupported, open_cas
+from .cas import Conflict, Found, Unsupported, open_cas
 from .retry import RetryPolicy, StorageConfigError, StorageUnavailable, backoff
 
 log = logging.getLogger(__name__)
 
 LEASE_KEY = "lease.json"
+DEFAULT_TTL_S = 60.0
 # How many times one acquire / renew / release re-reads after losing a compare-and-swap before
 # giving up: each lost round means another writer succeeded, so a few rounds settle any race.
 _MAX_ROUNDS = 8
 
 
+def steady_clock() -> float:
+    """Seconds on a clock that never jumps with the wall clock (NTP steps, an operator's `date`)
+    and, on Linux, keeps counting while the machine is suspended (CLOCK_BOOTTIME), so a holder
+    that wakes from a suspend knows at once that its lease has run out. Only intervals measured
+    on it mean anything, and only on this machine."""
+    return time.clock_gettime(_STEADY)
+
+
+_STEADY = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
 class LeaseHeld(RuntimeError):
     """Another live holder has the job. `holder` is its lease body (without the token); the
-    message names it: holder, host, pid, since, and when the lease expires."""
+    message names it (holder, host, pid, since), how long it has gone unrenewed, and how long
+    unrenewed it must stay before another node takes over."""
 
-    def __init__(self, url: str, holder: dict, now: float) -> None:
+    def __init__(self, url: str, holder: dict, *, unrenewed_s: float | None = None,
+                 ttl_s: float | None = None) -> None:
         self.holder = _public(holder)
-        super().__init__(f"job at {url} is held by {describe_holder(holder, now)}; "
-                         f"it is taken over only after that lease expires unrenewed")
+        if unrenewed_s is None or ttl_s is None:
+            when = "it is taken over only once it stays unrenewed for its ttl"
+        else:
+            when = (f"last renewed {max(0.0, unrenewed_s):.0f}s ago; another node takes it over "
+                    f"once it stays unrenewed for {ttl_s:.0f}s")
+        super().__init__(f"job at {url} is held by {describe_holder(holder)}; {when}")
 
 
 class LeaseLost(RuntimeError):
@@ -77,29 +122,29 @@ class LeaseLost(RuntimeError):
         super().__init__(message)
 
 
-def describe_holder(body: dict, now: float | None = None) -> str:
-    """`i-0abc (host ip-10-0-0-5, pid 4242) since 2025-01-01T00:00:00Z, lease expires
-    2025-01-01T00:01:00Z (in 41s)` -- for messages and `grpo-run get`."""
-    now = time.time() if now is None else now
-    expires = _epoch(body.get("expires_epoch"))
-    left = expires - now
-    when = f"in {left:.0f}s" if left >= 0 else f"{-left:.0f}s ago"
-    return (f"{body.get('holder', '?')} (host {body.get('host', '?')}, pid {body.get('pid', '?')}) "
-            f"since {body.get('since', '?')}, lease expires {body.get('expires', '?')} ({when})")
+def describe_holder(body: dict) -> str:
+    """`i-0abc (host ip-10-0-0-5, boot 5f1c2a9e, pid 4242) since 2025-01-01T00:00:00Z` -- for
+    messages and `grpo-run get`. The times are the holder's own wall clock."""
+    boot = body.get("boot_id")
+    boot = f", boot {str(boot)[:8]}" if boot else ""
+    return (f"{body.get('holder', '?')} (host {body.get('host', '?')}{boot}, "
+            f"pid {body.get('pid', '?')}) since {body.get('since', '?')}")
 
 
-def read_lease(store_url: str, key: str = LEASE_KEY, *, clock: Callable[[], float] = time.time
-               ) -> dict | None:
+def read_lease(store_url: str, key: str = LEASE_KEY) -> dict | None:
     """The job's lease for display (`grpo-run get`), or None when nobody holds it.
 
-    The stored body without its token, plus `"expired": bool` by `clock`. Raises
-    StorageConfigError / StorageUnavailable as `Lease` does."""
+    The stored body without its token, plus `"age_s"`: seconds since its last renewal by the
+    store's clock, and `"expired"`: whether that age has reached the holder's ttl (both None
+    when the store reports no times). Raises StorageConfigError / StorageUnavailable as `Lease`
+    does."""
     cas = open_cas(store_url, key)
     current = _retries(store_url, attempts=3).call("read", cas.read)
     if current is None:
         return None
-    body = _public(_parse(current[0]))
-    body["expired"] = clock() >= _epoch(body.get("expires_epoch"))
+    body = _public(_parse(current.data))
+    body["age_s"] = current.age_s
+    body["expired"] = None if current.age_s is None else current.age_s >= _ttl(body, DEFAULT_TTL_S)
     return body
 
 
@@ -113,12 +158,15 @@ class Lease:
         lease.release()
 
     or `with Lease(...) as lease:` (acquire on enter, release on exit). `holder` names this node
-    (an instance id, a hostname); the same holder on the same host may retake its own lease at
-    once after a crash (its pid is gone), anyone else only once it has expired.
+    (an instance id, a hostname); the same holder on the same host, boot and pid namespace may
+    retake its own lease at once after a crash (its pid is gone), anyone else only once the
+    lease has gone unrenewed for its ttl.
 
-    `clock` (epoch seconds) is injectable for tests; `sleep` is the wait between retries of
-    transient storage errors, at most `retry_attempts` tries per operation, cut short when
-    `stop` (the preemption event) is set.
+    `clock` measures intervals on this machine (seconds; only differences are used): how long
+    our own lease has left, and how long we have watched someone else's go unrenewed. The
+    default, `steady_clock`, never jumps; tests inject one they move by hand. `sleep` is the
+    wait between retries of transient storage errors, at most `retry_attempts` tries per
+    operation, cut short when `stop` (the preemption event) is set.
     """
 
     def __init__(
@@ -126,9 +174,9 @@ class Lease:
         store_url: str,
         *,
         holder: str,
-        ttl_s: float = 60.0,
+        ttl_s: float = DEFAULT_TTL_S,
         renew_every_s: float | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = steady_clock,
         key: str = LEASE_KEY,
         stop: threading.Event | None = None,
         retry_attempts: int = 5,
@@ -148,15 +196,19 @@ class Lease:
         self.ttl_s = float(ttl_s)
         self.renew_every_s = float(renew_every_s)
         self._clock = clock
+        self._key = key
         self._cas = open_cas(store_url, key)
         self._calls = _retries(store_url, attempts=retry_attempts, stop=stop, sleep=sleep)
         self._host = socket.gethostname()
+        self._boot_id = boot_id()
+        self._pid_ns = pid_namespace()
         # Set once the lease is known lost (taken over, removed, or unrenewable); cleared by a
         # successful acquire. The training loop may poll it instead of using on_lost.
         self.lost = threading.Event()
         self._lock = threading.Lock()      # one acquire / renew / release at a time
         self._body: dict | None = None     # what we last wrote; None when not held
         self._version: Any = None          # the store's version of it (S3 ETag, or the bytes)
+        self._expires_at: float | None = None  # on self._clock: last renewal sent + ttl_s
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -165,17 +217,18 @@ class Lease:
 
     @property
     def held(self) -> bool:
-        """We hold the lease as far as we know, and by our clock it is further from expiry than
-        the renewal thread's safety margin (renew_every_s / 2). Check it right before work that
-        a stale holder must never do, such as uploading a checkpoint."""
-        body = self._body
-        return (body is not None and not self.lost.is_set()
-                and self._clock() < body["expires_epoch"] - self.renew_every_s / 2)
+        """We hold the lease as far as we know, and by our clock it is further from running out
+        than the renewal thread's safety margin (renew_every_s / 2). Check it right before work
+        that a stale holder must never do, such as uploading a checkpoint."""
+        expires = self._expires_at
+        return (self._body is not None and expires is not None and not self.lost.is_set()
+                and self._clock() < expires - self.renew_every_s / 2)
 
     @property
-    def expires_epoch(self) -> float | None:
-        body = self._body
-        return None if body is None else body["expires_epoch"]
+    def expires_at(self) -> float | None:
+        """When our lease runs out, on our own `clock`: ttl_s after we sent the write that last
+        renewed it (no one may take it over before then). None when not held."""
+        return self._expires_at if self._body is not None else None
 
     # --- acquire / renew / release --------------------------------------------------------------
 
@@ -183,43 +236,45 @@ class Lease:
         """Take the lease, or extend it if already ours.
 
         Raises LeaseHeld when someone else's lease is live (also when others kept winning
-        every round of a race); takes over an expired one."""
+        every round of a race); takes over one unrenewed for its ttl."""
         with self._lock:
             if self.lost.is_set():  # what we hold, if anything, is not to be trusted: start over
-                self._body, self._version = None, None
+                self._body, self._version, self._expires_at = None, None, None
             candidate = self._body["token"] if self._body else secrets.token_hex(16)
             current = None
             for _ in range(_MAX_ROUNDS):
-                now = self._clock()
+                sent = self._clock()  # before the read, so before any write that follows it
                 current = self._calls.call("read", self._cas.read)
                 # Our token there: already ours, or an earlier attempt whose answer got lost.
-                if current is not None and _parse(current[0]).get("token") == candidate:
-                    self._adopt(_parse(current[0]), current[1])
+                if current is not None and _parse(current.data).get("token") == candidate:
+                    self._body, self._version = _parse(current.data), current.version
                     self.lost.clear()
                     self._renew_locked()
                     return
-                body = self._new_body(candidate, since=now, now=now)
+                body = self._new_body(candidate)
                 data = _dump(body)
                 try:
                     if current is None:
                         version = self._calls.call("create", lambda: self._cas.create(data))
                     else:
-                        theirs = _parse(current[0])
-                        if not self._may_take_over(theirs, now):
-                            raise LeaseHeld(self.url, theirs, now)
+                        theirs = _parse(current.data)
+                        why = self._why_take_over(theirs, current, sent)
+                        if why is None:
+                            raise LeaseHeld(self.url, theirs, ttl_s=_ttl(theirs, self.ttl_s),
+                                            unrenewed_s=self._unrenewed(current, sent))
                         version = self._calls.call(
-                            "take over", lambda v=current[1]: self._cas.replace(data, v))
-                        log.warning("lease %s: took over from %s", self.url,
-                                    describe_holder(theirs, now))
+                            "take over", lambda v=current.version: self._cas.replace(data, v))
+                        log.warning("lease %s: took over from %s: %s", self.url,
+                                    describe_holder(theirs), why)
                 except Conflict:
                     continue  # another writer changed it between our read and write: look again
-                self._adopt(body, version)
+                self._adopt(body, version, sent)
                 self.lost.clear()
-                log.info("lease %s: acquired by %s until %s", self.url, self.holder,
-                         body["expires"])
+                log.info("lease %s: acquired by %s for %.0fs unless renewed", self.url,
+                         self.holder, self.ttl_s)
                 return
-            theirs = _parse(current[0]) if current is not None else {}
-            raise LeaseHeld(self.url, theirs, self._clock())
+            theirs = _parse(current.data) if current is not None else {}
+            raise LeaseHeld(self.url, theirs)
 
     def renew(self) -> None:
         """Extend the lease by ttl_s from now. Raises LeaseLost if it is no longer ours (and
@@ -247,29 +302,30 @@ class Lease:
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours (a conditional delete: a
         lease someone else took over is left alone). Idempotent. Storage errors are logged, not
-        raised: an unreleased lease simply expires after ttl_s."""
+        raised: an unreleased lease simply runs out after ttl_s unrenewed."""
         self._stopping.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         with self._lock:
-            body, self._body, self._version = self._body, None, None
+            body, self._body, self._version, self._expires_at = self._body, None, None, None
             if body is None:
                 return
             try:
                 for _ in range(_MAX_ROUNDS):
                     current = self._calls.call("read", self._cas.read)
-                    if current is None or _parse(current[0]).get("token") != body["token"]:
+                    if current is None or _parse(current.data).get("token") != body["token"]:
                         return  # gone, or someone else's now
                     try:
-                        self._calls.call("release", lambda v=current[1]: self._cas.delete(v))
+                        self._calls.call("release",
+                                         lambda v=current.version: self._cas.delete(v))
                         log.info("lease %s: released by %s", self.url, self.holder)
                         return
                     except Conflict:
                         continue
             except (StorageUnavailable, StorageConfigError, Unsupported) as exc:
-                log.warning("lease %s: could not release (%s); it expires by itself at %s",
-                            self.url, exc, body["expires"])
+                log.warning("lease %s: could not release (%s); another node may take it over "
+                            "once it stays unrenewed for %.0fs", self.url, exc, self.ttl_s)
 
     def __enter__(self) -> Lease:
         self.acquire()
@@ -285,9 +341,9 @@ class Lease:
             raise LeaseLost(f"lease on {self.url} was already lost")
         if self._body is None:
             raise RuntimeError(f"lease {self.url}: not held (acquire() first)")
-        now = self._clock()
-        body = dict(self._body, pid=os.getpid(), expires=_iso(now + self.ttl_s),
-                    expires_epoch=now + self.ttl_s, ttl_s=self.ttl_s)
+        sent = self._clock()  # before the write: the lease runs out ttl_s after this at the latest
+        body = dict(self._body, pid=os.getpid(), renewed=_iso(time.time()),
+                    renewals=_count(self._body.get("renewals")) + 1, ttl_s=self.ttl_s)
         data = _dump(body)
         for _ in range(_MAX_ROUNDS):
             try:
@@ -296,18 +352,18 @@ class Lease:
                     budget_s=self.renew_every_s / 2)
             except Conflict:
                 current = self._calls.call("read", self._cas.read, budget_s=self.renew_every_s / 2)
-                theirs = _parse(current[0]) if current is not None else None
+                theirs = _parse(current.data) if current is not None else None
                 if theirs is not None and theirs.get("token") == body["token"]:
                     # Ours still: an earlier write of ours whose answer got lost.
-                    self._version = current[1]
+                    self._version = current.version
                     continue
                 self._lose()
                 if theirs is None:
                     raise LeaseLost(f"lease on {self.url} was removed while {self.holder} held it; "
                                     f"stop training: another node may have started") from None
                 raise LeaseLost(f"lease on {self.url} was taken over by "
-                                f"{describe_holder(theirs, now)}; stop training", theirs) from None
-            self._adopt(body, version)
+                                f"{describe_holder(theirs)}; stop training", theirs) from None
+            self._adopt(body, version, sent)
             return
         self._lose()
         raise LeaseLost(f"lease on {self.url}: could not renew, it kept changing under us")
@@ -315,11 +371,11 @@ class Lease:
     def _renew_loop(self, on_lost: Callable[[LeaseLost], None]) -> None:
         wait = self.renew_every_s
         while not self._stopping.wait(wait):
-            expires = self.expires_epoch
+            expires = self.expires_at
             if expires is None:
                 return  # released or lost meanwhile
             # Renewed by then, or we stop: half a renewal interval of lease is left for the
-            # trainer to stop before anyone else may take over (and absorbs clock skew).
+            # trainer to stop before anyone else may take over.
             cutoff = expires - self.renew_every_s / 2
             try:
                 self._renew_before(cutoff)
@@ -334,9 +390,10 @@ class Lease:
                                 "%.1fs", self.url, exc, wait, cutoff - self._clock())
                     continue
                 self._lose()
-                lost = LeaseLost(f"lease on {self.url}: could not renew before it expires at "
-                                 f"{_iso(expires)} ({exc}); stop training so that another node "
-                                 f"can take over safely")
+                lost = LeaseLost(f"lease on {self.url}: could not renew before it expires, in "
+                                 f"{max(0.0, expires - self._clock()):.0f}s by this node's "
+                                 f"clock ({exc}); stop training so that another node can take "
+                                 f"over safely")
             if self._stopping.is_set():
                 return  # released while renewing: nobody is waiting for the news
             log.error("%s", lost)
@@ -361,36 +418,77 @@ class Lease:
                 done.set()
 
         threading.Thread(target=call, name=f"lease-renew-call:{self.holder}", daemon=True).start()
-        if not done.wait(max(0.0, cutoff - self._clock())):
-            raise _Hung(f"storage did not answer the renewal before {_iso(cutoff)}")
+        waited = max(0.0, cutoff - self._clock())
+        if not done.wait(waited):
+            raise _Hung(f"storage did not answer the renewal within {waited:.1f}s")
         if outcome:
             raise outcome[0]
 
-    def _may_take_over(self, theirs: dict, now: float) -> bool:
-        if now >= _epoch(theirs.get("expires_epoch")):
-            return True
+    def _why_take_over(self, theirs: dict, found: Found, now: float) -> str | None:
+        """Why we may take over the lease `found` (whose body is `theirs`), or None while its
+        holder may still be alive. `now` is our clock's reading before the read."""
+        if theirs.get("unreadable"):
+            return "its lease body is unreadable (it cannot be renewed either)"
+        ttl = _ttl(theirs, self.ttl_s)
+        watched = _watch(self.url, self._key, found.version, now, self._clock)
+        if found.age_s is not None and found.age_s >= ttl:
+            return f"unrenewed for {found.age_s:.0f}s by the store's clock (ttl {ttl:.0f}s)"
+        if watched >= ttl:
+            return f"this node watched it unrenewed for {watched:.0f}s (ttl {ttl:.0f}s)"
         # Our own lease from before a crash or restart on this very machine: no need to wait
-        # out the ttl, unless that process is still running (two supervisors on one node).
-        if theirs.get("holder") == self.holder and theirs.get("host") == self._host:
+        # out the ttl, unless that process is still running (two supervisors on one node). The
+        # pid means that process only on the same boot and in the same pid namespace.
+        if (theirs.get("holder") == self.holder and theirs.get("host") == self._host
+                and self._boot_id is not None and theirs.get("boot_id") == self._boot_id
+                and self._pid_ns is not None and theirs.get("pid_ns") == self._pid_ns):
             pid = theirs.get("pid")
-            return pid == os.getpid() or not _pid_alive(pid)
-        return False
+            if pid == os.getpid() or not _pid_alive(pid):
+                return f"our own lease from process {pid} on this machine, which is gone"
+        return None
 
-    def _new_body(self, token: str, *, since: float, now: float) -> dict:
-        return {"holder": self.holder, "host": self._host, "pid": os.getpid(), "token": token,
-                "since": _iso(since), "expires": _iso(now + self.ttl_s),
-                "since_epoch": since, "expires_epoch": now + self.ttl_s, "ttl_s": self.ttl_s}
+    def _unrenewed(self, found: Found, now: float) -> float:
+        """How long the lease `found` has gone unrenewed as far as we can tell: the longer of
+        its age on the store's clock and how long we have watched it unchanged."""
+        watched = _watch(self.url, self._key, found.version, now, self._clock)
+        return max(watched, found.age_s if found.age_s is not None else 0.0)
 
-    def _adopt(self, body: dict, version: Any) -> None:
-        self._body, self._version = body, version
+    def _new_body(self, token: str) -> dict:
+        wall = time.time()  # for people to read; never compared with anything
+        return {"holder": self.holder, "host": self._host, "boot_id": self._boot_id,
+                "pid_ns": self._pid_ns, "pid": os.getpid(), "token": token,
+                "since": _iso(wall), "since_epoch": wall, "renewed": _iso(wall), "renewals": 0,
+                "ttl_s": self.ttl_s}
+
+    def _adopt(self, body: dict, version: Any, sent: float) -> None:
+        self._body, self._version, self._expires_at = body, version, sent + self.ttl_s
 
     def _lose(self) -> None:
-        self._body, self._version = None, None
+        self._body, self._version, self._expires_at = None, None, None
         self.lost.set()
 
 
 class _Hung(TimeoutError):
     """A renewal did not finish by the time we had to stop waiting for it."""
+
+
+# What this process has seen of each lease: (url, key) -> (version, first seen, clock). A
+# version watched unchanged for the holder's ttl was not renewed in that time, whatever anyone's
+# wall clock says. Kept for the process, not the Lease object, because a node waiting for a job
+# (`resume --wait`) makes a new Lease for every try; a reading counts only on the clock it was
+# taken on.
+_WATCHED: dict[tuple[str, str], tuple[Any, float, Callable[[], float]]] = {}
+_WATCHED_LOCK = threading.Lock()
+
+
+def _watch(url: str, key: str, version: Any, now: float, clock: Callable[[], float]) -> float:
+    """How long (on `clock`) this process has watched `version` of the lease unchanged: 0 the
+    first time it sees that version, which starts the watch."""
+    with _WATCHED_LOCK:
+        seen = _WATCHED.get((url, key))
+        if seen is None or seen[0] != version or seen[2] is not clock:
+            _WATCHED[(url, key)] = (version, now, clock)
+            return 0.0
+        return max(0.0, now - seen[1])
 
 
 def _retries(url: str, *, attempts: int, stop: threading.Event | None = None,
@@ -405,6 +503,25 @@ def _retries(url: str, *, attempts: int, stop: threading.Event | None = None,
 
 # --- small helpers ------------------------------------------------------------------------------
 
+def boot_id() -> str | None:
+    """This machine's boot id: new at every boot, and different on every other machine (and
+    VM) even when they share a host name. None where the kernel does not offer one (then no
+    lease of ours is ever retaken early)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace() -> str | None:
+    """Our pid namespace (`pid:[4026531836]`): containers on one machine share its boot id but
+    not this, and a pid number names the same process only inside one namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _pid_alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -418,15 +535,29 @@ def _pid_alive(pid: object) -> bool:
 
 
 def _parse(data: bytes) -> dict:
-    """A lease body; an unreadable one counts as expired (it cannot be renewed either)."""
+    """A lease body; an unreadable one may be taken over at once (it cannot be renewed either)."""
     try:
         body = json.loads(data)
     except ValueError:
         body = None
     if not isinstance(body, dict):
         log.warning("lease body is not a JSON object (%r...); treating it as expired", data[:80])
-        return {"holder": "?", "expires_epoch": 0.0, "unreadable": True}
+        return {"holder": "?", "unreadable": True}
     return body
+
+
+def _ttl(body: dict, default: float) -> float:
+    """The ttl the holder promised to renew within (its body's ttl_s); `default` for a body that
+    does not say or says nonsense."""
+    value = body.get("ttl_s")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value) and value > 0:
+        return float(value)
+    return default
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _public(body: dict) -> dict:
@@ -435,13 +566,6 @@ def _public(body: dict) -> dict:
 
 def _dump(body: dict) -> bytes:
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
-
-
-def _epoch(value: object) -> float:
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return 0.0
 
 
 def _iso(epoch: float) -> str:

@@ -385,11 +385,18 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 @click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
 @click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
 @click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
+@click.option("--service-account-token", is_flag=True,
+              help="k8s: mount the service account's Kubernetes API token in the pod (off: grpo-run never calls the API, "
+                   "and workload identity brings its own token)")
+@click.option("--seccomp", metavar="PROFILE", default="unconfined", show_default=True,
+              help="k8s: the container's seccomp profile: unconfined, runtime-default (refuses the reward sandbox's "
+                   "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
+@click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
 @click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
-               pool: str, gpus: int, secret: str | None, service_account: str | None,
-               accelerators: str | None) -> int:
+               pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
+               seccomp: str, uid: int, accelerators: str | None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
@@ -401,7 +408,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     example:
       grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
       grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
-      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --secret aws
+      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
       grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
     """
@@ -445,8 +452,14 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         if not image:
             _error("k8s: give --image, a container image with grpo-run installed")
             return EXIT_USAGE
-        print(kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
-                             service_account=service_account), end="")
+        try:
+            manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
+                                      service_account=service_account, seccomp=seccomp, uid=uid,
+                                      service_account_token=service_account_token)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        print(manifest, end="")
         return EXIT_OK
     print(cloud_init(settings), end="")
     return EXIT_OK

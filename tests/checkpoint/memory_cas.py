@@ -14,26 +14,28 @@ import pytest
 
 import grpo_run.checkpoint.storage.cas as cas_module
 import grpo_run.checkpoint.storage.lease as lease_module
-from grpo_run.checkpoint.storage.cas import Cas, Conflict
+from grpo_run.checkpoint.storage.cas import Cas, Conflict, Found
 from grpo_run.checkpoint.storage.store import Store
 
 _LOCK = threading.Lock()
 
 
 class MemoryCas:
-    """One object of a memory:// store: every compare-and-swap under one lock for the process."""
+    """One object of a memory:// store: every compare-and-swap under one lock for the process.
+    It keeps no clock, so a read reports no age (as an S3 server that sent no dates would): a
+    lease on it is judged on the taker's own clock alone."""
 
     def __init__(self, store: Store, key: str) -> None:
         store.fs_path(key)  # the key's validation, as for the real backends
         self.store, self.key = store, key
 
-    def read(self) -> tuple[bytes, Any] | None:
+    def read(self) -> Found | None:
         with _LOCK:
             try:
                 data = self.store.get_bytes(self.key)
             except FileNotFoundError:
                 return None
-            return data, data
+            return Found(data, data, None)
 
     def create(self, data: bytes) -> Any:
         with _LOCK:

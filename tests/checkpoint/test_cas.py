@@ -1,8 +1,13 @@
 """Compare-and-swap, the lease's primitive: every backend refuses a write against a version that
 is no longer current, and says so with Conflict (the unit tests' memory:// double too); gs:// and
-memory:// are refused with the reason."""
+memory:// are refused with the reason. A read says how old the object is on the store's own
+clock, which is what a lease's expiry is judged on."""
 
 from __future__ import annotations
+
+import datetime as dt
+import os
+import time
 
 import pytest
 
@@ -29,14 +34,14 @@ def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
     first = cas.create(b"one")
     with pytest.raises(Conflict):
         cas.create(b"again")                      # exists already
-    assert cas.read() == (b"one", first)
+    assert cas.read()[:2] == (b"one", first)
 
     second = cas.replace(b"two", first)
     with pytest.raises(Conflict):
         cas.replace(b"three", first)              # someone else's write came in between
     with pytest.raises(Conflict):
         cas.delete(first)
-    assert cas.read() == (b"two", second)
+    assert cas.read()[:2] == (b"two", second)
 
     cas.delete(second)
     assert cas.read() is None
@@ -51,6 +56,32 @@ def test_two_objects_under_one_url_are_independent(url):
     a.create(b"a")
     b.create(b"b")
     assert a.read()[0] == b"a" and b.read()[0] == b"b"
+
+
+def test_a_local_object_is_as_old_as_its_last_write(tmp_path):
+    cas = storage_cas.open_cas(str(tmp_path / "job"), "lease.json")
+    cas.create(b"one")
+    assert 0 <= cas.read().age_s < 5
+    path = tmp_path / "job" / "lease.json"
+    os.utime(path, (time.time() - 120, time.time() - 120))   # last written two minutes ago
+    assert 119 <= cas.read().age_s < 125
+
+
+def test_an_s3_object_is_aged_on_the_servers_clock_not_ours(s3_env, monkeypatch):
+    cas = storage_cas.open_cas(s3_env.url + "/cas", "lease.json")
+    cas.create(b"one")
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)   # our wall clock is years off
+    age = cas.read().age_s
+    assert age is not None and -1 <= age < 5                     # the server's Date and Last-Modified
+
+
+def test_the_s3_age_is_date_minus_last_modified_less_a_second_for_whole_second_dates():
+    modified = dt.datetime(2026, 1, 1, 10, 0, 0, tzinfo=dt.timezone.utc)
+    reply = {"LastModified": modified,
+             "ResponseMetadata": {"HTTPHeaders": {"date": "Thu, 01 Jan 2026 10:01:05 GMT"}}}
+    assert storage_cas._s3_age(reply) == 64.0
+    assert storage_cas._s3_age({"LastModified": modified}) is None          # no Date: no age
+    assert storage_cas._s3_age(dict(reply, ResponseMetadata={"HTTPHeaders": {"date": "soon"}})) is None
 
 
 @pytest.mark.parametrize("gs_url", ["gs://bucket/job", "gcs://bucket/job"])

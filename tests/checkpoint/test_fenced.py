@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo_run.checkpoint.storage.fenced import FencedStore
-from grpo_run.checkpoint.storage.lease import Lease, LeaseLost
+from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, staging_dir
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import Uploader
@@ -23,6 +23,8 @@ def _memory_leases(monkeypatch):
 
 
 class Clock:
+    """The node's own clock (seconds; only differences count), moved by the test."""
+
     def __init__(self, now: float = 1_700_000_000.0) -> None:
         self.now = now
 
@@ -52,8 +54,11 @@ def test_a_holder_whose_lease_was_taken_over_uploads_no_further_checkpoint(tmp_p
         uploads.submit(seal(tmp_path, 1))
         assert uploads.wait()
 
-        clock.now += 61                                    # node-a froze past its expiry...
-        Lease(URL, holder="node-b", clock=clock).acquire()  # ...and node-b took the job over
+        node_b = Lease(URL, holder="node-b", clock=clock)
+        with pytest.raises(LeaseHeld):
+            node_b.acquire()                               # node-b sees node-a's lease...
+        clock.now += 61                                    # ...node-a froze past its expiry...
+        node_b.acquire()                                   # ...and node-b took the job over
         with pytest.raises(LeaseLost):
             lease.renew()                                  # what node-a's renewal finds on waking
         before = stored(URL)
@@ -75,7 +80,7 @@ def test_a_holder_that_could_not_renew_in_time_stops_writing_and_can_still_read(
     store = FencedStore(Store(URL), lease)
     store.put_bytes("state.db", b"record before")
 
-    clock.now = lease.expires_epoch - 10                   # renewals failed until the safety margin
+    clock.now = lease.expires_at - 10                      # renewals failed until the safety margin
     with pytest.raises(LeaseLost, match="no longer held by node-a"):
         store.put_bytes("state.db", b"record after")
     with pytest.raises(LeaseLost):
