@@ -30,6 +30,7 @@ from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHIL
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
                                        Failed, Plan)
 from grpo_run.trainer.recipe import Requests, run
+from grpo_run.trainer.trainer import NonFiniteStep
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ def child_main(argv: list[str] | None = None) -> int:
     except RewardFunctionError as e:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
+        return CHILD_CODE_ERROR
+    except NonFiniteStep as e:       # the job's numbers: a restart replays the same step, so it ends the job
+        events.emit(Failed(message=str(e), code=True))
+        log.error("%s", e)
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))
