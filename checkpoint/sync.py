@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .storage.fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
+    FINITE_META,
     KEEP_CHECKPOINTS,
     MANIFEST_NAME,
     CheckpointInvalid,
@@ -175,15 +176,22 @@ class Uploader:
     """
 
     def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
-                 on_upload: Callable[[int, list[int], BaseException | None], None] | None = None) -> None:
+                 on_upload: Callable[[int, list[int], BaseException | None], None] | None = None,
+                 accept: Accept | None = None) -> None:
         """`on_upload(step, durable steps newest first, error or None)` is called from the
-        upload thread after each upload of a checkpoint ends, well or not."""
+        upload thread after each upload of a checkpoint ends, well or not. `accept`: as
+        restore_latest's; a checkpoint found under the prefix that it refuses (another run's) is
+        neither counted durable nor ever deleted.
+
+        Pruning keeps the newest `keep` durable checkpoints and, when none of them says its
+        weights were checked finite (FINITE_META), the newest that does, whatever its age."""
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (got {keep})")
         self.store = store
         self.prefix = remote_prefix.strip("/")
         self.keep = keep
         self._on_upload = on_upload
+        self._accept = accept
         # The last upload's error; cleared when a later upload succeeds.
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Path, Manifest | None] | None] = queue.Queue()
@@ -194,8 +202,9 @@ class Uploader:
         self._durable: list[int] = []
         # What the store holds under the prefix, listed once at the first upload and then kept
         # up to date here: listing after every upload cost more than the upload (one writer per
-        # job holds the lease, so nothing else adds checkpoints meanwhile).
-        self._remote: set[int] | None = None
+        # job holds the lease, so nothing else adds checkpoints meanwhile): step -> whether its
+        # weights were checked finite when sealed.
+        self._remote: dict[int, bool] | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
         self._thread.start()
 
@@ -304,7 +313,7 @@ class Uploader:
             self._durable = sorted(set(self._durable) | {step}, reverse=True)
             self.error = None
         try:
-            durable = self._prune_remote(newest_uploaded=step)
+            durable = self._prune_remote(step, manifest.meta.get(FINITE_META) is True)
         except StorageConfigError:
             raise  # e.g. no delete permission: keep-K cannot hold, say so
         except Exception as exc:  # the upload stands; pruning is tried again after the next one
@@ -314,7 +323,7 @@ class Uploader:
         with self._cond:
             self._durable = durable
 
-    def _prune_remote(self, newest_uploaded: int) -> list[int]:
+    def _prune_remote(self, newest_uploaded: int, finite: bool) -> list[int]:
         if self._remote is None:
             steps, partial = _remote_checkpoints(self.store, self.prefix)
             # uploads cut short before the newest durable one will never be finished
@@ -322,18 +331,41 @@ class Uploader:
             for step in partial:
                 if step < newest:
                     self.store.delete(f"{self.prefix}/{checkpoint_name(step)}")
-            self._remote = steps
-        self._remote.add(newest_uploaded)
+            self._remote = self._listed(steps - {newest_uploaded})
+        self._remote[newest_uploaded] = finite
         durable = sorted(self._remote, reverse=True)
-        for old in durable[self.keep:]:
-            if old == newest_uploaded:  # pragma: no cover - keep >= 2 and it is the newest
+        kept = durable[: self.keep]
+        if not any(self._remote[s] for s in kept):    # the newest good weights stay, however old
+            kept += [s for s in durable[self.keep:] if self._remote[s]][:1]
+        for old in durable:
+            if old in kept:
                 continue
             name = checkpoint_name(old)
             # manifest first: from this instant it is not a checkpoint, whatever else remains
             self.store.delete(f"{self.prefix}/{name}/{MANIFEST_NAME}")
             self.store.delete(f"{self.prefix}/{name}")
-            self._remote.discard(old)
-        return durable[: self.keep]
+            del self._remote[old]
+        return kept
+
+    def _listed(self, steps: set[int]) -> dict[int, bool]:
+        """The durable checkpoints found under the prefix at the first upload, each read once:
+        step -> whether its weights were checked finite. Ones `accept` refuses (another run's)
+        are left out, so never counted nor deleted."""
+        found: dict[int, bool] = {}
+        for step in steps:
+            try:
+                manifest = Manifest.from_json(self.store.get_bytes(f"{self.prefix}/{checkpoint_name(step)}/{MANIFEST_NAME}"))
+            except FileNotFoundError:
+                continue
+            except CheckpointInvalid:      # damaged: counted and pruned as before, never a good one
+                found[step] = False
+                continue
+            if self._accept is not None and (why := self._accept(manifest)) is not None:
+                log.info("leaving checkpoint %s/%s/%s alone: %s", self.store.url, self.prefix,
+                         checkpoint_name(step), why)
+                continue
+            found[step] = manifest.meta.get(FINITE_META) is True
+        return found
 
 
 def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
