@@ -1,9 +1,15 @@
 """Checkpoints to and from object storage.
 
-Remote layout, under a prefix of the store (default "checkpoints"):
+Remote layout, under a prefix of the store: one per run of a job (`run_prefix`), so runs of the
+same name (a job submitted again after its record was deleted) never share, count or prune each
+other's checkpoints, even when they reach the same steps:
 
-    checkpoints/ckpt-00000025/adapter/adapter_model.safetensors
-    checkpoints/ckpt-00000025/manifest.json      # uploaded LAST: its presence means durable
+    checkpoints/<run id>/ckpt-00000025/adapter/adapter_model.safetensors
+    checkpoints/<run id>/ckpt-00000025/manifest.json      # uploaded LAST: its presence means durable
+    final/<run id>/ckpt-00000008/...                       # the final weights
+
+(Before run prefixes, checkpoints lay directly under `checkpoints/` and `final/`; those are read,
+when their manifest names the run, and never written or pruned.)
 
 A checkpoint is durable only once its manifest.json is in the store; every file goes up before
 it, so a kill or outage mid-upload leaves files without a manifest, which nothing trusts. Remote
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -52,6 +59,20 @@ class RestoreStopped(StorageUnavailable):
 
 Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
 
+CHECKPOINTS = "checkpoints"          # the runs' checkpoints, one folder per run under it
+FINAL = "final"                      # the runs' final weights, likewise
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def run_prefix(kind: str, run: str) -> str:
+    """Where run `run`'s checkpoints (kind CHECKPOINTS) or final weights (FINAL) lie in the job's
+    storage. Raises ValueError for a run id that is not one (the record comes from storage,
+    which anyone who can write the bucket can edit)."""
+    if not isinstance(run, str) or not _RUN_ID_RE.match(run):
+        raise ValueError(f"the record's runId {run!r} is not a run id (letters, digits, - and _, at most 64); "
+                         "the record in storage was edited: delete the job and submit it again")
+    return f"{kind}/{run}"
+
 
 def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
     """Steps whose manifest.json exists under `prefix` in the store, newest first.
@@ -81,7 +102,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
         return step, folder, manifest, step in durable
-    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop)
+    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop,
+                          above=local[0] if local is not None else -1)
     if got is not None:
         return got[0], got[1], read_manifest(got[1]), True
     if local is not None:
@@ -92,7 +114,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
 
 def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
                     listed: tuple[set[int], set[int]] | None = None, accept: Accept | None = None,
-                    stop: threading.Event | None = None) -> tuple[int, Path] | None:
+                    stop: threading.Event | None = None, above: int = -1) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -104,7 +126,8 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
     returned, when the caller listed the store already. `accept`: as restore_latest's; a
     checkpoint it refuses is skipped with its reason. `stop` (a preemption): checked before every
     file, so a notice ends a long restore between two files with RestoreStopped; what came down
-    so far is removed.
+    so far is removed. `above`: only steps past it are looked at (a local checkpoint of that step
+    is the fallback: a refused newer one must not send the run back past it).
     """
     dest_root = Path(dest_root)
     durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
@@ -113,7 +136,7 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
         # Files without a manifest: an upload cut off (or a manifest deleted). Never used.
         log.warning("skipping remote checkpoint %s/%s/%s: no manifest.json (a partial upload)",
                     store.url, prefix, checkpoint_name(step))
-    for step in sorted(durable, reverse=True):
+    for step in sorted((s for s in durable if s > above), reverse=True):
         name = checkpoint_name(step)
         where = f"{store.url}/{prefix}/{name}"
         try:
@@ -396,4 +419,4 @@ def _matches_local(folder: Path, manifest: Manifest) -> bool:
     return local.files == manifest.files and local.step == manifest.step
 
 
-__all__ = ["Uploader", "download_latest", "remote_discover", "restore_latest"]
+__all__ = ["CHECKPOINTS", "FINAL", "Uploader", "download_latest", "remote_discover", "restore_latest", "run_prefix"]

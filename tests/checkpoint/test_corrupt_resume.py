@@ -28,13 +28,18 @@ def job_prefix(s3_env) -> str:
     return f"{s3_env.url.split('/', 3)[3]}/{JOB}"
 
 
-def durable_steps(s3_env) -> list[int]:
-    """Steps whose manifest.json is in the bucket, newest first."""
+def durable_folders(s3_env) -> dict[int, str]:
+    """{step: its folder's key} for every checkpoint whose manifest.json is in the bucket, of
+    any run (each run's lie under checkpoints/<run id>/)."""
     client, prefix = s3_env.server.client(), f"{job_prefix(s3_env)}/checkpoints/"
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3_env.bucket, Prefix=prefix)
             for o in page.get("Contents", [])]
-    return sorted((int(k[len(prefix):].split("/")[0][len("ckpt-"):]) for k in keys if k.endswith("/manifest.json")),
-                  reverse=True)
+    return {int(k.split("/")[-2][len("ckpt-"):]): k.rsplit("/", 1)[0] for k in keys if k.endswith("/manifest.json")}
+
+
+def durable_steps(s3_env) -> list[int]:
+    """Steps whose manifest.json is in the bucket, newest first."""
+    return sorted(durable_folders(s3_env), reverse=True)
 
 
 def flip_adapter_bytes(client, bucket: str, ckpt: str) -> str:
@@ -93,7 +98,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_t
     assert len(durable) >= 2 and durable[0] >= 2 * SAVE, durable
     newest, before = durable[0], durable[1]
 
-    why = corrupt(s3_env.server.client(), s3_env.bucket, f"{job_prefix(s3_env)}/checkpoints/{checkpoint_name(newest)}")
+    why = corrupt(s3_env.server.client(), s3_env.bucket, durable_folders(s3_env)[newest])
     resumed = grpo_run(tmp_path / "node-b", "resume", JOB, "--storage", s3_env.url)
 
     came_from = resumed_from(s3_env, tmp_path)
