@@ -22,8 +22,8 @@ from grpo_run.state.record import RECORD_FILE, Record
 def export_weights(job_url: str, out: Path) -> str:
     """Write the job's adapter (PEFT files) or full model into `out`; says which it wrote.
 
-    Raises LookupError when the job has no record in storage, or neither final weights nor a
-    durable checkpoint of its run; ValueError when the record's run id is not one."""
+    Raises LookupError when the job has no record in storage, its run id is not one, or it has
+    neither final weights nor a durable checkpoint of its run."""
     store = Store(job_url)
     with tempfile.TemporaryDirectory(prefix="grpo-run-export.") as tmp:
         tmp = Path(tmp)
@@ -67,4 +67,9 @@ def _run_of(store: Store, local: Path, job_url: str) -> tuple[str | None, bool]:
     with Record(local) as record:
         run = values.RUN_ID.get(record)
         job = record.job()
+    if run is not None:
+        try:
+            run_prefix(CHECKPOINTS, run)
+        except ValueError as e:      # an edited record: said plainly, never a traceback
+            raise LookupError(str(e)) from None
     return run, bool(job) and job["phase"] == Phase.SUCCEEDED
