@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 KEEP_CHECKPOINTS = 3     # sealed checkpoints kept, on the node and in storage: the one setting of it
+# meta key: true when every floating-point tensor was checked finite when the checkpoint was sealed
+# (checkpoint.writer.weights_finite), false when one was not; absent: never checked. Pruning keeps
+# the newest checkpoint marked true even beyond `keep`: NaN weights sealed by a run gone wrong
+# never push out the last good ones.
+FINITE_META = "finite"
 MANIFEST_FORMAT = "grpo-run/checkpoint/v1"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 # Names prune may remove: staging folders, download partials and deletions cut short.
@@ -268,8 +273,9 @@ def discover(root: Path) -> list[tuple[int, Path]]:
 
 
 def prune(root: Path, keep: int = KEEP_CHECKPOINTS, *, trusted: Collection[int] = ()) -> list[int]:
-    """Keep the newest `keep` verified checkpoints under `root`; remove the rest. Returns the
-    steps kept, newest first.
+    """Keep the newest `keep` verified checkpoints under `root`, and the newest one whose manifest
+    says its weights were checked finite (FINITE_META) when none of those does; remove the rest.
+    Returns the steps kept, newest first.
 
     Removes older verified checkpoints, checkpoint-named folders that do not verify, and
     leftovers (staging folders, download partials, interrupted deletions). The newest verified
@@ -287,11 +293,22 @@ def prune(root: Path, keep: int = KEEP_CHECKPOINTS, *, trusted: Collection[int] 
     if not root.is_dir():
         return []
     kept: list[tuple[int, Path]] = []
+    finite_kept = False
     for step, folder in _named(root):      # newest first; stop hashing once `keep` are found
-        if len(kept) == keep:
+        if len(kept) >= keep and finite_kept:
             break
+        if len(kept) >= keep:              # beyond keep: only the newest with finite weights, looked up
+            manifest = _manifest_or_none(folder)     # by its manifest first, hashed only if it is that one
+            if manifest is None or manifest.meta.get(FINITE_META) is not True:
+                continue
+            if step in trusted or _verifies(folder):
+                kept.append((step, folder))
+                finite_kept = True
+            continue
         if step in trusted or _verifies(folder):
             kept.append((step, folder))
+            manifest = _manifest_or_none(folder)
+            finite_kept = finite_kept or (manifest is not None and manifest.meta.get(FINITE_META) is True)
     keep_paths = {folder for _, folder in kept}
     for folder in sorted(root.iterdir()):
         if folder in keep_paths:
@@ -307,6 +324,13 @@ def _named(root: Path) -> list[tuple[int, Path]]:
         return []
     return sorted(((step_of(f), f) for f in root.iterdir() if step_of(f) is not None and f.is_dir()),
                   reverse=True)
+
+
+def _manifest_or_none(folder: Path) -> Manifest | None:
+    try:
+        return read_manifest(folder)
+    except CheckpointInvalid:
+        return None
 
 
 def _verifies(folder: Path) -> bool:

@@ -1,9 +1,15 @@
 """Checkpoints to and from object storage.
 
-Remote layout, under a prefix of the store (default "checkpoints"):
+Remote layout, under a prefix of the store: one per run of a job (`run_prefix`), so runs of the
+same name (a job submitted again after its record was deleted) never share, count or prune each
+other's checkpoints, even when they reach the same steps:
 
-    checkpoints/ckpt-00000025/adapter/adapter_model.safetensors
-    checkpoints/ckpt-00000025/manifest.json      # uploaded LAST: its presence means durable
+    checkpoints/<run id>/ckpt-00000025/adapter/adapter_model.safetensors
+    checkpoints/<run id>/ckpt-00000025/manifest.json      # uploaded LAST: its presence means durable
+    final/<run id>/ckpt-00000008/...                       # the final weights
+
+(Before run prefixes, checkpoints lay directly under `checkpoints/` and `final/`; those are read,
+when their manifest names the run, and never written or pruned.)
 
 A checkpoint is durable only once its manifest.json is in the store; every file goes up before
 it, so a kill or outage mid-upload leaves files without a manifest, which nothing trusts. Remote
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -23,6 +30,7 @@ from pathlib import Path
 
 from .storage.fsio import atomic_write_bytes, fsync_dir
 from .manifest import (
+    FINITE_META,
     KEEP_CHECKPOINTS,
     MANIFEST_NAME,
     CheckpointInvalid,
@@ -50,6 +58,20 @@ class RestoreStopped(StorageUnavailable):
 
 
 Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
+
+CHECKPOINTS = "checkpoints"          # the runs' checkpoints, one folder per run under it
+FINAL = "final"                      # the runs' final weights, likewise
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def run_prefix(kind: str, run: str) -> str:
+    """Where run `run`'s checkpoints (kind CHECKPOINTS) or final weights (FINAL) lie in the job's
+    storage. Raises ValueError for a run id that is not one (the record comes from storage,
+    which anyone who can write the bucket can edit)."""
+    if not isinstance(run, str) or not _RUN_ID_RE.match(run):
+        raise ValueError(f"the record's runId {run!r} is not a run id (letters, digits, - and _, at most 64); "
+                         "the record in storage was edited: delete the job and submit it again")
+    return f"{kind}/{run}"
 
 
 def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
@@ -80,7 +102,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
         return step, folder, manifest, step in durable
-    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop)
+    got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop,
+                          above=local[0] if local is not None else -1)
     if got is not None:
         return got[0], got[1], read_manifest(got[1]), True
     if local is not None:
@@ -91,7 +114,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
 
 def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
                     listed: tuple[set[int], set[int]] | None = None, accept: Accept | None = None,
-                    stop: threading.Event | None = None) -> tuple[int, Path] | None:
+                    stop: threading.Event | None = None, above: int = -1) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -103,7 +126,8 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
     returned, when the caller listed the store already. `accept`: as restore_latest's; a
     checkpoint it refuses is skipped with its reason. `stop` (a preemption): checked before every
     file, so a notice ends a long restore between two files with RestoreStopped; what came down
-    so far is removed.
+    so far is removed. `above`: only steps past it are looked at (a local checkpoint of that step
+    is the fallback: a refused newer one must not send the run back past it).
     """
     dest_root = Path(dest_root)
     durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
@@ -112,7 +136,7 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
         # Files without a manifest: an upload cut off (or a manifest deleted). Never used.
         log.warning("skipping remote checkpoint %s/%s/%s: no manifest.json (a partial upload)",
                     store.url, prefix, checkpoint_name(step))
-    for step in sorted(durable, reverse=True):
+    for step in sorted((s for s in durable if s > above), reverse=True):
         name = checkpoint_name(step)
         where = f"{store.url}/{prefix}/{name}"
         try:
@@ -175,15 +199,22 @@ class Uploader:
     """
 
     def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
-                 on_upload: Callable[[int, list[int], BaseException | None], None] | None = None) -> None:
+                 on_upload: Callable[[int, list[int], BaseException | None], None] | None = None,
+                 accept: Accept | None = None) -> None:
         """`on_upload(step, durable steps newest first, error or None)` is called from the
-        upload thread after each upload of a checkpoint ends, well or not."""
+        upload thread after each upload of a checkpoint ends, well or not. `accept`: as
+        restore_latest's; a checkpoint found under the prefix that it refuses (another run's) is
+        neither counted durable nor ever deleted.
+
+        Pruning keeps the newest `keep` durable checkpoints and, when none of them says its
+        weights were checked finite (FINITE_META), the newest that does, whatever its age."""
         if keep < 2:
             raise ValueError(f"keep must be >= 2 (got {keep})")
         self.store = store
         self.prefix = remote_prefix.strip("/")
         self.keep = keep
         self._on_upload = on_upload
+        self._accept = accept
         # The last upload's error; cleared when a later upload succeeds.
         self.error: BaseException | None = None
         self._queue: queue.Queue[tuple[Path, Manifest | None] | None] = queue.Queue()
@@ -194,8 +225,9 @@ class Uploader:
         self._durable: list[int] = []
         # What the store holds under the prefix, listed once at the first upload and then kept
         # up to date here: listing after every upload cost more than the upload (one writer per
-        # job holds the lease, so nothing else adds checkpoints meanwhile).
-        self._remote: set[int] | None = None
+        # job holds the lease, so nothing else adds checkpoints meanwhile): step -> whether its
+        # weights were checked finite when sealed.
+        self._remote: dict[int, bool] | None = None
         self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
         self._thread.start()
 
@@ -304,7 +336,7 @@ class Uploader:
             self._durable = sorted(set(self._durable) | {step}, reverse=True)
             self.error = None
         try:
-            durable = self._prune_remote(newest_uploaded=step)
+            durable = self._prune_remote(step, manifest.meta.get(FINITE_META) is True)
         except StorageConfigError:
             raise  # e.g. no delete permission: keep-K cannot hold, say so
         except Exception as exc:  # the upload stands; pruning is tried again after the next one
@@ -314,7 +346,7 @@ class Uploader:
         with self._cond:
             self._durable = durable
 
-    def _prune_remote(self, newest_uploaded: int) -> list[int]:
+    def _prune_remote(self, newest_uploaded: int, finite: bool) -> list[int]:
         if self._remote is None:
             steps, partial = _remote_checkpoints(self.store, self.prefix)
             # uploads cut short before the newest durable one will never be finished
@@ -322,18 +354,41 @@ class Uploader:
             for step in partial:
                 if step < newest:
                     self.store.delete(f"{self.prefix}/{checkpoint_name(step)}")
-            self._remote = steps
-        self._remote.add(newest_uploaded)
+            self._remote = self._listed(steps - {newest_uploaded})
+        self._remote[newest_uploaded] = finite
         durable = sorted(self._remote, reverse=True)
-        for old in durable[self.keep:]:
-            if old == newest_uploaded:  # pragma: no cover - keep >= 2 and it is the newest
+        kept = durable[: self.keep]
+        if not any(self._remote[s] for s in kept):    # the newest good weights stay, however old
+            kept += [s for s in durable[self.keep:] if self._remote[s]][:1]
+        for old in durable:
+            if old in kept:
                 continue
             name = checkpoint_name(old)
             # manifest first: from this instant it is not a checkpoint, whatever else remains
             self.store.delete(f"{self.prefix}/{name}/{MANIFEST_NAME}")
             self.store.delete(f"{self.prefix}/{name}")
-            self._remote.discard(old)
-        return durable[: self.keep]
+            del self._remote[old]
+        return kept
+
+    def _listed(self, steps: set[int]) -> dict[int, bool]:
+        """The durable checkpoints found under the prefix at the first upload, each read once:
+        step -> whether its weights were checked finite. Ones `accept` refuses (another run's)
+        are left out, so never counted nor deleted."""
+        found: dict[int, bool] = {}
+        for step in steps:
+            try:
+                manifest = Manifest.from_json(self.store.get_bytes(f"{self.prefix}/{checkpoint_name(step)}/{MANIFEST_NAME}"))
+            except FileNotFoundError:
+                continue
+            except CheckpointInvalid:      # damaged: counted and pruned as before, never a good one
+                found[step] = False
+                continue
+            if self._accept is not None and (why := self._accept(manifest)) is not None:
+                log.info("leaving checkpoint %s/%s/%s alone: %s", self.store.url, self.prefix,
+                         checkpoint_name(step), why)
+                continue
+            found[step] = manifest.meta.get(FINITE_META) is True
+        return found
 
 
 def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
@@ -364,4 +419,4 @@ def _matches_local(folder: Path, manifest: Manifest) -> bool:
     return local.files == manifest.files and local.step == manifest.step
 
 
-__all__ = ["Uploader", "download_latest", "remote_discover", "restore_latest"]
+__all__ = ["CHECKPOINTS", "FINAL", "Uploader", "download_latest", "remote_discover", "restore_latest", "run_prefix"]

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .manifest import KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, prune, staging_dir
+from .manifest import FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, prune, staging_dir
 from .procs import die_with_parent, python_env
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,36 @@ Layout = dict[str, dict[str, Any]]   # relative path -> {"text": str} | {"tensor
 
 class WriterDied(RuntimeError):
     """The writer process ended without being asked to (killed, out of memory)."""
+
+
+# A float is NaN or infinite exactly when every bit of its exponent is set (IEEE 754; bfloat16 is
+# float32's upper half): (the unsigned integer of its width, the exponent's mask).
+_EXPONENT_BITS = {"float64": ("<u8", 0x7FF0000000000000), "float32": ("<u4", 0x7F800000),
+                  "float16": ("<u2", 0x7C00), "bfloat16": ("<u2", 0x7F80)}
+_CHECK_CHUNK = 1 << 22          # elements per pass: the check's temporaries stay small
+
+
+def weights_finite(layout: Layout, buffer: Any) -> bool | None:
+    """Whether every floating-point tensor of a checkpoint (weights, optimizer moments) holds
+    finite numbers only; None when one has a float type this cannot read (float8), so nothing is
+    claimed. Reads the exponent bits in place, in chunks: no copy of the snapshot."""
+    import numpy as np
+
+    known = True
+    for spec in layout.values():
+        for name, dtype, shape, offset, nbytes in spec.get("tensors", ()):
+            if dtype not in _EXPONENT_BITS:
+                known = known and not dtype.startswith(("float", "bfloat", "complex"))
+                continue
+            kind, mask = _EXPONENT_BITS[dtype]
+            width = np.dtype(kind).itemsize
+            count = nbytes // width
+            for start in range(0, count, _CHECK_CHUNK):
+                n = min(_CHECK_CHUNK, count - start)
+                bits = np.frombuffer(buffer, dtype=kind, count=n, offset=offset + start * width)
+                if np.any((bits & np.array(mask, dtype=kind)) == mask):
+                    return False
+    return True if known else None
 
 
 def write_files(folder: Path, layout: Layout, buffer: Any) -> None:
@@ -270,9 +300,12 @@ def _serve(args) -> int:
                 staging.mkdir(parents=True)
                 try:
                     write_files(staging, request["files"], buffer)
+                    finite = weights_finite(request["files"], buffer)
                 finally:
                     reply({"released": step})
-                finalize_checkpoint(staging, final, step=step, meta=meta)
+                # "finite": checked here, at seal time; prune never removes the newest such one
+                finalize_checkpoint(staging, final, step=step,
+                                    meta=meta if finite is None else {**meta, FINITE_META: finite})
                 kept = prune(root, keep=args.keep, trusted={*kept, step})
             reply({"sealed": step})
         except Exception as exc:     # reported to the trainer, which stops the run on it
@@ -336,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-__all__ = ["CheckpointWriter", "Layout", "WriterDied", "write_files"]
+__all__ = ["CheckpointWriter", "Layout", "WriterDied", "weights_finite", "write_files"]
 
 
 if __name__ == "__main__":

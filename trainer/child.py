@@ -30,6 +30,7 @@ from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHIL
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
                                        Failed, Plan)
 from grpo_run.trainer.recipe import Requests, run
+from grpo_run.trainer.trainer import NonFiniteStep
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
-    except SandboxUnavailable as e:       # the node's, not the reward's: no restart gets the layer either
+    except (SandboxUnavailable, NonFiniteStep) as e:   # the node's sandbox, the job's numbers: a restart
+        # cannot get the missing layer, and replays the same step; either ends the job
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e)
         return CHILD_CODE_ERROR

@@ -61,7 +61,9 @@ CHECKPOINT_SIGNAL = signal.SIGUSR1
 CHILD_DONE = 0             # every phase the plan asked for is done; the final weights are sealed
 CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
 CHILD_STOPPED = 3          # stopped on request or at the plan's deadline, the last completed step sealed
-CHILD_CODE_ERROR = 10      # the user's code (reward function) failed on every try: restarting cannot help
+CHILD_CODE_ERROR = 10      # the user's code or numbers: the reward function failed on every try, or a step's
+                           # rewards, loss or gradient norm is not finite (trainer.NonFiniteStep): restarting
+                           # replays the same step and cannot help; the job fails (never a preemption)
 
 
 class TrainerPhase(str, enum.Enum):
@@ -180,7 +182,7 @@ class Stopped(_Event):
 class Failed(_Event):
     event: Literal["failed"] = "failed"
     message: str
-    code: bool                            # the user's reward function failed: restarting cannot help
+    code: bool                            # the user's reward function or the job's numbers: restarting cannot help
     diskFull: bool = False                # the local disk is full: restarting cannot help either
 
 

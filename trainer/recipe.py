@@ -92,7 +92,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
         if evaluate(trainer, plan, "final", events) is None:
             return _stopped(events, checkpoints, step, TrainerPhase.FINAL_EVAL)
-        final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True})   # rank 0's
+        final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True, "run": plan.run_id})   # rank 0's
         if final is not None:
             events.emit(Final(step=step, path=str(final)))
         return Ending("done", step)

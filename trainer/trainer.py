@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +42,20 @@ from grpo_run.trainer.model.prompts import Prompt, PromptEncoder
 from grpo_run.trainer.threads import CpuShare
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteStep(ArithmeticError):
+    """A training step's numbers are not finite (NaN or infinite): its rewards, its loss or its
+    gradient norm. Raised before the optimizer steps, so nothing of the step is applied, and a
+    checkpoint is never sealed after it. Restarting cannot help: a resumed run replays the same
+    step with the same numbers. `step`: the step as the record counts them (1 is the first)."""
+
+    def __init__(self, step: int, what: str, value: float) -> None:
+        self.step, self.what, self.value = step, what, value
+        super().__init__(
+            f"step {step}: the {what} is {value} (not a finite number); the step was not applied and no "
+            f"checkpoint holds it. Usual causes: a learningRate too high for this model, or a reward "
+            f"(times its weight) too large; change the job and submit it again")
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -254,7 +269,9 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """Step `step` (0-based). Returns its metrics. Raises GenerationInterrupted on a stop
         request during sampling (nothing of this step has been applied; several processes: on
-        any of them), RewardFunctionError when the reward function fails on every try."""
+        any of them), RewardFunctionError when the reward function fails on every try,
+        NonFiniteStep when its rewards, loss or gradient norm is not finite (before the optimizer
+        steps: the weights stay as they were)."""
         p, t0, world = self.params, time.perf_counter(), self.world
         seed = step_seed(p.seed, step)
         torch.manual_seed(seed + world.rank)           # LoRA dropout: its own stream on each rank
@@ -294,6 +311,9 @@ class GRPOTrainer:
         # score (in the graders' processes; a failure raises, never becomes a 0)
         by_reward = self.scorer.score(texts, group)                                    # {name: [b*G]}
         rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
+        # each reward is finite and within MAX_ABS_REWARD (the grader checks), but a weight can
+        # still carry the sum past float32's range: checked with the loss, before the update
+        rewards_finite = bool(torch.isfinite(rewards).all())
 
         # advantages (per group: a group never spans processes)
         adv = grpo.group_advantages(rewards, p.numGenerations, unbiased=p.advantageStd == "sample",
@@ -339,6 +359,9 @@ class GRPOTrainer:
                 if world.distributed and not parts:      # nothing to learn here: join the average with zeros
                     self._zero_backward(model, prompt_ids, prompt_mask, comp_ids, comp_mask)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.maxGradNorm, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):      # FSDP: a DTensor, the whole gradient's norm
+                grad_norm = grad_norm.full_tensor()
+            self._check_finite(step, rewards, rewards_finite, loss, float(grad_norm))   # before anything is applied
             self.optimizer.step()
         self.scheduler.step()
 
@@ -347,13 +370,27 @@ class GRPOTrainer:
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
         metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens)
-        if hasattr(grad_norm, "full_tensor"):          # FSDP: a DTensor, the whole gradient's norm
-            grad_norm = grad_norm.full_tensor()
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
         if refs is None:
             metrics.pop("kl")
         return metrics
+
+    def _check_finite(self, step: int, rewards: torch.Tensor, rewards_finite: bool, loss: float,
+                      grad_norm: float) -> None:
+        """Raise NonFiniteStep when the step's rewards, loss or gradient norm is not finite.
+        Several processes: decided together (one all-reduce), since each rank's rewards and loss
+        are its own, so every rank raises at the same step and none waits in a collective."""
+        bad_rewards, bad_loss, bad_norm = self.world.agree(not rewards_finite, not math.isfinite(loss),
+                                                           not math.isfinite(grad_norm))
+        if bad_rewards:
+            worst = rewards[~torch.isfinite(rewards)]
+            raise NonFiniteStep(step + 1, "weighted sum of a completion's rewards (in float32)",
+                                float(worst[0]) if worst.numel() else math.nan)
+        if bad_loss:
+            raise NonFiniteStep(step + 1, "loss", loss if not math.isfinite(loss) else math.nan)
+        if bad_norm:
+            raise NonFiniteStep(step + 1, "gradient norm", grad_norm if not math.isfinite(grad_norm) else math.nan)
 
     def _whole_weights(self):
         """Full fine-tunes on several processes (FSDP): every unit's whole weights for the block."""

@@ -1,7 +1,12 @@
 """What is durable in storage, and making it so: the newest durable checkpoint restored before a
 trainer starts, every checkpoint the trainer seals uploaded (its manifest trusted: it was hashed
 once, when sealed, and goes up last), each noted durable in the books as its upload ends, and,
-inside a notice window, the newest sealed one made durable in what time is left."""
+inside a notice window, the newest sealed one made durable in what time is left.
+
+Only this run's checkpoints count: they lie under the run's own prefix (checkpoint.sync.run_prefix),
+and a checkpoint is trained from only when its manifest names this run, its step is within
+maxSteps and its weights were not sealed non-finite (`why_not_ours`). Another run of the same name
+keeps its checkpoints: they are never counted durable, pruned or restored here."""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from grpo_run.checkpoint.manifest import Manifest, newest_sealed, sealed
+from grpo_run.checkpoint.manifest import FINITE_META, Manifest, newest_sealed, read_manifest, sealed
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import StorageConfigError, Store
-from grpo_run.checkpoint.sync import RestoreStopped, Uploader, restore_latest
+from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Uploader, download_latest, restore_latest,
+                                      run_prefix)
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
 from grpo_run.trainer.protocol import CHECKPOINTS_DIR
@@ -24,20 +30,22 @@ log = logging.getLogger(__name__)
 class Durability:
     """Owns the checkpoint uploads of one supervisor and knows the newest durable step."""
 
-    def __init__(self, store: Store, work: Path, books: Books, *, job: str, keep: int,
+    def __init__(self, store: Store, work: Path, books: Books, *, job: str, keep: int, max_steps: int,
                  on_lease_lost: Callable[[LeaseLost], None], on_fatal: Callable[[BaseException], None],
                  stop: threading.Event | None = None) -> None:
         self.store = store
         self.local = Path(work) / CHECKPOINTS_DIR
         self.books = books
         self.job = job
+        self.max_steps = max_steps
+        self.prefix = run_prefix(CHECKPOINTS, books.run_id)   # this run's, and only this run's
         self.stop = stop                           # a notice: a restore ends between two files
         self.durable = 0                           # the newest step durable in storage
         self.fatal: BaseException | None = None    # a storage configuration error from an upload: the run stops
         self._noted: set[int] = set()              # steps noted durable in the books
         self._reported: set[int] = set()           # steps this attempt's trainer sealed (and were submitted)
         self._on_lease_lost, self._on_fatal = on_lease_lost, on_fatal
-        self.uploads = Uploader(store, "checkpoints", keep=keep, on_upload=self._uploaded)
+        self.uploads = Uploader(store, self.prefix, keep=keep, on_upload=self._uploaded, accept=self._whose)
 
     def restore(self) -> int:
         """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
@@ -45,7 +53,10 @@ class Durability:
         attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
         self._reported = set()
         try:
-            got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop)
+            got = restore_latest(self.store, self.local, self.prefix, accept=self.why_not_ours, stop=self.stop)
+            if got is None:       # a run begun before run prefixes: its checkpoints lie under checkpoints/ itself
+                flat = download_latest(self.store, self.local, CHECKPOINTS, accept=self.why_not_ours, stop=self.stop)
+                got = None if flat is None else (*flat, read_manifest(flat[1]), True)
         except RestoreStopped as stopped:    # not fetched, but durable in storage: what a resume continues from
             self._note([stopped.step])
             raise
@@ -60,11 +71,28 @@ class Durability:
         return step
 
     def why_not_ours(self, manifest: Manifest) -> str | None:
-        """Why a checkpoint is not this run's to continue from (None: it is). One without a run
-        id predates them and is trusted."""
+        """Why a checkpoint is not this run's to continue from (None: it is): another run's (or
+        one without a run id: every checkpoint names its run since the record has one), a step
+        past maxSteps (no run of this job writes one: a planted or damaged manifest), or weights
+        sealed non-finite. Such a checkpoint is skipped in storage and set aside on the node."""
+        whose = self._whose(manifest)
+        if whose is not None:
+            return whose
+        if manifest.step > self.max_steps:
+            return (f"its step {manifest.step} is past spec.parameters.maxSteps ({self.max_steps}); no run of job "
+                    f"{self.job} writes one (a damaged or planted manifest)")
+        if manifest.meta.get(FINITE_META) is False:
+            return "its weights are not finite numbers (NaN or infinite): nothing is trained from them"
+        return None
+
+    def _whose(self, manifest: Manifest) -> str | None:
+        """Why a checkpoint is not this run's (None: it is): its manifest names another run, or none."""
         run, ours = manifest.meta.get("run"), self.books.run_id
-        if run is None or run == ours:
+        if run == ours:
             return None
+        if not isinstance(run, str):
+            return (f"it carries no run id (this record's run is {ours[:12]}): it was not written by this run of "
+                    f"job {self.job}")
         return (f"it was written by another run of job {self.job} (run {run[:12]}; this record's is "
                 f"{ours[:12]}): a job submitted again under the name of one whose record was deleted")
 
@@ -92,7 +120,7 @@ class Durability:
     def upload_final(self, folder: Path) -> BaseException | None:
         """The final weights into storage (`final/`), waiting until they are there; the error
         when they could not be."""
-        with Uploader(self.store, "final", keep=2) as uploader:
+        with Uploader(self.store, run_prefix(FINAL, self.books.run_id), keep=2, accept=self._whose) as uploader:
             uploader.submit(folder, sealed(folder))
             return None if uploader.wait() else uploader.error
 

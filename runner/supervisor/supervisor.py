@@ -101,7 +101,8 @@ class Supervisor:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
             self.durability = Durability(self.store, self.work, self.books, job=self.spec.name,
-                                         keep=self.spec.keep_checkpoints, on_lease_lost=self._lease_lost,
+                                         keep=self.spec.keep_checkpoints, max_steps=self.spec.params.maxSteps,
+                                         on_lease_lost=self._lease_lost,
                                          on_fatal=self._storage_refused, stop=self.preempt)
             return self._supervise()
         except LeaseLost as e:     # an upload found the job taken over: it belongs to another node now

@@ -16,7 +16,7 @@ from grpo_run.checkpoint.storage.store import Store, StorageConfigError, Storage
 from grpo_run.checkpoint.sync import RestoreStopped, Uploader, download_latest, remote_discover
 
 
-def make_checkpoint(root: Path, step: int, *, weights: bytes | None = None) -> Path:
+def make_checkpoint(root: Path, step: int, *, weights: bytes | None = None, meta: dict | None = None) -> Path:
     """What the trainer does: fill a staging folder, then finalize it."""
     staging = staging_dir(root, step)
     (staging / "adapter").mkdir(parents=True)
@@ -26,7 +26,7 @@ def make_checkpoint(root: Path, step: int, *, weights: bytes | None = None) -> P
     (staging / "optimizer.pt").write_bytes(bytes(range(256)) * 4)
     (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
     final = checkpoint_dir(root, step)
-    finalize_checkpoint(staging, final, step=step, meta={"loss": 0.5})
+    finalize_checkpoint(staging, final, step=step, meta={"loss": 0.5, **(meta or {})})
     return final
 
 
@@ -180,6 +180,19 @@ def test_prune_never_removes_the_only_valid_checkpoint(tmp_path):
     assert discover(tmp_path) == [(25, tmp_path / "ckpt-00000025")]
 
 
+def test_prune_keeps_the_newest_checkpoint_with_finite_weights_even_beyond_keep(tmp_path):
+    """A run gone wrong seals NaN weights (finite: false) again and again: keep-3 must not push
+    the last good checkpoint out; once a newer good one is sealed, the old one goes."""
+    for step, finite in ((25, True), (50, True), (75, False), (100, False), (125, False)):
+        make_checkpoint(tmp_path, step, meta={"finite": finite})
+
+    assert prune(tmp_path, keep=3) == [125, 100, 75, 50]
+    assert [step for step, _ in discover(tmp_path)] == [125, 100, 75, 50]
+
+    make_checkpoint(tmp_path, 150, meta={"finite": True})
+    assert prune(tmp_path, keep=3, trusted={150}) == [150, 125, 100]
+
+
 def test_prune_refuses_to_keep_fewer_than_two(tmp_path):
     with pytest.raises(ValueError, match="keep must be >= 2"):
         prune(tmp_path, keep=1)
@@ -243,6 +256,22 @@ def test_the_remote_keeps_only_the_newest_k_checkpoints(tmp_path):
 
     assert remote_discover(store) == [75, 50]
     assert not any("ckpt-00000025" in key for key in store.list("checkpoints"))
+
+
+def test_the_remote_keeps_the_newest_checkpoint_with_finite_weights_even_beyond_keep(tmp_path):
+    store = Store("memory://bucket/run")
+    with Uploader(store, keep=2) as uploader:
+        for step, finite in ((25, True), (50, True), (75, False), (100, False), (125, False)):
+            uploader.submit(make_checkpoint(tmp_path / "local", step, meta={"finite": finite}))
+            assert uploader.wait(timeout=30)
+        assert uploader.durable_steps() == [125, 100, 50]
+    # a later attempt's uploader learns which are finite from the manifests in storage
+    with Uploader(store, keep=2) as uploader:
+        uploader.submit(make_checkpoint(tmp_path / "local", 150, meta={"finite": False}))
+        assert uploader.wait(timeout=30)
+        assert uploader.durable_steps() == [150, 125, 50]
+
+    assert remote_discover(store) == [150, 125, 50]
 
 
 def test_a_newer_checkpoint_supersedes_queued_older_ones(tmp_path):

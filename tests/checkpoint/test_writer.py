@@ -19,7 +19,7 @@ import pytest
 from grpo_run.checkpoint.manifest import checkpoint_dir, sealed, verify
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import Uploader, remote_discover
-from grpo_run.checkpoint.writer import CheckpointWriter, WriterDied, write_files
+from grpo_run.checkpoint.writer import CheckpointWriter, WriterDied, weights_finite, write_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,10 +70,41 @@ def test_a_snapshot_in_the_buffer_becomes_a_sealed_checkpoint_and_then_a_durable
     upload = upload_sealed(checkpoint_dir(tmp_path / "local", 1), str(tmp_path / "store"))
     assert upload == {"upload": 1, "durable": [1], "error": None, "config": False}
     local = checkpoint_dir(tmp_path / "local", 1)
-    assert verify(local).meta == {"job": "t"}
+    assert verify(local).meta == {"job": "t", "finite": True}
     assert floats_in(local / "weights.safetensors") == [1.0, 2.0, 3.0]
     assert json.loads((local / "state.json").read_text()) == {"n": 3}
     assert remote_discover(Store(str(tmp_path / "store"))) == [1]
+
+
+def test_a_checkpoint_with_a_nan_or_an_infinity_is_sealed_marked_not_finite(writer, tmp_path):
+    """Its manifest says so, which pruning reads: the newest finite checkpoint is never pruned."""
+    writer.submit(1, put_floats(writer, [1.0, float("nan"), 3.0]))
+    writer.wait_sealed(1, timeout=60)
+    writer.submit(2, put_floats(writer, [1.0, float("-inf"), 3.0]))
+    writer.wait_sealed(2, timeout=60)
+
+    assert verify(checkpoint_dir(tmp_path / "local", 1)).meta == {"job": "t", "finite": False}
+    assert verify(checkpoint_dir(tmp_path / "local", 2)).meta == {"job": "t", "finite": False}
+
+
+@pytest.mark.parametrize("dtype, values, finite", [
+    ("float32", [1.0, 3.0e38], True),
+    ("float32", [1.0, float("inf")], False),
+    ("float64", [1e300, float("nan")], False),
+    ("float16", [65504.0], True),
+    ("float16", [float("inf")], False),
+    ("bfloat16", [3.0e38], True),
+    ("bfloat16", [float("nan")], False),
+    ("int64", [-1], True),            # every bit set, and still an integer, not a NaN
+    ("float8_e4m3fn", [1.0], None),   # a float type it cannot read: nothing is claimed
+])
+def test_weights_finite_reads_each_float_type_by_its_exponent_bits(dtype, values, finite):
+    import torch
+
+    tensor = torch.tensor(values, dtype=getattr(torch, dtype))
+    data = bytearray(tensor.view(torch.uint8).numpy().tobytes()) if tensor.numel() else bytearray()
+    layout = {"w.safetensors": {"tensors": [["w", dtype, [len(values)], 0, len(data)]]}, "a.json": {"text": "{}"}}
+    assert weights_finite(layout, data) is finite
 
 
 def test_the_buffer_is_handed_back_only_after_the_writer_has_read_the_snapshot(writer, tmp_path):

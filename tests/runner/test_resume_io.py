@@ -73,7 +73,7 @@ def test_a_resume_on_an_empty_node_fetches_the_record_and_each_checkpoint_file_o
     assert len(env_files) == 3 and {downloads[k] for k in env_files} == {1}
     assert not [key for (op, key) in counted if op.startswith("put") and key.startswith("environment/")]
 
-    restored = {Path(key).parts[1] for key in ckpt_files}
+    restored = {Path(key).parts[2] for key in ckpt_files}          # checkpoints/<run id>/ckpt-N/...
     assert len(restored) == 1                                       # one checkpoint, the newest durable
     name = restored.pop()
     hashed = collections.Counter({path: n for (op, path), n in counted.items() if op == "hash"})

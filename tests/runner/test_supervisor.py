@@ -161,3 +161,29 @@ def test_max_cost_stops_the_run_with_a_durable_checkpoint(tmp_path, s3_env):
     assert st["checkpoints"]["latestDurable"] == st["step"]          # nothing completed is lost
     assert st["costUSD"] <= 2.0
     assert st["attempts"][-1]["reason"] == "BudgetExceeded"
+
+
+def test_a_step_whose_numbers_are_not_finite_fails_the_job_once_and_keeps_the_good_checkpoints(tmp_path):
+    """A reward whose weight carries the step's reward past float32 from the 4th step on: the
+    step fails before anything is applied or sealed, the job ends Failed at once (restarting
+    would replay the same step: no crash restarts, never a preemption), the record says which
+    step and which number, and the checkpoints sealed before stay."""
+    from grpo_run.state.record import Record
+
+    job = write_job(tmp_path)
+    # 3 baseline completions, then 8 per step: from the 28th call on, 1e6 (the bound) x 1e37 overflows float32
+    (tmp_path / "late.py").write_text("calls = 0\n\ndef score(completion, task):\n    global calls\n"
+                                      "    calls += 1\n    return 1e6 if calls > 27 else float(len(completion))\n")
+    env = {"name": "late", "rewards": [{"function": "late.py:score", "weight": 1e37}],
+           "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
+    with_spec(job, environment=env)
+    proc = grpo_run(tmp_path / "home", "apply", "-f", str(job), check=False)
+
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "restart" not in proc.stderr
+    with Record(tmp_path / "home" / "runs" / "resumable" / "state.db") as record:
+        job_row, attempts, ckpts, steps = record.job(), record.attempts(), record.checkpoints(), record.steps()
+    assert job_row["phase"] == "Failed" and len(attempts) == 1
+    assert "step 4: the weighted sum of a completion's rewards (in float32) is inf" in job_row["message"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [c["step"] for c in ckpts] == [2]

@@ -244,3 +244,64 @@ def test_the_selective_log_softmax_equals_the_full_one_in_value_and_gradient():
     (g_full,) = torch.autograd.grad((full.float() * weights).sum(), logits)
     (g_chunked,) = torch.autograd.grad((chunked * weights).sum(), logits)
     torch.testing.assert_close(g_chunked, g_full)
+
+
+# --- non-finite numbers never reach the weights ---------------------------------------------
+
+def lora_weights(tr) -> dict[str, bytes]:
+    return {n: p.detach().numpy().tobytes() for n, p in tr.model.named_parameters() if "lora_" in n}
+
+
+def test_a_nan_loss_fails_the_step_before_the_optimizer_steps(make_trainer, monkeypatch):
+    from grpo_run.trainer import grpo
+    from grpo_run.trainer.trainer import NonFiniteStep
+
+    reduce_loss = grpo.reduce_loss
+    monkeypatch.setattr(grpo, "reduce_loss", lambda *a, **k: reduce_loss(*a, **k) * float("nan"))
+    tr = make_trainer(small())
+    try:
+        before = lora_weights(tr)
+        with pytest.raises(NonFiniteStep, match=r"step 1: the loss is nan") as raised:
+            tr.train_step(0)
+        assert lora_weights(tr) == before                 # nothing of the step was applied
+        assert not any(tr.optimizer.state.values())       # Adam never stepped
+    finally:
+        tr.close()
+    assert (raised.value.step, raised.value.what) == (1, "loss")
+
+
+def test_an_infinite_gradient_norm_fails_the_step_before_the_optimizer_steps(make_trainer):
+    from grpo_run.trainer.trainer import NonFiniteStep
+
+    tr = make_trainer(small())
+    try:
+        tr.train_step(0)
+        before = lora_weights(tr)
+        tr.trainable[0].register_hook(lambda grad: grad * float("inf"))     # the loss stays finite
+        with pytest.raises(NonFiniteStep, match=r"step 2: the gradient norm is (inf|nan)"):
+            tr.train_step(1)
+        assert lora_weights(tr) == before
+    finally:
+        tr.close()
+
+
+def test_rewards_a_weight_carries_past_float32_fail_the_step(tmp_path):
+    """Each reward is within MAX_ABS_REWARD (the grader checks); the weighted sum can still
+    overflow float32, which would make NaN advantages."""
+    from grpo_run.trainer.envs.catalog import Reward
+    from grpo_run.trainer.trainer import NonFiniteStep
+
+    reward = tmp_path / "ten.py"
+    reward.write_text("def score(completion, task):\n    return 10.0\n")
+    params = small()
+    arith = catalog_environment("arithmetic", seed=0, n_eval=params.evalTasks)
+    env = user_environment(name="heavy", rewards=(Reward("ten", f"{reward}:score", 1e38),),
+                           tasks=list(arith.train_tasks), eval_tasks=list(arith.eval_tasks))
+    tr = GRPOTrainer(ensure_model("tiny:char"), env, params)
+    try:
+        before = lora_weights(tr)
+        with pytest.raises(NonFiniteStep, match=r"step 1: the weighted sum of a completion's rewards .* is inf"):
+            tr.train_step(0)
+        assert lora_weights(tr) == before
+    finally:
+        tr.close()

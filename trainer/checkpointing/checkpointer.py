@@ -26,8 +26,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, newest_sealed, staging_dir
-from grpo_run.checkpoint.writer import CheckpointWriter, write_files
+from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint,
+                                          newest_sealed, staging_dir)
+from grpo_run.checkpoint.writer import CheckpointWriter, weights_finite, write_files
 from grpo_run.trainer.distributed import World, full_state
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
 
@@ -124,10 +125,11 @@ class Checkpointer:
         staging.mkdir(parents=True)
         layout, buffer = pack(state_files(self._trainer, -1, weights_only=True, full=full), bytearray)
         write_files(staging, layout, buffer)
+        finite = weights_finite(layout, buffer)
         final = checkpoint_dir(root, step)
         if final.exists():
             shutil.rmtree(final)
-        finalize_checkpoint(staging, final, step=step, meta=meta)
+        finalize_checkpoint(staging, final, step=step, meta=meta if finite is None else {**meta, FINITE_META: finite})
         return final
 
     def close(self) -> list[int]:

@@ -283,7 +283,9 @@ def _of_checkpoint(key: str, step: int) -> bool:
     """A file of checkpoint `step` other than its manifest (written last)."""
     from grpo_run.checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
-    return key.startswith(f"checkpoints/{checkpoint_name(step)}/") and not key.endswith(MANIFEST_NAME)
+    # checkpoints/<run id>/ckpt-N/... (checkpoints/ckpt-N/... before run prefixes)
+    parts = key.split("/")
+    return parts[0] == "checkpoints" and checkpoint_name(step) in parts[1:3] and not key.endswith(MANIFEST_NAME)
 
 
 # --- firing -------------------------------------------------------------------------------------
