@@ -253,9 +253,12 @@ class Record:
 
     # --- files ---------------------------------------------------------------------------------
 
-    def snapshot(self, dest: Path) -> None:
+    def snapshot(self, dest: Path, *, values: dict[str, Any] | None = None) -> None:
         """A consistent copy at `dest` via SQLite's backup API (safe while others write),
-        written to a temporary name, fsynced and renamed: `dest` is always a whole database."""
+        written to a temporary name, fsynced and renamed: `dest` is always a whole database.
+        `values`: small values the copy holds instead of the record's own (an upload's
+        generation, which this record takes only once the upload has succeeded)."""
+        _refuse_credentials(values or {}, "value")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -264,6 +267,11 @@ class Record:
             try:
                 with self._lock:
                     self._conn.backup(target)
+                now = utc_now()
+                for key, value in (values or {}).items():
+                    target.execute("INSERT OR REPLACE INTO kv (key, value, updated) VALUES (?, ?, ?)",
+                                   [key, _dumps(value), now])
+                target.commit()                                # (journal_mode is not changed inside a transaction)
                 target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
                 target.commit()
             finally:

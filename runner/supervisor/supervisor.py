@@ -95,6 +95,8 @@ class Supervisor:
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
+            if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
+                return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do")
             self.durability = Durability(self.store, self.work, self.books, job=self.spec.name,
                                          keep=self.spec.keep_checkpoints, on_lease_lost=self._lease_lost,
                                          on_fatal=self._storage_refused, stop=self.preempt)
