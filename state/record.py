@@ -176,6 +176,18 @@ class Record:
             self.db["steps"].upsert({"step": int(step), "metrics": _dumps(metrics),
                                      "logged": utc_now()}, pk="step")
 
+    def add_missing_steps(self, steps: list[dict]) -> list[int]:
+        """Steps ({"step": n, **metrics}) the record lacks, added in one transaction; a step it
+        has is left as it is. The steps added."""
+        with self._write():
+            have = {r["step"] for r in self.db["steps"].rows_where(select="step")}
+            now = utc_now()
+            rows = [{"step": int(s["step"]), "metrics": _dumps({k: v for k, v in s.items() if k != "step"}),
+                     "logged": now} for s in steps if int(s["step"]) not in have]
+            if rows:
+                self.db["steps"].insert_all(rows, pk="step")
+        return [r["step"] for r in rows]
+
     def steps(self, last: int | None = None, *, logged: bool = False) -> list[dict]:
         """[{"step": n, **metrics}] ordered by step; only the newest `last` when given (the
         query stops there instead of parsing the whole history); `logged`: each with the time

@@ -313,6 +313,14 @@ class Books:
         self.trackers.step(step, metrics)
         self.sync_soon()
 
+    def fill_in_steps(self, steps: list[dict[str, Any]]) -> None:
+        """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record
+        lacks are added (a node lost within DURABLE_SYNC_S of that checkpoint becoming durable
+        left them out of storage's record, and the resume starts after them); steps it has stay."""
+        added = self.record.add_missing_steps(steps)
+        if added:
+            log.info("steps %s were missing from the record; filled in from the checkpoint", _ranges(added))
+
     def note_sealed(self, step: int) -> None:
         """A checkpoint sealed on this node's disk, not yet in storage."""
         self.record.add_checkpoint(step, durable=False)
@@ -385,3 +393,14 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
             out += _diff(old.get(key), new.get(key), f"{path}.{key}" if path else key)
         return out
     return [] if old == new else [path]
+
+
+def _ranges(steps: list[int]) -> str:
+    """[3, 4, 5, 9] as "3-5, 9"."""
+    out: list[str] = []
+    for step in sorted(steps):
+        if out and int(out[-1].rpartition("-")[2]) == step - 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{step}"
+        else:
+            out.append(str(step))
+    return ", ".join(out)

@@ -5,6 +5,7 @@ inside a notice window, the newest sealed one made durable in what time is left.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -16,7 +17,7 @@ from grpo_run.checkpoint.storage.store import StorageConfigError, Store
 from grpo_run.checkpoint.sync import RestoreStopped, Uploader, restore_latest
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
-from grpo_run.trainer.protocol import CHECKPOINTS_DIR
+from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Durability:
         if got is None:
             return 0
         step, folder, manifest, durable = got
+        self.books.fill_in_steps(_step_metrics(folder))
         if durable:
             self._note([step])
         else:
@@ -117,3 +119,14 @@ class Durability:
         self.books.note_durable(new)
         self._noted.update(new)
         self.durable = max(self.durable, *new)
+
+
+def _step_metrics(folder: Path) -> list[dict]:
+    """The metrics so far that a checkpoint holds (none in one written before it held them)."""
+    path = folder / STEP_METRICS
+    try:
+        steps = json.loads(path.read_text()) if path.exists() else []
+        return [s for s in steps if isinstance(s, dict) and isinstance(s.get("step"), int)]
+    except (OSError, ValueError, TypeError) as e:     # damaged: the record keeps what it has
+        log.warning("the metrics in %s cannot be read (%s); the record is not filled in from them", path, e)
+        return []

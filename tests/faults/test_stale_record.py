@@ -2,10 +2,12 @@
 `grpo-run resume --wait`): one holds it and trains it to the end; the other reads the job's record
 while the first trains, is told the job is held, waits, and tries again after the first finished.
 Storage must still say Succeeded with every step, attempt and dollar: the waiting node decides
-from storage's record, not from the copy it read while the other node trained."""
+from storage's record, not from the copy it read while the other node trained. (The finished run's
+checkpoints are looked at too: each carries the metrics so far.)"""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -64,6 +66,11 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
 
     with Record(tmp_path / "node-a" / "runs" / "resumable" / "state.db") as record:
         finished = history(record)                                # what node A left when it finished
+        reported = {s["step"]: s for s in record.steps()}
+    # each checkpoint carries the metrics so far, as the trainer reported them (SPEC §4)
+    held = json.loads(store.get_bytes("checkpoints/ckpt-00000020/metrics.json"))
+    assert [s["step"] for s in held] == list(range(1, 21))
+    assert all(s == {k: v for k, v in reported[s["step"]].items() if k != "costUSD"} for s in held)
     with in_storage(store, scratch) as record:
         now = history(record)
     assert finished["phase"] == "Succeeded" and finished["steps"] == list(range(1, STEPS + 1))
