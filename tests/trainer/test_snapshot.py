@@ -79,7 +79,7 @@ def test_a_checkpoint_in_the_earlier_format_is_refused_with_what_to_do(make_trai
         tr.close()
 
 
-def test_every_checkpoint_holds_the_metrics_so_far_also_those_from_before_a_resume(make_trainer, tmp_path):
+def test_every_checkpoint_holds_the_metrics_so_far_also_those_from_before_a_resume(make_trainer, tmp_path):  # noqa: F811
     from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
     from grpo_run.trainer.protocol import STEP_METRICS
 
