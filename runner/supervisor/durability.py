@@ -40,13 +40,16 @@ class Durability:
         self._on_lease_lost, self._on_fatal = on_lease_lost, on_fatal
         self.uploads = Uploader(store, "checkpoints", keep=keep, on_upload=self._uploaded)
 
-    def restore(self) -> int:
+    def restore(self, *, verify_local: bool = False) -> int:
         """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
         one sealed here before a crash is kept and uploaded); its step, 0 for none. Begins an
-        attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
+        attempt: what an earlier trainer reported is forgotten. `verify_local`: after a trainer
+        crash, a local checkpoint that does not verify (damaged on this disk: loading it may be
+        what crashed) is set aside and storage's copy restored. Raises StorageUnavailable."""
         self._reported = set()
         try:
-            got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop)
+            got = restore_latest(self.store, self.local, accept=self.why_not_ours, stop=self.stop,
+                                 verify_local=verify_local)
         except RestoreStopped as stopped:    # not fetched, but durable in storage: what a resume continues from
             self._note([stopped.step])
             raise

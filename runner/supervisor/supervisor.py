@@ -80,6 +80,7 @@ class Supervisor:
         self._trainer: TrainerProcess | None = None
         self.books: Books | None = None
         self.durability: Durability | None = None
+        self._crashed = False                      # the last attempt's trainer crashed: verify what it loaded
 
     def run(self) -> SupervisorResult:
         """Hold the job's lease, then supervise trainers until the job ends or a notice comes."""
@@ -135,6 +136,7 @@ class Supervisor:
             try:
                 return self._attempt(monitor)
             except _Restart as why:
+                self._crashed = why.kind == "crashes"
                 restarts[why.kind] += 1
                 limit = getattr(self.limits, why.kind)
                 if restarts[why.kind] > limit:
@@ -154,7 +156,7 @@ class Supervisor:
         """One trainer process, from restoring its checkpoint to recording how it ended. Raises
         _Restart when that is worth another attempt."""
         try:
-            start = self.durability.restore()
+            start = self.durability.restore(verify_local=self._crashed)
         except StorageUnavailable as e:
             if not self.preempt.is_set():
                 raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None
