@@ -82,23 +82,39 @@ def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
 
 
 def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, accept: Accept | None = None,
-                   stop: threading.Event | None = None) -> tuple[int, Path, Manifest, bool] | None:
+                   stop: threading.Event | None = None, verify_local: bool = False
+                   ) -> tuple[int, Path, Manifest, bool] | None:
     """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
-    durable). A sealed local one at least as new as the newest in storage is used as it is
-    (durable False when storage lacks it: sealed here before a crash, never uploaded); else the
-    newest remote one that verifies is downloaded (download_latest). One listing of the store;
-    nothing is hashed twice. None when there is no checkpoint anywhere.
+    durable). A sealed local one at least as new as the newest in storage is used (durable False
+    when storage lacks it: sealed here before a crash, never uploaded; such a one is verified
+    first, as its upload would hash it anyway); else the newest remote one that verifies is
+    downloaded (download_latest). One listing of the store; nothing is hashed twice. None when
+    there is no checkpoint anywhere.
 
     `accept(manifest)`: why a checkpoint is not to be continued from (None: it is), e.g. another
-    run's. Remote ones it refuses are skipped, local ones set aside (renamed `.set-aside-*`, not
-    deleted) so that nothing loads them. `stop`: as download_latest's."""
+    run's. Remote ones it refuses are skipped; local ones it refuses, and local ones that do not
+    verify, are set aside (renamed `.set-aside-*`, not deleted) so that nothing loads them.
+    `verify_local`: verify the local one even when storage has it too (a trainer crashed: it may
+    have failed to load a checkpoint damaged on this disk, which storage's copy replaces).
+    `stop`: as download_latest's."""
+    durable, partial = _remote_checkpoints(store, prefix)
+
+    def why_not(found: tuple[int, Path, Manifest]) -> str | None:
+        if accept is not None and (why := accept(found[2])) is not None:
+            return why
+        if verify_local or found[0] not in durable:
+            try:
+                verify(found[1])
+            except CheckpointInvalid as exc:
+                return f"it does not verify ({exc.reason}): damaged on this node's disk"
+        return None
+
     local = newest_sealed(root)
-    while local is not None and accept is not None and (why := accept(local[2])) is not None:
+    while local is not None and (why := why_not(local)) is not None:
         aside = local[1].with_name(f".set-aside-{local[1].name}-{uuid.uuid4().hex[:8]}")
         log.warning("setting local checkpoint %s aside (%s): %s", local[1], aside.name, why)
         os.replace(local[1], aside)
         local = newest_sealed(root)
-    durable, partial = _remote_checkpoints(store, prefix)
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
         return step, folder, manifest, step in durable

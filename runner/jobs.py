@@ -18,9 +18,8 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     when storage holds several jobs and none is named, JobError for a stored spec that no longer
     parses, StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.books.books import fetch_record
+    from grpo_run.runner.books.books import stored_record
     from grpo_run.runner.spec.job import parse_job
-    from grpo_run.state.record import Record
 
     names = [name] if name else jobs_in(storage)
     if not names:
@@ -31,24 +30,24 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     name = names[0]
     store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
     store.check()
-    local = fetch_record(store, work_dir(name))
-    if local is None:
+    with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
+        job_doc = record.job() if record is not None else None
+    if job_doc is None:
         return None
-    with Record(local) as record:
-        job_doc = record.job()
     return parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False), store
 
 
-def already_succeeded(job, work: Path) -> bool:
-    """The job finished earlier (here or on another node) with this very spec: its record,
-    fetched into `work` if it was begun elsewhere, says so."""
-    from grpo_run.state.record import Record
+def already_succeeded(job, store) -> dict[str, Any] | None:
+    """The job as `get tj` shows it when storage's record says it finished (here or on another
+    node) with this very spec; None otherwise. Storage's, never this node's copy, which may be
+    older; the supervisor asks again once it holds the lease (Books.succeeded)."""
+    from grpo_run.runner.books.books import stored_record
 
-    if not (work / RECORD_FILE).exists():
-        return False
-    with Record(work / RECORD_FILE) as record:
-        done = record.job()
-    return bool(done) and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict()
+    with stored_record(store) as record:
+        done = record.job() if record is not None else None
+        if done and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict():
+            return as_doc(record)
+    return None
 
 
 def jobs_in(storage: str) -> list[str]:

@@ -187,6 +187,18 @@ class Record:
             self.db["steps"].upsert({"step": int(step), "metrics": _dumps(metrics),
                                      "logged": utc_now()}, pk="step")
 
+    def add_missing_steps(self, steps: list[dict]) -> list[int]:
+        """Steps ({"step": n, **metrics}) the record lacks, added in one transaction; a step it
+        has is left as it is. The steps added."""
+        with self._write():
+            have = {r["step"] for r in self.db["steps"].rows_where(select="step")}
+            now = utc_now()
+            rows = [{"step": int(s["step"]), "metrics": _dumps({k: v for k, v in s.items() if k != "step"}),
+                     "logged": now} for s in steps if int(s["step"]) not in have]
+            if rows:
+                self.db["steps"].insert_all(rows, pk="step")
+        return [r["step"] for r in rows]
+
     def steps(self, last: int | None = None, *, logged: bool = False) -> list[dict]:
         """[{"step": n, **metrics}] ordered by step; only the newest `last` when given (the
         query stops there instead of parsing the whole history); `logged`: each with the time
@@ -264,9 +276,12 @@ class Record:
 
     # --- files ---------------------------------------------------------------------------------
 
-    def snapshot(self, dest: Path) -> None:
+    def snapshot(self, dest: Path, *, values: dict[str, Any] | None = None) -> None:
         """A consistent copy at `dest` via SQLite's backup API (safe while others write),
-        written to a temporary name, fsynced and renamed: `dest` is always a whole database."""
+        written to a temporary name, fsynced and renamed: `dest` is always a whole database.
+        `values`: small values the copy holds instead of the record's own (an upload's
+        generation, which this record takes only once the upload has succeeded)."""
+        _refuse_credentials(values or {}, "value")
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -275,6 +290,11 @@ class Record:
             try:
                 with self._lock:
                     self._conn.backup(target)
+                now = utc_now()
+                for key, value in (values or {}).items():
+                    target.execute("INSERT OR REPLACE INTO kv (key, value, updated) VALUES (?, ?, ?)",
+                                   [key, _dumps(value), now])
+                target.commit()                                # (journal_mode is not changed inside a transaction)
                 target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
                 target.commit()
             finally:

@@ -65,6 +65,12 @@ class EvalPlan(TypedDict):
     batches: int                  # evaluation batches they make
 
 
+class Generation(TypedDict):
+    number: int                   # the upload's: 1 for the record's first upload, one more for each after it
+    writer: str                   # the Books that uploaded it (random per supervisor run): its own upload,
+                                  # seen again after an answer was lost, is not another node's
+
+
 class LastNotice(TypedDict):
     source: str                   # aws | gcp | azure | signal
     noticeToDurableSeconds: float
@@ -74,6 +80,11 @@ class LastNotice(TypedDict):
 # The run's identity, in every checkpoint's manifest: a checkpoint of an earlier run under the
 # same name (its record deleted, the job submitted again) is not this run's to continue.
 RUN_ID: Value[str] = Value("runId")
+# Which upload of the record this is. Storage's copy carries the generation it was uploaded as;
+# this node's copy the generation of its own last upload that reached storage, so the two are
+# equal exactly when nobody uploaded since (this node's copy is then storage's plus what it noted
+# after). Compared before every upload: a record older than storage's is never uploaded.
+GENERATION: Value[Generation] = Value("generation")
 # Each attempt's spend, by attempt id (as text: JSON keys): the spend so far goes up with every
 # upload of the record, so a node lost later still has it counted.
 LEDGER: Value[dict[str, LedgerEntry]] = Value("ledger", dict)

@@ -46,6 +46,9 @@ from grpo_run.trainer.envs.catalog import Environment
 
 PLAN_FILE = "plan.json"
 CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, the trainer resumes from and seals into it
+# In every checkpoint: each step's metrics so far ([{"step": n, **metrics}], oldest first), the
+# record's steps for a restore to fill in when a node was lost before its record reached storage.
+STEP_METRICS = "metrics.json"
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)

@@ -125,6 +125,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
             step += 1
             last_seconds = metrics["stepSeconds"]
             events.emit(Step(step=step, metrics=metrics))
+            checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
             if step < p.maxSteps:
                 asked, requests.checkpoint = requests.checkpoint, False   # a rebalance notice

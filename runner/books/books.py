@@ -15,13 +15,18 @@ spec.tracking.tensorboard true, `tensorboard/` (the event files, copied with eac
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
+import tempfile
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
+from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
@@ -39,16 +44,76 @@ REWARD_WINDOW = 50           # steps the reward-signal diagnostic looks back ove
 
 
 def fetch_record(store: Store, work: Path) -> Path | None:
-    """The job's record on this node: the local one if there is one (this node ran the job),
-    else downloaded from storage, once. None when storage has none either (a new job)."""
-    local = Path(work) / RECORD_FILE
-    if local.exists():
-        return local
+    """The job's record at work/state.db, as storage has it. Only for a holder of the job's lease
+    (storage's copy cannot change meanwhile), before the record is opened here.
+
+    This node's own copy is kept when it carries the generation of storage's copy: nobody uploaded
+    since this node's last upload, so it is storage's plus what this node noted after. Any other
+    copy (a node back with its old disk, a copy read before another node ran the job) is set aside
+    and storage's taken: a stale copy uploaded later would roll the job back. None when storage
+    has no record (a new job; this node's copy, if any, is set aside too)."""
+    work = Path(work)
+    local = work / RECORD_FILE
+    fetched: Path | None = work / f".{RECORD_FILE}.from-storage"
     try:
-        store.get_file(RECORD_FILE, local)
+        store.get_file(RECORD_FILE, fetched)
     except FileNotFoundError:
+        fetched = None
+    stored = _generation(fetched) if fetched is not None else None
+    if local.exists():
+        try:
+            mine = _generation(local)
+        except sqlite3.DatabaseError:       # a damaged copy: storage's is the record
+            mine = None
+        if fetched is not None and stored is not None and mine == stored:
+            fetched.unlink()
+            return local
+        aside = work / f".set-aside-{RECORD_FILE}-{uuid.uuid4().hex[:8]}"
+        os.replace(local, aside)
+        for journal in ("-wal", "-shm"):    # an old copy's journal must never meet the new copy
+            local.with_name(RECORD_FILE + journal).unlink(missing_ok=True)
+        # (neither carrying a generation: a record from before them, most likely the same one)
+        log.log(logging.INFO if mine is None and stored is None else logging.WARNING,
+                "this node's copy of the record (upload %s) is not storage's (upload %s); continuing from "
+                "storage's, this node's set aside as %s", _number(mine), _number(stored) if fetched else "none",
+                aside.name)
+    if fetched is None:
         return None
+    os.replace(fetched, local)
     return local
+
+
+@contextmanager
+def stored_record(store: Store) -> Iterator[Record | None]:
+    """Storage's record, read from a scratch copy; None when storage has none. This node's copy is
+    left alone: only a holder of the lease replaces it (fetch_record), and it may be in use."""
+    with tempfile.TemporaryDirectory(prefix="grpo-run-record-") as tmp:
+        local = Path(tmp) / RECORD_FILE
+        try:
+            store.get_file(RECORD_FILE, local)
+        except FileNotFoundError:
+            local = None
+        if local is None:
+            yield None
+            return
+        with Record(local) as record:
+            yield record
+
+
+def _generation(path: Path) -> values.Generation | None:
+    """The generation a record file carries (None: never uploaded, or written before generations)."""
+    with Record(path) as record:
+        return values.GENERATION.get(record)
+
+
+def _number(generation: values.Generation | None) -> int:
+    return generation["number"] if generation else 0
+
+
+class StaleRecord(LeaseLost):
+    """Storage holds a newer record of the job than this node's, uploaded by another node: this
+    node's is not uploaded (it would roll the job back), and it stops as a holder that lost its
+    lease does."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +131,13 @@ class Books:
                  usd_per_hour: float | None, max_cost_usd: float | None) -> None:
         self.store = store
         self.work = Path(work)
+        self.name = name
         fetch_record(store, self.work)
         self.record = Record(self.work / RECORD_FILE)
+        # Who uploads from here (random per Books), and the number of this record's newest upload
+        # that reached storage: the next goes up as one more, once storage's is known not newer.
+        self._writer = uuid.uuid4().hex
+        self._uploaded = _number(values.GENERATION.get(self.record))
         self.record.init_job(name, manifest)
         self._apply_spec_changes(name, manifest)
         # This run's identity, in every checkpoint's manifest: a checkpoint left in storage by an
@@ -103,9 +173,12 @@ class Books:
         """Upload a snapshot of the record, in the background unless `wait`."""
         def upload() -> None:      # one worker: snapshots never race each other
             self.trackers.flush()  # the trackers' files with the record they follow
+            generation = self._next_generation()
             snap = self.work / "state.snapshot.db"
-            self.record.snapshot(snap)
+            self.record.snapshot(snap, values={values.GENERATION.key: generation})
             self.store.put_file(snap, RECORD_FILE)
+            values.GENERATION.set(self.record, generation)      # storage has this copy now
+            self._uploaded = generation["number"]
 
         self._last_sync = time.monotonic()
         self._durable_waits = False
@@ -118,6 +191,30 @@ class Books:
         self._queued = done
         if wait:
             done.result()
+
+    def _next_generation(self) -> values.Generation:
+        """The generation the next upload carries, once storage's copy is read. Raises StaleRecord
+        when storage's is newer than this node's last upload and was uploaded by someone else."""
+        check = self.work / f".{RECORD_FILE}.in-storage"
+        try:
+            self.store.get_file(RECORD_FILE, check)
+        except FileNotFoundError:
+            stored = None
+        else:
+            try:
+                stored = _generation(check)
+            finally:
+                check.unlink(missing_ok=True)
+        if stored is not None and stored["number"] > self._uploaded:
+            if stored["writer"] != self._writer:
+                message = (f"storage holds a newer record of job {self.name} (upload {stored['number']}) than "
+                           f"this node's (its last upload: {self._uploaded}): another node has written it "
+                           f"since; this node's is not uploaded, which would roll the job back (steps, attempts, "
+                           f"the cost ledger), and this node stops; `grpo-run resume` continues from storage's")
+                log.error("%s", message)
+                raise StaleRecord(message)
+            self._uploaded = stored["number"]        # this node's own upload, whose answer was lost
+        return {"number": self._uploaded + 1, "writer": self._writer}
 
     def sync_soon(self, within: float | None = None) -> None:
         """Upload the record unless it was uploaded less than `within` seconds ago (default
@@ -143,6 +240,10 @@ class Books:
                 self.end_attempt(reason, message, notice)
             self.record.set_phase(phase, message)
         self.sync(wait=True)
+
+    def succeeded(self) -> bool:
+        """The record (storage's, fetched under the lease) says the job succeeded: nothing to run."""
+        return self.record.job()["phase"] == Phase.SUCCEEDED
 
     def close(self) -> None:
         self._sync_pool.shutdown(wait=True)
@@ -225,6 +326,14 @@ class Books:
         self.trackers.step(step, metrics)
         self.sync_soon()
 
+    def fill_in_steps(self, steps: list[dict[str, Any]]) -> None:
+        """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record
+        lacks are added (a node lost within DURABLE_SYNC_S of that checkpoint becoming durable
+        left them out of storage's record, and the resume starts after them); steps it has stay."""
+        added = self.record.add_missing_steps(steps)
+        if added:
+            log.info("steps %s were missing from the record; filled in from the checkpoint", _ranges(added))
+
     def note_sealed(self, step: int) -> None:
         """A checkpoint sealed on this node's disk, not yet in storage."""
         self.record.add_checkpoint(step, durable=False)
@@ -297,3 +406,14 @@ def _diff(old: Any, new: Any, path: str = "") -> list[str]:
             out += _diff(old.get(key), new.get(key), f"{path}.{key}" if path else key)
         return out
     return [] if old == new else [path]
+
+
+def _ranges(steps: list[int]) -> str:
+    """[3, 4, 5, 9] as "3-5, 9"."""
+    out: list[str] = []
+    for step in sorted(steps):
+        if out and int(out[-1].rpartition("-")[2]) == step - 1:
+            out[-1] = f"{out[-1].partition('-')[0]}-{step}"
+        else:
+            out.append(str(step))
+    return ", ".join(out)

@@ -162,10 +162,10 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
     storage = storage or default_storage()
     stop = threading.Event()        # the job's: a notice stops its storage's retries
     told = False
-    while True:
+    while True:     # --wait: until the job is submitted, and while another node holds it
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
         try:
-            found = _find_job(name, storage, stop=stop)
+            found = _find_job(name, storage, stop=stop)     # read again after each wait: the holder may change it
         except StorageConfigError as e:
             _error(str(e))
             return EXIT_FAILED
@@ -178,7 +178,12 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
             print(str(e), file=sys.stderr)
             return EXIT_USAGE
         if found is not None:
-            break
+            job, store = found
+            code = _run(job, output=output, storage=storage, store=store, stop=stop)
+            if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
+                return code
+            time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
+            continue
         if not wait:
             _error(missing)
             return EXIT_USAGE
@@ -186,12 +191,6 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
             print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
             told = True
         time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
-    job, store = found
-    while True:
-        code = _run(job, output=output, storage=storage, store=store, stop=stop)
-        if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
-            return code
-        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
 
 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
@@ -201,9 +200,9 @@ HELD_POLL_S = 60.0      # ... and how often the lease is tried again while anoth
 def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
-    The record is fetched from storage at most once, and read here afterwards."""
+    What the job needs is decided from storage's record: read here to skip a finished job, then
+    fetched by the supervisor once it holds the lease (this node's copy may be older)."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
-    from grpo_run.runner.books.books import fetch_record
     from grpo_run.runner.spec.job import build_run_spec
     from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
     from grpo_run.runner.supervisor.supervisor import Supervisor
@@ -216,12 +215,12 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
         if store is None:
             store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
-            fetch_record(store, work)          # a job begun elsewhere: its record, once
         local = _environment_here(job, store)
         spec = build_run_spec(job, url, local=local)
-        if _already_succeeded(job, work):
+        done = _already_succeeded(job, store)
+        if done is not None:
             print(f"{job.name}: already succeeded; nothing to do")
-            print(_dump(_job_doc(work / RECORD_FILE), output), end="") if output else None
+            print(_dump(done, output), end="") if output else None
             return EXIT_OK
         progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
         result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress, preempt=stop).run()

@@ -10,6 +10,7 @@ keeps its checkpoints: they are never counted durable, pruned or restored here."
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Upload
                                       run_prefix)
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
-from grpo_run.trainer.protocol import CHECKPOINTS_DIR
+from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,16 @@ class Durability:
         self._on_lease_lost, self._on_fatal = on_lease_lost, on_fatal
         self.uploads = Uploader(store, self.prefix, keep=keep, on_upload=self._uploaded, accept=self._whose)
 
-    def restore(self) -> int:
+    def restore(self, *, verify_local: bool = False) -> int:
         """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
         one sealed here before a crash is kept and uploaded); its step, 0 for none. Begins an
-        attempt: what an earlier trainer reported is forgotten. Raises StorageUnavailable."""
+        attempt: what an earlier trainer reported is forgotten. `verify_local`: after a trainer
+        crash, a local checkpoint that does not verify (damaged on this disk: loading it may be
+        what crashed) is set aside and storage's copy restored. Raises StorageUnavailable."""
         self._reported = set()
         try:
-            got = restore_latest(self.store, self.local, self.prefix, accept=self.why_not_ours, stop=self.stop)
+            got = restore_latest(self.store, self.local, self.prefix, accept=self.why_not_ours, stop=self.stop,
+                                 verify_local=verify_local)
             if got is None:       # a run begun before run prefixes: its checkpoints lie under checkpoints/ itself
                 flat = download_latest(self.store, self.local, CHECKPOINTS, accept=self.why_not_ours, stop=self.stop)
                 got = None if flat is None else (*flat, read_manifest(flat[1]), True)
@@ -63,6 +67,7 @@ class Durability:
         if got is None:
             return 0
         step, folder, manifest, durable = got
+        self.books.fill_in_steps(_step_metrics(folder))
         if durable:
             self._note([step])
         else:
@@ -145,3 +150,14 @@ class Durability:
         self.books.note_durable(new)
         self._noted.update(new)
         self.durable = max(self.durable, *new)
+
+
+def _step_metrics(folder: Path) -> list[dict]:
+    """The metrics so far that a checkpoint holds (none in one written before it held them)."""
+    path = folder / STEP_METRICS
+    try:
+        steps = json.loads(path.read_text()) if path.exists() else []
+        return [s for s in steps if isinstance(s, dict) and isinstance(s.get("step"), int)]
+    except (OSError, ValueError, TypeError) as e:     # damaged: the record keeps what it has
+        log.warning("the metrics in %s cannot be read (%s); the record is not filled in from them", path, e)
+        return []

@@ -85,6 +85,7 @@ class Supervisor:
         self._trainer: TrainerProcess | None = None
         self.books: Books | None = None
         self.durability: Durability | None = None
+        self._crashed = False                      # the last attempt's trainer crashed: verify what it loaded
 
     def run(self) -> SupervisorResult:
         """Hold the job's lease, then supervise trainers until the job ends or a notice comes."""
@@ -100,6 +101,8 @@ class Supervisor:
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
+            if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
+                return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do")
             self.durability = Durability(self.store, self.work, self.books, job=self.spec.name,
                                          keep=self.spec.keep_checkpoints, max_steps=self.spec.params.maxSteps,
                                          on_lease_lost=self._lease_lost,
@@ -153,6 +156,7 @@ class Supervisor:
             try:
                 return self._attempt(monitor)
             except _Restart as why:
+                self._crashed = why.kind == "crashes"
                 restarts[why.kind] += 1
                 limit = getattr(self.limits, why.kind)
                 if restarts[why.kind] > limit:
@@ -172,7 +176,7 @@ class Supervisor:
         """One trainer process, from restoring its checkpoint to recording how it ended. Raises
         _Restart when that is worth another attempt."""
         try:
-            start = self.durability.restore()
+            start = self.durability.restore(verify_local=self._crashed)
         except StorageUnavailable as e:
             if not self.preempt.is_set():
                 raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None

@@ -138,3 +138,66 @@ def test_a_checkpoint_left_by_an_earlier_run_of_the_same_name_is_never_resumed_f
     assert came_from is None                       # started from the beginning
     assert left_alone                              # the earlier run's checkpoints, all still there
     assert identical
+
+
+def damage_header(path: Path) -> None:
+    """Bytes flipped where safetensors keeps its header's length, as a bad disk would: same size,
+    so only a checksum tells."""
+    data = bytearray(path.read_bytes())
+    data[:8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+
+
+def seal(root: Path, step: int) -> Path:
+    from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint
+
+    staging = root.parent / f"staging-{step}"
+    (staging / "adapter").mkdir(parents=True)
+    (staging / "adapter" / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 4)
+    final = checkpoint_dir(root, step)
+    finalize_checkpoint(staging, final, step=step)
+    return final
+
+
+def test_a_damaged_local_checkpoint_storage_lacks_is_set_aside_instead_of_used_and_uploaded(tmp_path):
+    """Sealed here, never uploaded, then damaged on the disk: its upload would send damage with a
+    manifest that vouches for it, and the trainer would fail to load it. Storage's newest is used."""
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.sync import Uploader, restore_latest
+
+    store, root = Store(str(tmp_path / "store")), tmp_path / "node" / "checkpoints"
+    with Uploader(store) as up:
+        up.submit(seal(root, 2))
+        assert up.wait()
+    damage_header(seal(root, 4) / "adapter" / "adapter_model.safetensors")
+
+    step, folder, _, durable = restore_latest(store, root)
+    assert (step, durable) == (2, True)
+    assert [p.name.split("-")[3] for p in root.glob(".set-aside-ckpt-*")] == ["00000004"]
+
+
+@pytest.mark.fault
+def test_a_local_checkpoint_damaged_on_the_nodes_disk_is_set_aside_and_storages_copy_restored(
+        tmp_path, s3_env, uninterrupted, figures):  # noqa: F811
+    """The node comes back with its disk, whose checkpoints no longer load: the trainer that
+    crashed loading one is restarted from storage's copy (before, it crashed three more times and
+    the job ended Failed)."""
+    job = write_job(tmp_path, s3_env.url)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=f"upload@{3 * SAVE}", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    durable = durable_steps(s3_env)
+    local = sorted((tmp_path / "node-a" / "runs" / JOB / "checkpoints").glob("ckpt-*"))
+    assert durable and durable[0] in [int(p.name[len("ckpt-"):]) for p in local], (durable, local)
+    for folder in local:
+        damage_header(folder / "adapter" / "adapter_model.safetensors")
+
+    resumed = grpo_run(tmp_path / "node-a", "resume", JOB, "--storage", s3_env.url)    # the same node, its disk
+
+    came_from = resumed_from(s3_env, tmp_path)
+    identical = exported_bytes(tmp_path / "node-c", s3_env.url, tmp_path / "export") == uninterrupted
+    said = [line for line in resumed.stderr.splitlines() if "aside" in line and "does not verify" in line]
+    figures.add("corrupt", damage="a local checkpoint damaged on the node's disk", refused=bool(said),
+                resumed_from=came_from, said=(said[-1].split(": ", 1)[-1][:120] if said else ""), identical=identical)
+    assert came_from == durable[0]
+    assert identical
+    assert said, resumed.stderr[-3000:]

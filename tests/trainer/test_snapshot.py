@@ -77,3 +77,31 @@ def test_a_checkpoint_in_the_earlier_format_is_refused_with_what_to_do(make_trai
             load_state(tr, folder)
     finally:
         tr.close()
+
+
+def test_every_checkpoint_holds_the_metrics_so_far_also_those_from_before_a_resume(make_trainer, tmp_path):  # noqa: F811
+    from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
+    from grpo_run.trainer.protocol import STEP_METRICS
+
+    root, reported = tmp_path / "checkpoints", {}
+
+    def train(trainer, steps):
+        checkpoints = Checkpointer(root, interval=2)
+        checkpoints.attach(trainer)
+        start = checkpoints.load_latest()
+        try:
+            for step in range(start, start + steps):
+                reported[step + 1] = trainer.train_step(step)
+                checkpoints.add_metrics(step + 1, reported[step + 1])
+                checkpoints.save(step + 1)
+            checkpoints.sealed(wait_for=start + steps)
+        finally:
+            checkpoints.close()
+            trainer.close()
+        return start
+
+    assert train(make_trainer(small()), 2) == 0
+    assert train(make_trainer(small()), 2) == 2          # resumed from the checkpoint at step 2
+    held = json.loads((root / "ckpt-00000004" / STEP_METRICS).read_text())
+    assert [s["step"] for s in held] == [1, 2, 3, 4]
+    assert all({k: v for k, v in s.items() if k != "step"} == reported[s["step"]] for s in held)

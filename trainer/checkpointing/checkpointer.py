@@ -6,6 +6,7 @@ interval, keep-K, staging, the manifest, the writer process and pruning sit behi
     checkpoints.attach(trainer)
     start = checkpoints.load_latest()            # 0 when there is none
     ...
+    checkpoints.add_metrics(step, metrics)       # each step's, so that every checkpoint holds them so far
     checkpoints.save(step)                       # every `interval` steps; force=True at a stop
     for step in checkpoints.sealed(): ...        # sealed on the local disk since the last call
 
@@ -21,6 +22,7 @@ trainer reports sealed. A checkpoint is hashed once, by the writer process, when
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -31,6 +33,7 @@ from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpo
 from grpo_run.checkpoint.writer import CheckpointWriter, weights_finite, write_files
 from grpo_run.trainer.distributed import World, full_state
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
+from grpo_run.trainer.protocol import STEP_METRICS
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Checkpointer:
             if self.world.main else None
         self._trainer: Any = None
         self._last_saved: int | None = None
+        self._metrics: dict[int, dict[str, Any]] = {}     # by step: what each step reported, since the first
 
     def attach(self, trainer: Any) -> None:
         self._trainer = trainer
@@ -69,7 +73,15 @@ class Checkpointer:
         step, folder, _ = found
         loaded = load_state(self._trainer, folder, self.world.rank)
         self._last_saved = step
+        metrics = folder / STEP_METRICS                 # absent from checkpoints written before it
+        steps = json.loads(metrics.read_text()) if metrics.exists() else []
+        self._metrics = {s["step"]: {k: v for k, v in s.items() if k != "step"} for s in steps if s["step"] <= loaded}
         return loaded
+
+    def add_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step `step`'s metrics, for the checkpoints from here on (a step redone after a resume
+        replaces what it reported before)."""
+        self._metrics[step] = dict(metrics)
 
     def save(self, step: int, *, force: bool = False) -> bool:
         """Checkpoint the trainer after `step` completed steps when the interval says so (or
@@ -84,8 +96,9 @@ class Checkpointer:
         if self._writer is None:          # not rank 0: its RNG states are in rank 0's checkpoint
             self._last_saved = step
             return True
-        layout, _ = pack(state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full),
-                         self._writer.buffer)
+        files = state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full)
+        files[STEP_METRICS] = json.dumps([{"step": s, **m} for s, m in sorted(self._metrics.items()) if s <= step])
+        layout, _ = pack(files, self._writer.buffer)
         self._writer.submit(step, layout)
         self._last_saved = step
         return True

@@ -10,6 +10,8 @@ A checkpoint holds (paths relative to its folder):
                                          parameter order) and the RNG states
     trainer_state.json                   step, seed, method, the optimizer's hyper-parameters,
                                          the scheduler, the RNGs' small parts
+    metrics.json                         each step's metrics so far (written beside these by the
+                                         Checkpointer: trainer.protocol.STEP_METRICS)
 
 With several processes (data parallel: every rank holds the same adapter and optimizer state),
 rank 0 writes these files once, and every other rank's RNG states go into the same two files

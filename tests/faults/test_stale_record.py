@@ -1,0 +1,80 @@
+"""Two nodes race for one job (the boot unit, a Kubernetes Job and a SkyPilot task all run
+`grpo-run resume --wait`): one holds it and trains it to the end; the other reads the job's record
+while the first trains, is told the job is held, waits, and tries again after the first finished.
+Storage must still say Succeeded with every step, attempt and dollar: the waiting node decides
+from storage's record, not from the copy it read while the other node trained. (The finished run's
+checkpoints are looked at too: each carries the metrics so far.)"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import yaml
+
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.state.record import Record
+from tests.faults.harness import start_node, wait_until
+from tests.runner.test_resume import grpo_run, write_job
+
+pytestmark = pytest.mark.fault
+
+STEPS = 30          # long enough for the second node to start and read the record while the first trains
+
+
+def history(record: Record) -> dict:
+    """What a finished job's record must keep: its phase, steps, attempts and spend."""
+    return {"phase": record.job()["phase"], "steps": [s["step"] for s in record.steps()],
+            "attempts": [(a["id"], a["reason"], a["from_step"], a["to_step"]) for a in record.attempts()],
+            "ledger": record.value("ledger")}
+
+
+def in_storage(store: Store, scratch) -> Record:
+    """Storage's record, read from a fresh copy."""
+    copy = scratch / f"state-{uuid.uuid4().hex[:8]}.db"
+    store.get_file("state.db", copy)
+    return Record(copy)
+
+
+def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp_path, s3_env):
+    job = write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=10)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["pricing"] = {"usdPerHour": 36.0}          # dollars in the ledger, on any machine
+    job.write_text(yaml.safe_dump(doc))
+    grpo_run(tmp_path / "laptop", "apply", "--detach", "-f", str(job))
+    store = Store(f"{s3_env.url}/resumable")
+
+    a = start_node(tmp_path / "node-a", "resume", "resumable", "--storage", s3_env.url, GRPO_RUN_NOTICES="none")
+
+    scratch = tmp_path / "scratch"
+
+    def a_is_training() -> bool:
+        if not store.exists("state.db"):
+            return False
+        with in_storage(store, scratch) as record:
+            return bool(record.attempts())
+
+    wait_until("node A's attempt is in storage", a_is_training, a)
+    b = start_node(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, "--wait",
+                   GRPO_RUN_NOTICES="none", GRPO_RUN_WAIT_POLL_S="0.3")
+    a_out, a_err = a.communicate(timeout=600)
+    b_out, b_err = b.communicate(timeout=600)
+    assert a.returncode == 0, a_err[-3000:]
+    assert b.returncode == 0, b_err[-3000:]
+    assert "another node holds the job" in b_err, b_err[-3000:]     # it raced: read the record, was told held
+
+    with Record(tmp_path / "node-a" / "runs" / "resumable" / "state.db") as record:
+        finished = history(record)                                # what node A left when it finished
+        reported = {s["step"]: s for s in record.steps()}
+    # each checkpoint carries the metrics so far, as the trainer reported them (SPEC §4)
+    held = json.loads(store.get_bytes("checkpoints/ckpt-00000020/metrics.json"))
+    assert [s["step"] for s in held] == list(range(1, 21))
+    assert all(s == {k: v for k, v in reported[s["step"]].items() if k != "costUSD"} for s in held)
+    with in_storage(store, scratch) as record:
+        now = history(record)
+    assert finished["phase"] == "Succeeded" and finished["steps"] == list(range(1, STEPS + 1))
+    assert [reason for _, reason, _, _ in finished["attempts"]] == ["Succeeded"]
+    assert finished["ledger"]["1"]["usd"] > 0
+    assert now == finished
+    assert "already succeeded" in b_out + b_err
