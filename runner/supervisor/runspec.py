@@ -27,6 +27,10 @@ class RunSpec:
     usd_per_hour: float | None = None  # the GPU's rate, for the cost ledger (None: cost unknown)
     max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
     processes: int = 1               # spec.resources.processes, resolved: > 1 runs the trainer under accelerate
+    # (local file, key in storage, sha256) of the environment files `apply` sends, written once the
+    # lease is held (runner.envfiles); () on resume, which uses the stored copies
+    environment_uploads: tuple[tuple[str, str, str], ...] = ()
+    tracking: dict[str, Any] | None = None   # spec.tracking as this node writes it (resume: the node decides the URLs)
 
 
 @dataclass(frozen=True)
