@@ -125,7 +125,7 @@ def _submit(job, est: dict | None, output: str | None) -> int:
     try:
         done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
     except SubmitRefused as e:
-        _error(str(e))
+        _error(printable(str(e)))               # it names the phase storage holds
         return EXIT_USAGE
     except (StorageConfigError, StorageUnavailable, LookupError, ValueError) as e:
         _error(str(e))
@@ -136,7 +136,7 @@ def _submit(job, est: dict | None, output: str | None) -> int:
         return EXIT_OK
     said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
             "unchanged": "already submitted with this spec"}[done.outcome]
-    print(f"{job.name}: {said} to {done.url} (phase {done.phase}); nothing runs on this machine.")
+    print(f"{job.name}: {said} to {done.url} (phase {printable(done.phase)}); nothing runs on this machine.")
     if est and est.get("costToCompletionUSD") is not None:
         print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
               f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
