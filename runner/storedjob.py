@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from grpo_run.runner.spec.job import NOTICE_URLS, TrainingJob, name_problem
+if TYPE_CHECKING:                  # the CLI imports this module for its help text: keep it light
+    from grpo_run.runner.spec.job import TrainingJob
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ def trusts_stored_urls() -> bool:
 def check_folder_name(folder: str, storage: str) -> None:
     """Refuse a job folder found in storage whose name no job can have (before anything of it is
     fetched into a work folder of that name). Raises ValueError."""
+    from grpo_run.runner.spec.job import name_problem
+
     trouble = name_problem(folder)
     if trouble:
         raise ValueError(f"error: {storage} holds a folder {folder!r} that is no job's name: {trouble}; "
@@ -54,6 +58,8 @@ def as_this_node_runs_it(job: TrainingJob, *, trust_urls: bool) -> TrainingJob:
     own addresses apply), MLflow's tracking URI from MLFLOW_TRACKING_URI (MLflow left out
     without it), a TensorBoard folder or URL left out (`true`, the job's own storage, stays).
     What is left out is said in a warning. The spec in the record is not changed."""
+    from grpo_run.runner.spec.job import NOTICE_URLS
+
     if trust_urls:
         return job
     update, ignored = {}, []
