@@ -1,15 +1,25 @@
 """A user environment's files travel with the job, so a fresh node can resume it from storage.
 
-At `apply`, every file the environment names (a reward given as `file.py:function`, the tasks /
-evalTasks / dataset files, the dataFiles) is copied to the job's folder in object storage
-(`environment/`). At `resume` on a node where those paths do not exist, they are fetched into the
-work folder and the job points there. Not copied: a reward given as `package.module:function`
-(install it on the node; deploy does that), a data set name (`datasets` fetches it again) and a
-`save_to_disk` folder (put it on the node, or give its data as files).
+`apply` (and `apply --detach`) reads every file the environment names (a reward given as
+`file.py:function`, the tasks / evalTasks / dataset files, the dataFiles), resolved against the
+job file's folder, records each one's sha256 in the spec (`spec.environment.sha256`) and, once it
+holds the job's lease, copies them to the job's folder in storage (`environment/`).
+
+`resume` takes the spec from storage, which whoever can write the bucket can also write: its
+absolute paths are the submitting machine's, and on the resuming node they could name anything
+(`/proc/self/environ`, `~/.aws/credentials`). So a resume never opens those paths and never
+uploads a file: it fetches the stored copies into the work folder, checks each against the
+recorded sha256 (a copy that differs is refused: the run would train on another reward or other
+tasks than the ones applied), and the job points there.
+
+Not copied: a reward given as `package.module:function` (install it on the node; deploy does
+that), a data set name (`datasets` fetches it again) and a `save_to_disk` folder (put it on the
+node, or give its data as files).
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from grpo_run.checkpoint.storage.store import Store
@@ -17,6 +27,7 @@ from grpo_run.runner.spec.environment import EnvironmentSpec
 from grpo_run.runner.spec.job import TrainingJob
 
 PREFIX = "environment"
+UNSAFE_NAMES = ("", ".", "..")      # a file or field name that would step out of its folder
 
 
 def _reward_file(ref: str | None) -> str | None:
@@ -37,7 +48,7 @@ def _folders(env: EnvironmentSpec) -> dict[str, str]:
 
 
 def _files(env: EnvironmentSpec) -> dict[str, str]:
-    """{field: local path} of the files an environment needs (field as in the job: tasks,
+    """{field: path} of the files an environment needs (field as in the job: tasks,
     dataFiles.train, rewards.1, ...)."""
     files = {k: getattr(env, k) for k in ("tasks", "evalTasks", "dataset") if _local_file(getattr(env, k))}
     files.update({f"dataFiles.{split}": path for split, path in (env.dataFiles or {}).items()})
@@ -47,29 +58,105 @@ def _files(env: EnvironmentSpec) -> dict[str, str]:
     return files
 
 
-def upload_environment(job: TrainingJob, store: Store) -> None:
-    for field, path in _files(job.environment).items():
-        store.put_file(Path(path), f"{PREFIX}/{field}/{Path(path).name}")
+def _key(field: str, path: str) -> str:
+    """Where a file lives in the job's storage folder, and under the work folder on a node.
+    Raises ValueError for a field or file name that would step outside its folder there (a
+    dataFiles split named `../x`, a path ending in `..`): such a spec never came from a job file."""
+    name = Path(path).name
+    for part, what in ((field, "field"), (name, "file name")):
+        if part in UNSAFE_NAMES or any(c in part for c in "/\\\0"):
+            raise ValueError(f"spec.environment.{field}: the {what} {part!r} cannot be a file's name in storage: "
+                             "name the file (and each dataFiles split) with plain letters, digits, '.', '-', '_'")
+    return f"{PREFIX}/{field}/{name}"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def with_file_hashes(job: TrainingJob) -> TrainingJob:
+    """At `apply`: the job with the sha256 of each of its environment files (as they are now, on
+    this machine, where the job file named them) in spec.environment.sha256. Hashes the job file
+    gives already (a `get tj -o yaml` applied again) must be the files' own. Raises ValueError
+    naming the field when they are not, or when a file cannot be read."""
+    files = _files(job.environment)
+    given = dict(job.environment.sha256)
+    unknown = sorted(set(given) - set(files))
+    if unknown:
+        raise ValueError(f"spec.environment.sha256.{unknown[0]}: names no file of the environment (it has "
+                         f"{', '.join(files) or 'none'}): leave sha256 out, apply records it")
+    hashes = {}
+    for field, path in files.items():
+        _key(field, path)
+        try:
+            hashes[field] = sha256_of(Path(path))
+        except OSError as e:
+            raise ValueError(f"spec.environment.{field}: cannot read {path}: {e.strerror or e}") from None
+        if given.get(field, hashes[field]) != hashes[field]:
+            raise ValueError(f"spec.environment.sha256.{field}: {path} has sha256 {hashes[field]}, not the "
+                             f"{given[field]} the job file gives: the file changed since; leave sha256 out to "
+                             "apply the file as it is now")
+    if not hashes:
+        return job
+    return job.model_copy(update={"environment": job.environment.model_copy(update={"sha256": hashes})})
+
+
+def environment_uploads(job: TrainingJob) -> tuple[tuple[str, str, str], ...]:
+    """(local file, key in the job's storage, sha256) of each file `apply` sends: the job must have
+    been through with_file_hashes."""
+    env = job.environment
+    return tuple((path, _key(field, path), env.sha256[field]) for field, path in _files(env).items())
+
+
+def upload_environment(uploads: tuple[tuple[str, str, str], ...], store: Store) -> None:
+    """Copy the environment files `apply` read to the job's storage; call it holding the job's
+    lease (through its FencedStore), so a job another node runs is never touched. Raises
+    ValueError when a file changed since `apply` hashed it: the spec would describe other bytes."""
+    for path, key, digest in uploads:
+        if sha256_of(Path(path)) != digest:
+            raise ValueError(f"{path} changed while the job was being applied (its sha256 is no longer "
+                             f"{digest}): apply the job file again")
+        store.put_file(Path(path), key)
 
 
 def localize_environment(job: TrainingJob, store: Store, work: Path) -> TrainingJob:
-    """The job with its environment files on this node: as they are when they exist here,
-    else fetched from storage into `work/environment`. Raises LookupError when neither."""
+    """On `resume`: the job with its environment files fetched from storage into
+    `work/environment`, each checked against the sha256 the spec records; the paths the stored
+    spec names are never opened on this node. Raises LookupError when a file is not in storage
+    or a folder not on this node, ValueError when a stored copy is not the file `apply` recorded."""
     env = job.environment
     for field, folder in _folders(env).items():
         if not Path(folder).is_dir():
             raise LookupError(f"spec.environment.{field}: the folder {folder} is not on this node, and folders are "
                               "not copied to storage: put it on the node, or give its data as files")
     files = _files(env)
-    if all(Path(p).exists() for p in files.values()):
+    if not files:
         return job
+    keys = {field: _key(field, path) for field, path in files.items()}    # all checked before any fetch
     fetched: dict[str, str] = {}
     for field, path in files.items():
-        local = work / PREFIX / field / Path(path).name
+        key = keys[field]
+        want = env.sha256.get(field)
+        if want is None:
+            raise ValueError(f"spec.environment.{field}: the stored job records no sha256 for {Path(path).name} "
+                             "(submitted by an older grpo-run, or edited in storage), so its stored copy cannot be "
+                             "checked: apply the job file again (grpo-run apply -f FILE [--detach])")
+        local = work / key
         try:
-            store.get_file(f"{PREFIX}/{field}/{Path(path).name}", local)
+            store.get_file(key, local)
         except FileNotFoundError:
-            raise LookupError(f"spec.environment.{field}: {path} is not on this node and not in storage") from None
+            raise LookupError(f"spec.environment.{field}: {Path(path).name} is not in storage ({key}): apply the "
+                              "job file again (grpo-run apply -f FILE [--detach])") from None
+        got = sha256_of(local)
+        if got != want:
+            local.unlink()
+            raise ValueError(f"spec.environment.{field}: the copy in storage ({key}) has sha256 {got}, not the "
+                             f"{want} recorded when the job was applied: it was replaced since, so this node "
+                             "refuses to train on it; apply the job file again (grpo-run apply -f FILE [--detach])")
         fetched[field] = str(local)
 
     def moved(ref: str, field: str) -> str:

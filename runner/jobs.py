@@ -15,11 +15,13 @@ from grpo_run.state.phases import Phase
 
 def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
     """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
-    when storage holds several jobs and none is named, JobError for a stored spec that no longer
-    parses, StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
+    when storage holds several jobs and none is named, or a job whose stored name is not its
+    folder's (runner.storedjob), JobError for a stored spec that no longer parses,
+    StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
     from grpo_run.checkpoint.storage.store import Store
     from grpo_run.runner.books.books import stored_record
     from grpo_run.runner.spec.job import parse_job
+    from grpo_run.runner.storedjob import check_folder_name, check_stored_name
 
     names = [name] if name else jobs_in(storage)
     if not names:
@@ -28,13 +30,16 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
         raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
                          f"grpo-run resume NAME --storage {storage}")
     name = names[0]
+    check_folder_name(name, storage)            # a folder from storage becomes a work folder here
     store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
     store.check()
     with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
         job_doc = record.job() if record is not None else None
     if job_doc is None:
         return None
-    return parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False), store
+    job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
+    check_stored_name(job, name, storage)
+    return job, store
 
 
 def already_succeeded(job, store) -> dict[str, Any] | None:

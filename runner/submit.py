@@ -1,7 +1,7 @@
 """Submitting a job without training here (`grpo-run apply -f JOB --detach`).
 
 The job's spec and its record (phase Pending) go into its storage folder, with the environment's
-own files, and nothing starts on this machine. Whichever node then runs `grpo-run resume NAME
+own files (their sha256 in the spec: runner/envfiles.py), and nothing starts on this machine. Whichever node then runs `grpo-run resume NAME
 --storage URI` (a boot unit, a Kubernetes Job, a SkyPilot managed job), or `grpo-run apply -f` of
 the same file, trains it. This machine keeps only a pointer ($GRPO_RUN_HOME/submitted/NAME: the
 storage URI), so `grpo-run get tj NAME` here follows the job in storage.
@@ -20,7 +20,7 @@ from pathlib import Path
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books, fetch_record
-from grpo_run.runner.envfiles import upload_environment
+from grpo_run.runner.envfiles import environment_uploads, upload_environment
 from grpo_run.runner.spec.job import TrainingJob, usd_per_hour
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record
@@ -70,7 +70,7 @@ def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
                         f"job {job.name!r} is already in {url} (phase {stored['phase']}) with another spec; a job "
                         f"a node has taken keeps its spec: apply the changed file on the node that runs it "
                         f"(grpo-run apply -f FILE), or give this job another metadata.name")
-            upload_environment(job, store)
+            upload_environment(environment_uploads(job), store)     # under the lease, a Pending job only
             books = Books(store, work, name=job.name, manifest=manifest, usd_per_hour=usd_per_hour(job),
                           max_cost_usd=job.maxCostUSD)
             try:

@@ -128,7 +128,8 @@ class Books:
     """Owns the job's Record on this node, its uploads, the ledger and the evaluations' books."""
 
     def __init__(self, store: Store, work: Path, *, name: str, manifest: dict[str, Any],
-                 usd_per_hour: float | None, max_cost_usd: float | None) -> None:
+                 usd_per_hour: float | None, max_cost_usd: float | None,
+                 tracking: dict[str, Any] | None = None) -> None:
         self.store = store
         self.work = Path(work)
         self.name = name
@@ -151,7 +152,7 @@ class Books:
         self._last_sync = 0.0
         self._queued: Future | None = None
         self._durable_waits = False  # a durable checkpoint's record upload was put off (DURABLE_SYNC_S)
-        self.tracking = (manifest.get("spec") or {}).get("tracking")
+        self.tracking = tracking     # spec.tracking as this node writes it (not the stored spec's: runner.storedjob)
         self.trackers = Trackers([])       # opened per attempt (spec.tracking)
 
     def _apply_spec_changes(self, name: str, manifest: dict[str, Any]) -> None:

@@ -13,9 +13,10 @@ from typing import Any, Sequence
 import click
 
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error
+from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
 from grpo_run.runner.jobs import (already_succeeded as _already_succeeded, find_job as _find_job, get_job, job_doc as _job_doc)
 from grpo_run.runner.home import default_storage, home as _home, job_store_url, work_dir
+from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.state.phases import STOPPED, Phase
@@ -99,6 +100,13 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
         return EXIT_USAGE                        # what apply would answer
     if dry_run:
         return EXIT_OK
+    from grpo_run.runner.envfiles import with_file_hashes
+
+    try:
+        job = with_file_hashes(job)              # what the job's files are now, recorded in its spec
+    except ValueError as e:
+        _error(str(e))
+        return EXIT_USAGE
     if detach:
         return _submit(job, est, output)
     return _run(job, output=output, stop=threading.Event())
@@ -117,7 +125,7 @@ def _submit(job, est: dict | None, output: str | None) -> int:
     try:
         done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
     except SubmitRefused as e:
-        _error(str(e))
+        _error(printable(str(e)))               # it names the phase storage holds
         return EXIT_USAGE
     except (StorageConfigError, StorageUnavailable, LookupError, ValueError) as e:
         _error(str(e))
@@ -128,7 +136,7 @@ def _submit(job, est: dict | None, output: str | None) -> int:
         return EXIT_OK
     said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
             "unchanged": "already submitted with this spec"}[done.outcome]
-    print(f"{job.name}: {said} to {done.url} (phase {done.phase}); nothing runs on this machine.")
+    print(f"{job.name}: {said} to {done.url} (phase {printable(done.phase)}); nothing runs on this machine.")
     if est and est.get("costToCompletionUSD") is not None:
         print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
               f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
@@ -140,19 +148,32 @@ def _submit(job, est: dict | None, output: str | None) -> int:
 
 
 @cli.command("resume", short_help="continue a job from object storage alone")
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
 @click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end")
+@click.option("--trust-stored-urls", is_flag=True,
+              help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
+                   f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
-def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | None) -> int:
+def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_urls: bool, output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
     A job submitted with `apply --detach` and not yet started starts here.
+
+    What the job runs comes from storage, checked: its reward and task files are the copies `apply`
+    put there, each refused unless its sha256 is the one `apply` recorded; no file of this node is
+    read for them or uploaded. The URLs this node would contact come from its own configuration,
+    not from the bucket: spec.tracking.mlflow.trackingURI is replaced by MLFLOW_TRACKING_URI (MLflow
+    is left out without it), a spec.tracking.tensorboard folder or URL is left out (`true`, the
+    job's own storage, stays), and spec.notices.*MetadataURL give way to GRPO_RUN_*_METADATA_URL (or
+    the clouds' own addresses). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
+    node's environment) uses the stored ones: only for storage that no one else can write.
 
     \b
     example:
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix --wait   # at boot, before the job exists
+      MLFLOW_TRACKING_URI=http://mlflow:5000 grpo-run resume my-grpo-lora --storage s3://bucket/prefix
     """
     import time
 
@@ -161,6 +182,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
 
     storage = storage or default_storage()
     stop = threading.Event()        # the job's: a notice stops its storage's retries
+    trust_urls = trust_stored_urls or trusts_stored_urls()
     told = False
     while True:     # --wait: until the job is submitted, and while another node holds it
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
@@ -175,11 +197,11 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, output: str | 
                 return EXIT_FAILED
             found, missing = None, str(e)               # a node's network may come up late
         except (JobError, ValueError) as e:            # several jobs; a spec that no longer parses
-            print(str(e), file=sys.stderr)
+            print("\n".join(printable(line) for line in str(e).split("\n")), file=sys.stderr)   # from storage
             return EXIT_USAGE
         if found is not None:
             job, store = found
-            code = _run(job, output=output, storage=storage, store=store, stop=stop)
+            code = _run(job, output=output, storage=storage, store=store, stop=stop, trust_urls=trust_urls)
             if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
                 return code
             time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
@@ -197,13 +219,19 @@ WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
 
 
-def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None) -> int:
+def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
+         trust_urls: bool | None = None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
-    fetched by the supervisor once it holds the lease (this node's copy may be older)."""
+    fetched by the supervisor once it holds the lease (this node's copy may be older).
+    `trust_urls`: None for a job file applied here (the operator's own word: its files are
+    uploaded once the lease is held); True or False for a job read from storage (resume: its
+    files are the stored copies, and its URLs the node's unless True)."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+    from grpo_run.runner.envfiles import environment_uploads, localize_environment
     from grpo_run.runner.spec.job import build_run_spec
+    from grpo_run.runner.storedjob import as_this_node_runs_it
     from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
     from grpo_run.runner.supervisor.supervisor import Supervisor
     from grpo_run.trainer.protocol import PROGRESS_ENV
@@ -215,15 +243,19 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
         if store is None:
             store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
-        local = _environment_here(job, store)
-        spec = build_run_spec(job, url, local=local)
+        if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
+            local, uploads = job, environment_uploads(job)
+        else:                                  # resume: nothing of this node's is read or sent for the job
+            local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
+            uploads = ()
+        spec = build_run_spec(job, url, local=local, uploads=uploads)
         done = _already_succeeded(job, store)
         if done is not None:
             print(f"{job.name}: already succeeded; nothing to do")
             print(_dump(done, output), end="") if output else None
             return EXIT_OK
         progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
-        result = Supervisor(spec, work, store=store, watchers=_watchers(job), progress=progress, preempt=stop).run()
+        result = Supervisor(spec, work, store=store, watchers=_watchers(local), progress=progress, preempt=stop).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         _error(str(e))
         return EXIT_FAILED
@@ -233,13 +265,13 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
         _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
         return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
-        _error(f"{job.name}: another node holds the job, so this node stops here: {result.message}")
+        _error(f"{job.name}: another node holds the job, so this node stops here: {printable(result.message)}")
         return EXIT_HELD
     doc = _job_doc(work / RECORD_FILE)
     if result.exit_code == EXIT_OK and job.gpu:
         _remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
-        _error(f"{job.name} failed: {result.message or doc['status'].get('message', '')}")
+        _error(f"{job.name} failed: {printable(result.message or doc['status'].get('message', ''))}")
     if output:
         print(_dump(doc, output), end="")
     else:
@@ -267,21 +299,10 @@ def _remember_step_time(job, status: dict) -> None:
                                      completion_length=job.parameters.maxCompletionLength)
 
 
-def _environment_here(job, store):
-    """The job with its environment files on this node: the user's own (copied to storage for
-    the next node), or, on a fresh node, fetched from storage (and not sent back)."""
-    from grpo_run.runner.envfiles import localize_environment, upload_environment
-
-    local = localize_environment(job, store, work_dir(job.name))
-    if local is job:
-        upload_environment(job, store)
-    return local
-
-
 def _summary(name: str, status: dict, result) -> str:
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
     if status.get("message") and status["phase"] != Phase.SUCCEEDED:
-        lines.append(f"  {status['message']}")
+        lines.append(f"  {printable(status['message'])}")
     b, f = status.get("baseline"), status.get("final")
     if b and f:
         lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
@@ -315,7 +336,7 @@ def _watchers(job):
 # --- export ----------------------------------------------------------------------------------------
 
 @cli.command("export", short_help="write the final (or latest) adapter as standard PEFT files")
-@click.argument("name")
+@click.argument("name", callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
 @click.option("--out", required=True, metavar="DIR", help="folder to write (created)")
 def cmd_export(name: str, storage: str | None, out: str) -> int:
@@ -369,7 +390,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 @click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
 @click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
-@click.option("--job", metavar="NAME", help="the job's metadata.name (default: the only job under --storage)")
+@click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
 @click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
 @click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
 @click.option("--repo", metavar="URL", default="https://github.com/grpo-run/grpo-run.git", show_default=True,

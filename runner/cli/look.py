@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from grpo_run.runner.exits import EXIT_OK, EXIT_USAGE
-from grpo_run.runner.cli.output import FORMAT, dump as _dump, error as _error
+from grpo_run.runner.cli.output import FORMAT, dump as _dump, error as _error, job_name, printable
 from grpo_run.runner.jobs import get_job, jobs_in as _jobs_in, local_jobs as _local_jobs
 from grpo_run.runner.home import work_dir
 from grpo_run.state.phases import TERMINAL
@@ -16,7 +16,7 @@ from grpo_run.state.phases import TERMINAL
 
 @click.command("get", short_help="show jobs: phase, step, rewards")
 @click.argument("resource")
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")
 @click.option("-o", "--output", type=FORMAT, help="output format (default: a table)")
 @click.option("-w", "--watch", is_flag=True, help="follow the job until it stops: a live bar per phase with steps/s, ETA, "
@@ -89,7 +89,7 @@ def _watch(names: list[str], storage: str | None, output: str | None, interval_s
                 for d in docs:
                     print(_dump(d, output) + ("---" if output == "yaml" else ""), flush=True)
             else:
-                lines = [line for v in views for line in v]
+                lines = [printable(line) for v in views for line in v]     # names, nodes: from storage
                 if tty and drawn:       # back to the block's first line, then each line cleared and redrawn
                     sys.stdout.write(f"\x1b[{drawn}F")
                 sys.stdout.write("".join(("\x1b[2K" if tty else "") + line + "\n" for line in lines))
@@ -102,7 +102,7 @@ def _watch(names: list[str], storage: str | None, output: str | None, interval_s
 
 
 @click.command("logs", short_help="the trainer's log on this node")
-@click.argument("name")
+@click.argument("name", callback=job_name)
 @click.option("-f", "--follow", is_flag=True, help="keep printing until the job stops")
 def cmd_logs(name: str, follow: bool) -> int:
     """Print the trainer's log for a job run on this node (progress every 5% of the steps, checkpoints, warnings).
@@ -135,7 +135,7 @@ def cmd_logs(name: str, follow: bool) -> int:
 
 
 @click.command("report", short_help="draw the run as a PNG: rewards, cost, where attempts ended")
-@click.argument("name")
+@click.argument("name", callback=job_name)
 @click.option("--storage", metavar="URL", help="read the job from this storage URL (no local run needed)")
 @click.option("--out", required=True, metavar="FILE.png", help="the picture to write; a Markdown summary goes beside it (.md)")
 def cmd_report(name: str, storage: str | None, out: str) -> int:
@@ -167,7 +167,7 @@ def cmd_report(name: str, storage: str | None, out: str) -> int:
     md = path.with_suffix(".md")
     md.write_text(summary(run, path.name), encoding="utf-8")
     cuts = drawn["boundaries"]
-    print(f"wrote {path} and {md}: {run['name']} {run['phase']}, {len(run['steps'])} steps, "
+    print(f"wrote {path} and {md}: {printable(run['name'])} {run['phase']}, {len(run['steps'])} steps, "
           f"{len(run['attempts'])} attempt(s), {len(cuts)} boundar{'y' if len(cuts) == 1 else 'ies'}, "
           f"{sum(c['redone'] for c in cuts)} steps redone")
     return EXIT_OK

@@ -9,6 +9,7 @@ context); `check_files` False (a resume on a fresh node) leaves files that may b
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str
     return path
 
 
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 OWN_DATA = ("tasks", "evalTasks", "dataset", "datasetConfig", "trainSplit", "evalSplit", "columns",
             "heldOutFraction", "path")
@@ -109,6 +111,18 @@ class EnvironmentSpec(Strict):
     columns: dict[str, str] = {}     # task key -> column, e.g. {prompt: question, answer: answer}
     heldOutFraction: float | None = Field(None, gt=0, lt=1)   # held out from train when no eval split/file
     path: tuple[str, ...] = ()       # folders put on the grader's sys.path
+    # {file's field (reward, tasks, dataFiles.train, ...): sha256 of its bytes}, recorded by `apply`
+    # from the files it uploads; a resuming node uses the stored copies only if they still match
+    sha256: dict[str, str] = {}
+
+    @field_validator("sha256")
+    @classmethod
+    def _hashes(cls, hashes: dict[str, str]) -> dict[str, str]:
+        for field, digest in hashes.items():
+            if not SHA256_RE.match(digest):
+                raise problem(f"{field}: must be a sha256 as 64 lowercase hex digits (got {fmt(digest)}); "
+                              "apply records these itself: leave sha256 out of a job file")
+        return hashes
 
     @field_validator("reward")
     @classmethod

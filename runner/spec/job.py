@@ -351,10 +351,19 @@ class _Metadata(Strict):
     @field_validator("name", mode="before")
     @classmethod
     def _name(cls, v: Any) -> Any:
-        if not isinstance(v, str) or not NAME_RE.match(v):
-            raise problem("must be lowercase letters, digits and '-', 1-63 characters, "
-                          f"starting and ending with a letter or digit (got {fmt(v)})")
+        trouble = name_problem(v)
+        if trouble:
+            raise problem(trouble)
         return v
+
+
+def name_problem(v: Any) -> str | None:
+    """What is wrong with `v` as a job's name (metadata.name, or a NAME on the command line); None
+    when nothing. A name is a folder in storage and on the node, and a word in launch files."""
+    if isinstance(v, str) and NAME_RE.fullmatch(v):     # fullmatch: `$` would let a final newline through
+        return None
+    return ("must be lowercase letters, digits and '-', 1-63 characters, "
+            f"starting and ending with a letter or digit (got {fmt(v)})")
 
 
 class _Document(Strict):
@@ -456,9 +465,12 @@ def build_environment(job: TrainingJob):
     return environment_of(job.environment, job.parameters)
 
 
-def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None) -> RunSpec:
+def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
+                   uploads: tuple[tuple[str, str, str], ...] = ()) -> RunSpec:
     """What the supervisor needs for `job`, its outputs under `storage_url`.
-    `local`: the same job with its environment files where they are on this node."""
+    `local`: the same job as this node runs it (its environment files where they are on this
+    node; on resume, the node's own tracker and notice URLs). `uploads`: the environment files
+    `apply` sends once the lease is held (runner.envfiles.environment_uploads)."""
     from grpo_run.runner.home import ensure_model
 
     processes = node_processes(job.resources)
@@ -470,10 +482,12 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
         raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
                                   f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
                                   "groups of its own; raise promptsPerStep or give a number of processes"])
+    here = local or job
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
-                   env=build_environment(local or job), params=job.parameters, storage=storage_url,
+                   env=build_environment(here), params=job.parameters, storage=storage_url,
                    model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
-                   processes=processes, sandbox_strict=sandbox_strict(job))
+                   processes=processes, sandbox_strict=sandbox_strict(job), environment_uploads=uploads,
+                   tracking=here.tracking.to_dict() if here.tracking is not None else None)
 
 
 SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)

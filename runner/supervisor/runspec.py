@@ -28,6 +28,10 @@ class RunSpec:
     max_cost_usd: float | None = None  # spec.maxCostUSD: stop cleanly before a step would pass it
     processes: int = 1               # spec.resources.processes, resolved: > 1 runs the trainer under accelerate
     sandbox_strict: bool = False     # spec.sandbox or the node's GRPO_RUN_SANDBOX, resolved (runner.spec.job)
+    # (local file, key in storage, sha256) of the environment files `apply` sends, written once the
+    # lease is held (runner.envfiles); () on resume, which uses the stored copies
+    environment_uploads: tuple[tuple[str, str, str], ...] = ()
+    tracking: dict[str, Any] | None = None   # spec.tracking as this node writes it (resume: the node decides the URLs)
 
 
 @dataclass(frozen=True)

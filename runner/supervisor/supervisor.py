@@ -29,6 +29,7 @@ from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
 from grpo_run.checkpoint.storage.store import StorageUnavailable, Store
 from grpo_run.runner.books.books import Books
+from grpo_run.runner.envfiles import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
@@ -100,9 +101,13 @@ class Supervisor:
         self.store = FencedStore(self.store, lease)
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
-                               usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd)
+                               usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
+                               tracking=self.spec.tracking)
             if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
                 return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do")
+            # apply's environment files: only now, holding the lease and with the record agreeing
+            # to this spec (a finished job refused it above), can they replace the stored ones
+            upload_environment(self.spec.environment_uploads, self.store)
             self.durability = Durability(self.store, self.work, self.books, job=self.spec.name,
                                          keep=self.spec.keep_checkpoints, max_steps=self.spec.params.maxSteps,
                                          on_lease_lost=self._lease_lost,

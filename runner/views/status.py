@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from grpo_run.runner.cli.output import printable
 from grpo_run.state import values
 from grpo_run.state.record import Record
 
@@ -73,7 +74,7 @@ def table(docs: list[dict[str, Any]]) -> str:
     for d in docs:
         st = d["status"]
         total = d["spec"]["parameters"]["maxSteps"]
-        rows.append((d["metadata"]["name"], st["phase"], f"{st['step']}/{total}",
+        rows.append((printable(d["metadata"]["name"]), st["phase"], f"{st['step']}/{total}",
                      f"{st['baseline']['meanReward']:.3f}" if "baseline" in st else "-",
                      f"{st['final']['meanReward']:.3f}" if "final" in st else "-",
                      str(len(st["attempts"]))))

@@ -149,15 +149,15 @@ def test_a_problem_inside_a_list_item_names_the_fields_it_allows():
 
 def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, reward_file):
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.envfiles import localize_environment, upload_environment
+    from grpo_run.runner.envfiles import environment_uploads, localize_environment, upload_environment, with_file_hashes
 
     write(tmp_path, "train.parquet", ROWS[:20], "parquet")
     write(tmp_path, "test.parquet", ROWS[20:], "parquet")
     doc = job(name="s", rewards=[reward_file, {"function": "rewards.py:short", "weight": 0.5}],
               dataFiles={"train": "train.parquet", "test": "test.parquet"}, columns={"prompt": "question"})
-    here = parse_job(doc, base=tmp_path)
+    here = with_file_hashes(parse_job(doc, base=tmp_path))           # what apply does
     store = Store(str(tmp_path / "store"))
-    upload_environment(here, store)
+    upload_environment(environment_uploads(here), store)
     for name in ("train.parquet", "test.parquet", "rewards.py"):
         (tmp_path / name).unlink()                                   # a fresh node has none of them
     there = localize_environment(parse_job(here.to_dict(), check_files=False), store, tmp_path / "node")
