@@ -193,6 +193,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     labels = {"app.kubernetes.io/name": "grpo-run", **({"grpo-run/job": s.job} if s.job else {})}
     # HOME and HF_HOME on the volume: the pod's user has no home folder in the image to write caches to.
     env = [{"name": "GRPO_RUN_HOME", "value": "/work"}, {"name": "GRPO_RUN_NOTICES", "value": "auto"},
+           {"name": "GRPO_RUN_SANDBOX", "value": "strict"},      # reward functions only in the full sandbox
            {"name": "HOME", "value": "/work"}, {"name": "HF_HOME", "value": "/work/huggingface"}]
     env += [{"name": k, "value": v} for k, v in (("AWS_DEFAULT_REGION", s.region), ("AWS_ENDPOINT_URL", s.endpoint)) if v]
     container = {
@@ -254,7 +255,7 @@ def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | Non
     GPU (e.g. H100:1), from spec.gpu when the job file gives one."""
     import yaml
 
-    envs = {"GRPO_RUN_STORAGE": s.storage}
+    envs = {"GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_SANDBOX": "strict"}
     if s.job:
         envs["GRPO_RUN_JOB"] = s.job
     if s.region:

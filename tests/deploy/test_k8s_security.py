@@ -149,3 +149,27 @@ def test_the_user_data_holds_no_keys_and_says_the_instance_role_brings_them():
     assert "instance role" in text and "IMDSv2" in text and "hop limit of 1" in text
     (env,) = [f["content"] for f in yaml.safe_load(text)["write_files"] if f["path"] == "/etc/grpo-run/env"]
     assert "No keys here" in env
+
+
+@pytest.mark.trust
+def test_every_generated_node_runs_reward_functions_only_in_the_strict_sandbox(capsys, figures):
+    """A job's spec.sandbox comes from storage on `resume`; the node's own GRPO_RUN_SANDBOX=strict,
+    set by every file `grpo-run deploy` writes, is the floor it cannot lower."""
+    _, doc = manifest(capsys)
+    env = {e["name"]: e["value"] for e in pod_of(doc)[1]["env"]}
+    assert env["GRPO_RUN_SANDBOX"] == "strict"
+
+    def printed(*args: str) -> str:
+        capsys.readouterr()
+        assert main(list(args)) == EXIT_OK
+        return capsys.readouterr().out
+
+    unit = printed("deploy", "systemd", "--storage", "s3://bucket/grpo", "--job", "my-job")
+    assert "Environment=GRPO_RUN_SANDBOX=strict" in unit
+    assert "GRPO_RUN_SANDBOX=strict" in cloud_init(NodeSettings(storage="s3://bucket/grpo", job="my-job"))
+    task = yaml.safe_load(printed("deploy", "skypilot", "--storage", "s3://bucket/grpo", "--job", "my-job",
+                                  "--accelerators", "L4:1"))
+    assert task["envs"]["GRPO_RUN_SANDBOX"] == "strict"
+    figures.add("trust", actor="bucket writer", tried="spec.sandbox: best-effort in a stored job, on a deployed node",
+                protection="GRPO_RUN_SANDBOX=strict in every generated unit, user-data, Job and task",
+                outcome="the node's strict is the floor", held=True)
