@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.sync import CHECKPOINTS, run_prefix
+from grpo_run.state import values
 from grpo_run.state.record import Record
 from tests.faults.harness import start_node, wait_until
 from tests.runner.test_resume import grpo_run, write_job
@@ -67,8 +69,9 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
     with Record(tmp_path / "node-a" / "runs" / "resumable" / "state.db") as record:
         finished = history(record)                                # what node A left when it finished
         reported = {s["step"]: s for s in record.steps()}
+        run = values.RUN_ID.get(record)
     # each checkpoint carries the metrics so far, as the trainer reported them (SPEC §4)
-    held = json.loads(store.get_bytes("checkpoints/ckpt-00000020/metrics.json"))
+    held = json.loads(store.get_bytes(f"{run_prefix(CHECKPOINTS, run)}/ckpt-00000020/metrics.json"))
     assert [s["step"] for s in held] == list(range(1, 21))
     assert all(s == {k: v for k, v in reported[s["step"]].items() if k != "costUSD"} for s in held)
     with in_storage(store, scratch) as record:
