@@ -39,7 +39,8 @@ def in_storage(store: Store, scratch) -> Record:
     return Record(copy)
 
 
-def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp_path, s3_env):
+@pytest.mark.trust
+def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp_path, s3_env, figures):
     job = write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=10)
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["pricing"] = {"usdPerHour": 36.0}          # dollars in the ledger, on any machine
@@ -81,3 +82,5 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
     assert finished["ledger"]["1"]["usd"] > 0
     assert now == finished
     assert "already succeeded" in b_out + b_err
+    figures.add("trust", actor='ordinary failure', tried='resume --wait downloads the record, is told held, and resumes after the holder succeeded',
+                protection="decided from storage's record under the lease; generations on every upload", outcome='storage still Succeeded with every step, attempt and dollar', held=True)

@@ -78,7 +78,9 @@ def earlier_run(tmp_path: Path, store: Store) -> dict[str, bytes]:
     return {**everything(store, CHECKPOINTS), **everything(store, FINAL)}
 
 
-def test_a_run_submitted_again_keeps_counts_and_restores_only_its_own_checkpoints(tmp_path, store, durability):
+@pytest.mark.trust
+def test_a_run_submitted_again_keeps_counts_and_restores_only_its_own_checkpoints(tmp_path, store, durability,
+                                                                               figures):
     left = earlier_run(tmp_path, store)
     d = durability()
     assert d.restore() == 0                                # nothing of this run: from the beginning
@@ -99,9 +101,12 @@ def test_a_run_submitted_again_keeps_counts_and_restores_only_its_own_checkpoint
                                              usd_per_hour=None, max_cost_usd=None))
     assert again.books.run_id == d.books.run_id
     assert again.restore() == 20
+    figures.add("trust", actor='ordinary failure', tried='a job submitted again under a name whose earlier run left checkpoints',
+                protection='checkpoints/<runId>/: each run lists, prunes and restores its own', outcome="keep 3 of its own; the earlier run's files intact", held=True)
 
 
-def test_export_takes_this_runs_weights_never_an_earlier_runs_final(tmp_path, store, durability):
+@pytest.mark.trust
+def test_export_takes_this_runs_weights_never_an_earlier_runs_final(tmp_path, store, durability, figures):
     from grpo_run.runner.export import export_weights
 
     earlier_run(tmp_path, store)
@@ -114,6 +119,8 @@ def test_export_takes_this_runs_weights_never_an_earlier_runs_final(tmp_path, st
     said = export_weights(store.url, tmp_path / "out")
     assert said == "the checkpoint at step 5 (the job has not finished)"
     assert b"weights at step 5" in (tmp_path / "out" / "adapter_model.safetensors").read_bytes()
+    figures.add("trust", actor='ordinary failure', tried='export a job whose earlier run of the same name finished',
+                protection="final/<runId>/ of the record's run", outcome="this run's checkpoint, never the earlier final", held=True)
 
 
 @pytest.mark.parametrize("fields, step, says", [
@@ -122,8 +129,9 @@ def test_export_takes_this_runs_weights_never_an_earlier_runs_final(tmp_path, st
     ({"run": "THIS", "finite": True}, MAX_STEPS + 1, f"past spec.parameters.maxSteps ({MAX_STEPS})"),
     ({"run": "THIS", "finite": False}, 20, "weights are not finite numbers"),
 ], ids=["no-run-id", "another-run", "past-maxSteps", "not-finite"])
+@pytest.mark.trust
 def test_a_checkpoint_not_of_this_run_or_out_of_bounds_is_never_trained_from(tmp_path, store, durability, caplog,
-                                                                               fields, step, says):
+                                                                               fields, step, says, figures):
     """In storage under the run's own prefix (a bucket writer put it there) it is skipped; on the
     node it is set aside (renamed, not deleted); the run continues from the newest good one."""
     d = durability()
@@ -140,3 +148,6 @@ def test_a_checkpoint_not_of_this_run_or_out_of_bounds_is_never_trained_from(tmp
     assert d.restore() == 10
     assert not checkpoint_dir(local, step).exists()
     assert [p.name.startswith(".set-aside-") for p in local.iterdir() if f"{step:08d}" in p.name] == [True]
+    figures.add("trust", actor="bucket writer", tried=f"plant a checkpoint that {says}",
+                protection="a checkpoint must name this run, be finite and be at most maxSteps",
+                outcome="skipped in storage, set aside on the node; resumed from the good one", held=True)

@@ -26,7 +26,8 @@ def in_storage(store: Store) -> dict:
                 "ledger": record.value("ledger")}
 
 
-def test_a_node_back_with_its_old_record_does_not_roll_storage_back(tmp_path):
+@pytest.mark.trust
+def test_a_node_back_with_its_old_record_does_not_roll_storage_back(tmp_path, figures):
     store = Store(str(tmp_path / "store"))
     a = books(store, tmp_path / "node-a")
     a.enter_phase(Phase.TRAINING)
@@ -60,6 +61,8 @@ def test_a_node_back_with_its_old_record_does_not_roll_storage_back(tmp_path):
     assert [node for node, _ in finished["attempts"]] == ["node-a", "node-b"]
     assert set(finished["ledger"]) == {"1", "2"}
     assert list((tmp_path / "node-a").glob(f".set-aside-{RECORD_FILE}-*"))   # the old copy is kept, aside
+    figures.add("trust", actor='ordinary failure', tried='a node comes back with its disk and an old record, and resumes',
+                protection="storage's record replaces a local copy that lacks storage's generation", outcome='the old copy set aside; nothing rolled back', held=True)
 
 
 def test_a_record_older_than_storages_is_refused_and_said_so(tmp_path):

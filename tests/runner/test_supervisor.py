@@ -163,7 +163,8 @@ def test_max_cost_stops_the_run_with_a_durable_checkpoint(tmp_path, s3_env):
     assert st["attempts"][-1]["reason"] == "BudgetExceeded"
 
 
-def test_a_step_whose_numbers_are_not_finite_fails_the_job_once_and_keeps_the_good_checkpoints(tmp_path):
+@pytest.mark.trust
+def test_a_step_whose_numbers_are_not_finite_fails_the_job_once_and_keeps_the_good_checkpoints(tmp_path, figures):
     """A reward whose weight carries the step's reward past float32 from the 4th step on: the
     step fails before anything is applied or sealed, the job ends Failed at once (restarting
     would replay the same step: no crash restarts, never a preemption), the record says which
@@ -187,3 +188,5 @@ def test_a_step_whose_numbers_are_not_finite_fails_the_job_once_and_keeps_the_go
     assert "step 4: the weighted sum of a completion's rewards (in float32) is inf" in job_row["message"]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [c["step"] for c in ckpts] == [2]
+    figures.add("trust", actor='reward author', tried='a reward that a weight carries past float32 (inf) at step 4',
+                protection='rewards, loss and gradient norm checked before the optimizer steps', outcome='job Failed once; steps 1-3 and checkpoint 2 kept', held=True)
