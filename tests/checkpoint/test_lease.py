@@ -60,6 +60,10 @@ def job_url(request, tmp_path, monkeypatch) -> str:
     return request.getfixturevalue("s3_env").url + "/my-job"
 
 
+def storage_kind(url: str) -> str:
+    return url.split("://")[0] if "://" in url else "a local folder"
+
+
 def put_lease_body(url: str, body: dict) -> None:
     Store(url).put_bytes("lease.json", json.dumps(body).encode())
 
@@ -267,7 +271,8 @@ def test_the_same_holder_waits_while_its_other_process_on_this_host_lives(tmp_pa
     assert read_lease(url)["pid"] == os.getpid()
 
 
-def test_a_same_named_host_with_another_boot_id_is_waited_for_until_its_lease_runs_out(job_url):
+@pytest.mark.trust
+def test_a_same_named_host_with_another_boot_id_is_waited_for_until_its_lease_runs_out(job_url, figures):
     clock = Clock()
     put_lease_body(job_url, {"holder": "node-a", "host": socket.gethostname(),
                              "boot_id": "another-machine-or-an-earlier-boot", "pid": 999_999_999,
@@ -278,11 +283,14 @@ def test_a_same_named_host_with_another_boot_id_is_waited_for_until_its_lease_ru
     clock.now += 61                     # watched unrenewed for its ttl: now it is ours
     lease.acquire()
     assert read_lease(job_url)["boot_id"] == this_boot()
+    figures.add("trust", actor="ordinary failure", tried=f"another machine with this host name holds the lease ({storage_kind(job_url)})",
+                protection="a holder is known by boot id and PID namespace too", outcome="waited for its ttl", held=True)
 
 
 # --- expiry without comparing two machines' clocks ----------------------------------------------
 
-def test_a_taker_whose_clock_is_ten_minutes_ahead_does_not_take_a_renewed_lease(job_url):
+@pytest.mark.trust
+def test_a_taker_whose_clock_is_ten_minutes_ahead_does_not_take_a_renewed_lease(job_url, figures):
     holder_clock = Clock()
     taker_clock = Clock(holder_clock.now + 600)  # ten minutes ahead of the holder's
     holder = Lease(job_url, holder="node-a", clock=holder_clock)
@@ -296,9 +304,13 @@ def test_a_taker_whose_clock_is_ten_minutes_ahead_does_not_take_a_renewed_lease(
         taker_clock.now += 20
         holder.renew()
     assert holder.held and read_lease(job_url)["holder"] == "node-a"
+    figures.add("trust", actor="ordinary failure", tried=f"a taker whose clock is 10 minutes ahead ({storage_kind(job_url)})",
+                protection="expiry judged on the store's clock or the taker's own watch", outcome="the live holder kept it",
+                held=True)
 
 
-def test_a_freshly_written_lease_claiming_it_expired_long_ago_is_not_taken_at_once(job_url):
+@pytest.mark.trust
+def test_a_freshly_written_lease_claiming_it_expired_long_ago_is_not_taken_at_once(job_url, figures):
     # What the holder's wall clock wrote is no reason to take over: how long it went unrenewed is.
     put_lease_body(job_url, {"holder": "node-a", "host": "elsewhere", "pid": 1, "token": "theirs",
                              "since": "2001-01-01T00:00:00Z", "expires": "2001-01-01T00:01:00Z",
@@ -307,6 +319,8 @@ def test_a_freshly_written_lease_claiming_it_expired_long_ago_is_not_taken_at_on
     with pytest.raises(LeaseHeld):
         Lease(job_url, holder="node-b", clock=Clock()).acquire()
     assert read_lease(job_url)["holder"] == "node-a"
+    figures.add("trust", actor="bucket writer", tried=f"a fresh lease claiming it expired in 2001 ({storage_kind(job_url)})",
+                protection="the lease's age, not the times it claims", outcome="not taken at once", held=True)
 
 
 def test_what_one_clock_watched_does_not_count_on_another(job_url):
