@@ -19,6 +19,8 @@ from tests.runner.test_resume import REPO, write_job
 
 SECRET = "FAKE-NODE-SECRET-123"
 
+pytestmark = pytest.mark.trust
+
 
 def plant(storage: Path, name: str, doc: dict, tmp_path: Path) -> None:
     """What a bucket writer does: a record holding its own spec, in the job's folder."""
@@ -37,7 +39,7 @@ def files_under(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("recorded", [None, "0" * 64], ids=["no-sha256", "a-sha256-of-its-own"])
-def test_a_planted_spec_naming_the_node_s_environ_sends_nothing_of_the_node_to_the_bucket(tmp_path, recorded):
+def test_a_planted_spec_naming_the_node_s_environ_sends_nothing_of_the_node_to_the_bucket(tmp_path, recorded, figures):
     storage = tmp_path / "bucket"
     doc = yaml.safe_load(write_job(tmp_path).read_text())     # length.py is on this node, at the planted path
     doc["spec"]["environment"] = {"name": "length", "reward": f"{tmp_path / 'length.py'}:score",
@@ -56,9 +58,11 @@ def test_a_planted_spec_naming_the_node_s_environ_sends_nothing_of_the_node_to_t
     assert proc.returncode == EXIT_FAILED, proc.stderr[-3000:]
     assert ("records no sha256" if recorded is None else "is not in storage") in proc.stderr
     assert not (storage / "resumable" / "lease.json").exists()       # refused before the lease
+    figures.add("trust", actor='bucket writer', tried='a stored spec with dataFiles: /proc/self/environ, resumed',
+                protection='resume uses only the stored copies, checked by sha256', outcome='nothing of the node reached the bucket', held=True)
 
 
-def test_resume_uses_the_stored_copies_and_refuses_one_replaced_since_apply(tmp_path, capsys):
+def test_resume_uses_the_stored_copies_and_refuses_one_replaced_since_apply(tmp_path, capsys, figures):
     from grpo_run.runner.envfiles import localize_environment
     from grpo_run.runner.jobs import find_job
 
@@ -80,6 +84,8 @@ def test_resume_uses_the_stored_copies_and_refuses_one_replaced_since_apply(tmp_
     assert "spec.environment.reward: the copy in storage (environment/reward/length.py) has sha256" in \
         capsys.readouterr().err
     assert not (tmp_path / "bucket" / "resumable" / "checkpoints").exists()     # nothing trained on it
+    figures.add("trust", actor='bucket writer', tried='replace the stored reward file after apply',
+                protection='the sha256 apply recorded', outcome='refused, naming the file', held=True)
 
 
 def test_apply_records_the_files_hashes_and_refuses_a_file_that_is_not_the_one_pinned(tmp_path, capsys):
@@ -98,7 +104,7 @@ def test_apply_records_the_files_hashes_and_refuses_a_file_that_is_not_the_one_p
     assert "spec.environment.sha256.reward: " in capsys.readouterr().err
 
 
-def test_apply_of_an_edited_file_against_a_held_job_writes_nothing_to_its_storage(tmp_path, capsys):
+def test_apply_of_an_edited_file_against_a_held_job_writes_nothing_to_its_storage(tmp_path, capsys, figures):
     from grpo_run.checkpoint.storage.lease import Lease
 
     storage = tmp_path / "bucket"
@@ -117,6 +123,8 @@ def test_apply_of_an_edited_file_against_a_held_job_writes_nothing_to_its_storag
     after.pop("lease.json")
     assert after == before
     assert "another node holds the job" in capsys.readouterr().err
+    figures.add("trust", actor='ordinary failure', tried='apply an edited job file while another node runs the job',
+                protection='environment files sent only under the lease', outcome='nothing written; told held', held=True)
 
 
 @pytest.mark.parametrize("argv", [
@@ -128,7 +136,7 @@ def test_apply_of_an_edited_file_against_a_held_job_writes_nothing_to_its_storag
     ["resume", "job\n", "--storage", "STORAGE"],
     ["deploy", "k8s", "--storage", "s3://bucket/prefix", "--job", "x\ny", "--image", "img"],
 ], ids=lambda argv: argv[0] + ("-newline" if any("\n" in a for a in argv) else ""))
-def test_a_name_on_the_command_line_is_checked_like_metadata_name(tmp_path, capsys, argv):
+def test_a_name_on_the_command_line_is_checked_like_metadata_name(tmp_path, capsys, argv, figures):
     home = Path(os.environ["GRPO_RUN_HOME"])
     (home / "runs").mkdir(parents=True)
     (home / "elsewhere" / "logs").mkdir(parents=True)      # runs/../elsewhere: outside the work folders
@@ -140,9 +148,11 @@ def test_a_name_on_the_command_line_is_checked_like_metadata_name(tmp_path, caps
     assert "NOT-THIS-JOB'S-LOG" not in seen.out
     assert "must be lowercase letters, digits and '-', 1-63 characters" in seen.err
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.png").exists()
+    figures.add("trust", actor='bucket writer', tried='a NAME such as ../elsewhere on the command line',
+                protection="metadata.name's rule for every NAME", outcome='refused', held=True)
 
 
-def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsys):
+def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsys, figures):
     storage = tmp_path / "bucket"
     assert main(["apply", "-f", str(write_job(tmp_path, str(storage))), "--detach"]) == EXIT_OK
     (storage / "victim").mkdir()
@@ -151,9 +161,11 @@ def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsy
     assert main(["resume", "victim", "--storage", str(storage)]) == EXIT_USAGE
     assert "the job stored in" in (err := capsys.readouterr().err) and "says its name is 'resumable', not 'victim'" in err
     assert sorted(files_under(storage / "victim")) == ["state.db"]
+    figures.add("trust", actor='bucket writer', tried='a record under A/ naming job B',
+                protection="a stored name must be its folder's", outcome='refused', held=True)
 
 
-def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsys):
+def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsys, figures):
     from grpo_run.checkpoint.storage.lease import Lease
     from grpo_run.runner.cli.commands import _summary
     from grpo_run.runner.cli.output import printable
@@ -173,9 +185,11 @@ def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsy
                     SimpleNamespace(notice_to_durable_s=None))
     assert said.splitlines()[1] == "  boom\\x1b]0;owned\\x07\\x0aSucceeded"
     assert printable("ok\x1b[2J\x1b[H\rdone\u202e\n") == "ok\\x1b[2J\\x1b[H\\x0ddone\\u202e\\x0a"
+    figures.add("trust", actor='bucket writer', tried="terminal escape codes in a lease holder's name",
+                protection='text from storage printed without control characters', outcome='escaped', held=True)
 
 
-def test_on_resume_the_node_not_the_bucket_chooses_the_urls_it_contacts(tmp_path, monkeypatch, capsys, caplog):
+def test_on_resume_the_node_not_the_bucket_chooses_the_urls_it_contacts(tmp_path, monkeypatch, capsys, caplog, figures):
     """A stored spec's metadata URL answers 200 (a spot notice, again and again) and its MLflow URI
     would receive the node's token: a resume uses neither unless the operator says so."""
     from tests.emulators import AwsImdsEmulator
@@ -212,9 +226,11 @@ def test_on_resume_the_node_not_the_bucket_chooses_the_urls_it_contacts(tmp_path
         assert trusts_stored_urls()
         [watcher] = _watchers(as_this_node_runs_it(stored, trust_urls=True))
         assert watcher.base_url == imds.url
+    figures.add("trust", actor='bucket writer', tried='stored MLflow and spot-notice URLs',
+                protection="on resume the node's own configuration chooses URLs", outcome='the stored URLs never contacted', held=True)
 
 
-def test_apply_of_an_edited_file_against_a_finished_job_leaves_its_files_in_storage(tmp_path, capsys):
+def test_apply_of_an_edited_file_against_a_finished_job_leaves_its_files_in_storage(tmp_path, capsys, figures):
     storage = tmp_path / "bucket"
     job = write_job(tmp_path, str(storage))
     assert main(["apply", "-f", str(job)]) == EXIT_OK
@@ -225,9 +241,11 @@ def test_apply_of_an_edited_file_against_a_finished_job_leaves_its_files_in_stor
     assert "already succeeded with a different spec (changed: spec.environment.sha256.reward)" in capsys.readouterr().err
     after = {k: v for k, v in files_under(storage / "resumable").items() if k.startswith("environment/")}
     assert after == before
+    figures.add("trust", actor='ordinary failure', tried='apply an edited job file to a finished job',
+                protection='uploads only once the record accepts the spec', outcome="the finished job's files intact", held=True)
 
 
-def test_a_stored_split_name_that_would_step_out_of_its_folder_is_refused_naming_the_field(tmp_path):
+def test_a_stored_split_name_that_would_step_out_of_its_folder_is_refused_naming_the_field(tmp_path, figures):
     from grpo_run.checkpoint.storage.store import Store
     from grpo_run.runner.envfiles import localize_environment
     from grpo_run.runner.spec.job import parse_job
@@ -241,3 +259,5 @@ def test_a_stored_split_name_that_would_step_out_of_its_folder_is_refused_naming
     with pytest.raises(ValueError, match=r"spec.environment.dataFiles.../../../../escape: the field .* cannot be a "
                                          r"file's name in storage"):
         localize_environment(parse_job(doc, check_files=False), store, tmp_path / "node" / "work")
+    figures.add("trust", actor='bucket writer', tried='a stored dataFiles split named ../../x',
+                protection='stored names checked before any fetch', outcome='refused, naming the field', held=True)
