@@ -21,7 +21,7 @@ from grpo_run.checkpoint.storage.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
-EXIT_MARGIN_S = 3.0      # of the window, kept for closing the books and the exit after the last upload
+EXIT_MARGIN_S = 5.0      # of the window, kept for closing the books and the exit after the last upload
 
 
 class NoticeWindow:
