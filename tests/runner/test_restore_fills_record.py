@@ -6,7 +6,7 @@ import json
 
 from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint
 from grpo_run.checkpoint.storage.store import Store
-from grpo_run.checkpoint.sync import Uploader
+from grpo_run.checkpoint.sync import CHECKPOINTS, Uploader, run_prefix
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.trainer.protocol import STEP_METRICS
@@ -23,7 +23,7 @@ def books(store: Store, work) -> Books:
 
 
 def durability(store: Store, work, b: Books) -> Durability:
-    return Durability(store, work, b, job="job", keep=3, on_lease_lost=lambda lost: None,
+    return Durability(store, work, b, job="job", keep=3, max_steps=10, on_lease_lost=lambda lost: None,
                       on_fatal=lambda error: None)
 
 
@@ -46,7 +46,7 @@ def test_steps_a_lost_node_left_out_of_storage_are_filled_in_from_the_checkpoint
     (staging / STEP_METRICS).write_text(json.dumps(steps))
     final = checkpoint_dir(tmp_path / "node-a" / "checkpoints", 4)
     manifest = finalize_checkpoint(staging, final, step=4, meta={"job": "job", "run": a.run_id})
-    with Uploader(store) as up:
+    with Uploader(store, run_prefix(CHECKPOINTS, a.run_id)) as up:      # where this run's checkpoints lie
         up.submit(final, manifest)
         assert up.wait()
     a.close()                               # node A is lost: its record's steps 3-4 never reached storage
