@@ -105,7 +105,8 @@ class Gpu:
 #     B200  p6-b200.48xlarge $113.9328 / 8  = $14.2416/h
 #   Spot prices move every few minutes, so the table holds the on-demand price, an upper bound;
 #   give spec.pricing.usdPerHour for what you pay.
-_SPEC = "SPEC §3"
+# What a user sees as the rate's source (SPEC §3's reference rates; jargon to a user).
+_SPEC = "grpo-run's reference table, not a quote"
 _AWS = "AWS us-east-1 on-demand, SkyPilot catalog v8 (commit 00148f2a), read 2026-12-02"
 
 GPUS: Mapping[str, Gpu] = MappingProxyType({

@@ -117,7 +117,7 @@ def test_every_card_has_datasheet_figures_and_a_rate_with_its_source_and_kind():
         assert gpu.usd_per_hour is not None and gpu.usd_per_hour > 0
         assert gpu.rate_kind in ("on-demand", "spot", "unstated") and gpu.rate_source
         # a rate is SPEC's (which does not say on-demand or spot), or a dated catalog's on-demand price
-        assert (gpu.rate_source == "SPEC §3" and gpu.rate_kind == "unstated") or \
+        assert (gpu.rate_source == "grpo-run's reference table, not a quote" and gpu.rate_kind == "unstated") or \
             ("on-demand" in gpu.rate_source and "2026-12-02" in gpu.rate_source and gpu.rate_kind == "on-demand")
     assert [g.name for g in GPUS.values() if g.reference_step_seconds] == ["H100", "A100-80GB", "L40S", "RTX4090", "A6000"]
 

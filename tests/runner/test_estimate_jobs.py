@@ -196,7 +196,7 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert rc == EXIT_OK, err
     lines = out.splitlines()
     assert len(lines) <= 8
-    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from SPEC §3)")
+    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from grpo-run's reference table, not a quote)")
     assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
     assert "2 x 100 held-out tasks (baseline, final)" in out
     assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
