@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,23 +14,15 @@ import yaml
 from grpo_run.runner.supervisor.supervisor import PREEMPTED_WITHOUT_PROGRESS
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
+from tests.nonamespaces import without_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.trust
 
 # Runs grpo-run the way a container under Docker's default seccomp profile would: unshare() is
 # refused (EPERM) to it and everything it starts, so no user or network namespace can be made.
-WITHOUT_NAMESPACES = textwrap.dedent('''
-    import ctypes, os, sys
-    from grpo_run.trainer.grader import seccomp
-    from grpo_run.trainer.grader.landlock import no_new_privs
-    UNSHARE = 272
-    program = seccomp._assemble([(seccomp._LD_W_ABS, 0, 0, seccomp._NR), (seccomp._JEQ_K, "deny", 0, UNSHARE),
-                                 (seccomp._RET_K, 0, 0, seccomp._RET_ALLOW), "deny",
-                                 (seccomp._RET_K, 0, 0, seccomp._RET_EPERM)])
-    array = (seccomp._SockFilter * len(program))(*(seccomp._SockFilter(*i) for i in program))
-    no_new_privs()
-    assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(seccomp._SockFprog(len(program), array)), 0, 0) == 0
+WITHOUT_NAMESPACES = without_namespaces('''
+    import os, sys
     os.execv(sys.executable, [sys.executable, "-m", "grpo_run.runner.cli", *sys.argv[1:]])
 ''')
 

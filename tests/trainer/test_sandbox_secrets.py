@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from grpo_run.trainer.grader import landlock
 from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
 from grpo_run.trainer.grader.scoring import Scorer
+from tests.nonamespaces import without_namespaces
 
 pytestmark = pytest.mark.trust
 SECRET = "FAKE-NODE-SECRET-1234567890"  # what the trainer's environment holds, and the files below
@@ -409,17 +409,9 @@ def test_a_reply_the_reward_function_forges_is_checked_like_any_other(rewards_fi
 
 # A node like a container under Docker's default seccomp profile: unshare() is refused, so there is
 # no user namespace and no network namespace.
-WITHOUT_NAMESPACES = textwrap.dedent('''
-    import ctypes, json, sys
-    from grpo_run.trainer.grader import seccomp
-    from grpo_run.trainer.grader.landlock import no_new_privs
+WITHOUT_NAMESPACES = without_namespaces('''
+    import json, sys
     from grpo_run.trainer.grader.grader import Grader, SandboxUnavailable
-    UNSHARE = 272
-    program = seccomp._assemble([(seccomp._LD_W_ABS, 0, 0, seccomp._NR), (seccomp._JEQ_K, "deny", 0, UNSHARE),
-                                 (seccomp._RET_K, 0, 0, seccomp._RET_ALLOW), "deny", (seccomp._RET_K, 0, 0, seccomp._RET_EPERM)])
-    array = (seccomp._SockFilter * len(program))(*(seccomp._SockFilter(*i) for i in program))
-    no_new_privs()
-    assert ctypes.CDLL(None).prctl(22, 2, ctypes.byref(seccomp._SockFprog(len(program), array)), 0, 0) == 0
     try:
         grader = Grader(sys.argv[1], strict=sys.argv[2] == "strict", retries=0)
     except SandboxUnavailable as error:
