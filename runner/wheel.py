@@ -176,6 +176,7 @@ def _build_from_source(source: Path, out: Path) -> Path:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise WheelError(f"building the wheel of {DIST} from {source} failed: {last}")
         name = proc.stdout.strip().splitlines()[-1]
+        out.mkdir(parents=True, exist_ok=True)
         target = out / name
         shutil.move(str(built / name), target)
     return target
