@@ -5,7 +5,8 @@
 # machine, and the constraints it was tested with, into the job's storage (_dist/VERSION-DIGEST/);
 # this script fetches both with the node's own credentials (its instance role, or the keys of an
 # S3-compatible store) and installs them, torch from PyTorch's index for the node's accelerator.
-# Run as root by cloud-init (deploy/cloud-init.yaml) and by SkyPilot's setup; idempotent.
+# Run by cloud-init as root (deploy/cloud-init.yaml), by SkyPilot's setup as its user, and by the
+# image's Dockerfile (grpo-run deploy image); idempotent.
 # What a fresh Ubuntu node has is enough: python3 with venv (cloud-init installs python3-venv).
 #
 # Every @...@ placeholder is filled in by the generator (grpo-run deploy):

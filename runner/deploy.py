@@ -17,6 +17,7 @@ import re
 import shlex
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
@@ -100,12 +101,36 @@ def install_script(s: NodeSettings) -> str:
     if s.wheel is None:
         raise ValueError("nodes need grpo-run: give the wheel of this installation (grpo-run deploy puts it into "
                          "--storage) or --repo URL")
-    boto3 = re.search(r"(?m)^boto3==\S+$", s.wheel.constraints.decode())
-    values = {"GRPO_RUN_TORCH_INDEX": index,
-              "GRPO_RUN_WHEEL_URL": s.wheel.url(s.storage, s.wheel.wheel_key),
-              "GRPO_RUN_CONSTRAINTS_URL": s.wheel.url(s.storage, s.wheel.constraints_key),
-              "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3"}
-    return _fill(INSTALL, values).replace(INSTALL_PREFIX, s.prefix)
+    return _wheel_install(s.wheel, s.wheel.url(s.storage, s.wheel.wheel_key),
+                          s.wheel.url(s.storage, s.wheel.constraints_key), torch=s.torch, prefix=s.prefix)
+
+
+def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str) -> str:
+    """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path)."""
+    boto3 = re.search(r"(?m)^boto3==\S+$", wheel.constraints.decode())
+    values = {"GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[torch], "GRPO_RUN_WHEEL_URL": wheel_url,
+              "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3"}
+    return _fill(INSTALL, values).replace(INSTALL_PREFIX, prefix)
+
+
+IMAGE_SOURCE = "/tmp/grpo-run-image"       # where the Dockerfile copies its build context
+
+
+def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: str = INSTALL_PREFIX) -> None:
+    """Write the build context of grpo-run's container image into the folder `out` (created; it
+    must be empty or absent): deploy/Dockerfile for `python` (e.g. 3.11), the wheel, its
+    constraints, and install-node.sh installing them from the context into `prefix` with torch
+    for `torch`. FileExistsError for a folder with files in it: an image is built from all of it."""
+    import shutil
+
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out}: not empty; the image is built from everything in it: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wheel.path, out / wheel.path.name)
+    (out / "constraints.txt").write_bytes(wheel.constraints)
+    (out / INSTALL).write_text(_wheel_install(wheel, f"{IMAGE_SOURCE}/{wheel.path.name}",
+                                              f"{IMAGE_SOURCE}/constraints.txt", torch=torch, prefix=prefix))
+    (out / DOCKERFILE).write_text(_fill(DOCKERFILE, {"PYTHON_VERSION": python}).replace(INSTALL_PREFIX, prefix))
 
 
 def cloud_init(s: NodeSettings) -> str:

@@ -392,7 +392,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 # --- deploy ----------------------------------------------------------------------------------------
 
 @cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam", "image"]))
 @click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
 @click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
@@ -418,17 +418,19 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
                    "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
 @click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
 @click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
+@click.option("--out", "out_dir", metavar="DIR", help="image: the folder to write the image's build context to (new or empty)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
-               seccomp: str, uid: int, accelerators: str | None) -> int:
+               seccomp: str, uid: int, accelerators: str | None, out_dir: str | None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
     the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only).
+    list and delete under the job's prefix only), `image` (the build context of the container image for
+    `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch).
 
     \b
     example:
@@ -437,6 +439,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
       grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
       grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+      grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
     """
     from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
 
@@ -454,6 +457,10 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
+    if kind == "image":                     # a build context: the image has no storage or job in it
+        from grpo_run.runner.wheel import deploy_image
+
+        return deploy_image(out_dir, torch_build)
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
         print(systemd_unit(prefix), end="")
         return EXIT_OK
