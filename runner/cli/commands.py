@@ -494,7 +494,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     if kind == "k8s":
         if not image:
-            _error("k8s: give --image, a container image with grpo-run installed")
+            _error("k8s: give --image REGISTRY/grpo-run:TAG, the image `grpo-run deploy image --out DIR` and "
+                   "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
             return EXIT_USAGE
         try:
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
