@@ -1,8 +1,12 @@
 """Launch files for a job's spot nodes, filled in (`grpo-run deploy systemd|cloud-init|iam`).
 
-The templates are the files in deploy/ (the boot unit and the cloud-init user-data); this module
-fills their @PLACEHOLDERS@ from the command line, so nobody edits them by hand, and writes the
-IAM policy a node needs: read, write, list and delete under the job's storage prefix, nothing else.
+The templates are the files in deploy/ (the boot unit, the cloud-init user-data, the node's
+install script); this module fills their @PLACEHOLDERS@ from the command line, so nobody edits
+them by hand, and writes the IAM policy a node needs: read, write, list and delete under the
+job's storage prefix, nothing else.
+
+Nodes install the wheel of the grpo-run that generated their files, from the job's storage
+(runner/wheel.py puts it there); no repository is named unless the user gives one (--repo).
 """
 
 from __future__ import annotations
@@ -10,15 +14,21 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import shlex
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
 from grpo_run.runner.gpus import ALIASES
+from grpo_run.runner.wheel import Wheel
 
 DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
 UNIT = "grpo-run-resume.service"
 CLOUD_INIT = "cloud-init.yaml"
+INSTALL = "install-node.sh"
+DOCKERFILE = "Dockerfile"
 INSTALL_PREFIX = "/opt/grpo-run"
 JOB_FILE = "/etc/grpo-run/job.yaml"     # a job file handed over in user-data: submitted at boot
 
@@ -38,8 +48,9 @@ class NodeSettings:
     job: str | None = None                # metadata.name; None: the only job under `storage`
     region: str | None = None             # the bucket's region
     endpoint: str | None = None           # AWS_ENDPOINT_URL for S3-compatible stores; None for AWS
-    repo: str = "https://github.com/grpo-run/grpo-run.git"
-    ref: str = "main"
+    wheel: Wheel | None = None            # the user's grpo-run, put into `storage` (runner/wheel.py)
+    repo: str | None = None               # --repo: install from this git repository instead of the wheel
+    ref: str | None = None                # --repo's branch or tag; None: the repository's default branch
     torch: str = "cu128"                  # a key of TORCH_INDEXES
     prefix: str = INSTALL_PREFIX          # where grpo-run is installed on the node
     job_file: str | None = None           # a job file's text, submitted at boot (apply --detach)
@@ -49,6 +60,9 @@ class NodeSettings:
             raise ValueError(f"--storage {self.storage!r}: expected s3://bucket/prefix (the job's spec.storage)")
         if self.torch not in TORCH_INDEXES:
             raise ValueError(f"--torch {self.torch!r}: expected one of {', '.join(TORCH_INDEXES)}")
+        if self.ref is not None and self.repo is None:
+            raise ValueError(f"--ref {self.ref!r}: a branch or tag of --repo; give --repo URL too (without "
+                             f"--repo nodes install the wheel of the grpo-run installed here)")
 
 
 def systemd_unit(prefix: str = INSTALL_PREFIX) -> str:
@@ -57,22 +71,83 @@ def systemd_unit(prefix: str = INSTALL_PREFIX) -> str:
     return (DEPLOY / UNIT).read_text().replace(INSTALL_PREFIX, prefix)
 
 
-def cloud_init(s: NodeSettings) -> str:
-    """The user-data: install grpo-run (with the torch build for the node's accelerator), write
-    its settings, and run the boot unit; with a job file, also submit it on each node's first
-    boot (cloud-init's runcmd; idempotent), so whichever node boots first starts the job."""
-    values = {
-        "GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_JOB": s.job or "", "AWS_REGION": s.region or "",
-        "AWS_ENDPOINT_URL": s.endpoint or "", "GRPO_RUN_REPO": s.repo, "GRPO_RUN_REF": s.ref,
-        "GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[s.torch],
-    }
-    text = (DEPLOY / CLOUD_INIT).read_text()
+def _fill(template: str, values: dict[str, str]) -> str:
+    """`template` (a file of deploy/) with its @PLACEHOLDERS@ filled from `values`, outside comments
+    (comments name them). LookupError for a placeholder `values` does not fill: a template and its
+    generator out of step."""
+    text = (DEPLOY / template).read_text()
     used = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("#"))
     missing = sorted(set(_PLACEHOLDER.findall(used)) - set(values))
     if missing:
-        raise LookupError(f"{CLOUD_INIT} has placeholders this generator does not fill: {', '.join(missing)}")
-    text = "".join(line if line.lstrip().startswith("#") else _PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
-                   for line in text.splitlines(keepends=True)).replace(INSTALL_PREFIX, s.prefix)
+        raise LookupError(f"{template} has placeholders this generator does not fill: {', '.join(missing)}")
+    return "".join(line if line.lstrip().startswith("#") else _PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
+                   for line in text.splitlines(keepends=True))
+
+
+def install_script(s: NodeSettings) -> str:
+    """deploy/install-node.sh filled in: the node installs the wheel in `s.wheel` from `s.storage`
+    (with its constraints, torch from the index for `s.torch`), or, with `s.repo`, that checkout.
+    ValueError when neither is given: a node has to get grpo-run from somewhere."""
+    index = TORCH_INDEXES[s.torch]
+    if s.repo is not None:                  # the user's own repository: its scripts/setup makes the venv
+        branch = f"--branch {shlex.quote(s.ref)} " if s.ref else ""
+        return ("#!/usr/bin/env bash\n"
+                "# Install grpo-run on a node from the git repository given to `grpo-run deploy --repo`.\n"
+                "set -euo pipefail\n"
+                f'PREFIX="{s.prefix}"\n'
+                f'[ -d "$PREFIX/.git" ] || git clone --depth 1 {branch}{shlex.quote(s.repo)} "$PREFIX"\n'
+                f'cd "$PREFIX"\n'
+                f"GRPO_RUN_TORCH_INDEX={index} scripts/setup\n")
+    if s.wheel is None:
+        raise ValueError("nodes need grpo-run: give the wheel of this installation (grpo-run deploy puts it into "
+                         "--storage) or --repo URL")
+    return _wheel_install(s.wheel, s.wheel.url(s.storage, s.wheel.wheel_key),
+                          s.wheel.url(s.storage, s.wheel.constraints_key), torch=s.torch, prefix=s.prefix)
+
+
+def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str) -> str:
+    """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path)."""
+    boto3 = re.search(r"(?m)^boto3==\S+$", wheel.constraints.decode())
+    values = {"GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[torch], "GRPO_RUN_WHEEL_URL": wheel_url,
+              "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3"}
+    return _fill(INSTALL, values).replace(INSTALL_PREFIX, prefix)
+
+
+IMAGE_SOURCE = "/tmp/grpo-run-image"       # where the Dockerfile copies its build context
+
+
+def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: str = INSTALL_PREFIX) -> None:
+    """Write the build context of grpo-run's container image into the folder `out` (created; it
+    must be empty or absent): deploy/Dockerfile for `python` (e.g. 3.11), the wheel, its
+    constraints, and install-node.sh installing them from the context into `prefix` with torch
+    for `torch`. FileExistsError for a folder with files in it: an image is built from all of it."""
+    import shutil
+
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out}: not empty; the image is built from everything in it: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wheel.path, out / wheel.path.name)
+    (out / "constraints.txt").write_bytes(wheel.constraints)
+    (out / INSTALL).write_text(_wheel_install(wheel, f"{IMAGE_SOURCE}/{wheel.path.name}",
+                                              f"{IMAGE_SOURCE}/constraints.txt", torch=torch, prefix=prefix))
+    (out / DOCKERFILE).write_text(_fill(DOCKERFILE, {"PYTHON_VERSION": python}).replace(INSTALL_PREFIX, prefix))
+
+
+def cloud_init(s: NodeSettings) -> str:
+    """The user-data: install grpo-run (install_script: the user's wheel from storage, with the torch
+    build for the node's accelerator), write its settings, and run the boot unit; with a job file,
+    also submit it on each node's first boot (cloud-init's runcmd; idempotent), so whichever node
+    boots first starts the job. ValueError as install_script."""
+    script = install_script(s)
+    values = {
+        "GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_JOB": s.job or "", "AWS_REGION": s.region or "",
+        "AWS_ENDPOINT_URL": s.endpoint or "",
+        # the script as the block of its write_files entry: indented like the placeholder's line
+        "GRPO_RUN_INSTALL_SH": textwrap.indent(script, " " * 6).lstrip(" ").rstrip("\n"),
+    }
+    text = _fill(CLOUD_INIT, values).replace(INSTALL_PREFIX, s.prefix)
+    if s.repo is not None:                  # the checkout needs git; the wheel needs only python3-venv
+        text = text.replace("packages:\n  - python3-venv\n", "packages:\n  - git\n  - python3-venv\n")
     if s.job_file is None:
         return text
     import yaml
@@ -271,9 +346,8 @@ def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | Non
         "name": f"grpo-run-{s.job}" if s.job else "grpo-run",
         "resources": resources,
         "envs": envs,
-        "setup": (f"[ -d grpo-run ] || git clone --depth 1 --branch {s.ref} {s.repo} grpo-run\n"
-                  f"cd grpo-run && GRPO_RUN_TORCH_INDEX={TORCH_INDEXES[s.torch]} scripts/setup\n"),
-        "run": ('cd grpo-run && .venv/bin/grpo-run resume $GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE" --wait\n'
+        "setup": skypilot_setup(s),
+        "run": (f'{SKYPILOT_PREFIX}/.venv/bin/grpo-run resume $GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE" --wait\n'
                 'status=$?\n'
                 '# 3: preempted; the checkpoint is durable and the node is going away. Wait for it to go, so\n'
                 '# SkyPilot sees a preemption and relaunches, not a failed run (which it would not retry).\n'
@@ -281,6 +355,21 @@ def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | Non
                 'exit "$status"\n'),
     }
     return yaml.dump(task, Dumper=_BlockDumper, sort_keys=False)
+
+
+# On a SkyPilot node grpo-run goes into the home folder of SkyPilot's user (not root).
+SKYPILOT_PREFIX = "$HOME/grpo-run"
+
+
+def skypilot_setup(s: NodeSettings) -> str:
+    """SkyPilot's `setup:`: python3-venv where the image lacks it (Ubuntu's python3 comes without),
+    then install_script into SKYPILOT_PREFIX, run with the task's envs (the store's endpoint, region)."""
+    from dataclasses import replace
+
+    script = install_script(replace(s, prefix=SKYPILOT_PREFIX))
+    return ('python3 -c "import ensurepip" 2>/dev/null || { sudo apt-get update -q && sudo apt-get install -y -q python3-venv; }\n'
+            f"cat > install-node.sh <<'INSTALL'\n{script}INSTALL\n"
+            "bash install-node.sh\n")
 
 
 class _BlockDumper(__import__("yaml").SafeDumper):

@@ -22,6 +22,7 @@ from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books, fetch_record
 from grpo_run.runner.envfiles import environment_uploads, upload_environment
 from grpo_run.runner.spec.job import TrainingJob, usd_per_hour
+from grpo_run.runner.wheel import Wheel, publish
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record
 
@@ -39,10 +40,13 @@ class Submitted:
     url: str                 # the job's storage folder
 
 
-def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
-    """Write `job` into its storage folder `url` (Pending) without starting it. Raises SubmitRefused
-    when storage holds the job with another spec that cannot change now; StorageConfigError /
-    StorageUnavailable for storage that cannot be used."""
+def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = None) -> Submitted:
+    """Write `job` into its storage folder `url` (Pending) without starting it; with `wheel` (the
+    grpo-run installed here) also that, under the storage URL's _dist/ (runner/wheel.py), for the
+    nodes to install: put like the environment's files, under the lease, only when the job is
+    written (submitted or its Pending spec replaced). Raises SubmitRefused when storage holds the
+    job with another spec that cannot change now; StorageConfigError / StorageUnavailable for
+    storage that cannot be used."""
     store = Store(url)
     store.check()                                   # a bad bucket or credentials fail before anything is written
     manifest = job.to_dict()
@@ -71,6 +75,8 @@ def submit(job: TrainingJob, url: str, *, holder: str) -> Submitted:
                         f"a node has taken keeps its spec: apply the changed file on the node that runs it "
                         f"(grpo-run apply -f FILE), or give this job another metadata.name")
             upload_environment(environment_uploads(job), store)     # under the lease, a Pending job only
+            if wheel is not None:
+                publish(wheel, url.removesuffix(f"/{job.name}"))      # the storage URL: job_store_url's parent
             books = Books(store, work, name=job.name, manifest=manifest, usd_per_hour=usd_per_hour(job),
                           max_cost_usd=job.maxCostUSD)
             try:

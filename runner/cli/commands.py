@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import tempfile
 import threading
 import sys
 from pathlib import Path
@@ -122,14 +123,18 @@ def _submit(job, est: dict | None, output: str | None) -> int:
         _error(f"{job.name}: spec.storage is not set, so the job would stay in this machine's own store, where no "
                "node can reach it: set spec.storage (e.g. s3://bucket/prefix) to submit it with --detach")
         return EXIT_USAGE
-    try:
-        done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}")
-    except SubmitRefused as e:
-        _error(printable(str(e)))               # it names the phase storage holds
-        return EXIT_USAGE
-    except (StorageConfigError, StorageUnavailable, LookupError, ValueError) as e:
-        _error(str(e))
-        return EXIT_FAILED
+    from grpo_run.runner.wheel import WheelError, build_wheel
+
+    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
+        try:
+            wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/wheel.py)
+            done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel)
+        except SubmitRefused as e:
+            _error(printable(str(e)))               # it names the phase storage holds
+            return EXIT_USAGE
+        except (StorageConfigError, StorageUnavailable, LookupError, ValueError, WheelError) as e:
+            _error(str(e))
+            return EXIT_FAILED
     remember(_home(), job.name, storage)
     if output:
         print(_dump(get_job(job.name, storage), output), end="")
@@ -387,15 +392,15 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 # --- deploy ----------------------------------------------------------------------------------------
 
 @cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam", "image"]))
 @click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
 @click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
 @click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
 @click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
-@click.option("--repo", metavar="URL", default="https://github.com/grpo-run/grpo-run.git", show_default=True,
-              help="git URL the node installs grpo-run from")
-@click.option("--ref", metavar="REF", default="main", show_default=True, help="branch or tag to install")
+@click.option("--repo", metavar="URL", help="install grpo-run on the node from this git repository (scripts/setup) "
+              "instead of the wheel of the grpo-run installed here, which is put into --storage")
+@click.option("--ref", metavar="REF", help="--repo's branch or tag (default: the repository's default branch)")
 @click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
               help="the torch build for the node's accelerator")
 @click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
@@ -413,16 +418,19 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
                    "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
 @click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
 @click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
+@click.option("--out", "out_dir", metavar="DIR", help="image: the folder to write the image's build context to (new or empty)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
-               endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
+               endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
-               seccomp: str, uid: int, accelerators: str | None) -> int:
+               seccomp: str, uid: int, accelerators: str | None, out_dir: str | None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
-    installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
+    installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
+    the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only).
+    list and delete under the job's prefix only), `image` (the build context of the container image for
+    `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch).
 
     \b
     example:
@@ -431,6 +439,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
       grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
       grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+      grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
     """
     from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
 
@@ -448,6 +457,10 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
+    if kind == "image":                     # a build context: the image has no storage or job in it
+        from grpo_run.runner.wheel import deploy_image
+
+        return deploy_image(out_dir, torch_build)
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
         print(systemd_unit(prefix), end="")
         return EXIT_OK
@@ -463,6 +476,17 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
+    if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
+        from dataclasses import replace
+
+        from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+        from grpo_run.runner.wheel import WheelError, ship
+
+        try:
+            settings = replace(settings, wheel=ship(storage))
+        except (WheelError, StorageConfigError, StorageUnavailable) as e:
+            _error(f"cannot put this grpo-run's wheel into {storage} for the nodes to install: {e}")
+            return EXIT_FAILED
     if kind == "skypilot":
         from grpo_run.runner.deploy import SKYPILOT_GPUS, skypilot_task
 
@@ -470,7 +494,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     if kind == "k8s":
         if not image:
-            _error("k8s: give --image, a container image with grpo-run installed")
+            _error("k8s: give --image REGISTRY/grpo-run:TAG, the image `grpo-run deploy image --out DIR` and "
+                   "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
             return EXIT_USAGE
         try:
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,

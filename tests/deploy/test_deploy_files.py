@@ -105,13 +105,16 @@ def test_cloud_init_is_a_cloud_config_that_installs_and_enables_the_unit():
     text = CLOUD_INIT.read_text()
     assert text.splitlines()[0] == "#cloud-config"
     config = cloud_config()
-    assert {"git", "python3-venv"} <= set(config["packages"])
+    assert config["packages"] == ["python3-venv"]        # no git: the node installs a wheel from storage
     commands = "\n".join(" ".join(c) if isinstance(c, list) else c for c in config["runcmd"])
-    assert "scripts/setup" in commands and "/opt/grpo-run" in commands
-    assert f"deploy/{UNIT.name}" in commands
+    assert "/etc/grpo-run/install.sh" in commands
+    # the unit of the grpo-run the node installed, written by it
+    assert f"/opt/grpo-run/.venv/bin/grpo-run deploy systemd --prefix /opt/grpo-run > /etc/systemd/system/{UNIT.name}" in commands
     assert f"systemctl enable {UNIT.name}" in commands
     (env,) = [f for f in config["write_files"] if f["path"] == ENV_FILE]
     assert env["permissions"] == "0600"                       # it may hold credentials
+    (install,) = [f for f in config["write_files"] if f["path"] == "/etc/grpo-run/install.sh"]
+    assert install["permissions"] == "0755" and install["content"].strip() == "@GRPO_RUN_INSTALL_SH@"
 
 
 def test_every_variable_the_unit_uses_is_written_by_cloud_init():
@@ -129,8 +132,10 @@ def test_every_variable_the_unit_uses_is_written_by_cloud_init():
 def test_every_placeholder_is_documented_and_none_is_left_after_filling_them_in():
     text = CLOUD_INIT.read_text()
     placeholders = set(re.findall(r"@([A-Z_]+)@", text))
-    assert {"GRPO_RUN_STORAGE", "GRPO_RUN_JOB", "GRPO_RUN_REPO"} <= placeholders
+    assert {"GRPO_RUN_STORAGE", "GRPO_RUN_JOB", "GRPO_RUN_INSTALL_SH"} <= placeholders
+    installs = set(re.findall(r"@([A-Z_]+)@", (DEPLOY / "install-node.sh").read_text()))
+    assert {"GRPO_RUN_WHEEL_URL", "GRPO_RUN_CONSTRAINTS_URL", "GRPO_RUN_FETCHER", "GRPO_RUN_TORCH_INDEX"} == installs
     readme = (DEPLOY / "README.md").read_text()
-    assert all(f"@{p}@" in readme for p in placeholders), placeholders
+    assert all(f"@{p}@" in readme for p in placeholders | installs), (placeholders | installs)
     filled = re.sub(r"@([A-Z_]+)@", "x", text)
     assert yaml.safe_load(filled)["write_files"]

@@ -5,6 +5,7 @@ job's prefix only."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.deploy import JOB_FILE, NodeSettings, cloud_init, iam_policy, systemd_unit
+from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.deploy import JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, systemd_unit
+from grpo_run.runner.wheel import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = Path(__file__).parent / "data" / "schema-cloud-config-v1.json"
@@ -23,6 +25,17 @@ def printed(capsys, *args) -> str:
     capsys.readouterr()
     assert main(["deploy", *args]) == EXIT_OK
     return capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel of the grpo-run under test (runner/wheel.py), built once."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def install_sh(doc: dict) -> str:
+    (script,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/install.sh"]
+    return script
 
 
 def cloud_config_errors(text: str) -> list[str]:
@@ -47,24 +60,29 @@ def test_the_generated_unit_passes_systemd_analyze_verify(tmp_path, capsys):
     assert subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True).returncode != 0
 
 
-def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_filled(capsys):
-    text = printed(capsys, "cloud-init", "--storage", "s3://bucket/grpo", "--job", "my-job", "--region", "eu-west-1",
+def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_filled(capsys, s3_env, wheel):
+    text = printed(capsys, "cloud-init", "--storage", s3_env.url, "--job", "my-job", "--region", "eu-west-1",
                    "--torch", "cu126")
     assert cloud_config_errors(text) == []
     doc = yaml.safe_load(text)
     (env,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/env"]
-    assert "GRPO_RUN_STORAGE=s3://bucket/grpo\n" in env and "GRPO_RUN_JOB=my-job\n" in env
+    assert f"GRPO_RUN_STORAGE={s3_env.url}\n" in env and "GRPO_RUN_JOB=my-job\n" in env
     assert "AWS_DEFAULT_REGION=eu-west-1\n" in env
-    (install,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/install.env"]
-    assert "GRPO_RUN_TORCH_INDEX=https://download.pytorch.org/whl/cu126" in install
+    script = install_sh(doc)
+    assert 'TORCH_INDEX="https://download.pytorch.org/whl/cu126"' in script
+    # the node installs this grpo-run's wheel, which deploy has put where the script fetches it from
+    assert f'WHEEL_URL="{s3_env.url}/{wheel.wheel_key}"' in script
+    assert f'CONSTRAINTS_URL="{s3_env.url}/{wheel.constraints_key}"' in script
+    stored = s3_env.server.client().get_object(Bucket=s3_env.bucket, Key=f"run/{wheel.constraints_key}")
+    assert stored["Body"].read() == wheel.constraints
     assert "@" not in "".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, capsys):
+def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, capsys, s3_env):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "boot-job"},
                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
-                                            "storage": "s3://bucket/grpo"}}))
+                                            "storage": s3_env.url}}))
     text = printed(capsys, "cloud-init", "-f", str(job))
     assert cloud_config_errors(text) == []
     doc = yaml.safe_load(text)
@@ -72,11 +90,12 @@ def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, c
     assert handed["content"] == job.read_text()
     assert any(f"apply -f {JOB_FILE} --detach" in " ".join(cmd) for cmd in doc["runcmd"] if isinstance(cmd, list))
     (env,) = [f["content"] for f in doc["write_files"] if f["path"] == "/etc/grpo-run/env"]
-    assert "GRPO_RUN_JOB=boot-job\n" in env and "GRPO_RUN_STORAGE=s3://bucket/grpo\n" in env
+    assert "GRPO_RUN_JOB=boot-job\n" in env and f"GRPO_RUN_STORAGE={s3_env.url}\n" in env
+    assert "_dist/" in install_sh(doc)                 # the install step, kept through the job file's rewrite
 
 
-def test_cloud_inits_schema_catches_a_broken_user_data():
-    broken = cloud_init(NodeSettings(storage="s3://b/p")).replace("package_update: true", "package_update: sometimes")
+def test_cloud_inits_schema_catches_a_broken_user_data(wheel):
+    broken = cloud_init(NodeSettings(storage="s3://b/p", wheel=wheel)).replace("package_update: true", "package_update: sometimes")
     assert any("package_update" in e for e in cloud_config_errors(broken))
 
 
@@ -162,19 +181,69 @@ def load_with_skypilot(python: Path, path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(python), "-c", script, str(path)], capture_output=True, text=True)
 
 
-def test_the_skypilot_task_loads_with_skypilots_own_loader(tmp_path, capsys, skypilot_python):
+def test_the_skypilot_task_loads_with_skypilots_own_loader(tmp_path, capsys, skypilot_python, s3_env):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "sky-job"},
                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
-                                            "storage": "s3://bucket/grpo", "gpu": "H100-SXM-80GB"}}))
+                                            "storage": s3_env.url, "gpu": "H100-SXM-80GB"}}))
     task = tmp_path / "task.yaml"
     task.write_text(printed(capsys, "skypilot", "-f", str(job)))
     loaded = load_with_skypilot(skypilot_python, task)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
-    assert loaded.stdout.split() == ["True", "EAGER_NEXT_REGION", "{'H100':", "1}", "s3://bucket/grpo"]
+    assert loaded.stdout.split() == ["True", "EAGER_NEXT_REGION", "{'H100':", "1}", s3_env.url]
     doc = yaml.safe_load(task.read_text())
     assert "resume $GRPO_RUN_JOB --storage \"$GRPO_RUN_STORAGE\" --wait" in doc["run"]
     assert doc["envs"]["GRPO_RUN_JOB"] == "sky-job"
     # the loader bites: a field SkyPilot does not know is refused
     task.write_text(task.read_text().replace("use_spot: true", "use_spot: true\n  spot_please: yes"))
     assert load_with_skypilot(skypilot_python, task).returncode != 0
+
+
+def generated_files(capsys, tmp_path, storage: str, *extra: str) -> dict[str, str]:
+    """Every kind `grpo-run deploy` prints, for one job (cloud-init both ways: with and without a job file)."""
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "any-job"},
+                                   "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                            "storage": storage, "gpu": "H100-SXM-80GB"}}))
+    files = {kind: printed(capsys, kind, "--storage", storage, "--job", "any-job", *extra)
+             for kind in ("systemd", "cloud-init", "skypilot", "iam")}
+    files["cloud-init -f"] = printed(capsys, "cloud-init", "-f", str(job), *extra)
+    files["skypilot -f"] = printed(capsys, "skypilot", "-f", str(job), *extra)
+    files["k8s"] = printed(capsys, "k8s", "--storage", storage, "--job", "any-job", "--image", "registry/grpo-run:1", *extra)
+    return files
+
+
+def test_no_generated_file_names_a_repository_by_default(tmp_path, capsys, s3_env):
+    files = generated_files(capsys, tmp_path, s3_env.url)
+    for kind, text in files.items():
+        urls = set(re.findall(r"https?://[^\s\"'\\]+", text))    # up to a quote or a YAML escape
+        assert urls <= set(TORCH_INDEXES.values()), (kind, urls)      # PyTorch's index only, for the node's torch
+        assert "git clone" not in text and ".git" not in text, kind
+    # the nodes that install grpo-run install the wheel from the job's storage instead
+    assert all("_dist/" in files[kind] for kind in ("cloud-init", "cloud-init -f", "skypilot", "skypilot -f"))
+
+
+def test_a_repository_is_used_only_when_given(tmp_path, capsys, s3_env):
+    repo = "https://git.example.org/me/grpo-run.git"
+    files = generated_files(capsys, tmp_path, s3_env.url, "--repo", repo, "--ref", "v0.1.0")
+    for kind in ("cloud-init", "cloud-init -f", "skypilot", "skypilot -f"):
+        doc = yaml.safe_load(files[kind])
+        script = doc["setup"] if kind.startswith("skypilot") else install_sh(doc)
+        assert f"git clone --depth 1 --branch v0.1.0 {repo} " in script, kind
+        assert "_dist/" not in files[kind], kind        # nothing of the wheel: the checkout is the install
+    assert yaml.safe_load(files["cloud-init"])["packages"] == ["git", "python3-venv"]
+    assert cloud_config_errors(files["cloud-init"]) == []
+
+
+def test_ref_without_repo_is_refused(capsys):
+    assert main(["deploy", "cloud-init", "--storage", "s3://b/p", "--ref", "v1"]) == EXIT_USAGE
+    assert "--ref 'v1': a branch or tag of --repo; give --repo URL too" in capsys.readouterr().err
+
+
+def test_deploy_without_storage_access_says_why_the_wheel_cannot_go_there(capsys, s3_env, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert main(["deploy", "cloud-init", "--storage", s3_env.url]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot put this grpo-run's wheel into {s3_env.url} for the nodes to install: ")
+    assert "credentials" in err and "Traceback" not in err

@@ -16,6 +16,7 @@ import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.deploy import NodeSettings, cloud_init
+from grpo_run.runner.wheel import build_wheel
 
 K8S = ["deploy", "k8s", "--storage", "s3://bucket/grpo", "--job", "my-job", "--image", "registry/grpo-run:1"]
 
@@ -142,8 +143,14 @@ def test_the_generated_containers_settings_leave_the_strict_sandbox_in_force(tmp
 
 # --- cloud-init ---------------------------------------------------------------------------------
 
-def test_the_user_data_holds_no_keys_and_says_the_instance_role_brings_them():
-    text = cloud_init(NodeSettings(storage="s3://bucket/grpo", job="my-job", region="us-east-1"))
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel the nodes install (runner/wheel.py), built once."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_the_user_data_holds_no_keys_and_says_the_instance_role_brings_them(wheel):
+    text = cloud_init(NodeSettings(storage="s3://bucket/grpo", job="my-job", region="us-east-1", wheel=wheel))
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         assert key not in text                      # not even commented out, as a suggestion
     assert "instance role" in text and "IMDSv2" in text and "hop limit of 1" in text
@@ -152,7 +159,7 @@ def test_the_user_data_holds_no_keys_and_says_the_instance_role_brings_them():
 
 
 @pytest.mark.trust
-def test_every_generated_node_runs_reward_functions_only_in_the_strict_sandbox(capsys, figures):
+def test_every_generated_node_runs_reward_functions_only_in_the_strict_sandbox(capsys, figures, wheel, tmp_path):
     """A job's spec.sandbox comes from storage on `resume`; the node's own GRPO_RUN_SANDBOX=strict,
     set by every file `grpo-run deploy` writes, is the floor it cannot lower."""
     _, doc = manifest(capsys)
@@ -166,8 +173,9 @@ def test_every_generated_node_runs_reward_functions_only_in_the_strict_sandbox(c
 
     unit = printed("deploy", "systemd", "--storage", "s3://bucket/grpo", "--job", "my-job")
     assert "Environment=GRPO_RUN_SANDBOX=strict" in unit
-    assert "GRPO_RUN_SANDBOX=strict" in cloud_init(NodeSettings(storage="s3://bucket/grpo", job="my-job"))
-    task = yaml.safe_load(printed("deploy", "skypilot", "--storage", "s3://bucket/grpo", "--job", "my-job",
+    assert "GRPO_RUN_SANDBOX=strict" in cloud_init(NodeSettings(storage="s3://bucket/grpo", job="my-job", wheel=wheel))
+    # a folder for storage: the task's command puts the wheel there
+    task = yaml.safe_load(printed("deploy", "skypilot", "--storage", str(tmp_path / "bucket"), "--job", "my-job",
                                   "--accelerators", "L4:1"))
     assert task["envs"]["GRPO_RUN_SANDBOX"] == "strict"
     figures.add("trust", actor="bucket writer", tried="spec.sandbox: best-effort in a stored job, on a deployed node",

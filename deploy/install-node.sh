@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Install grpo-run on a node into /opt/grpo-run/.venv: exactly the wheel the user submitted with.
+#
+# `apply --detach` and `grpo-run deploy` put the wheel of the grpo-run installed on the user's
+# machine, and the constraints it was tested with, into the job's storage (_dist/VERSION-DIGEST/);
+# this script fetches both with the node's own credentials (its instance role, or the keys of an
+# S3-compatible store) and installs them, torch from PyTorch's index for the node's accelerator.
+# Run by cloud-init as root (deploy/cloud-init.yaml), by SkyPilot's setup as its user, and by the
+# image's Dockerfile (grpo-run deploy image); idempotent.
+# What a fresh Ubuntu node has is enough: python3 with venv (cloud-init installs python3-venv).
+#
+# Every @...@ placeholder is filled in by the generator (grpo-run deploy):
+#   @GRPO_RUN_WHEEL_URL@        the wheel in storage, s3://bucket/prefix/_dist/.../grpo_run-*.whl
+#   @GRPO_RUN_CONSTRAINTS_URL@  its constraints.txt, next to it
+#   @GRPO_RUN_FETCHER@          boto3, pinned as in those constraints: what fetches them from S3
+#   @GRPO_RUN_TORCH_INDEX@      PyTorch's wheel index for the node's GPU
+# The environment gives the store's settings: AWS_ENDPOINT_URL, AWS_DEFAULT_REGION (/etc/grpo-run/env).
+set -euo pipefail
+
+PREFIX=/opt/grpo-run
+WHEEL_URL="@GRPO_RUN_WHEEL_URL@"
+CONSTRAINTS_URL="@GRPO_RUN_CONSTRAINTS_URL@"
+FETCHER="@GRPO_RUN_FETCHER@"
+TORCH_INDEX="@GRPO_RUN_TORCH_INDEX@"
+
+mkdir -p "$PREFIX/dist"
+[ -x "$PREFIX/.venv/bin/python" ] || python3 -m venv "$PREFIX/.venv"
+py="$PREFIX/.venv/bin/python"
+wheel="$PREFIX/dist/${WHEEL_URL##*/}"
+constraints="$PREFIX/dist/constraints.txt"
+case "$WHEEL_URL" in
+  s3://*) "$py" -m pip install -q "$FETCHER" ;;     # the fetcher; the install below pins its dependencies
+esac
+# Fetch both (a missing key fails here, naming it: never an install without the pins).
+"$py" - "$WHEEL_URL" "$wheel" "$CONSTRAINTS_URL" "$constraints" <<'PYTHON'
+import shutil, sys
+from urllib.parse import unquote, urlparse
+
+for url, dest in zip(sys.argv[1::2], sys.argv[2::2]):
+    where = urlparse(url)
+    if where.scheme == "s3":
+        import boto3, botocore.exceptions
+        try:
+            boto3.client("s3").download_file(where.netloc, where.path.lstrip("/"), dest + ".part")
+        except botocore.exceptions.ClientError as e:
+            sys.exit(f"grpo-run install: cannot fetch {url}: {e}; submit the job again with "
+                     f"`grpo-run apply --detach` or run `grpo-run deploy` again (both put the wheel there)")
+    else:                                         # a folder every node mounts (file:// or a path)
+        shutil.copyfile(unquote(where.path) if where.scheme == "file" else url, dest + ".part")
+    shutil.move(dest + ".part", dest)
+PYTHON
+# torch first, the build for this node's accelerator at the version the user ran (its pin).
+torch_pin=$(grep -E '^torch==' "$constraints")
+"$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "$torch_pin" --index-url "$TORCH_INDEX"
+# this wheel, even over an installed grpo-run of the same version (another build of it), then its
+# dependencies at the pinned versions
+"$py" -m pip install -q --no-deps --force-reinstall "$wheel"
+"$py" -m pip install -q -c "$constraints" "$wheel"
+"$py" -m pip check
+"$py" -c "import grpo_run.runner.cli.commands"

@@ -1,0 +1,113 @@
+"""The wheel nodes install (runner/wheel.py): built from what is installed here, keyed by its
+content, put into the job's storage only where the job's other files may go."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import shutil
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from grpo_run.checkpoint.storage.lease import Lease
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.runner.envfiles import with_file_hashes
+from grpo_run.runner.jobs import jobs_in
+from grpo_run.runner.spec.job import load_job
+from grpo_run.runner.submit import SubmitRefused, submit
+from grpo_run.runner.wheel import (DIST_PREFIX, WheelError, _build_from_source, _check_setuptools, _digest,
+                                   build_wheel, publish)
+from tests.runner.test_resume import REPO, grpo_run, write_job
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def source_copy(folder: Path) -> Path:
+    """The files an editable install's wheel is built from (pyproject's package folders, its
+    readme), copied: a tree of our own to change."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folder.mkdir()
+    for name in ("pyproject.toml", project["project"]["readme"]):
+        shutil.copy2(REPO / name, folder / name)
+    for sub in project["tool"]["setuptools"]["package-dir"].values():
+        shutil.copytree(REPO / sub, folder / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    return folder
+
+
+def test_the_wheel_holds_the_templates_and_the_constraints_with_torch_pinned(wheel):
+    names = zipfile.ZipFile(wheel.path).namelist()
+    assert {"grpo_run/deploy/install-node.sh", "grpo_run/deploy/constraints.txt",
+            "grpo_run/deploy/cloud-init.yaml"} <= set(names)
+    shipped = zipfile.ZipFile(wheel.path).read("grpo_run/deploy/constraints.txt")
+    assert shipped == (REPO / "constraints.txt").read_bytes()         # the symlink's target, not the link
+    torch = importlib.metadata.version("torch").split("+")[0]
+    assert wheel.constraints == shipped.rstrip(b"\n") + f"\ntorch=={torch}\n".encode()
+    assert wheel.version == importlib.metadata.version("grpo-run")
+    assert wheel.wheel_key == f"{DIST_PREFIX}/{wheel.version}-{wheel.digest}/{wheel.path.name}"
+
+
+def test_the_same_code_gets_the_same_key_and_changed_code_another(tmp_path, wheel):
+    again = build_wheel(tmp_path / "again")
+    assert again.digest == wheel.digest                 # a second build: other zip times, same files
+    tree = source_copy(tmp_path / "tree")
+    same = _build_from_source(tree, tmp_path / "same")
+    assert _digest(same, wheel.constraints) == wheel.digest
+    (tree / "runner" / "wheel.py").write_text((tree / "runner" / "wheel.py").read_text() + "\n# changed\n")
+    changed = _build_from_source(tree, tmp_path / "changed")
+    assert _digest(changed, wheel.constraints) != wheel.digest
+    assert _digest(same, wheel.constraints + b"numpy==1.0\n") != wheel.digest    # other pins: another key
+
+
+def test_building_from_a_source_tree_writes_nothing_into_it(tmp_path):
+    tree = source_copy(tmp_path / "tree")
+    before = sorted(p.relative_to(tree) for p in tree.rglob("*"))
+    _build_from_source(tree, tmp_path / "out")
+    assert sorted(p.relative_to(tree) for p in tree.rglob("*")) == before     # no build/, no egg-info
+
+
+def test_a_setuptools_older_than_pyproject_asks_is_refused_with_the_fix():
+    with pytest.raises(WheelError, match=r"needs setuptools>=999 in this environment \(have .*\): .* -m pip "
+                                         r"install 'setuptools>=999'"):
+        _check_setuptools({"build-system": {"requires": ["setuptools>=999"]}})
+    _check_setuptools(tomllib.loads((REPO / "pyproject.toml").read_text()))     # this environment's is new enough
+
+
+def test_publishing_puts_each_key_once(tmp_path, wheel):
+    storage = str(tmp_path / "bucket")
+    publish(wheel, storage)
+    store = Store(storage)
+    assert store.get_bytes(wheel.constraints_key) == wheel.constraints
+    assert store.get_bytes(wheel.wheel_key) == wheel.path.read_bytes()
+    stored = Path(storage) / wheel.wheel_key
+    stored.write_bytes(b"the same key holds the same bytes: never written twice")
+    publish(wheel, storage)
+    assert stored.read_bytes().startswith(b"the same key")
+
+
+def test_apply_detach_puts_the_wheel_beside_the_jobs_and_it_is_no_job(tmp_path, wheel):
+    storage = tmp_path / "bucket"
+    grpo_run(tmp_path / "laptop", "apply", "-f", str(write_job(tmp_path, str(storage))), "--detach")
+    assert _digest(storage / wheel.wheel_key, wheel.constraints) == wheel.digest    # this code, built by apply
+    assert (storage / wheel.constraints_key).read_bytes() == wheel.constraints
+    assert jobs_in(str(storage)) == ["resumable"]       # _dist/ is not a job: `resume` alone still finds it
+
+
+def test_a_job_another_node_holds_gets_no_wheel(tmp_path, wheel):
+    storage = str(tmp_path / "bucket")
+    job = with_file_hashes(load_job(write_job(tmp_path, storage)))
+    url = f"{storage}/{job.name}"
+    submit(job, url, holder="laptop")                   # submitted without a wheel
+    node = Lease(url, holder="node-a")
+    node.acquire()
+    try:
+        changed = with_file_hashes(load_job(write_job(tmp_path, storage, learningRate=0.001)))
+        with pytest.raises(SubmitRefused):
+            submit(changed, url, holder="laptop", wheel=wheel)
+    finally:
+        node.release()
+    assert not (Path(storage) / DIST_PREFIX).exists()   # refused: nothing of it written either
