@@ -231,3 +231,27 @@ def test_a_missing_job_gets_one_line_from_every_command(tmp_path, s3_env, capsys
             continue
         code, line = one_line_error(capsys, caplog, argv)
         assert code == 2 and "resumable" in line, (name, line)
+
+
+def test_a_storage_error_while_looking_for_a_cancel_request_is_not_the_runs_error(tmp_path, monkeypatch):
+    """The look happens beside a record upload or a lease renewal: its failure is only a look
+    missed, and the next one still finds the request."""
+    import grpo_run.runner.supervisor.supervisor as supervisor
+    from grpo_run.checkpoint.storage.store import StorageUnavailable
+    from grpo_run.runner.home import job_store_url
+    from grpo_run.runner.spec.job import build_run_spec, load_job
+
+    job = load_job(write_job(tmp_path, str(tmp_path / "store")))
+    url = job_store_url(str(tmp_path / "store"), job.name)
+    looks: list[str] = []
+
+    def flaky(store):               # the first look fails, the next finds the request
+        looks.append(store.url)
+        if len(looks) == 1:
+            raise StorageUnavailable("storage did not answer (injected)")
+        return {"by": "operator"}
+
+    monkeypatch.setattr(supervisor, "cancel_requested", flaky)
+    result = supervisor.Supervisor(build_run_spec(job, url), tmp_path / "node", watchers=[]).run()
+    assert result.exit_code == EXIT_CANCELLED and "cancelled by operator" in result.message
+    assert len(looks) >= 2
