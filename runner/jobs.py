@@ -55,6 +55,20 @@ def already_succeeded(job, store) -> dict[str, Any] | None:
     return None
 
 
+def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
+    """(the phase, the job as `get tj` shows it) when storage's record says the job is over: it
+    succeeded with this very spec (as already_succeeded), or it was cancelled (with any spec:
+    `grpo-run delete` clears the name); None otherwise. One read of storage's record."""
+    from grpo_run.runner.books.books import stored_record
+
+    with stored_record(store) as record:
+        done = record.job() if record is not None else None
+        if done and (done["phase"] == Phase.CANCELLED
+                     or (done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict())):
+            return done["phase"], as_doc(record)
+    return None
+
+
 def jobs_in(storage: str) -> list[str]:
     from grpo_run.checkpoint.storage.store import Store
 

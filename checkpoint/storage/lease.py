@@ -283,8 +283,13 @@ class Lease:
         with self._lock:
             self._renew_locked()
 
-    def start_renewing(self, on_lost: Callable[[LeaseLost], None]) -> None:
+    def start_renewing(self, on_lost: Callable[[LeaseLost], None],
+                       on_renewed: Callable[[], None] | None = None) -> None:
         """Renew every renew_every_s from a daemon thread until release().
+
+        `on_renewed` is called from that thread after each successful renewal: the holder's
+        chance to read something of its own from storage at a pace already set (the supervisor
+        looks for a cancel request); what it raises is logged, and renewing goes on.
 
         `on_lost` is called once, from that thread, when a renewal finds the lease taken over or
         removed, or when renewals have failed or hung until only renew_every_s / 2 of the lease
@@ -295,7 +300,7 @@ class Lease:
         if self._thread is not None:
             raise RuntimeError(f"lease {self.url}: already renewing")
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._renew_loop, args=(on_lost,),
+        self._thread = threading.Thread(target=self._renew_loop, args=(on_lost, on_renewed),
                                         name=f"lease-renew:{self.holder}", daemon=True)
         self._thread.start()
 
@@ -368,7 +373,8 @@ class Lease:
         self._lose()
         raise LeaseLost(f"lease on {self.url}: could not renew, it kept changing under us")
 
-    def _renew_loop(self, on_lost: Callable[[LeaseLost], None]) -> None:
+    def _renew_loop(self, on_lost: Callable[[LeaseLost], None],
+                    on_renewed: Callable[[], None] | None = None) -> None:
         wait = self.renew_every_s
         while not self._stopping.wait(wait):
             expires = self.expires_at
@@ -380,6 +386,11 @@ class Lease:
             try:
                 self._renew_before(cutoff)
                 wait = self.renew_every_s
+                if on_renewed is not None:
+                    try:
+                        on_renewed()
+                    except Exception:
+                        log.exception("lease %s: on_renewed callback failed", self.url)
                 continue
             except LeaseLost as exc:
                 lost = exc

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import Store
@@ -129,8 +129,9 @@ class Books:
 
     def __init__(self, store: Store, work: Path, *, name: str, manifest: dict[str, Any],
                  usd_per_hour: float | None, max_cost_usd: float | None,
-                 tracking: dict[str, Any] | None = None) -> None:
+                 tracking: dict[str, Any] | None = None, after_upload: Callable[[], None] | None = None) -> None:
         self.store = store
+        self._after_upload = after_upload   # called after each record upload (the supervisor: a cancel request?)
         self.work = Path(work)
         self.name = name
         fetch_record(store, self.work)
@@ -180,6 +181,8 @@ class Books:
             self.store.put_file(snap, RECORD_FILE)
             values.GENERATION.set(self.record, generation)      # storage has this copy now
             self._uploaded = generation["number"]
+            if self._after_upload is not None:
+                self._after_upload()
 
         self._last_sync = time.monotonic()
         self._durable_waits = False

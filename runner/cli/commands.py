@@ -13,12 +13,15 @@ from typing import Any, Sequence
 
 import click
 
+from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
-from grpo_run.runner.jobs import (already_succeeded as _already_succeeded, find_job as _find_job, get_job, job_doc as _job_doc)
+from grpo_run.runner.jobs import (already_finished as _already_finished, find_job as _find_job, get_job, job_doc as _job_doc)
 from grpo_run.runner.home import default_storage, home as _home, job_store_url, work_dir
 from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
+from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
+from grpo_run.runner.lifecycle import job_storage
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.state.phases import STOPPED, Phase
 
@@ -26,6 +29,8 @@ from grpo_run.state.phases import STOPPED, Phase
 
 @click.group(context_settings=CONTEXT)
 @click.option("-v", "--verbose", is_flag=True, help="log more (INFO)")
+# the installed distribution's version (importlib.metadata), not a constant that could drift from it
+@click.version_option(package_name="grpo-run", prog_name="grpo-run", message="%(prog)s %(version)s")
 def cli(verbose: bool) -> None:
     """Train LoRA / QLoRA / full adapters with GRPO on spot GPUs, without losing the run.
 
@@ -37,7 +42,8 @@ def cli(verbose: bool) -> None:
 
     \b
     Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
-    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job.
+    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job,
+    6 cancelled (`grpo-run cancel`).
     Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
     the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
     """
@@ -254,9 +260,12 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
             local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
             uploads = ()
         spec = build_run_spec(job, url, local=local, uploads=uploads)
-        done = _already_succeeded(job, store)
-        if done is not None:
-            print(f"{job.name}: already succeeded; nothing to do")
+        over = _already_finished(job, store)
+        if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
+            phase, done = over
+            print(f"{job.name}: already succeeded; nothing to do" if phase == Phase.SUCCEEDED else
+                  f"{job.name}: cancelled ({printable(done['status'].get('message', ''))}); nothing to do; "
+                  f"`grpo-run delete {job.name} --yes` clears the name to train it again")
             print(_dump(done, output), end="") if output else None
             return EXIT_OK
         progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
@@ -355,8 +364,8 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
     """
     from grpo_run.runner.export import export_weights
 
-    try:
-        what = export_weights(job_store_url(storage, name), Path(out))
+    try:      # without --storage: where `apply --detach` sent it, or where it ran on this machine
+        what = export_weights(job_store_url(job_storage(name, storage), name), Path(out))
     except LookupError as e:
         _error(str(e))
         return EXIT_USAGE
@@ -514,6 +523,9 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
 cli.add_command(cmd_get)
 cli.add_command(cmd_logs)
 cli.add_command(cmd_report)
+# the commands that end a job: cancel, delete (runner/cli/lifecycle.py)
+cli.add_command(cmd_cancel)
+cli.add_command(cmd_delete)
 
 
 # --- entry point ---------------------------------------------------------------------------------
@@ -529,6 +541,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.Abort:                 # Ctrl-C; click has already ended the ^C line on stderr
         _error("interrupted")
         return EXIT_INTERRUPTED
+    except StorageConfigError as e:     # a command that let one through: still one line, naming the fix
+        _error(str(e))
+        return EXIT_FAILED
+    except StorageUnavailable as e:
+        _error(f"{e}; check the storage URL, AWS_ENDPOINT_URL and this machine's network, then try again")
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ restarts — and runs the job as attempts, one trainer process each (attempt.py)
            sealed local checkpoint is uploaded as it is
         -> the attempt is recorded as Preempted; the supervisor exits with EXIT_PREEMPTED
     rebalance recommendation (AWS) -> CHECKPOINT_SIGNAL: checkpoint at the next step, keep training
+    cancel request (runner.lifecycle: `grpo-run cancel`), found at a record upload or lease renewal
+        -> STOP_SIGNAL, as for a notice but without its hurry; the last completed step made durable
+        -> the job is recorded as Cancelled; the supervisor exits with EXIT_CANCELLED
     trainer crash -> restart with backoff, counted by kind, each kind with its own limit
 """
 
@@ -27,10 +30,11 @@ from typing import Any, Callable
 from grpo_run.checkpoint.storage.fenced import FencedStore
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
-from grpo_run.checkpoint.storage.store import StorageUnavailable, Store
+from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.envfiles import upload_environment
-from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
+from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
+from grpo_run.runner.lifecycle import cancel_requested
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
@@ -83,6 +87,8 @@ class Supervisor:
         self._sleep = sleep or self.preempt.wait   # a backoff ends early on a notice
         self._wake = threading.Event()             # the trainer ended, or a notice came
         self._checkpoints = CheckpointRequest()    # rebalance recommendations, for whichever trainer listens
+        self._cancel = threading.Event()           # `grpo-run cancel` asked: stop at the step boundary, end the job
+        self._cancelled_by = ""                    # ... who asked (the request's "by")
         self._trainer: TrainerProcess | None = None
         self.books: Books | None = None
         self.durability: Durability | None = None
@@ -95,16 +101,20 @@ class Supervisor:
             lease.acquire()
         except LeaseHeld as e:
             return SupervisorResult(EXIT_HELD, str(e))
-        lease.start_renewing(on_lost=self._lease_lost)
+        lease.start_renewing(on_lost=self._lease_lost, on_renewed=self._check_cancel)
         # Every upload from here on (checkpoints, prunes, the record, the final weights) checks
         # that the lease is still ours right before it starts: a stale holder writes nothing.
         self.store = FencedStore(self.store, lease)
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
-                               tracking=self.spec.tracking)
+                               tracking=self.spec.tracking, after_upload=self._check_cancel)
             if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
                 return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do")
+            self._check_cancel()          # asked before this node held it (`cancel` left the request: it always does)
+            if self._cancel.is_set():
+                durable = [c["step"] for c in self.books.record.checkpoints() if c["durable"]]
+                return self._cancelled(max(durable, default=0))
             # apply's environment files: only now, holding the lease and with the record agreeing
             # to this spec (a finished job refused it above), can they replace the stored ones
             upload_environment(self.spec.environment_uploads, self.store)
@@ -199,11 +209,13 @@ class Supervisor:
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
                                                  checkpoints=self._checkpoints, wake=self._wake)
         trainer.start(start, progress=self.progress)
-        while not (trainer.done.is_set() or self.preempt.is_set()):
+        while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
             self._wake.wait()
             self._wake.clear()
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)
+        if self._cancel.is_set():         # stop at the last completed step (killed if it will not)
+            trainer.stop(self.notice_window_s)
         return self._ended(trainer)
 
     def _ended(self, trainer: TrainerProcess) -> SupervisorResult:
@@ -211,6 +223,8 @@ class Supervisor:
         out, fatal = trainer.outcome(), self.durability.fatal
         if out.how == "done":
             return self._succeeded(trainer)
+        if self._cancel.is_set() and fatal is None and out.how in ("stopped", "deadline", "crashed"):
+            return self._cancelled(self.durability.wait())   # "crashed": killed after the window
         if out.how in ("stopped", "deadline") and fatal is None:
             step = self.durability.wait()
             if out.how == "deadline":
@@ -261,6 +275,33 @@ class Supervisor:
             Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, durable; resume "
                                           f"continues from there", notice=source))
         return SupervisorResult(EXIT_PREEMPTED, **notice)
+
+    def _check_cancel(self) -> None:
+        """Whether `grpo-run cancel` has asked (runner.lifecycle), called where the supervisor
+        talks to storage anyway: after each record upload and each lease renewal. A request
+        found stops the trainer at its last completed step. A storage error here is left to the
+        upload or renewal that meets it too."""
+        if self._cancel.is_set():
+            return
+        try:
+            request = cancel_requested(self.store)
+        except (StorageUnavailable, StorageConfigError) as e:
+            log.warning("could not look for a cancel request: %s", e)
+            return
+        if request is None:
+            return
+        self._cancelled_by = str(request.get("by", "unknown"))
+        log.warning("cancelled by %s: stopping the trainer at the last completed step", self._cancelled_by)
+        self._cancel.set()
+        if self._trainer is not None:
+            self._trainer.terminate()
+        self._wake.set()
+
+    def _cancelled(self, durable: int) -> SupervisorResult:
+        """The job ends as Cancelled, its newest checkpoint (step `durable`) in storage."""
+        message = f"cancelled by {self._cancelled_by}; stopped after step {durable}, durable"
+        self.books.finish(Phase.CANCELLED, "Cancelled", message)
+        return SupervisorResult(EXIT_CANCELLED, message, durable_step=durable)
 
     def _storage_refused(self, error: BaseException) -> None:
         """A storage configuration error (durability.fatal): the trainer stops, the run fails."""

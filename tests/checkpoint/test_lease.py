@@ -198,6 +198,25 @@ def test_the_renewal_thread_renews_before_expiry(job_url):
     assert read_lease(job_url) is None
 
 
+def test_after_each_renewal_the_holder_is_called_and_its_error_does_not_stop_renewing(job_url, caplog):
+    lease = Lease(job_url, holder="node-a", ttl_s=60, renew_every_s=0.01)
+    lease.acquire()
+    calls: list[int] = []
+    twice = threading.Event()
+
+    def on_renewed() -> None:    # the supervisor looks for a cancel request here; a failure must not cost the lease
+        calls.append(read_lease(job_url)["renewals"])
+        if len(calls) >= 2:
+            twice.set()
+        raise RuntimeError("the holder's own trouble")
+
+    lease.start_renewing(on_lost=lambda exc: pytest.fail(f"lost: {exc}"), on_renewed=on_renewed)
+    assert twice.wait(30)
+    lease.release()
+    assert calls[0] >= 1 and calls[1] > calls[0]      # each call after a renewal, and renewing went on
+    assert "on_renewed callback failed" in caplog.text and "renewal failed" not in caplog.text   # not storage's
+
+
 # --- release and re-acquire ---------------------------------------------------------------------
 
 def test_release_deletes_only_our_own_lease(job_url):

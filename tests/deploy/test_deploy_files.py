@@ -75,10 +75,10 @@ def test_the_unit_parses_and_runs_grpo_run_resume_after_the_network_is_up():
     assert settings(unit["Install"], "WantedBy") == ["multi-user.target"]
 
 
-def test_done_preempted_and_over_budget_are_not_restarted_but_failures_are():
+def test_done_preempted_over_budget_and_cancelled_are_not_restarted_but_failures_are():
     service = dict(parse_unit(UNIT.read_text())["Service"])
     assert service["Restart"] == "on-failure"                 # exit 0 (done) is never restarted
-    assert {"2", "3", "4"} <= set(service["RestartPreventExitStatus"].split())
+    assert {"2", "3", "4", "6"} <= set(service["RestartPreventExitStatus"].split())
     assert not {"1", "5"} & set(service["RestartPreventExitStatus"].split())   # failed; held by another node
 
 

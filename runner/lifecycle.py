@@ -1,0 +1,171 @@
+"""Ending a job for good: `grpo-run cancel` and `grpo-run delete` (docs/lifecycle.md).
+
+Cancel is a request, not a kill. `cancel` writes a small object, `cancel.json`, into the job's
+storage folder (for a job without spec.storage, this machine's default store, where a local
+foreground run keeps its folder too). Then:
+
+* no node holds the job's lease (submitted and waiting, or stopped and resumable): `cancel` takes
+  the lease itself and moves the record to Cancelled; no `resume` starts it again;
+* a node holds it: that node's supervisor finds the request the next time it talks to storage
+  anyway (a record upload, a lease renewal: no poll loop of its own), stops the trainer at the
+  last completed step as a spot notice does, makes that checkpoint durable, records Cancelled and
+  exits EXIT_CANCELLED. A supervisor that takes the lease later finds the request before it
+  starts anything.
+
+Anyone who can write the job's storage can cancel it; they could delete it as well, so the
+request gives a bucket writer nothing new (docs/security.md's threat model).
+
+Delete removes the job's storage folder (everything under it, the checkpoints of every run under
+that name included) and this machine's work folder and pointers for it. While a node holds the
+lease it is refused (that node would go on writing into the emptied folder); `--force` skips the
+lease, for a node known to be gone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_run.checkpoint.storage.lease import LEASE_KEY, Lease, LeaseHeld
+from grpo_run.checkpoint.storage.store import Store
+from grpo_run.runner.home import home, job_store_url, work_dir
+from grpo_run.state.phases import FINISHED, Phase
+from grpo_run.state.record import RECORD_FILE, Record
+
+CANCEL_KEY = "cancel.json"      # in the job's storage folder: {"by": "cancel@HOST", "at": ISO time}
+
+
+class NoSuchJob(LookupError):
+    """Storage holds no record of the job (message names the job and the storage)."""
+
+
+class StillHeld(RuntimeError):
+    """A node holds the job's lease (message names it and the way out)."""
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    outcome: str            # "cancelled" (nothing ran it: Cancelled now) | "requested" (a node stops it)
+                            # | "finished" (it had ended already: nothing changed)
+    phase: str              # the job's phase in storage after this
+    holder: str = ""        # "requested": the node holding it, as the lease names it
+    was: str = ""           # "cancelled": the phase it had (Pending, Preempted, ...)
+
+
+def request_cancel(store: Store, by: str) -> None:
+    """Leave the cancel request in the job's folder (replacing an earlier one)."""
+    body = {"by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    store.put_bytes(CANCEL_KEY, (json.dumps(body) + "\n").encode())
+
+
+def cancel_requested(store: Store) -> dict[str, Any] | None:
+    """The job's cancel request, or None. A request whose body is unreadable still counts (someone
+    who can write the folder asked), named by who wrote it as unknown. Raises StorageConfigError /
+    StorageUnavailable as the store does."""
+    try:
+        data = store.get_bytes(CANCEL_KEY)
+    except FileNotFoundError:
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {"by": "unknown"}
+
+
+def cancel_job(name: str, storage: str | None) -> Cancelled:
+    """Cancel job `name` in `storage` (None: this machine's default store). Raises NoSuchJob,
+    StorageConfigError / StorageUnavailable."""
+    from grpo_run.runner.books.books import Books, stored_record
+
+    url = job_store_url(storage, name)
+    store = Store(url)
+    with stored_record(store) as record:
+        stored = record.job() if record is not None else None
+    if stored is None:
+        raise NoSuchJob(f"no job {name!r} in {url.rsplit('/', 1)[0]}")
+    if stored["phase"] in FINISHED:
+        return Cancelled("finished", str(stored["phase"]))
+    by = f"cancel@{socket.gethostname()}"
+    request_cancel(store, by)        # first: a node taking the lease from here on finds it
+    lease = Lease(url, holder=by)
+    try:
+        lease.acquire()
+    except LeaseHeld as held:        # a node runs it: it stops at its next step boundary
+        from grpo_run.checkpoint.storage.lease import describe_holder
+
+        return Cancelled("requested", str(stored["phase"]), holder=describe_holder(held.holder))
+    try:
+        with tempfile.TemporaryDirectory(prefix="grpo-run-cancel-") as tmp:
+            books = Books(store, Path(tmp), name=name, manifest=stored["spec"], usd_per_hour=None,
+                          max_cost_usd=None)
+            try:       # read again under the lease: the node that held it may have finished meanwhile
+                was = books.record.job()["phase"]
+                if was in FINISHED:
+                    return Cancelled("finished", str(was))
+                books.finish(Phase.CANCELLED, "Cancelled", f"cancelled by {by} while {was}; no node runs it again")
+            finally:
+                books.close()
+    finally:
+        lease.release()
+    return Cancelled("cancelled", str(Phase.CANCELLED), was=str(was))
+
+
+def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
+    """Remove job `name`'s storage folder and this machine's folders for it; returns what was
+    removed (for the message). Raises NoSuchJob when there is nothing to remove, StillHeld while
+    a node holds the lease (unless `force`), StorageConfigError / StorageUnavailable."""
+    from grpo_run.runner.submit import SUBMITTED
+
+    url = job_store_url(storage, name)
+    job_store = Store(url)
+    keys = job_store.list("")
+    local = [p for p in (work_dir(name), home() / SUBMITTED / name, home() / "cache" / "records" / f"{name}.db")
+             if p.exists()]
+    if not keys and not local:
+        raise NoSuchJob(f"no job {name!r} in {url.rsplit('/', 1)[0]} and nothing of it on this machine")
+    removed: list[str] = []
+    if keys:
+        lease = None
+        if not force and LEASE_KEY in keys:
+            lease = Lease(url, holder=f"delete@{socket.gethostname()}")
+            try:          # held by us, no node starts it while its folder is emptied
+                lease.acquire()
+            except LeaseHeld as held:
+                raise StillHeld(f"{held}; delete refuses a job a node is running: `grpo-run cancel {name}` "
+                                f"stops it, or add --force if that node is gone") from None
+        try:
+            parent, _, folder = url.rpartition("/")
+            Store(parent).delete(folder)     # the whole folder, whole path components: never NAME-2
+        finally:
+            if lease is not None:
+                lease.release()             # the lease went with the folder: nothing left to release
+        removed.append(f"{len(keys)} object(s) under {url}")
+    for path in local:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        removed.append(str(path))
+    return removed
+
+
+def job_storage(name: str, storage: str | None) -> str | None:
+    """The storage the CLI means for job `name`: `--storage` when given, else the one `apply
+    --detach` remembered on this machine, else the spec.storage of a run on this machine, else
+    None (this machine's default store)."""
+    from grpo_run.runner.submit import submitted_storage
+
+    if storage:
+        return storage
+    remembered = submitted_storage(home(), name)
+    if remembered:
+        return remembered
+    local = work_dir(name) / RECORD_FILE
+    if local.exists():
+        with Record(local) as record:
+            job = record.job()
+        return ((job or {}).get("spec") or {}).get("spec", {}).get("storage") or None
+    return None
