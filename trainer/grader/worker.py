@@ -45,6 +45,7 @@ import reprlib
 import signal
 import struct
 import sys
+import sysconfig
 import traceback
 from types import TracebackType
 from typing import Any, Callable
@@ -169,8 +170,11 @@ def load_summary(error: BaseException) -> str:
         where = f"{error.filename}:{error.lineno}" if error.filename and error.lineno else (error.filename or "")
         return f"{where}: {type(error).__name__}: {error.msg}" if where else f"{type(error).__name__}: {error.msg}"
     message = " ".join(str(error).split())[:_MAX_MESSAGE_CHARS]
+    # the innermost line of the user's code: not the worker's, not <frozen importlib>, not the
+    # Python installation's (json.loads raising is the user's line that called it)
+    installed = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename not in _OWN_FILES
-              and "importlib" not in f.filename]
+              and not f.filename.startswith("<") and not f.filename.startswith(installed)]
     if isinstance(error, MissingFunction):
         return message                      # load_reward_fn's own words: the file and what it defines
     where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
