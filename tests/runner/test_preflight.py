@@ -161,6 +161,8 @@ def test_gs_storage_is_refused_saying_plainly_what_is_supported(capsys, folder):
 
     assert code == EXIT_USAGE
     assert "spec.storage: gs:// is not supported (got gs://my-bucket/grpo)" in err
+    # why, so that installing gcsfs is not the next thing tried (the lease would refuse it next)
+    assert "a job's lease needs conditional replace and delete, which gcsfs does not offer" in err
     assert "use s3://bucket/prefix (AWS S3, or MinIO, SeaweedFS, R2" in err and "or a local folder" in err
     assert "pip install" not in err
 
