@@ -328,14 +328,16 @@ class _Hub(BaseHTTPRequestHandler):
     """Enough of the Hugging Face hub's file endpoint for hf_hub_download of one config.json."""
 
     served: dict[str, bytes] = {}
+    refused: dict[str, tuple[int, str]] = {}     # path -> (status, the hub's X-Error-Code)
     asked: list[str] = []
 
     def _answer(self, body: bool) -> None:
         type(self).asked.append(f"{self.command} {self.path}")
         data = self.served.get(self.path)
         if data is None:
-            self.send_response(404)
-            self.send_header("X-Error-Code", "EntryNotFound")
+            status, code = self.refused.get(self.path, (404, "EntryNotFound"))
+            self.send_response(status)
+            self.send_header("X-Error-Code", code)
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -379,3 +381,47 @@ def test_with_network_the_dry_run_fetches_only_config_json_into_the_normal_cache
     cached = list(cache.glob(f"models--{HUB_ID.replace('/', '--')}/snapshots/*/*"))
     assert [p.name for p in cached] == ["config.json"]
     assert json.loads(cached[0].read_text()) == QWEN3_0_6B
+
+
+@pytest.mark.parametrize(("status", "code", "says"), [
+    (404, "RepoNotFound", f"spec.model: no model '{HUB_ID}' on the Hugging Face hub (or it is private"),
+    (403, "GatedRepo", f"spec.model: '{HUB_ID}' is gated on the Hugging Face hub: accept its terms on "
+                       f"https://huggingface.co/{HUB_ID} and log in"),
+    (404, "EntryNotFound", f"spec.model: '{HUB_ID}' has no config.json on the Hugging Face hub"),
+])
+def test_what_the_hub_answers_is_said_in_words(tmp_path, monkeypatch, status, code, says):
+    from huggingface_hub import constants
+
+    from grpo_run.runner.estimate.estimate import model_config
+
+    _Hub.served, _Hub.asked = {}, []
+    _Hub.refused = {f"/{HUB_ID}/resolve/main/config.json": (status, code)}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)          # HF_ENDPOINT, read at import
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    try:
+        with pytest.raises(LookupError) as raised:
+            model_config(HUB_ID, cache_dir=tmp_path / "hf-cache")
+    finally:
+        server.shutdown()
+        _Hub.refused = {}
+    assert str(raised.value).startswith(says)
+
+
+def test_a_store_that_does_not_answer_the_probe_is_a_failure_of_the_moment(capsys, folder, monkeypatch,
+                                                                             closed_port):
+    import grpo_run.runner.preflight as preflight
+
+    monkeypatch.setattr(preflight, "PROBE_RETRY_S", 1.0)      # 15 s against a closed port otherwise
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "grpo-run-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-secret")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed_port}")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+    code, _, err = run(capsys, "apply", "-f", str(write_job(folder, storage="s3://my-bucket/grpo")), "--detach")
+
+    assert code == 1                                  # not the job file's fault: try again
+    assert err.startswith("error: spec.storage: ") and "nothing was submitted or started" in err
