@@ -109,7 +109,12 @@ def _check_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
     url = job.storage
     if url is None:                         # this machine's own store ($GRPO_RUN_HOME/store)
         return
-    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    try:
+        parts = urlsplit(url) if "://" in url else None
+    except ValueError as e:                 # s3://[bucket: urlsplit reads [ as an IPv6 address
+        found.problems.append(f"spec.storage: not a URL (got {url}): {e}; write it as s3://bucket/prefix")
+        return
+    scheme = parts.scheme.lower() if parts is not None else ""
     if scheme in ("gs", "gcs"):
         # gcsfs could be installed, but the lease would refuse the job next (checkpoint.cas):
         # GCS through gcsfs cannot replace or delete only the generation that was read

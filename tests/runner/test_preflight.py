@@ -167,6 +167,13 @@ def test_gs_storage_is_refused_saying_plainly_what_is_supported(capsys, folder):
     assert "pip install" not in err
 
 
+def test_a_storage_url_that_does_not_parse_is_a_problem_not_a_traceback(capsys, folder):
+    code, _, err = dry_run(capsys, write_job(folder, storage="s3://[my-bucket/grpo"))
+
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert "spec.storage: not a URL (got s3://[my-bucket/grpo): Invalid IPv6 URL" in err
+
+
 def test_s3_storage_without_credentials_is_refused_by_the_dry_run(capsys, folder, no_aws):
     code, _, err = dry_run(capsys, write_job(folder, storage="s3://my-bucket/grpo"))
 
