@@ -40,7 +40,8 @@ def folder(tmp_path) -> Path:
 def write_job(folder: Path, *, environment: dict | None = None, parameters: dict | None = None, **spec) -> Path:
     env = {"name": "mine", "reward": "rewards.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
     doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "mine"},
-           "spec": {"model": "./model", "environment": {**env, **(environment or {})},
+           "spec": {"model": "./model",
+                    "environment": {k: v for k, v in {**env, **(environment or {})}.items() if v is not None},
                     "parameters": {"maxSteps": 100, "saveSteps": 25, **(parameters or {})}, **spec}}
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -154,6 +155,70 @@ def test_a_task_line_that_is_not_json_is_named_by_file_and_line(capsys, folder):
 
     assert code == EXIT_USAGE
     assert "spec.environment.evalTasks: eval.jsonl:2: not JSON" in err
+
+
+def test_an_empty_task_file_is_refused(capsys, folder):
+    (folder / "eval.jsonl").write_text("\n")
+
+    code, _, err = dry_run(capsys, write_job(folder))
+
+    assert code == EXIT_USAGE and "spec.environment.evalTasks: eval.jsonl has no rows" in err
+
+
+def test_a_local_data_set_folder_is_checked_for_its_splits_and_columns(capsys, folder):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"question": ["1+1="], "answer": ["2"]})}).save_to_disk(
+        str(folder / "data"))
+    env = {"tasks": None, "evalTasks": None, "dataset": "./data"}
+
+    code, _, err = dry_run(capsys, write_job(folder, environment=env))
+    assert code == EXIT_USAGE
+    assert (f"spec.environment.evalSplit: {folder / 'data'} has no split 'test' for held-out tasks (it has "
+            "train): set evalSplit, or heldOutFraction") in err
+    assert "data split 'train' has no column \"prompt\" (row 1 has question, answer)" in err
+
+    code, _, err = dry_run(capsys, write_job(folder, environment={**env, "trainSplit": "training"}))
+    assert code == EXIT_USAGE
+    assert f"spec.environment.trainSplit: {folder / 'data'} has no split 'training' (it has train)" in err
+
+    env.update(columns={"prompt": "question"}, heldOutFraction=0.5)
+    code, _, err = dry_run(capsys, write_job(folder, environment=env))
+    assert code == EXIT_OK, err
+
+
+def test_a_data_set_on_the_hub_is_not_read_and_says_so(capsys, folder):
+    env = {"tasks": None, "evalTasks": None, "dataset": "grpo-run-tests/no-such-data", "columns": {"prompt": "q"}}
+
+    code, _, err = dry_run(capsys, write_job(folder, environment=env))
+
+    assert code == EXIT_OK, err
+    assert "note: spec.environment.dataset: grpo-run-tests/no-such-data is a data set on the hub, not read here" in err
+
+
+def test_gsm8k_data_files_without_gsm8k_s_columns_are_refused(capsys, folder):
+    (folder / "gsm-train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    (folder / "gsm-test.jsonl").write_text('{"question": "2+2?", "answer": "so #### 4"}\n')
+    env = {"name": "gsm8k", "reward": None, "tasks": None, "evalTasks": None,
+           "dataFiles": {"train": "gsm-train.jsonl", "test": "gsm-test.jsonl"}}
+
+    code, _, err = dry_run(capsys, write_job(folder, environment=env))
+
+    assert code == EXIT_USAGE
+    assert ("spec.environment.dataFiles.train: gsm-train.jsonl row 1 is not GSM8K's: gsm8k needs the columns "
+            "question and answer (ending in '#### N'); it has question, answer") in err
+    assert "dataFiles.test" not in err
+
+
+def test_a_model_the_estimate_cannot_read_is_said_on_detach_not_passed_over(capsys, folder, tmp_path):
+    config = json.loads((folder / "model" / "config.json").read_text())
+    (folder / "model" / "config.json").write_text(json.dumps({**config, "num_experts": 8}))
+
+    code, _, err = run(capsys, "apply", "-f", str(write_job(folder, storage=str(tmp_path / "store"))), "--detach")
+
+    assert code == EXIT_OK, err
+    assert ("warning: spec.model: the memory fit on spec.gpu is not checked: model config: mixture-of-experts "
+            "models are not estimated yet") in err
 
 
 def test_gs_storage_is_refused_saying_plainly_what_is_supported(capsys, folder):
