@@ -221,6 +221,32 @@ def test_a_model_the_estimate_cannot_read_is_said_on_detach_not_passed_over(caps
             "models are not estimated yet") in err
 
 
+@pytest.mark.parametrize(("line", "says"), [
+    ('["1+1=", "2"]', "eval.jsonl row 1 is not an object (got list)"),
+    ('{"prompt": 12, "answer": "2"}', 'eval.jsonl row 1: "prompt" must be a string or a list of chat messages'),
+])
+def test_a_task_that_is_not_one_is_named_by_its_row(capsys, folder, line, says):
+    (folder / "eval.jsonl").write_text(line + "\n")
+
+    code, _, err = dry_run(capsys, write_job(folder))
+
+    assert code == EXIT_USAGE and f"spec.environment.evalTasks: {says}" in err
+
+
+def test_a_task_folder_written_by_save_to_disk_is_read_through_the_columns(capsys, folder):
+    import datasets
+
+    datasets.Dataset.from_dict({"question": ["1+1="], "answer": ["2"]}).save_to_disk(str(folder / "train-data"))
+
+    code, _, err = dry_run(capsys, write_job(folder, environment={"tasks": "./train-data"}))
+    assert code == EXIT_USAGE and 'spec.environment.tasks: train-data has no column "prompt"' in err
+
+    (folder / "eval.jsonl").write_text('{"question": "3+3=", "answer": "6"}\n')
+    code, _, err = dry_run(capsys, write_job(folder, environment={"tasks": "./train-data",
+                                                                  "columns": {"prompt": "question"}}))
+    assert code == EXIT_OK, err
+
+
 def test_gs_storage_is_refused_saying_plainly_what_is_supported(capsys, folder):
     code, _, err = dry_run(capsys, write_job(folder, storage="gs://my-bucket/grpo"))
 
@@ -245,6 +271,16 @@ def test_s3_storage_without_credentials_is_refused_by_the_dry_run(capsys, folder
     assert code == EXIT_USAGE
     assert ("spec.storage: no AWS credentials found for s3://my-bucket/grpo: set AWS_ACCESS_KEY_ID and "
             "AWS_SECRET_ACCESS_KEY") in err
+
+
+def test_an_aws_profile_that_does_not_exist_is_named(capsys, folder, no_aws, monkeypatch):
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+
+    code, _, err = dry_run(capsys, write_job(folder, storage="s3://my-bucket/grpo"))
+
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert "spec.storage: the AWS credentials for s3://my-bucket/grpo cannot be read: " in err
+    assert "no-such-profile" in err
 
 
 def test_save_steps_past_max_steps_on_a_job_with_storage_is_warned_about(capsys, folder, tmp_path):
