@@ -91,10 +91,16 @@ def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:
     """config.json of `repo_id` fetched into the Hugging Face cache (only that file). Raises
     LookupError saying why it could not be and how to fill the cache instead."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     where = f"spec.model: no config.json for {repo_id!r} in the Hugging Face cache"
+    try:
+        validate_repo_id(repo_id)           # before the network: a typo is not an outage
+    except HFValidationError:
+        raise LookupError(f"spec.model: {repo_id!r} is neither a local folder nor a Hugging Face hub id "
+                          "(owner/name, e.g. Qwen/Qwen2.5-0.5B-Instruct): give a folder holding config.json, "
+                          "or a hub id") from None
     if constants.HF_HUB_OFFLINE:
         raise LookupError(f"{where}, and HF_HUB_OFFLINE is set, so it is not fetched: {fill_cache_hint(repo_id)}")
     try:
@@ -102,10 +108,6 @@ def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:
         # a machine without network hears so at once
         get_hf_file_metadata(hf_hub_url(repo_id, "config.json"))
         return hf_hub_download(repo_id, "config.json", cache_dir=str(cache_dir) if cache_dir else None)
-    except HFValidationError:
-        raise LookupError(f"spec.model: {repo_id!r} is neither a local folder nor a Hugging Face hub id "
-                          "(owner/name, e.g. Qwen/Qwen2.5-0.5B-Instruct): give a folder holding config.json, "
-                          "or a hub id") from None
     except GatedRepoError:
         raise LookupError(f"spec.model: {repo_id!r} is gated on the Hugging Face hub: accept its terms on "
                           f"https://huggingface.co/{repo_id} and log in (`hf auth login`, or HF_TOKEN), then "
@@ -114,8 +116,6 @@ def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:
         raise LookupError(f"spec.model: no model {repo_id!r} on the Hugging Face hub (or it is private and "
                           "you are not logged in: `hf auth login`, or HF_TOKEN): check the id, e.g. "
                           "Qwen/Qwen2.5-0.5B-Instruct, or give a local folder") from None
-    except RevisionNotFoundError as e:
-        raise LookupError(f"spec.model: {repo_id!r}: {e}") from None
     except EntryNotFoundError as e:
         if not isinstance(e, FileNotFoundError):          # the hub answered: the repository has no config.json
             raise LookupError(f"spec.model: {repo_id!r} has no config.json on the Hugging Face hub: give a "

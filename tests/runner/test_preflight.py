@@ -148,6 +148,15 @@ def test_a_parquet_task_file_is_read_through_the_columns_too(capsys, folder):
     assert "columns: {prompt: problem}" in err
 
 
+def test_a_task_file_that_is_not_what_its_suffix_says_is_named(capsys, folder):
+    (folder / "train.parquet").write_text('{"prompt": "1+1="}\n')
+
+    code, _, err = dry_run(capsys, write_job(folder, environment={"tasks": "train.parquet"}))
+
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert "spec.environment.tasks: train.parquet cannot be read as parquet: " in err
+
+
 def test_a_task_line_that_is_not_json_is_named_by_file_and_line(capsys, folder):
     (folder / "eval.jsonl").write_text('{"prompt": "3+3=", "answer": "6"}\n{"prompt": "4+4=", answer: 8}\n')
 
@@ -404,6 +413,13 @@ def test_offline_a_hub_model_in_the_cache_is_estimated_and_keeps_its_hub_id(caps
     doc = json.loads(out)
     assert doc["spec"]["model"] == HUB_ID
     assert doc["status"]["estimate"]["memory"]["parameters"] == 596_049_920 and doc["status"]["estimate"]["memory"]["fits"]
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_said_before_any_network(capsys, folder, closed_port):
+    code, _, err = dry_run(capsys, write_job(folder, model="grpo-run-tests/qwen/0.6b"))
+
+    assert code == EXIT_USAGE
+    assert "spec.model: 'grpo-run-tests/qwen/0.6b' is neither a local folder nor a Hugging Face hub id" in err
 
 
 def test_a_real_apply_never_skips_the_fit_check_of_a_hub_model(capsys, folder, offline_hub):
