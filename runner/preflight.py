@@ -288,8 +288,9 @@ def first_rows(path: str, n: int = FIRST_ROWS) -> list[dict[str, Any]]:
         import datasets
 
         datasets.disable_progress_bars()
-        stream = datasets.load_dataset(builder, data_files={"train": str(source)}, split="train", streaming=True)
-        return list(itertools.islice(stream, n))
+        with _quiet("datasets"):            # it logs the error it then raises: said once, below
+            stream = datasets.load_dataset(builder, data_files={"train": str(source)}, split="train", streaming=True)
+            return list(itertools.islice(stream, n))
     except Exception as e:                  # a CSV that does not parse, a Parquet file that is not one
         raise ValueError(f"{source.name} cannot be read as {builder}: {_first_line(e)}") from None
 
@@ -382,16 +383,21 @@ def _reward_fix(summary: str, ref: str) -> str:
 
 
 @contextmanager
-def _quiet_grader() -> Iterator[None]:
-    """The grader's warning that this machine cannot sandbox fully is about this machine, not the
-    node the job runs on: left out of the preflight."""
-    log = logging.getLogger("grpo_run.trainer.grader.grader")
-    level = log.level
-    log.setLevel(logging.ERROR)
+def _quiet(name: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """Logger `name` holds back records below `level` for a while."""
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(level)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.setLevel(before)
+
+
+def _quiet_grader():
+    """The grader's warning that this machine cannot sandbox fully is about this machine, not the
+    node the job runs on: left out of the preflight."""
+    return _quiet("grpo_run.trainer.grader.grader", logging.ERROR)
 
 
 def _first_line(e: BaseException) -> str:
