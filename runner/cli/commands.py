@@ -84,6 +84,10 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
     except JobError as e:
         print(str(e), file=sys.stderr)
         return EXIT_USAGE
+    from grpo_run.runner.preflight import check_before_apply
+
+    if (refused := check_before_apply(file, job, dry_run=dry_run, detach=detach)) is not None:
+        return refused                           # reward, tasks, storage, model: before any node is paid for
     from grpo_run.runner.estimate.estimate import check_fits, estimate
 
     try:

@@ -6,7 +6,7 @@ The numbers come from `memory.py` (memory from the model's config.json alone), `
 and held-out tasks), `measured.py` (the user's own step times) and `runner.gpus` (the cards, the
 cost arithmetic). This module finds the inputs and shapes the answer:
 
-    model_config(job.model)                  config.json as a dict (no weights, no network)
+    model_config(job.model)                  config.json as a dict (no weights; a hub id's fetched once)
     estimate(job)                            the status.estimate dict
     check_fits(estimate(job))                None, or the refusal to print before anything starts
     record_measured_step_seconds(gpu, s, job, model=, completion_length=)
@@ -50,17 +50,19 @@ __all__ = [
 
 
 def model_config(model: str, *, cache_dir: str | Path | None = None) -> dict[str, Any]:
-    """The model's config.json as a dict, without weights and without the network.
+    """The model's config.json as a dict, without weights.
 
     - `tiny:NAME`: the built-in demo model, built on first use under $GRPO_RUN_HOME/models/;
     - a local folder: its config.json (a folder holding only config.json is enough);
-    - a hub id such as `Qwen/Qwen3-8B`: its config.json from the Hugging Face cache
-      (`cache_dir`, default the usual HF_HUB_CACHE), only if it was downloaded before. The
+    - a hub id such as `Qwen/Qwen3-8B`: its config.json from the Hugging Face cache (`cache_dir`,
+      default the usual HF_HUB_CACHE); when it is not there, that one file (a few kB) is fetched
+      into the cache through huggingface_hub, the way the trainer will find it, so the job keeps
+      its hub id and every node downloads the weights itself. HF_HUB_OFFLINE=1 is honoured. The
       cache's raw file is read rather than `AutoConfig`'s object, so an architecture this
       transformers does not know is still estimated, and the three sources give the same dict.
 
-    Raises LookupError when the config cannot be found here, saying how to provide it; ValueError
-    when a config.json is not a JSON object.
+    Raises LookupError when the config cannot be found or fetched, saying how to provide it
+    without changing spec.model; ValueError when a config.json is not a JSON object.
     """
     if is_tiny(model):
         return _read_config(Path(ensure_model(model)) / "config.json")
@@ -74,15 +76,59 @@ def model_config(model: str, *, cache_dir: str | Path | None = None) -> dict[str
     if folder.exists() or model.startswith(("/", "./", "../", "~")):
         raise LookupError(f"spec.model: {model} is not a folder; give a folder holding the "
                           "model's config.json")
-    path = _cached_hub_config(model, cache_dir)
-    if path is None:
-        raise LookupError(
-            f"spec.model: no config.json for {model!r} in the Hugging Face cache, and the estimate "
-            "never downloads (many nodes have no network). Pass a local folder holding the "
-            f"model's config.json instead, e.g. `hf download {model} config.json --local-dir "
-            f"./{model.rsplit('/', 1)[-1]}` on a machine with network, then "
-            f"spec.model: ./{model.rsplit('/', 1)[-1]}")
+    path = _cached_hub_config(model, cache_dir) or _fetch_hub_config(model, cache_dir)
     return _read_config(Path(path))
+
+
+def fill_cache_hint(repo_id: str) -> str:
+    """How to put a hub model's config.json into the Hugging Face cache by hand, spec.model unchanged."""
+    return (f"fill the cache on a machine with network: `hf download {repo_id} config.json` (or python -c "
+            f"\"from huggingface_hub import hf_hub_download; hf_hub_download('{repo_id}', 'config.json')\"), "
+            f"then run this again; keep spec.model: {repo_id} (each node downloads the weights itself)")
+
+
+def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:
+    """config.json of `repo_id` fetched into the Hugging Face cache (only that file). Raises
+    LookupError saying why it could not be and how to fill the cache instead."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HFValidationError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+
+    where = f"spec.model: no config.json for {repo_id!r} in the Hugging Face cache"
+    try:
+        validate_repo_id(repo_id)           # before the network: a typo is not an outage
+    except HFValidationError:
+        raise LookupError(f"spec.model: {repo_id!r} is neither a local folder nor a Hugging Face hub id "
+                          "(owner/name, e.g. Qwen/Qwen2.5-0.5B-Instruct): give a folder holding config.json, "
+                          "or a hub id") from None
+    if constants.HF_HUB_OFFLINE:
+        raise LookupError(f"{where}, and HF_HUB_OFFLINE is set, so it is not fetched: {fill_cache_hint(repo_id)}")
+    try:
+        # one HEAD first, without huggingface_hub's retries (five, 23 s of backoff, a warning each):
+        # a machine without network hears so at once
+        get_hf_file_metadata(hf_hub_url(repo_id, "config.json"))
+        return hf_hub_download(repo_id, "config.json", cache_dir=str(cache_dir) if cache_dir else None)
+    except GatedRepoError:
+        raise LookupError(f"spec.model: {repo_id!r} is gated on the Hugging Face hub: accept its terms on "
+                          f"https://huggingface.co/{repo_id} and log in (`hf auth login`, or HF_TOKEN), then "
+                          "run this again") from None
+    except RepositoryNotFoundError:
+        raise LookupError(f"spec.model: no model {repo_id!r} on the Hugging Face hub (or it is private and "
+                          "you are not logged in: `hf auth login`, or HF_TOKEN): check the id, e.g. "
+                          "Qwen/Qwen2.5-0.5B-Instruct, or give a local folder") from None
+    except EntryNotFoundError as e:
+        if not isinstance(e, FileNotFoundError):          # the hub answered: the repository has no config.json
+            raise LookupError(f"spec.model: {repo_id!r} has no config.json on the Hugging Face hub: give a "
+                              "transformers model (a repository `save_pretrained` wrote)") from None
+        raise LookupError(f"{where}, and the hub could not be reached to fetch it ({_first_line(e)}): "
+                          f"{fill_cache_hint(repo_id)}") from None
+    except Exception as e:       # no network (httpx's errors), a proxy, the hub down: all said the same way
+        raise LookupError(f"{where}, and fetching it failed ({_first_line(e)}): {fill_cache_hint(repo_id)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
 
 
 def _cached_hub_config(repo_id: str, cache_dir: str | Path | None) -> str | None:

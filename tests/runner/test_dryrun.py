@@ -186,14 +186,18 @@ def test_the_tiny_demo_model_is_estimated_offline_in_yaml(capsys, tmp_path):
     assert est["costToCompletionUSD"] <= 0.01
 
 
-def test_a_hub_id_that_is_not_in_the_cache_is_refused_with_how_to_pass_a_folder(capsys, tmp_path):
+def test_a_hub_id_that_is_not_in_the_cache_is_refused_offline_with_how_to_fill_the_cache(capsys, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)          # read at import: HF_HUB_OFFLINE=1
     job_file = write_job(tmp_path, manifest("grpo-run-tests/no-such-model"))
 
     rc, out, err = apply(capsys, job_file, "json")
 
     assert rc == EXIT_USAGE and out == ""
     assert "no config.json for 'grpo-run-tests/no-such-model' in the Hugging Face cache" in err
-    assert "Pass a local folder holding the model's config.json" in err
+    assert "`hf download grpo-run-tests/no-such-model config.json`" in err
+    assert "keep spec.model: grpo-run-tests/no-such-model" in err
 
 
 # --- estimate(): memory -------------------------------------------------------------------------
@@ -407,11 +411,14 @@ def test_a_hub_id_is_read_from_the_hugging_face_cache_without_the_network(tmp_pa
     assert model_config("Qwen/Qwen3-8B", cache_dir=tmp_path / "hub") == QWEN3_8B
 
 
-def test_a_hub_id_not_in_the_cache_raises_lookup_error_naming_the_fix(tmp_path):
+def test_a_hub_id_not_in_the_cache_raises_lookup_error_naming_the_fix(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(LookupError) as e:
         model_config("Qwen/Qwen3-8B", cache_dir=tmp_path / "empty-cache")
-    assert "Pass a local folder holding the model's config.json" in str(e.value)
-    assert "hf download Qwen/Qwen3-8B config.json --local-dir ./Qwen3-8B" in str(e.value)
+    assert "HF_HUB_OFFLINE is set, so it is not fetched" in str(e.value)
+    assert "`hf download Qwen/Qwen3-8B config.json`" in str(e.value) and "--local-dir" not in str(e.value)
 
 
 def test_a_config_that_is_not_a_json_object_is_named(tmp_path):

@@ -449,6 +449,34 @@ def test_a_bad_ref_fails_at_once_naming_the_ref(rewards_file, ref, says):
     assert ref in str(raised.value) and says in str(raised.value)
 
 
+def test_a_missing_function_names_what_the_file_defines_and_no_internal_module(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("from math import sqrt\n\ndef score(c, t):\n    return 1.0\n\nclass Helper:\n    pass\n\n"
+                       "def _private():\n    pass\n")
+    with pytest.raises(RewardFunctionError) as raised:
+        Grader(f"{rewards}:scor")
+    # getattr's own words named the module as the worker loads it: grader_reward_rewards
+    assert raised.value.summary == f"{rewards} has no 'scor'; it defines: Helper, score"
+    assert "grader_reward" not in str(raised.value)
+
+
+def test_a_syntax_error_is_summed_up_as_its_file_and_line(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import math\n\ndef score(c, t)\n    return 1.0\n")
+    with pytest.raises(RewardFunctionError) as raised:
+        Grader(f"{rewards}:score")
+    assert raised.value.summary == f"{rewards}:3: SyntaxError: expected ':'"
+    assert "Traceback" in str(raised.value)            # the whole story stays in the message
+
+
+def test_an_error_raised_at_import_is_summed_up_at_the_user_s_line(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import json\n\nTABLE = json.loads('{')\n")
+    with pytest.raises(RewardFunctionError) as raised:
+        Grader(f"{rewards}:score")
+    assert raised.value.summary.startswith(f"{rewards}:3: JSONDecodeError: Expecting property name")
+
+
 def test_a_module_that_fails_to_import_is_not_retried(tmp_path, capfd):
     broken = tmp_path / "broken.py"
     broken.write_text(

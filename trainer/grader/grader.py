@@ -59,12 +59,16 @@ class RewardFunctionError(RuntimeError):
     """
 
     def __init__(
-        self, message: str, *, ref: str | None = None, index: int | None = None, kind: FailureKind | None = None
+        self, message: str, *, ref: str | None = None, index: int | None = None, kind: FailureKind | None = None,
+        summary: str | None = None,
     ) -> None:
         super().__init__(message)
         self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
         self.index = index  # which completion of the batch failed; None for load failures
         self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
+        # a load failure in one line (FILE:LINE of a syntax error, the names a module defines), for
+        # a preflight; the message with the traceback otherwise
+        self.summary = summary if summary else message.split("\n", 1)[0]
 
 
 class Grader:
@@ -305,7 +309,7 @@ class Grader:
         if hello.get("type") == "ready":
             return worker
         worker.kill_after_exit()
-        error, kind = hello.get("error"), hello.get("kind")
+        error, kind, summary = hello.get("error"), hello.get("kind"), hello.get("summary")
         if not (isinstance(error, str) and kind in ("exception", "refused")):
             error = (
                 f"the worker process {_how_it_died(worker.returncode)} while loading it"
@@ -314,7 +318,7 @@ class Grader:
             kind = "crashed"
         worker.release()
         raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
-                                  kind=kind)
+                                  kind=kind, summary=summary if isinstance(summary, str) and kind != "crashed" else None)
 
     def _note_sandbox(self, mode: dict[str, str], why: dict[str, str]) -> None:
         """Keep the worker's sandbox mode; warn once when a layer is not in force, and when a

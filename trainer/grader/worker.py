@@ -15,7 +15,8 @@ Conversation:
                       (before the reward's module is imported; when a layer that had to be in force
                       is missing, the worker exits after it)
     worker -> parent  {"type": "ready", "pid": N}
-                   or {"type": "load_error", "kind": "exception"|"refused", "error": TEXT}
+                   or {"type": "load_error", "kind": "exception"|"refused", "error": TEXT,
+                       "summary": LINE (load_summary: FILE:LINE for a syntax error)}
                                                                        (then the worker exits)
     parent -> worker  {"items": [[completion, task], ...]}             (one request per batch)
     worker -> parent  one frame per item, in order, as soon as it is scored, up to and including
@@ -44,6 +45,7 @@ import reprlib
 import signal
 import struct
 import sys
+import sysconfig
 import traceback
 from types import TracebackType
 from typing import Any, Callable
@@ -110,11 +112,16 @@ def _module_name_for(path: str) -> str:
     return f"grader_reward_{stem}"
 
 
+class MissingFunction(AttributeError):
+    """The reward's module loaded, but has no attribute of the ref's name."""
+
+
 def load_reward_fn(ref: str, search_path: list[str]) -> RewardFn:
     """Import "pkg.module:function" or "/path/file.py:function" and return the callable.
 
     Raises whatever the import raises (ModuleNotFoundError, SyntaxError, the module's own
-    errors), AttributeError for a missing function and TypeError for a non-callable one.
+    errors), MissingFunction (an AttributeError naming what the module defines) for a missing
+    function and TypeError for a non-callable one.
     """
     target, _, attr_path = ref.rpartition(":")
     sys.path[:0] = list(search_path)
@@ -132,10 +139,46 @@ def load_reward_fn(ref: str, search_path: list[str]) -> RewardFn:
         module = importlib.import_module(target)
     fn: Any = module
     for part in attr_path.split("."):
+        if not hasattr(fn, part):
+            # getattr's own message names the module as the worker loaded it (grader_reward_...),
+            # a name the user never wrote: name the file and what it does define instead
+            raise MissingFunction(f"{target} has no {part!r}; it defines: {', '.join(defined_names(fn)) or 'nothing public'}")
         fn = getattr(fn, part)
     if not callable(fn):
         raise TypeError(f"{attr_path} in {target} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def defined_names(namespace: Any) -> list[str]:
+    """The public callables `namespace` (a module or a class) defines itself, sorted: what a
+    wrong function name should have been. Imported ones (`from math import sqrt`) are left out."""
+    own = getattr(namespace, "__name__", None)
+    names = []
+    for name, value in vars(namespace).items():
+        if name.startswith("_") or not callable(value):
+            continue
+        if getattr(value, "__module__", own) in (own, getattr(namespace, "__module__", None)):
+            names.append(name)
+    return sorted(names)
+
+
+def load_summary(error: BaseException) -> str:
+    """One line on why the reward could not be loaded, for a preflight to print without the
+    traceback: a syntax error as FILE:LINE and what is wrong there; any other error as its type and
+    message, at the innermost line of the user's code when there is one."""
+    if isinstance(error, SyntaxError):
+        where = f"{error.filename}:{error.lineno}" if error.filename and error.lineno else (error.filename or "")
+        return f"{where}: {type(error).__name__}: {error.msg}" if where else f"{type(error).__name__}: {error.msg}"
+    message = " ".join(str(error).split())[:_MAX_MESSAGE_CHARS]
+    # the innermost line of the user's code: not the worker's, not <frozen importlib>, not the
+    # Python installation's (json.loads raising is the user's line that called it)
+    installed = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename not in _OWN_FILES
+              and not f.filename.startswith("<") and not f.filename.startswith(installed)]
+    if isinstance(error, MissingFunction):
+        return message                      # load_reward_fn's own words: the file and what it defines
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(error).__name__}: {message}"
 
 
 # scoring --------------------------------------------------------------------------------------
@@ -373,7 +416,7 @@ def main(argv: list[str]) -> int:
         fn = load_reward_fn(config["ref"], config["search_path"])
     except BaseException as error:
         kind, text = _describe(error)
-        write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text})
+        write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text, "summary": load_summary(error)})
         _end_leftover_processes(frozenset())
         return 1
     helpers = frozenset(_children())

@@ -1,0 +1,405 @@
+"""Preflight: what `apply`, `apply --dry-run` and `apply --detach` check before any node is paid for.
+
+Each of these mistakes used to pass a dry run and cost a node boot to find (issue 22): a reward
+file with a syntax error, a wrong function name, a task file without `prompt`, storage on a
+scheme the lease cannot use, s3:// without credentials, a hub model the estimate could not read.
+Here they are found on the machine that submits, in the job file's error format (every problem at
+once, each naming its field and the fix), and `apply` exits 2 as for any bad job file:
+
+    the model     a hub id's config.json is in the Hugging Face cache or fetched into it
+                  (runner.estimate.model_config), so the memory fit is always checked
+    the rewards   each reward file imported, and its function found, by the grader's own
+                  sandboxed worker, the way the trainer will (trainer.grader)
+    the tasks     the first FIRST_ROWS rows of every task file and local data set, read through
+                  spec.environment.columns and checked for a prompt, as the trainer reads them
+    the storage   a scheme the job's lease works on (s3:// or a folder); for s3://, credentials
+                  found, and (not on a dry run) a small object written, read and deleted under
+                  the job's prefix
+and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
+checkpoint before the end). `check_before_apply` is the CLI's one call; `preflight` the library's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, Mapping
+from urllib.parse import urlsplit
+
+from grpo_run.runner.spec.job import TrainingJob
+
+Mode = Literal["dry-run", "apply", "detach"]
+
+FIRST_ROWS = 5                  # rows read of each task file: enough to catch a wrong column or format
+PROBE_RETRY_S = 15.0            # how long the storage probe retries a store that does not answer
+SUPPORTED_STORAGE = ("s3://bucket/prefix (AWS S3, or MinIO, SeaweedFS, R2 and other S3-compatible stores "
+                     "through AWS_ENDPOINT_URL) or a local folder")
+# columns that usually hold a data set's prompt, in the order a hint tries them
+_PROMPT_LIKE = ("prompt", "question", "problem", "instruction", "input", "query", "messages", "text")
+
+
+@dataclass
+class Findings:
+    """What the preflight found: problems refuse the job (exit 2), warnings and notes are told."""
+
+    problems: list[str] = field(default_factory=list)   # "spec.FIELD: what is wrong: the fix"
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class StorageUnreachable(RuntimeError):
+    """The job's storage did not answer the probe within PROBE_RETRY_S: a failure of the moment
+    (exit 1), not of the job file."""
+
+
+def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
+    """Every check above for `job`, as `mode` runs it. Raises StorageUnreachable when the s3://
+    probe gets no answer; everything else is a finding."""
+    found = Findings()
+    _check_storage(job, mode, found)
+    p = job.parameters
+    if job.storage is not None and p.saveSteps >= p.maxSteps:
+        found.warnings.append(
+            f"spec.parameters.saveSteps: {p.saveSteps} >= maxSteps ({p.maxSteps}): no checkpoint is saved before "
+            "the last step, so a node lost on the way starts this job over from step 0 (only a spot notice "
+            "saves one sooner); set saveSteps below maxSteps")
+    _check_model(job, mode, found)
+    _check_tasks(job, found)
+    _check_rewards(job, found)
+    return found
+
+
+def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> int | None:
+    """`grpo-run apply`'s preflight: prints what it found (stderr) and returns the exit status
+    to stop with (2 for a job file that would fail, or for --dry-run with --detach; 1 when the
+    storage does not answer), or None to go on."""
+    from grpo_run.runner.cli.output import error
+    from grpo_run.runner.exits import EXIT_FAILED, EXIT_USAGE
+    from grpo_run.runner.spec.job import JobError
+
+    if dry_run and detach:
+        error("--dry-run and --detach together: --dry-run starts and submits nothing, --detach submits; give one "
+              "(a dry run checks everything --detach would, but writing to storage)")
+        return EXIT_USAGE
+    try:
+        found = preflight(job, mode="dry-run" if dry_run else "detach" if detach else "apply")
+    except StorageUnreachable as e:
+        error(str(e))
+        return EXIT_FAILED
+    for line in found.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    for line in found.notes:
+        print(f"note: {line}", file=sys.stderr)
+    if found.problems:
+        print(str(JobError(file, found.problems)), file=sys.stderr)
+        return EXIT_USAGE
+    return None
+
+
+# --- storage ----------------------------------------------------------------------------------------
+
+
+def _check_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """A scheme the lease works on; for s3://, credentials, and the probe unless a dry run."""
+    url = job.storage
+    if url is None:                         # this machine's own store ($GRPO_RUN_HOME/store)
+        return
+    try:
+        parts = urlsplit(url) if "://" in url else None
+    except ValueError as e:                 # s3://[bucket: urlsplit reads [ as an IPv6 address
+        found.problems.append(f"spec.storage: not a URL (got {url}): {e}; write it as s3://bucket/prefix")
+        return
+    scheme = parts.scheme.lower() if parts is not None else ""
+    if scheme in ("gs", "gcs"):
+        # gcsfs could be installed, but the lease would refuse the job next (checkpoint.cas):
+        # GCS through gcsfs cannot replace or delete only the generation that was read
+        found.problems.append(f"spec.storage: gs:// is not supported (got {url}): a job's lease needs conditional "
+                              "replace and delete, which gcsfs does not offer; use " + SUPPORTED_STORAGE)
+        return
+    if scheme not in ("", "file", "s3", "s3a"):
+        found.problems.append(f"spec.storage: {scheme}:// is not supported (got {url}): use " + SUPPORTED_STORAGE)
+        return
+    if scheme not in ("s3", "s3a"):
+        return                              # a folder: apply checks it as it starts; nothing to pay for yet
+    try:
+        source = aws_credentials_source()
+    except Exception as e:                  # a profile that does not exist, a config file that does not parse
+        found.problems.append(f"spec.storage: the AWS credentials for {url} cannot be read: {_first_line(e)}")
+        return
+    if source is None:
+        found.problems.append(
+            f"spec.storage: no AWS credentials found for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+            "(plus AWS_ENDPOINT_URL for an S3-compatible store), or AWS_PROFILE, or run where an instance role "
+            "applies")
+        return
+    from grpo_run.runner.home import job_store_url
+
+    where = job_store_url(url, job.name)
+    if mode == "dry-run":
+        found.notes.append(f"spec.storage: AWS credentials found ({source}); not tried on a dry run: apply and "
+                           f"--detach first write, read and delete a small object under {where}")
+        return
+    _probe(where, found)
+
+
+def aws_credentials_source() -> str | None:
+    """How botocore would sign requests here ('env', 'shared-credentials-file', 'iam-role', ...),
+    or None when it finds no credentials: the chain s3:// storage uses. Raises what botocore
+    raises for a broken configuration (a missing AWS_PROFILE, say)."""
+    import botocore.session
+
+    credentials = botocore.session.get_session().get_credentials()
+    return None if credentials is None else (credentials.method or "found")
+
+
+def _probe(url: str, found: Findings) -> None:
+    """Write, read back and delete a small object under `url` (Store.check)."""
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
+
+    try:
+        Store(url, retry_seconds=PROBE_RETRY_S).check()
+    except StorageConfigError as e:         # no such bucket, access denied, credentials refused
+        found.problems.append(f"spec.storage: {_first_line(e)}")
+    except StorageUnavailable as e:
+        raise StorageUnreachable(f"spec.storage: {_first_line(e)}; nothing was submitted or started") from None
+
+
+# --- the model --------------------------------------------------------------------------------------
+
+
+def _check_model(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """The model's config.json is found here (a hub id's fetched into the cache): the memory fit
+    is checked by every apply. A config the estimate cannot read (dry run: refused by the estimate
+    itself) is said on apply and --detach, never passed over in silence."""
+    from grpo_run.runner.estimate.estimate import model_config
+    from grpo_run.runner.estimate.memory import model_shape
+
+    try:
+        config = model_config(job.model)
+    except (LookupError, ValueError) as e:
+        text = str(e)
+        found.problems.append(text if text.startswith("spec.model") else f"spec.model: {text}")
+        return
+    if mode == "dry-run":
+        return
+    try:
+        model_shape(config)
+    except ValueError as e:
+        found.warnings.append(f"spec.model: the memory fit on spec.gpu is not checked: {_first_line(e)}")
+
+
+# --- the tasks --------------------------------------------------------------------------------------
+
+
+def _check_tasks(job: TrainingJob, found: Findings) -> None:
+    """The first rows of every task file and local data set, as the trainer will read them."""
+    env = job.environment
+    base = "spec.environment"
+    if env.is_catalog:
+        for split, path in (env.dataFiles or {}).items():     # gsm8k's own files
+            found.problems += _gsm8k_rows(path, f"{base}.dataFiles.{split}")
+        return
+    for key in ("tasks", "evalTasks"):
+        path = getattr(env, key)
+        if path is not None:
+            found.problems += _task_rows(path, env.columns, f"{base}.{key}")
+    for split, path in (env.dataFiles or {}).items():
+        found.problems += _task_rows(path, env.columns, f"{base}.dataFiles.{split}")
+    if env.dataset is not None:
+        if not Path(env.dataset).exists():
+            found.notes.append(f"{base}.dataset: {env.dataset} is a data set on the hub, not read here; its columns "
+                               "are checked when a node loads it")
+            return
+        found.problems += _dataset_rows(env, f"{base}.dataset")
+
+
+def _task_rows(path: str, columns: Mapping[str, str], where: str) -> list[str]:
+    try:
+        rows = first_rows(path)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    return row_problems(rows, columns, where, Path(path).name)
+
+
+def _dataset_rows(env, where: str) -> list[str]:
+    """A local data set folder: the train split there, the held-out one (or heldOutFraction), and
+    the first rows of each through the columns."""
+    from grpo_run.trainer.envs.data import open_source, splits_of
+
+    try:
+        splits = splits_of(open_source(env.dataset, config=env.datasetConfig))
+    except Exception as e:                  # datasets raises many kinds for a folder it cannot read
+        return [f"{where}: {env.dataset} cannot be read as a data set: {_first_line(e)}"]
+    names = ", ".join(splits)
+    if env.trainSplit not in splits:
+        return [f"spec.environment.trainSplit: {env.dataset} has no split {env.trainSplit!r} (it has {names}): "
+                "set trainSplit to one of them"]
+    problems = []
+    if env.evalSplit not in splits and env.heldOutFraction is None:
+        problems.append(f"spec.environment.evalSplit: {env.dataset} has no split {env.evalSplit!r} for held-out "
+                        f"tasks (it has {names}): set evalSplit, or heldOutFraction to hold out part of "
+                        f"{env.trainSplit}")
+    for split in dict.fromkeys((env.trainSplit, env.evalSplit)):
+        if split in splits:
+            data = splits[split]
+            rows = data.select(range(min(FIRST_ROWS, len(data)))).to_list()
+            problems += row_problems(rows, env.columns, where, f"{Path(env.dataset).name} split {split!r}")
+    return problems
+
+
+def first_rows(path: str, n: int = FIRST_ROWS) -> list[dict[str, Any]]:
+    """The first `n` rows of a task file (JSONL, JSON, CSV, Parquet) or save_to_disk folder,
+    without reading the rest. Raises ValueError saying what cannot be read, and where."""
+    source = Path(path)
+    if source.is_dir():
+        from grpo_run.trainer.envs.data import open_source, splits_of
+
+        try:
+            splits = splits_of(open_source(path))
+        except Exception as e:
+            raise ValueError(f"{path} cannot be read as a data set folder: {_first_line(e)}") from None
+        if "train" not in splits:
+            raise ValueError(f"{path} has no split 'train' (it has {', '.join(splits)}): a folder of tasks is "
+                             "one save_to_disk split, or a DatasetDict with a train split")
+        data = splits["train"]
+        return data.select(range(min(n, len(data)))).to_list()
+    if source.suffix.lower() == ".jsonl":
+        rows = []
+        with open(source, encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{source.name}:{lineno}: not JSON ({e.msg}): one JSON object per line") from None
+                if len(rows) == n:
+                    break
+        return rows
+    from grpo_run.trainer.envs.data import builder_of
+
+    builder = builder_of(path)             # ValueError for a suffix it cannot read
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        with _quiet("datasets"):            # it logs the error it then raises: said once, below
+            stream = datasets.load_dataset(builder, data_files={"train": str(source)}, split="train", streaming=True)
+            return list(itertools.islice(stream, n))
+    except Exception as e:                  # a CSV that does not parse, a Parquet file that is not one
+        raise ValueError(f"{source.name} cannot be read as {builder}: {_first_line(e)}") from None
+
+
+def row_problems(rows: list[Any], columns: Mapping[str, str], where: str, name: str) -> list[str]:
+    """At most one line for `rows` read through `columns` (task key -> column) as
+    trainer.envs.data.as_tasks reads them: a mapped column missing, or no usable prompt."""
+    from grpo_run.trainer.envs.tasks import prompt_problem
+
+    if not rows:
+        return [f"{where}: {name} has no rows: one task per row, each with a prompt"]
+    mapping = f" (now columns: {json.dumps(dict(columns))})" if columns else ""
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            return [f"{where}: {name} row {i} is not an object (got {type(row).__name__}): each task is a JSON "
+                    "object with a prompt"]
+        have = ", ".join(map(str, row)) or "none"
+        for key, column in columns.items():
+            if column not in row:
+                return [f"spec.environment.columns.{key}: {name} has no column {column!r} (row {i} has {have}): "
+                        f"map {key} to one of those"]
+        task = {**row, **{key: row[column] for key, column in columns.items()}}
+        if "prompt" not in task:
+            guess = _prompt_like(row)
+            return [f"{where}: {name} has no column \"prompt\" (row {i} has {have}): spec.environment.columns maps "
+                    f"a column to it, e.g. columns: {{prompt: {guess or 'COLUMN'}}}{mapping}"]
+        trouble = prompt_problem(task)
+        if trouble:
+            via = f" (column {columns['prompt']!r})" if "prompt" in columns else ""
+            return [f"{where}: {name} row {i}: {trouble}{via}"]
+    return []
+
+
+def _prompt_like(row: Mapping[str, Any]) -> str | None:
+    """The row's column most likely to be the prompt: a usual name holding text, else the first text."""
+    for name in _PROMPT_LIKE:
+        if isinstance(row.get(name), (str, list)):
+            return name
+    return next((k for k, v in row.items() if isinstance(v, str)), None)
+
+
+def _gsm8k_rows(path: str, where: str) -> list[str]:
+    """gsm8k's own files: GSM8K's columns, question and an answer ending in '#### N'."""
+    try:
+        rows = first_rows(path)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "####" not in str(row.get("answer", "")):
+            have = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+            return [f"{where}: {Path(path).name} row {i} is not GSM8K's: gsm8k needs the columns question and answer "
+                    f"(ending in '#### N'); it has {have}"]
+    return [] if rows else [f"{where}: {Path(path).name} has no rows"]
+
+
+# --- the rewards ------------------------------------------------------------------------------------
+
+
+def _check_rewards(job: TrainingJob, found: Findings) -> None:
+    """Each of the job's own reward functions loaded by the grader's sandboxed worker, as the
+    trainer's Scorer will load it (same search path, memory limit and sandbox layers; best
+    effort on this machine, whatever the node's spec.sandbox). The product's catalog rewards are
+    not loaded: they ship with grpo-run."""
+    from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
+
+    env, p = job.environment, job.parameters
+    if env.reward is not None:
+        refs = [("spec.environment.reward", env.reward)]
+    else:
+        refs = [(f"spec.environment.rewards.{i}.function", r.function) for i, r in enumerate(env.rewards)]
+    for where, ref in refs:
+        if ":" not in ref or ref.startswith("grpo_run."):
+            continue
+        try:
+            with _quiet_grader():
+                Grader(ref, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
+                       memory_mb=p.rewardMemoryMB, retries=0).close()
+        except RewardFunctionError as e:    # strict is off: no SandboxUnavailable, whatever this machine lacks
+            found.problems.append(f"{where}: {_reward_fix(e.summary, ref)}")
+
+
+def _reward_fix(summary: str, ref: str) -> str:
+    """The grader's one line on a load failure, with what to do about it."""
+    module, _, function = ref.rpartition(":")
+    if " has no " in summary and "; it defines:" in summary:
+        return f"{summary}: give one of those after the ':' ({Path(module).name}:FUNCTION)"
+    if "SyntaxError" in summary or "IndentationError" in summary:
+        return f"{summary}: fix the file (it is imported as the trainer's grader imports it)"
+    return f"importing {Path(module).name if module.endswith('.py') else module} for {function} failed: {summary}"
+
+
+@contextmanager
+def _quiet(name: str, level: int = logging.CRITICAL) -> Iterator[None]:
+    """Logger `name` holds back records below `level` for a while."""
+    log = logging.getLogger(name)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
+def _quiet_grader():
+    """The grader's warning that this machine cannot sandbox fully is about this machine, not the
+    node the job runs on: left out of the preflight."""
+    return _quiet("grpo_run.trainer.grader.grader", logging.ERROR)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
