@@ -61,20 +61,19 @@ errors persist past a bounded number of attempts.
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import logging
-import math
 import os
 import secrets
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .cas import Conflict, Found, Unsupported, open_cas
+from .holder import (LeaseHeld, LeaseLost, boot_id, count as _count, describe_holder, dump as _dump, iso as _iso,
+                     parse_body as _parse, pid_alive as _pid_alive, pid_namespace, public as _public,
+                     ttl_of as _ttl)
 from .retry import RetryPolicy, StorageConfigError, StorageUnavailable, backoff
 
 log = logging.getLogger(__name__)
@@ -95,40 +94,6 @@ def steady_clock() -> float:
 
 
 _STEADY = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
-
-
-class LeaseHeld(RuntimeError):
-    """Another live holder has the job. `holder` is its lease body (without the token); the
-    message names it (holder, host, pid, since), how long it has gone unrenewed, and how long
-    unrenewed it must stay before another node takes over."""
-
-    def __init__(self, url: str, holder: dict, *, unrenewed_s: float | None = None,
-                 ttl_s: float | None = None) -> None:
-        self.holder = _public(holder)
-        if unrenewed_s is None or ttl_s is None:
-            when = "it is taken over only once it stays unrenewed for its ttl"
-        else:
-            when = (f"last renewed {max(0.0, unrenewed_s):.0f}s ago; another node takes it over "
-                    f"once it stays unrenewed for {ttl_s:.0f}s")
-        super().__init__(f"job at {url} is held by {describe_holder(holder)}; {when}")
-
-
-class LeaseLost(RuntimeError):
-    """Our lease was taken over, removed, or could not be renewed before it expired: stop
-    training at once. `holder` is the new holder's lease body when there is one."""
-
-    def __init__(self, message: str, holder: dict | None = None) -> None:
-        self.holder = _public(holder) if holder is not None else None
-        super().__init__(message)
-
-
-def describe_holder(body: dict) -> str:
-    """`i-0abc (host ip-10-0-0-5, boot 5f1c2a9e, pid 4242) since 2025-01-01T00:00:00Z` -- for
-    messages and `grpo-run get`. The times are the holder's own wall clock."""
-    boot = body.get("boot_id")
-    boot = f", boot {str(boot)[:8]}" if boot else ""
-    return (f"{body.get('holder', '?')} (host {body.get('host', '?')}{boot}, "
-            f"pid {body.get('pid', '?')}) since {body.get('since', '?')}")
 
 
 def read_lease(store_url: str, key: str = LEASE_KEY) -> dict | None:
@@ -510,74 +475,3 @@ def _retries(url: str, *, attempts: int, stop: threading.Event | None = None,
     return RetryPolicy(f"lease on {url}", budget_s=30.0, stop=stop, sleep=sleep,
                        attempts=attempts, wait=backoff(0.25, 4.0), logger=log,
                        passthrough=(Conflict, Unsupported))
-
-
-# --- small helpers ------------------------------------------------------------------------------
-
-def boot_id() -> str | None:
-    """This machine's boot id: new at every boot, and different on every other machine (and
-    VM) even when they share a host name. None where the kernel does not offer one (then no
-    lease of ours is ever retaken early)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
-
-
-def pid_namespace() -> str | None:
-    """Our pid namespace (`pid:[4026531836]`): containers on one machine share its boot id but
-    not this, and a pid number names the same process only inside one namespace."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-def _pid_alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def _parse(data: bytes) -> dict:
-    """A lease body; an unreadable one may be taken over at once (it cannot be renewed either)."""
-    try:
-        body = json.loads(data)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        log.warning("lease body is not a JSON object (%r...); treating it as expired", data[:80])
-        return {"holder": "?", "unreadable": True}
-    return body
-
-
-def _ttl(body: dict, default: float) -> float:
-    """The ttl the holder promised to renew within (its body's ttl_s); `default` for a body that
-    does not say or says nonsense."""
-    value = body.get("ttl_s")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) \
-            and math.isfinite(value) and value > 0:
-        return float(value)
-    return default
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _public(body: dict) -> dict:
-    return {k: v for k, v in body.items() if k != "token"}
-
-
-def _dump(body: dict) -> bytes:
-    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
-
-
-def _iso(epoch: float) -> str:
-    return dt.datetime.fromtimestamp(epoch, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
