@@ -9,7 +9,6 @@ every field on its own is valid.
 from __future__ import annotations
 
 import errno
-import math
 import os
 import re
 from pathlib import Path
@@ -24,9 +23,11 @@ from pydantic import (
     model_validator,
 )
 
+from grpo_run.runner.spec import hardware
+from grpo_run.runner.spec.hardware import Pricing, Resources, node_processes, positive_number
 from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
 from grpo_run.runner.gpus import GPUS, canonical_name, spelled_like, suggestion
-from grpo_run.runner.spec.yamlfile import FileRefused, int_text, load as load_yaml, read_text, value_problems
+from grpo_run.runner.spec.yamlfile import FileRefused, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
 from grpo_run.runner.spec.tracking import Tracking
 from grpo_run.runner.supervisor.runspec import RunSpec
@@ -66,16 +67,6 @@ def _printable(line: str) -> str:
     return f"{line[:keep]}…[{len(line) - 2 * keep:,} characters left out]…{line[-keep:]}"
 
 
-def positive_number(v: Any, fix: str = "") -> float:
-    """A finite number > 0 (YAML's booleans are not numbers), else the house error."""
-    try:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise problem(f"must be a number > 0 (got {fmt(v)}){fix}")
-        return float(v)
-    except OverflowError:                        # an int past float's range: parse_job names it
-        raise problem(f"must be a number > 0 that fits in a float (got {int_text(v)}){fix}") from None
-
-
 def _path_trouble(e: Exception, value: Any) -> str:
     """What is wrong with a path the system refuses to look at, in the house format."""
     got = fmt(getattr(e, "filename", None) or value)
@@ -91,61 +82,6 @@ def _path_trouble(e: Exception, value: Any) -> str:
 def _unusable_paths(e: BaseException) -> bool:
     """`e` is how pathlib refuses a path (too long, `~user` unknown, a NUL), not a bug to hide."""
     return isinstance(e, (OSError, ValueError)) or (isinstance(e, RuntimeError) and not isinstance(e, RecursionError))
-
-
-class Pricing(Strict):
-    """`spec.pricing`: the user's own numbers for `spec.gpu`, over the estimate's table; for a card the
-    table does not list, its description (usdPerHour and memoryGB; bf16TFLOPS and memoryBandwidthGBps
-    from its datasheet for the step model)."""
-    usdPerHour: float | None = None   # what this node costs you per hour
-    stepSeconds: float | None = None  # seconds per training step (wins over measured and modelled)
-    memoryGB: float | None = None     # the card's memory, decimal GB
-    bf16TFLOPS: float | None = None   # its peak dense bf16 tensor TFLOP/s
-    memoryBandwidthGBps: float | None = None   # its memory bandwidth, GB/s
-
-    @model_validator(mode="before")
-    @classmethod
-    def _some(cls, raw: Any) -> Any:
-        if not isinstance(raw, dict) or not raw:
-            raise problem("must be a mapping with usdPerHour, stepSeconds, memoryGB, bf16TFLOPS and/or "
-                          f"memoryBandwidthGBps, e.g. {{usdPerHour: 2.1, stepSeconds: 0.5}} (got {fmt(raw)})")
-        return raw
-
-    @field_validator("usdPerHour", "stepSeconds", "memoryGB", "bf16TFLOPS", "memoryBandwidthGBps", mode="before")
-    @classmethod
-    def _positive(cls, v: Any) -> Any:
-        return positive_number(v)
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-
-class Resources(Strict):
-    """`spec.resources`: what of the node the job uses."""
-    processes: int | Literal["auto"] = Field(1, json_schema_extra={"like": "{processes: 4}"})   # one per GPU
-
-    @field_validator("processes", mode="before")
-    @classmethod
-    def _processes(cls, v: Any) -> Any:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-            return v
-        raise problem(f"must be a whole number >= 1 or auto (the node's GPUs) (got {fmt(v)})")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"processes": self.processes}
-
-
-def _node_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def node_processes(resources: Resources | None) -> int:
-    """How many trainer processes (ranks) this node runs for the job: spec.resources.processes,
-    `auto` as this node's GPUs (1 on a node without any)."""
-    asked = resources.processes if resources is not None else 1
-    return asked if asked != "auto" else max(1, _node_gpus())
 
 
 class Notices(Strict):
@@ -479,7 +415,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     from grpo_run.runner.home import ensure_model
 
     processes = node_processes(job.resources)
-    gpus = _node_gpus()
+    gpus = hardware.node_gpus()
     if gpus and processes > gpus:
         raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
                                   f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])

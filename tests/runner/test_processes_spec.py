@@ -84,9 +84,9 @@ def test_a_fault_can_name_one_rank(monkeypatch):
 
 
 def test_a_node_runs_at_most_one_process_per_gpu(monkeypatch, tmp_path):
-    import grpo_run.runner.spec.job as job_module
+    import grpo_run.runner.spec.hardware as hardware
 
-    monkeypatch.setattr(job_module, "_node_gpus", lambda: 2)
+    monkeypatch.setattr(hardware, "node_gpus", lambda: 2)
     auto = parse_job(manifest("tiny:char", resources={"processes": "auto"}))
     assert build_run_spec(auto, str(tmp_path / "store")).processes == 2
     with pytest.raises(JobError) as e:
