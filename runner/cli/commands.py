@@ -150,12 +150,17 @@ def _submit(job, est: dict | None, output: str | None) -> int:
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
-@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end")
+@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end; "
+                                           "with --all, wait for new jobs instead of ending")
+@click.option("--all", "all_jobs", is_flag=True,
+              help="serve the queue: train every unfinished job under --storage that no other node holds, one after "
+                   "another; exit 0 when none is left and every job run here succeeded, 1 when one did not")
 @click.option("--trust-stored-urls", is_flag=True,
               help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
-def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_urls: bool, output: str | None) -> int:
+def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool, trust_stored_urls: bool,
+               output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
     A job submitted with `apply --detach` and not yet started starts here.
@@ -169,10 +174,17 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
     the clouds' own addresses). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
     node's environment) uses the stored ones: only for storage that no one else can write.
 
+    With --all the node serves a queue: every job under --storage (each `apply --detach` of a job
+    with that spec.storage) that is not Succeeded, Failed or BudgetExceeded and that no other node
+    holds, one after another, listed again after each; a job that does not succeed is reported and
+    the next one starts. Exit status: 0 when none is left and each job run here succeeded, 1 when
+    one did not (the closing line names it), 3 on a preemption notice (no other job is started).
+
     \b
     example:
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix --wait   # at boot, before the job exists
+      grpo-run resume --storage s3://bucket/prefix --all                 # drain a sweep; N nodes share it
       MLFLOW_TRACKING_URI=http://mlflow:5000 grpo-run resume my-grpo-lora --storage s3://bucket/prefix
     """
     import time
@@ -183,6 +195,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
     storage = storage or default_storage()
     stop = threading.Event()        # the job's: a notice stops its storage's retries
     trust_urls = trust_stored_urls or trusts_stored_urls()
+    if all_jobs:
+        return _serve_queue(name, storage, wait=wait, output=output, stop=stop, trust_urls=trust_urls)
     told = False
     while True:     # --wait: until the job is submitted, and while another node holds it
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
@@ -217,6 +231,25 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
+
+
+def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | None, stop: threading.Event,
+                 trust_urls: bool) -> int:
+    """resume --all: the queue under `storage` (runner/queue.py), each job run as resume runs one."""
+    from grpo_run.runner.queue import Queue
+
+    if name is not None:
+        _error(f"resume: give NAME or --all, not both (--all trains every job under --storage; "
+               f"`grpo-run resume {name} --storage {storage}` trains {name} alone)")
+        return EXIT_USAGE
+    if output is not None:
+        _error(f"resume --all: -o prints one job; follow the queue's jobs with "
+               f"`grpo-run get tj NAME --storage {storage} -o {output}`")
+        return EXIT_USAGE
+    queue = Queue(storage, stop=stop, wait=wait, poll_s=float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)),
+                  run=lambda job, store: _run(job, output=None, storage=storage, store=store, stop=stop,
+                                              trust_urls=trust_urls))
+    return queue.serve()
 
 
 def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
@@ -265,7 +298,7 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
         _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
         return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
-        _error(f"{job.name}: another node holds the job, so this node stops here: {printable(result.message)}")
+        _error(f"{job.name}: another node holds the job, so this node does not train it: {printable(result.message)}")
         return EXIT_HELD
     doc = _job_doc(work / RECORD_FILE)
     if result.exit_code == EXIT_OK and job.gpu:
