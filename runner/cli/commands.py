@@ -221,7 +221,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool
             time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
             continue
         if not wait:
-            _error(missing)
+            _error(f"{missing}; submit it first (grpo-run apply -f JOB --detach, with spec.storage {storage}), "
+                   f"or wait for it with --wait")
             return EXIT_USAGE
         if not told:
             print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
@@ -421,7 +422,10 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 
 @cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
 @click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam"]))
-@click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
+@click.option("-f", "--file", metavar="FILE",
+              help="the job file: every kind takes --storage (spec.storage) and --job (metadata.name) from it, skypilot "
+                   "also --accelerators (spec.gpu); cloud-init also carries the file and the node submits it at boot, "
+                   "while for k8s and skypilot submit it first: grpo-run apply -f FILE --detach (systemd: not used)")
 @click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
 @click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
 @click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
@@ -445,28 +449,46 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
               help="k8s: the container's seccomp profile: unconfined, runtime-default (refuses the reward sandbox's "
                    "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
 @click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
-@click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
+@click.option("--accelerators", metavar="GPU:N",
+              help="skypilot: the GPU, e.g. H100:1 (default: from the job file's spec.gpu; required without it)")
+@click.option("--all", "all_jobs", is_flag=True,
+              help="skypilot, k8s: the node serves every job under --storage, one after another (grpo-run resume "
+                   "--storage URL --all), and ends when none is left")
+@click.option("--wait", is_flag=True,
+              help="skypilot, and k8s with --all: the node waits for jobs to be submitted instead of ending when there "
+                   "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str, ref: str, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
-               seccomp: str, uid: int, accelerators: str | None) -> int:
+               seccomp: str, uid: int, accelerators: str | None, all_jobs: bool, wait: bool) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only).
+    list and delete under the job's prefix only). With --all, the k8s Job or SkyPilot task serves every
+    job under --storage (N of them drain a sweep); a SkyPilot task ends when there is nothing to do
+    unless --wait.
 
     \b
     example:
       grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
       grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
       grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
+      grpo-run apply -f job.yaml --detach           # submit first: k8s and skypilot nodes train what storage holds
       grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
+      grpo-run deploy skypilot --storage s3://my-bucket/grpo --all --accelerators L4:1 > sweep.yaml   # drains every job
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
     """
     from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
 
+    if all_jobs and kind not in ("skypilot", "k8s"):
+        _error(f"--all is for skypilot and k8s; {kind} runs one job (--job, or the only one under --storage)")
+        return EXIT_USAGE
+    if all_jobs and job:
+        _error(f"--job {job} and --all: give one (--all serves every job under --storage, each in turn; "
+               f"--job trains that one)")
+        return EXIT_USAGE
     job_text, gpu = None, None
     if file:
         from grpo_run.runner.spec.job import JobError, load_job
@@ -481,6 +503,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
+    if all_jobs:
+        job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
         print(systemd_unit(prefix), end="")
         return EXIT_OK
@@ -497,9 +521,15 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(str(e))
         return EXIT_USAGE
     if kind == "skypilot":
-        from grpo_run.runner.deploy import SKYPILOT_GPUS, skypilot_task
+        from grpo_run.runner.deploy import skypilot_accelerators, skypilot_task
 
-        print(skypilot_task(settings, accelerators=accelerators or SKYPILOT_GPUS.get(gpu or "")), end="")
+        try:
+            task = skypilot_task(settings, accelerators=skypilot_accelerators(accelerators, gpu, file),
+                                 all_jobs=all_jobs, wait=wait)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        print(task, end="")
         return EXIT_OK
     if kind == "k8s":
         if not image:
@@ -508,7 +538,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         try:
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                                       service_account=service_account, seccomp=seccomp, uid=uid,
-                                      service_account_token=service_account_token)
+                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait)
         except ValueError as e:
             _error(str(e))
             return EXIT_USAGE
