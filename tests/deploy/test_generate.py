@@ -234,8 +234,15 @@ def run_script(tmp_path, task_text: str, storage: Path) -> subprocess.Popen:
 ])
 def test_the_skypilot_run_ends_when_there_is_nothing_to_do(tmp_path, capsys, args, ends_with, says):
     task = printed(capsys, "skypilot", "--storage", "s3://bucket/grpo", "--accelerators", "L4:1", *args)
+    import os
+    import signal
+
     node = run_script(tmp_path, task, tmp_path / "empty-bucket")
-    out, err = node.communicate(timeout=120)              # a paid GPU is not kept polling for a job never submitted
+    try:
+        out, err = node.communicate(timeout=120)          # a paid GPU is not kept polling for a job never submitted
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
     assert node.returncode == ends_with, err[-2000:]
     assert says in out + err
 
