@@ -244,7 +244,7 @@ def seccomp_profile(choice: str) -> dict:
 def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus: int = 1,
                    secret: str | None = None, service_account: str | None = None,
                    seccomp: str = "unconfined", uid: int = RUN_AS_UID,
-                   service_account_token: bool = False) -> str:
+                   service_account_token: bool = False, all_jobs: bool = False, wait: bool = False) -> str:
     """A batch/v1 Job that runs the job on a spot node pool and survives losing nodes: a pod that
     exits 3 (preempted) or whose node was taken is replaced without counting against
     backoffLimit; exits 2 (bad input) and 4 (budget) fail the Job at once; other failures are
@@ -255,7 +255,11 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     The pod runs as `uid`, not root, with no privilege escalation, no capabilities and no
     Kubernetes API token unless `service_account_token`; its seccomp profile is `seccomp`
     (seccomp_profile; K8S_SECURITY_NOTE, printed at the top, says why Unconfined by default).
-    ValueError for a bad pool, seccomp choice or uid."""
+
+    The container runs `grpo-run resume NAME --storage URI --wait` (a replacement pod waits out the
+    lost pod's lease), or with `all_jobs` `grpo-run resume --storage URI --all`: the pod serves
+    every job under the prefix and ends when none is left (runner/queue.py), or with `wait` waits
+    for new ones (s.job is then not used). ValueError for a bad pool, seccomp choice or uid."""
     if pool not in SPOT_POOLS:
         raise ValueError(f"--pool {pool!r}: expected one of {', '.join(SPOT_POOLS)}")
     if isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0:
@@ -273,7 +277,8 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     env += [{"name": k, "value": v} for k, v in (("AWS_DEFAULT_REGION", s.region), ("AWS_ENDPOINT_URL", s.endpoint)) if v]
     container = {
         "name": "grpo-run", "image": image,
-        "command": ["grpo-run", "resume", *([s.job] if s.job else []), "--storage", s.storage, "--wait"],
+        "command": ["grpo-run", "resume", "--storage", s.storage, "--all", *(["--wait"] if wait else [])] if all_jobs
+        else ["grpo-run", "resume", *([s.job] if s.job else []), "--storage", s.storage, "--wait"],
         "env": env,
         "resources": {"limits": {"nvidia.com/gpu": gpus}} if gpus else {},
         "volumeMounts": [{"name": "work", "mountPath": "/work"}],
@@ -322,32 +327,42 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     return note + yaml.safe_dump(job, sort_keys=False)
 
 
-def skypilot_task(s: NodeSettings, *, accelerators: str | None, cloud: str | None = None) -> str:
+def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = None, all_jobs: bool = False,
+                  wait: bool = False) -> str:
     """A SkyPilot task for `sky jobs launch`: a managed job on spot capacity that SkyPilot relaunches
     when the node is taken (strategy EAGER_NEXT_REGION; a failed run is not restarted, since
     grpo-run restarts its own trainer), and whose `run:` resumes the job from its storage, so each
     relaunch continues from the newest durable checkpoint. `accelerators`: SkyPilot's name for the
-    GPU (e.g. H100:1), from spec.gpu when the job file gives one."""
+    GPU (e.g. H100:1); required, since a task without it runs on a CPU node.
+
+    The run ends when there is nothing to do: `resume NAME` exits 2 for a job that was never
+    submitted, `resume --all` (`all_jobs`: every job under the prefix, runner/queue.py) exits once
+    none is left. Only with `wait` does it wait for submissions, on a GPU paid meanwhile.
+    With all_jobs, s.job is not used. ValueError without accelerators."""
     import yaml
 
+    if not accelerators:
+        raise ValueError("skypilot: give --accelerators GPU:N (e.g. H100:1), or -f JOB with spec.gpu: "
+                         "a task without accelerators runs on a CPU node")
     envs = {"GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_SANDBOX": "strict"}
-    if s.job:
+    if s.job and not all_jobs:
         envs["GRPO_RUN_JOB"] = s.job
     if s.region:
         envs["AWS_DEFAULT_REGION"] = s.region
     if s.endpoint:
         envs["AWS_ENDPOINT_URL"] = s.endpoint
-    resources: dict = {"use_spot": True, "job_recovery": {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0}}
-    if accelerators:
-        resources["accelerators"] = accelerators
+    resources: dict = {"use_spot": True, "job_recovery": {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0},
+                       "accelerators": accelerators}
     if cloud:
         resources["cloud"] = cloud
     task = {
-        "name": f"grpo-run-{s.job}" if s.job else "grpo-run",
+        "name": f"grpo-run-{s.job}" if s.job and not all_jobs else "grpo-run",
         "resources": resources,
         "envs": envs,
         "setup": skypilot_setup(s),
-        "run": (f'{SKYPILOT_PREFIX}/.venv/bin/grpo-run resume $GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE" --wait\n'
+        "run": (f'{SKYPILOT_PREFIX}/.venv/bin/grpo-run resume '
+                + ('--storage "$GRPO_RUN_STORAGE" --all' if all_jobs else '$GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE"')
+                + (' --wait' if wait else '') + '\n'
                 'status=$?\n'
                 '# 3: preempted; the checkpoint is durable and the node is going away. Wait for it to go, so\n'
                 '# SkyPilot sees a preemption and relaunches, not a failed run (which it would not retry).\n'
@@ -381,5 +396,21 @@ _BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
 
 
 # spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.gpus), and
-# the earlier names are aliases of them. A card the table does not list gets no accelerators line.
+# the earlier names are aliases of them.
 SKYPILOT_GPUS = {name: f"{table_name}:1" for name, table_name in ALIASES.items()}
+
+
+def skypilot_accelerators(given: str | None, gpu: str | None, job_file: str | None) -> str:
+    """The task's accelerators: --accelerators, else the job file's spec.gpu as SkyPilot names it.
+    ValueError naming both when neither gives one: a task without accelerators would run, and
+    wait, on a CPU node."""
+    if given:
+        return given
+    if gpu and gpu in SKYPILOT_GPUS:
+        return SKYPILOT_GPUS[gpu]
+    if gpu:
+        raise ValueError(f"skypilot: spec.gpu {gpu!r} of {job_file} is not a GPU SkyPilot names; give --accelerators "
+                         f"GPU:N (e.g. H100:1)")
+    where = f"{job_file} has no spec.gpu" if job_file else "no job file (-f) with spec.gpu"
+    raise ValueError(f"skypilot: give --accelerators GPU:N (e.g. H100:1): {where}, and a task without "
+                     f"accelerators runs on a CPU node")

@@ -28,7 +28,8 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
         return None
     if len(names) > 1:
         raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
-                         f"grpo-run resume NAME --storage {storage}")
+                         f"grpo-run resume NAME --storage {storage}, or train them all, one after another: "
+                         f"grpo-run resume --storage {storage} --all")
     name = names[0]
     check_folder_name(name, storage)            # a folder from storage becomes a work folder here
     store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries

@@ -20,6 +20,7 @@ from grpo_run.runner.jobs import (already_finished as _already_finished, find_jo
 from grpo_run.runner.home import default_storage, home as _home, job_store_url, work_dir
 from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
+from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
 from grpo_run.runner.lifecycle import job_storage
 from grpo_run.state.record import RECORD_FILE
@@ -165,12 +166,17 @@ def _submit(job, est: dict | None, output: str | None) -> int:
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
-@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end")
+@click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end; "
+                                           "with --all, wait for new jobs instead of ending")
+@click.option("--all", "all_jobs", is_flag=True,
+              help="serve the queue: train every unfinished job under --storage that no other node holds, one after "
+                   "another; exit 0 when none is left and every job run here succeeded, 1 when one did not")
 @click.option("--trust-stored-urls", is_flag=True,
               help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
-def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_urls: bool, output: str | None) -> int:
+def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool, trust_stored_urls: bool,
+               output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
     A job submitted with `apply --detach` and not yet started starts here.
@@ -184,10 +190,17 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
     the clouds' own addresses). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
     node's environment) uses the stored ones: only for storage that no one else can write.
 
+    With --all the node serves a queue: every job under --storage (each `apply --detach` of a job
+    with that spec.storage) that is not Succeeded, Failed or BudgetExceeded and that no other node
+    holds, one after another, listed again after each; a job that does not succeed is reported and
+    the next one starts. Exit status: 0 when none is left and each job run here succeeded, 1 when
+    one did not (the closing line names it), 3 on a preemption notice (no other job is started).
+
     \b
     example:
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix
       grpo-run resume my-grpo-lora --storage s3://bucket/prefix --wait   # at boot, before the job exists
+      grpo-run resume --storage s3://bucket/prefix --all                 # drain a sweep; N nodes share it
       MLFLOW_TRACKING_URI=http://mlflow:5000 grpo-run resume my-grpo-lora --storage s3://bucket/prefix
     """
     import time
@@ -198,6 +211,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
     storage = storage or default_storage()
     stop = threading.Event()        # the job's: a notice stops its storage's retries
     trust_urls = trust_stored_urls or trusts_stored_urls()
+    if all_jobs:
+        return _serve_queue(name, storage, wait=wait, output=output, stop=stop, trust_urls=trust_urls)
     told = False
     while True:     # --wait: until the job is submitted, and while another node holds it
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
@@ -222,7 +237,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
             time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
             continue
         if not wait:
-            _error(missing)
+            _error(f"{missing}; submit it first (grpo-run apply -f JOB --detach, with spec.storage {storage}), "
+                   f"or wait for it with --wait")
             return EXIT_USAGE
         if not told:
             print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
@@ -232,6 +248,25 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, trust_stored_u
 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
+
+
+def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | None, stop: threading.Event,
+                 trust_urls: bool) -> int:
+    """resume --all: the queue under `storage` (runner/queue.py), each job run as resume runs one."""
+    from grpo_run.runner.queue import Queue
+
+    if name is not None:
+        _error(f"resume: give NAME or --all, not both (--all trains every job under --storage; "
+               f"`grpo-run resume {name} --storage {storage}` trains {name} alone)")
+        return EXIT_USAGE
+    if output is not None:
+        _error(f"resume --all: -o prints one job; follow the queue's jobs with "
+               f"`grpo-run get tj NAME --storage {storage} -o {output}`")
+        return EXIT_USAGE
+    queue = Queue(storage, stop=stop, wait=wait, poll_s=float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)),
+                  run=lambda job, store: _run(job, output=None, storage=storage, store=store, stop=stop,
+                                              trust_urls=trust_urls))
+    return queue.serve()
 
 
 def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
@@ -283,7 +318,7 @@ def _run(job, *, output: str | None, stop: threading.Event, storage: str | None 
         _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
         return EXIT_FAILED
     if result.exit_code == EXIT_HELD:
-        _error(f"{job.name}: another node holds the job, so this node stops here: {printable(result.message)}")
+        _error(f"{job.name}: another node holds the job, so this node does not train it: {printable(result.message)}")
         return EXIT_HELD
     doc = _job_doc(work / RECORD_FILE)
     if result.exit_code == EXIT_OK and job.gpu:
@@ -402,127 +437,6 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
     return EXIT_OK
 
 
-# --- deploy ----------------------------------------------------------------------------------------
-
-@cli.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam", "image"]))
-@click.option("-f", "--file", metavar="FILE", help="the job file: storage and name from it (cloud-init: submitted at boot)")
-@click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
-@click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
-@click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
-@click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
-@click.option("--repo", metavar="URL", help="install grpo-run on the node from this git repository (scripts/setup) "
-              "instead of the wheel of the grpo-run installed here, which is put into --storage")
-@click.option("--ref", metavar="REF", help="--repo's branch or tag (default: the repository's default branch)")
-@click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
-              help="the torch build for the node's accelerator")
-@click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
-@click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
-@click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
-              help="k8s: whose spot node labels and taints to select")
-@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
-@click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
-@click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
-@click.option("--service-account-token", is_flag=True,
-              help="k8s: mount the service account's Kubernetes API token in the pod (off: grpo-run never calls the API, "
-                   "and workload identity brings its own token)")
-@click.option("--seccomp", metavar="PROFILE", default="unconfined", show_default=True,
-              help="k8s: the container's seccomp profile: unconfined, runtime-default (refuses the reward sandbox's "
-                   "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
-@click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
-@click.option("--accelerators", metavar="GPU:N", help="skypilot: e.g. H100:1 (default: from the job file's spec.gpu)")
-@click.option("--out", "out_dir", metavar="DIR", help="image: the folder to write the image's build context to (new or empty)")
-def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
-               endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
-               pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
-               seccomp: str, uid: int, accelerators: str | None, out_dir: str | None) -> int:
-    """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
-    settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
-    installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
-    the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
-    retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
-    SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only), `image` (the build context of the container image for
-    `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch).
-
-    \b
-    example:
-      grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
-      grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
-      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
-      grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
-      grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
-      grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
-    """
-    from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
-
-    job_text, gpu = None, None
-    if file:
-        from grpo_run.runner.spec.job import JobError, load_job
-
-        try:
-            spec = load_job(file)
-        except (FileNotFoundError, JobError) as e:
-            print(str(e) if isinstance(e, JobError) else f"error: no such job file: {file}", file=sys.stderr)
-            return EXIT_USAGE
-        if spec.storage is None and storage is None:
-            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
-            return EXIT_USAGE
-        storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
-        job_text = Path(file).read_text()
-    if kind == "image":                     # a build context: the image has no storage or job in it
-        from grpo_run.runner.wheel import deploy_image
-
-        return deploy_image(out_dir, torch_build)
-    if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
-        print(systemd_unit(prefix), end="")
-        return EXIT_OK
-    if storage is None:
-        _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
-        return EXIT_USAGE
-    try:
-        if kind == "iam":
-            print(iam_policy(storage), end="")
-            return EXIT_OK
-        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
-                                torch=torch_build, prefix=prefix, job_file=job_text)
-    except ValueError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
-        from dataclasses import replace
-
-        from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-        from grpo_run.runner.wheel import WheelError, ship
-
-        try:
-            settings = replace(settings, wheel=ship(storage))
-        except (WheelError, StorageConfigError, StorageUnavailable) as e:
-            _error(f"cannot put this grpo-run's wheel into {storage} for the nodes to install: {e}")
-            return EXIT_FAILED
-    if kind == "skypilot":
-        from grpo_run.runner.deploy import SKYPILOT_GPUS, skypilot_task
-
-        print(skypilot_task(settings, accelerators=accelerators or SKYPILOT_GPUS.get(gpu or "")), end="")
-        return EXIT_OK
-    if kind == "k8s":
-        if not image:
-            _error("k8s: give --image REGISTRY/grpo-run:TAG, the image `grpo-run deploy image --out DIR` and "
-                   "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
-            return EXIT_USAGE
-        try:
-            manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
-                                      service_account=service_account, seccomp=seccomp, uid=uid,
-                                      service_account_token=service_account_token)
-        except ValueError as e:
-            _error(str(e))
-            return EXIT_USAGE
-        print(manifest, end="")
-        return EXIT_OK
-    print(cloud_init(settings), end="")
-    return EXIT_OK
-
-
 # the commands that look at a job: get, logs, report
 cli.add_command(cmd_get)
 cli.add_command(cmd_logs)
@@ -530,6 +444,8 @@ cli.add_command(cmd_report)
 # the commands that end a job: cancel, delete (runner/cli/lifecycle.py)
 cli.add_command(cmd_cancel)
 cli.add_command(cmd_delete)
+# the launch files for spot nodes (runner/cli/deploy.py)
+cli.add_command(cmd_deploy)
 
 
 # --- entry point ---------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.deploy import JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, systemd_unit
+from grpo_run.runner.deploy import (JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, skypilot_task,
+                                    systemd_unit)
 from grpo_run.runner.wheel import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,11 +193,123 @@ def test_the_skypilot_task_loads_with_skypilots_own_loader(tmp_path, capsys, sky
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert loaded.stdout.split() == ["True", "EAGER_NEXT_REGION", "{'H100':", "1}", s3_env.url]
     doc = yaml.safe_load(task.read_text())
-    assert "resume $GRPO_RUN_JOB --storage \"$GRPO_RUN_STORAGE\" --wait" in doc["run"]
+    assert "resume $GRPO_RUN_JOB --storage \"$GRPO_RUN_STORAGE\"\n" in doc["run"]      # no --wait: it ends
     assert doc["envs"]["GRPO_RUN_JOB"] == "sky-job"
     # the loader bites: a field SkyPilot does not know is refused
     task.write_text(task.read_text().replace("use_spot: true", "use_spot: true\n  spot_please: yes"))
     assert load_with_skypilot(skypilot_python, task).returncode != 0
+
+    # a task that drains every job under the prefix loads too, and names no job
+    task.write_text(printed(capsys, "skypilot", "-f", str(job), "--all"))
+    loaded = load_with_skypilot(skypilot_python, task)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.split() == ["True", "EAGER_NEXT_REGION", "{'H100':", "1}", s3_env.url]
+    doc = yaml.safe_load(task.read_text())
+    assert doc["run"].startswith('$HOME/grpo-run/.venv/bin/grpo-run resume --storage "$GRPO_RUN_STORAGE" --all\n')
+    assert "GRPO_RUN_JOB" not in doc["envs"] and doc["name"] == "grpo-run"
+
+
+def sky_job_file(tmp_path, **spec) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "sky-job"},
+                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                             "storage": str(tmp_path / "bucket"), **spec}}))
+    return str(path)
+
+
+def test_a_skypilot_task_always_names_its_gpu_or_is_refused_naming_both_sources(tmp_path, capsys):
+    assert main(["deploy", "skypilot", "--storage", "s3://bucket/grpo", "--job", "sky-job"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--accelerators GPU:N" in err and "spec.gpu" in err and "CPU node" in err and len(err.splitlines()) == 1
+    job = sky_job_file(tmp_path)                                            # a job file without spec.gpu
+    assert main(["deploy", "skypilot", "-f", job]) == EXIT_USAGE
+    assert f"{job} has no spec.gpu" in capsys.readouterr().err
+    job = sky_job_file(tmp_path, gpu="MI300X", pricing={"usdPerHour": 2.0, "memoryGB": 192})   # a card of its own
+    assert main(["deploy", "skypilot", "-f", job]) == EXIT_USAGE
+    assert "spec.gpu 'MI300X'" in capsys.readouterr().err
+    assert yaml.safe_load(printed(capsys, "skypilot", "-f", job, "--accelerators", "MI300X:8"))["resources"][
+        "accelerators"] == "MI300X:8"                                       # the flag wins
+    with pytest.raises(ValueError, match="--accelerators"):
+        skypilot_task(NodeSettings(storage="s3://bucket/grpo"), accelerators="")
+
+
+def run_script(tmp_path, task_text: str, storage: Path) -> subprocess.Popen:
+    """The task's `run:` as SkyPilot's node runs it (bash, in the folder setup made, with the
+    task's envs), with this repository's grpo-run as the one setup installed."""
+    import os
+    import sys
+
+    doc = yaml.safe_load(task_text)
+    (tmp_path / "grpo-run" / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / "grpo-run" / ".venv" / "bin" / "grpo-run").symlink_to(Path(sys.executable).with_name("grpo-run"))
+    env = {**os.environ, **doc["envs"], "GRPO_RUN_STORAGE": str(storage), "GRPO_RUN_HOME": str(tmp_path / "node"),
+           "HOME": str(tmp_path),
+           "GRPO_RUN_WAIT_POLL_S": "0.2"}
+    return subprocess.Popen(["bash", "-c", doc["run"]], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("args, ends_with, says", [
+    (["--job", "never-submitted"], EXIT_USAGE, "no job 'never-submitted' in"),
+    (["--all"], EXIT_OK, "nothing left for this node: 0 succeeded here"),
+])
+def test_the_skypilot_run_ends_when_there_is_nothing_to_do(tmp_path, capsys, args, ends_with, says):
+    task = printed(capsys, "skypilot", "--storage", str(tmp_path / "bucket"), "--accelerators", "L4:1", *args)
+    import os
+    import signal
+
+    node = run_script(tmp_path, task, tmp_path / "empty-bucket")
+    try:
+        out, err = node.communicate(timeout=120)          # a paid GPU is not kept polling for a job never submitted
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert node.returncode == ends_with, err[-2000:]
+    assert says in out + err
+
+
+def test_the_skypilot_run_waits_for_a_submission_only_when_asked(tmp_path, capsys):
+    import os
+    import signal
+
+    task = printed(capsys, "skypilot", "--storage", str(tmp_path / "bucket"), "--accelerators", "L4:1", "--all", "--wait")
+    node = run_script(tmp_path, task, tmp_path / "empty-bucket")
+    try:
+        assert "waiting for jobs" in node.stdout.readline()
+        assert node.poll() is None
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)             # bash and the grpo-run it started
+        node.communicate()
+
+
+def test_all_is_for_the_launchers_that_can_serve_a_queue_and_not_with_a_named_job(capsys):
+    assert main(["deploy", "cloud-init", "--storage", "s3://bucket/grpo", "--all"]) == EXIT_USAGE
+    assert "--all is for skypilot and k8s" in capsys.readouterr().err
+    assert main(["deploy", "k8s", "--storage", "s3://bucket/grpo", "--job", "j", "--all", "--image", "r/g:1"]) == EXIT_USAGE
+    assert "--job j and --all: give one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_the_kubernetes_job_can_serve_the_queue(capsys, wait):
+    import kubernetes_validate
+
+    text = printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--image", "registry/grpo-run:1", "--all",
+                   *(["--wait"] if wait else []))
+    doc = yaml.safe_load(text)
+    kubernetes_validate.validate(doc, "1.31.0", strict=True)
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["grpo-run", "resume", "--storage", "s3://bucket/grpo", "--all",
+                                    *(["--wait"] if wait else [])]
+    assert doc["metadata"]["name"] == "grpo-run" and "grpo-run/job" not in doc["metadata"]["labels"]
+
+
+def test_deploys_help_submits_before_it_launches_and_says_what_f_does_for_each_kind(capsys):
+    capsys.readouterr()
+    assert main(["deploy", "--help"]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.index("grpo-run apply -f job.yaml --detach") < text.index("grpo-run deploy skypilot -f job.yaml")
+    assert "cloud-init also carries the file and the node submits it at boot" in text
+    assert "for k8s and skypilot submit it first: grpo-run apply -f FILE --detach" in text
 
 
 def generated_files(capsys, tmp_path, storage: str, *extra: str) -> dict[str, str]:
@@ -206,7 +319,9 @@ def generated_files(capsys, tmp_path, storage: str, *extra: str) -> dict[str, st
                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
                                             "storage": storage, "gpu": "H100-SXM-80GB"}}))
     files = {kind: printed(capsys, kind, "--storage", storage, "--job", "any-job", *extra)
-             for kind in ("systemd", "cloud-init", "skypilot", "iam")}
+             for kind in ("systemd", "cloud-init", "iam")}
+    files["skypilot"] = printed(capsys, "skypilot", "--storage", storage, "--job", "any-job", "--accelerators", "H100:1",
+                                *extra)
     files["cloud-init -f"] = printed(capsys, "cloud-init", "-f", str(job), *extra)
     files["skypilot -f"] = printed(capsys, "skypilot", "-f", str(job), *extra)
     files["k8s"] = printed(capsys, "k8s", "--storage", storage, "--job", "any-job", "--image", "registry/grpo-run:1", *extra)

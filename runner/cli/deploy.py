@@ -1,0 +1,164 @@
+"""`grpo-run deploy KIND`: the launch files for a job's spot nodes (runner/deploy.py makes them),
+filled in from the job file or the options; cloud-init and SkyPilot nodes install the wheel of the
+grpo-run installed here, which this command puts into the job's storage (runner/wheel.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from grpo_run.runner.cli.output import error as _error, job_name
+from grpo_run.runner.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+
+@click.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
+@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam", "image"]))
+@click.option("-f", "--file", metavar="FILE",
+              help="the job file: every kind takes --storage (spec.storage) and --job (metadata.name) from it, skypilot "
+                   "also --accelerators (spec.gpu); cloud-init also carries the file and the node submits it at boot, "
+                   "while for k8s and skypilot submit it first: grpo-run apply -f FILE --detach (systemd: not used)")
+@click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
+@click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
+@click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
+@click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
+@click.option("--repo", metavar="URL", help="install grpo-run on the node from this git repository (scripts/setup) "
+              "instead of the wheel of the grpo-run installed here, which is put into --storage")
+@click.option("--ref", metavar="REF", help="--repo's branch or tag (default: the repository's default branch)")
+@click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
+              help="the torch build for the node's accelerator")
+@click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
+@click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
+@click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
+              help="k8s: whose spot node labels and taints to select")
+@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
+@click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
+@click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
+@click.option("--service-account-token", is_flag=True,
+              help="k8s: mount the service account's Kubernetes API token in the pod (off: grpo-run never calls the API, "
+                   "and workload identity brings its own token)")
+@click.option("--seccomp", metavar="PROFILE", default="unconfined", show_default=True,
+              help="k8s: the container's seccomp profile: unconfined, runtime-default (refuses the reward sandbox's "
+                   "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
+@click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
+@click.option("--out", "out_dir", metavar="DIR", help="image: the folder to write the image's build context to (new or empty)")
+@click.option("--accelerators", metavar="GPU:N",
+              help="skypilot: the GPU, e.g. H100:1 (default: from the job file's spec.gpu; required without it)")
+@click.option("--all", "all_jobs", is_flag=True,
+              help="skypilot, k8s: the node serves every job under --storage, one after another (grpo-run resume "
+                   "--storage URL --all), and ends when none is left")
+@click.option("--wait", is_flag=True,
+              help="skypilot, and k8s with --all: the node waits for jobs to be submitted instead of ending when there "
+                   "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
+def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
+               endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
+               pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
+               seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
+               wait: bool) -> int:
+    """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
+    settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
+    installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
+    the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
+    retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
+    SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
+    list and delete under the job's prefix only), `image` (the build context of the container image for
+    `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch). With --all, the
+    k8s Job or SkyPilot task serves every job under --storage (N of them drain a sweep); a SkyPilot task
+    ends when there is nothing to do unless --wait.
+
+    \b
+    example:
+      grpo-run deploy cloud-init --storage s3://my-bucket/grpo --job my-grpo-lora --region us-east-1 > user-data.yaml
+      grpo-run deploy cloud-init -f job.yaml > user-data.yaml   # the node submits job.yaml at boot
+      grpo-run deploy k8s --storage s3://my-bucket/grpo --job my-grpo-lora --image REGISTRY/grpo-run:TAG --service-account grpo-run
+      grpo-run apply -f job.yaml --detach           # submit first: k8s and skypilot nodes train what storage holds
+      grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
+      grpo-run deploy skypilot --storage s3://my-bucket/grpo --all --accelerators L4:1 > sweep.yaml   # drains every job
+      grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+      grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
+    """
+    from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
+
+    if all_jobs and kind not in ("skypilot", "k8s"):
+        _error(f"--all is for skypilot and k8s; {kind} runs one job (--job, or the only one under --storage)")
+        return EXIT_USAGE
+    if all_jobs and job:
+        _error(f"--job {job} and --all: give one (--all serves every job under --storage, each in turn; "
+               f"--job trains that one)")
+        return EXIT_USAGE
+    job_text, gpu = None, None
+    if file:
+        from grpo_run.runner.spec.job import JobError, load_job
+
+        try:
+            spec = load_job(file)
+        except (FileNotFoundError, JobError) as e:
+            print(str(e) if isinstance(e, JobError) else f"error: no such job file: {file}", file=sys.stderr)
+            return EXIT_USAGE
+        if spec.storage is None and storage is None:
+            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
+            return EXIT_USAGE
+        storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
+        job_text = Path(file).read_text()
+    if kind == "image":                     # a build context: the image has no storage or job in it
+        from grpo_run.runner.wheel import deploy_image
+
+        return deploy_image(out_dir, torch_build)
+    if all_jobs:
+        job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
+    if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
+        print(systemd_unit(prefix), end="")
+        return EXIT_OK
+    if storage is None:
+        _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
+        return EXIT_USAGE
+    try:
+        if kind == "iam":
+            print(iam_policy(storage), end="")
+            return EXIT_OK
+        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
+                                torch=torch_build, prefix=prefix, job_file=job_text)
+    except ValueError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    if kind == "skypilot":                  # refused before anything is put into storage
+        from grpo_run.runner.deploy import skypilot_accelerators
+
+        try:
+            accelerators = skypilot_accelerators(accelerators, gpu, file)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
+    if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
+        from dataclasses import replace
+
+        from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+        from grpo_run.runner.wheel import WheelError, ship
+
+        try:
+            settings = replace(settings, wheel=ship(storage))
+        except (WheelError, StorageConfigError, StorageUnavailable) as e:
+            _error(f"cannot put this grpo-run's wheel into {storage} for the nodes to install: {e}")
+            return EXIT_FAILED
+    if kind == "skypilot":
+        from grpo_run.runner.deploy import skypilot_task
+
+        print(skypilot_task(settings, accelerators=accelerators, all_jobs=all_jobs, wait=wait), end="")
+        return EXIT_OK
+    if kind == "k8s":
+        if not image:
+            _error("k8s: give --image REGISTRY/grpo-run:TAG, the image `grpo-run deploy image --out DIR` and "
+                   "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
+            return EXIT_USAGE
+        try:
+            manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
+                                      service_account=service_account, seccomp=seccomp, uid=uid,
+                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        print(manifest, end="")
+        return EXIT_OK
+    print(cloud_init(settings), end="")
+    return EXIT_OK
