@@ -19,12 +19,12 @@ node, or give its data as files).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.spec.environment import EnvironmentSpec
 from grpo_run.runner.spec.job import TrainingJob
+from grpo_run.runner.supervisor.uploads import sha256_of, upload_environment  # noqa: F401  (apply's copy)
 
 PREFIX = "environment"
 UNSAFE_NAMES = ("", ".", "..")      # a file or field name that would step out of its folder
@@ -70,14 +70,6 @@ def _key(field: str, path: str) -> str:
     return f"{PREFIX}/{field}/{name}"
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def with_file_hashes(job: TrainingJob) -> TrainingJob:
     """At `apply`: the job with the sha256 of each of its environment files (as they are now, on
     this machine, where the job file named them) in spec.environment.sha256. Hashes the job file
@@ -110,17 +102,6 @@ def environment_uploads(job: TrainingJob) -> tuple[tuple[str, str, str], ...]:
     been through with_file_hashes."""
     env = job.environment
     return tuple((path, _key(field, path), env.sha256[field]) for field, path in _files(env).items())
-
-
-def upload_environment(uploads: tuple[tuple[str, str, str], ...], store: Store) -> None:
-    """Copy the environment files `apply` read to the job's storage; call it holding the job's
-    lease (through its FencedStore), so a job another node runs is never touched. Raises
-    ValueError when a file changed since `apply` hashed it: the spec would describe other bytes."""
-    for path, key, digest in uploads:
-        if sha256_of(Path(path)) != digest:
-            raise ValueError(f"{path} changed while the job was being applied (its sha256 is no longer "
-                             f"{digest}): apply the job file again")
-        store.put_file(Path(path), key)
 
 
 def localize_environment(job: TrainingJob, store: Store, work: Path) -> TrainingJob:

@@ -22,22 +22,18 @@ lease, for a node known to be gone."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from grpo_run.checkpoint.storage.lease import LEASE_KEY, Lease, LeaseHeld
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.state.phases import FINISHED, Phase
+from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401
 from grpo_run.state.record import RECORD_FILE, Record
-
-CANCEL_KEY = "cancel.json"      # in the job's storage folder: {"by": "cancel@HOST", "at": ISO time}
 
 
 class NoSuchJob(LookupError):
@@ -55,27 +51,6 @@ class Cancelled:
     phase: str              # the job's phase in storage after this
     holder: str = ""        # "requested": the node holding it, as the lease names it
     was: str = ""           # "cancelled": the phase it had (Pending, Preempted, ...)
-
-
-def request_cancel(store: Store, by: str) -> None:
-    """Leave the cancel request in the job's folder (replacing an earlier one)."""
-    body = {"by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    store.put_bytes(CANCEL_KEY, (json.dumps(body) + "\n").encode())
-
-
-def cancel_requested(store: Store) -> dict[str, Any] | None:
-    """The job's cancel request, or None. A request whose body is unreadable still counts (someone
-    who can write the folder asked), named by who wrote it as unknown. Raises StorageConfigError /
-    StorageUnavailable as the store does."""
-    try:
-        data = store.get_bytes(CANCEL_KEY)
-    except FileNotFoundError:
-        return None
-    try:
-        body = json.loads(data)
-    except ValueError:
-        body = None
-    return body if isinstance(body, dict) else {"by": "unknown"}
 
 
 def cancel_job(name: str, storage: str | None) -> Cancelled:

@@ -78,7 +78,7 @@ def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bo
     """`grpo-run apply`'s preflight: prints what it found (stderr) and returns the exit status
     to stop with (2 for a job file that would fail, or for --dry-run with --detach; 1 when the
     storage does not answer), or None to go on."""
-    from grpo_run.runner.cli.output import error
+    from grpo_run.runner.text import error
     from grpo_run.runner.exits import EXIT_FAILED, EXIT_USAGE
     from grpo_run.runner.spec.job import JobError
 

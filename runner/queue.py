@@ -42,7 +42,7 @@ from typing import Any
 
 from grpo_run.checkpoint.storage.lease import describe_holder, read_lease
 from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
-from grpo_run.runner.cli.output import error, printable
+from grpo_run.runner.text import error, printable
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.home import job_store_url
 from grpo_run.state.phases import Phase

@@ -264,31 +264,3 @@ def ship(storage: str) -> Wheel:
         wheel = build_wheel(Path(tmp))
         publish(wheel, storage)
     return wheel
-
-
-def deploy_image(out: str | None, torch: str) -> int:
-    """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.
-    image_context) with this grpo-run's wheel, then the two commands that build and push it.
-    Returns the exit status, after one line on stderr for a refusal."""
-    from grpo_run.runner.deploy import image_context
-    from grpo_run.runner.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-
-    if not out:
-        print("error: image: give --out DIR, a new folder for the image's build context", file=sys.stderr)
-        return EXIT_USAGE
-    folder = Path(out)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        print(f"error: --out {out}: not an empty folder; the image is built from everything in it: give a new one",
-              file=sys.stderr)
-        return EXIT_USAGE
-    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
-        try:
-            wheel = build_wheel(Path(tmp))
-        except WheelError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_FAILED
-        image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}")
-    print(f"wrote the build context of grpo-run {wheel.version} ({wheel.digest}) to {folder}; build and push it:")
-    print(f"  docker build -t REGISTRY/grpo-run:{wheel.version}-{wheel.digest} {folder}")
-    print(f"  docker push REGISTRY/grpo-run:{wheel.version}-{wheel.digest}")
-    return EXIT_OK

@@ -5,6 +5,7 @@ grpo-run installed here, which this command puts into the job's storage (runner/
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -102,8 +103,6 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
     if kind == "image":                     # a build context: the image has no storage or job in it
-        from grpo_run.runner.wheel import deploy_image
-
         return deploy_image(out_dir, torch_build)
     if all_jobs:
         job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
@@ -161,4 +160,32 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         print(manifest, end="")
         return EXIT_OK
     print(cloud_init(settings), end="")
+    return EXIT_OK
+
+
+def deploy_image(out: str | None, torch: str) -> int:
+    """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.
+    image_context) with this grpo-run's wheel, then the two commands that build and push it.
+    Returns the exit status, after one line on stderr for a refusal."""
+    from grpo_run.runner.deploy import image_context
+    from grpo_run.runner.wheel import WheelError, build_wheel
+
+    if not out:
+        print("error: image: give --out DIR, a new folder for the image's build context", file=sys.stderr)
+        return EXIT_USAGE
+    folder = Path(out)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        print(f"error: --out {out}: not an empty folder; the image is built from everything in it: give a new one",
+              file=sys.stderr)
+        return EXIT_USAGE
+    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
+        try:
+            wheel = build_wheel(Path(tmp))
+        except WheelError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}")
+    print(f"wrote the build context of grpo-run {wheel.version} ({wheel.digest}) to {folder}; build and push it:")
+    print(f"  docker build -t REGISTRY/grpo-run:{wheel.version}-{wheel.digest} {folder}")
+    print(f"  docker push REGISTRY/grpo-run:{wheel.version}-{wheel.digest}")
     return EXIT_OK

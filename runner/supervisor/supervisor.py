@@ -32,9 +32,9 @@ from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
 from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
 from grpo_run.runner.books.books import Books
-from grpo_run.runner.envfiles import upload_environment
+from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
-from grpo_run.runner.lifecycle import cancel_requested
+from grpo_run.runner.supervisor.cancel import cancel_requested
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_run.runner.cli.output import printable
+from grpo_run.runner.text import printable
 from grpo_run.state import values
 from grpo_run.state.record import Record
 
