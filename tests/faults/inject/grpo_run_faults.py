@@ -10,8 +10,10 @@ no hook, call, or setting for any of this. The points, and what is patched for e
                  GRPOTrainer's stop request, which the sampler asks between tokens
     backward@K   after step K's backward pass, before the optimizer applies it, in the trainer:
                  a built GRPOTrainer's `optimizer.step`
-    upload@K     after the first file of checkpoint K is in object storage, before its manifest,
-                 in the supervisor (which uploads): FencedStore.put_file (every upload of the
+    upload@K     after the first file of checkpoint K (or of the first one uploaded after it: the
+                 uploader skips a checkpoint a newer one supersedes while it waits, which a
+                 loaded machine does) is in object storage, before its manifest, in the
+                 supervisor (which uploads): FencedStore.put_file (every upload of the
                  supervisor's goes through the job's fenced store)
     restore@K    after the first file of checkpoint K came down from object storage, before the
                  trainer starts, in the supervisor (which restores): FencedStore.get_file
@@ -271,7 +273,7 @@ def _arm_transfers(cls: type, fault: Fault) -> None:
     def transfer_then(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = own(self, *args, **kwargs) if own is not None else getattr(self.store, name)(*args, **kwargs)
         key = kwargs["key"] if "key" in kwargs else args[1 if upload else 0]
-        if _of_checkpoint(key, fault.step):
+        if _of_checkpoint(key, fault.step, or_later=upload):
             supervisor = _supervisor[0]
             _fire(fault, node=False, stop=getattr(supervisor, "preempt", None))
         return result
@@ -279,13 +281,18 @@ def _arm_transfers(cls: type, fault: Fault) -> None:
     setattr(cls, name, functools.wraps(own)(transfer_then) if own is not None else transfer_then)
 
 
-def _of_checkpoint(key: str, step: int) -> bool:
-    """A file of checkpoint `step` other than its manifest (written last)."""
+def _of_checkpoint(key: str, step: int, *, or_later: bool = False) -> bool:
+    """A file of checkpoint `step` (`or_later`: of any checkpoint from `step` on) other than its
+    manifest (written last)."""
     from grpo_run.checkpoint.manifest import MANIFEST_NAME, checkpoint_name
 
     # checkpoints/<run id>/ckpt-N/... (checkpoints/ckpt-N/... before run prefixes)
     parts = key.split("/")
-    return parts[0] == "checkpoints" and checkpoint_name(step) in parts[1:3] and not key.endswith(MANIFEST_NAME)
+    if parts[0] != "checkpoints" or key.endswith(MANIFEST_NAME):
+        return False
+    if not or_later:
+        return checkpoint_name(step) in parts[1:3]
+    return any(part.startswith("ckpt-") and part[5:].isdigit() and int(part[5:]) >= step for part in parts[1:3])
 
 
 # --- firing -------------------------------------------------------------------------------------
