@@ -171,18 +171,17 @@ def deploy_image(out: str | None, torch: str) -> int:
     from grpo_run.runner.wheel import WheelError, build_wheel
 
     if not out:
-        print("error: image: give --out DIR, a new folder for the image's build context", file=sys.stderr)
+        _error("image: give --out DIR, a new folder for the image's build context")
         return EXIT_USAGE
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        print(f"error: --out {out}: not an empty folder; the image is built from everything in it: give a new one",
-              file=sys.stderr)
+        _error(f"--out {out}: not an empty folder; the image is built from everything in it: give a new one")
         return EXIT_USAGE
     with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
         try:
             wheel = build_wheel(Path(tmp))
         except WheelError as e:
-            print(f"error: {e}", file=sys.stderr)
+            _error(str(e))
             return EXIT_FAILED
         image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}")
     print(f"wrote the build context of grpo-run {wheel.version} ({wheel.digest}) to {folder}; build and push it:")
