@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -69,6 +70,43 @@ def _isolated_environment(tmp_path, monkeypatch):
 
     monkeypatch.setattr(MemoryFileSystem, "store", {})
     monkeypatch.setattr(MemoryFileSystem, "pseudo_dirs", [""])
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request, tmp_path_factory):
+    """With xdist workers (`pytest -n 2`), a test marked `alone` runs while no other test does: it
+    bounds what wall time costs (a budget charged by the second), which another worker's processes
+    on the same two cores would inflate. Two file locks shared by the session's workers: `gate`
+    keeps new tests from starting once an `alone` test waits (so it is not starved), `running` is
+    held shared by every running test and exclusively by the `alone` one."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    folder = tmp_path_factory.getbasetemp().parent        # the session's folder, above each worker's
+    with open(folder / "alone.gate", "a") as gate, open(folder / "alone.running", "a") as running:
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(running, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(running, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _no_node_outlives_its_test():
+    """A node a test started (tests/faults/harness.start_node) and left running, because the test
+    failed while waiting for it, is killed with its processes when the test ends."""
+    yield
+    from tests.faults.harness import kill_nodes_left_running
+
+    kill_nodes_left_running()
 
 
 # --- SeaweedFS ----------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ The moment is not left to timing: a `hold:POINT@K` fault (tests/faults/inject/gr
 stops the node right there until the notice's stop request reaches that process, so the notice lands in the middle of
 it (for the evaluations: once two of their 60 batches are finished).
 
-Four cases run on every edit (all four sources among them); CI (`-m slow`) adds one more source per
-phase, chosen by a seeded draw (GRPO_RUN_NOTICE_SEED); scripts/reliability runs the whole matrix
+Four cases run on every edit (all four sources among them); CI (`-m slow`) adds the baseline and
+final evaluations, each with a source chosen by a seeded draw (GRPO_RUN_NOTICE_SEED); scripts/reliability runs the whole matrix
 (GRPO_RUN_CAMPAIGN=full) and writes its figures into docs/reliability.md."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tests.faults.harness import NOTICE_WINDOW_S, SOURCES, marker, notice_source, start_node, wait_until
+from tests.campaign import full_campaign_only
 from tests.runner.test_eval_preemption import EVAL_BATCH, EVAL_TASKS, finished_batches, write_eval_heavy_job
 from tests.runner.test_resume import exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
@@ -33,14 +34,14 @@ HELD_STEP = 5          # the step a hold stops in (0-based: 5 steps completed be
 SAVE = 2
 
 
-FULL = os.environ.get("GRPO_RUN_CAMPAIGN") == "full"       # scripts/reliability: every phase with every source
 SEED = int(os.environ.get("GRPO_RUN_NOTICE_SEED", "2026"))
 
 
 def _sampled() -> set[tuple[str, str]]:
-    """CI's seeded sample: for each phase, one source besides the one that runs on every edit."""
+    """CI's seeded sample: one source for each phase that has none among the cases run on every edit."""
     draw = random.Random(SEED)
-    return {(phase, draw.choice([s for s in SOURCES if (phase, s) not in FAST])) for phase in PHASES}
+    covered = {phase for phase, _ in FAST}
+    return {(phase, draw.choice(SOURCES)) for phase in PHASES if phase not in covered}
 
 
 def _cases():
@@ -49,8 +50,7 @@ def _cases():
         for source in SOURCES:
             marks = [] if (phase, source) in FAST else [pytest.mark.slow]
             if (phase, source) not in FAST | sampled:
-                marks.append(pytest.mark.skipif(not FULL, reason="the whole matrix runs in scripts/reliability "
-                                                 f"(GRPO_RUN_CAMPAIGN=full); CI runs a sample (seed {SEED})"))
+                marks = full_campaign_only(f"CI runs each phase with one source (seed {SEED})")
             yield pytest.param(phase, source, id=f"{phase}-{source}", marks=marks)
 
 

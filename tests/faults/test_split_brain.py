@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.campaign import full_campaign_only
 from tests.faults.harness import start_node
 from tests.runner.test_resume import grpo_run, status, write_job
 
 pytestmark = pytest.mark.fault
 
 
-@pytest.mark.parametrize("nodes", [2, pytest.param(5, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nodes", [2, pytest.param(5, marks=full_campaign_only("CI runs two nodes at once"))])
 def test_nodes_resuming_one_job_at_once_leave_exactly_one_training(tmp_path, s3_env, figures, nodes):
     job = write_job(tmp_path, s3_env.url, maxSteps=300, saveSteps=50)
     grpo_run(tmp_path / "laptop", "apply", "--detach", "-f", str(job))         # Pending in storage

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.campaign import full_campaign_only
 from tests.runner.test_resume import exported_bytes, grpo_run, status
 
 STEPS, SAVE = 8, 2
@@ -118,7 +119,10 @@ def test_a_two_process_run_killed_and_resumed_on_two_ends_byte_identical(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, then, method", [(2, 1, "LoRA"), (1, 2, "LoRA"), (2, 1, "Full"), (1, 2, "Full")])
+@pytest.mark.parametrize("first, then, method", [
+    (1, 2, "LoRA"), (2, 1, "Full"),
+    pytest.param(2, 1, "LoRA", marks=full_campaign_only("CI runs 1->2 LoRA and 2->1 Full")),
+    pytest.param(1, 2, "Full", marks=full_campaign_only("CI runs 1->2 LoRA and 2->1 Full"))])
 def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, s3_env, first, then, method):
     """LoRA: DDP replicas; Full: FSDP shards on 2 processes, the whole model in the checkpoint."""
     job = write_job(tmp_path, first, s3_env.url, method=method)
@@ -193,6 +197,7 @@ def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_ide
 
 
 @pytest.mark.slow
+@pytest.mark.alone        # the spend is wall time: another worker's processes on the two cores inflate the stop
 def test_the_budget_stops_every_rank_once_charging_every_gpu(tmp_path):
     """$100/h per GPU x 2 processes: maxCostUSD 1.0 is 18 s of the node. The run ends
     BudgetExceeded in its first attempt (not restarted as a crash), under the budget."""
@@ -207,7 +212,7 @@ def test_the_budget_stops_every_rank_once_charging_every_gpu(tmp_path):
     attempt = st["attempts"][0]
     seconds = (dt.datetime.fromisoformat(attempt["ended"]) - dt.datetime.fromisoformat(attempt["started"])).total_seconds()
     # the stop's own cost (last checkpoint, the ranks' exit) is held back as 5 s (ledger.CHECKPOINT_RESERVE_S);
-    # on a machine loaded 3x over it took longer once: $1.0753 spent
+    # beside another worker's multi-process test (CI, two workers) the stop once took 14 s: $1.5119 spent
     assert st["costUSD"] <= 1.2
     assert st["costUSD"] == pytest.approx(seconds * 200.0 / 3600, abs=0.02)       # both GPUs charged
 
