@@ -186,8 +186,11 @@ class Queue:
         if found is None:
             return False
         job, store = found
+        before = _attempts(store)
         code = self.run(job, store)
-        if code == EXIT_OK:
+        if code == EXIT_OK and _attempts(store) == before:   # it ended on another node before this one got its lease
+            self.say(f"queue {self.storage}: {name} succeeded on another node meanwhile")
+        elif code == EXIT_OK:
             self.tally.succeeded.append(name)
         elif code == EXIT_HELD:                      # another node took it between our look and the lease
             self._look_again = True
@@ -232,6 +235,14 @@ class Queue:
         else:
             self.say(f"queue {self.storage}: nothing left for this node: " + "; ".join(parts))
         return code
+
+
+def _attempts(store: Store) -> int:
+    """How many attempts storage's record holds: a run that adds none trained nothing here."""
+    from grpo_run.runner.books.books import stored_record
+
+    with stored_record(store) as record:
+        return len(record.attempts()) if record is not None else 0
 
 
 def _look(store: Store) -> tuple[Phase, str] | None:

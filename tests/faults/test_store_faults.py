@@ -140,9 +140,13 @@ def test_a_notice_while_the_store_stalls_still_ends_inside_the_window(tmp_path, 
     assert st["phase"] == "Succeeded" and identical
 
 
-def _fails_clearly(proc, node: Path, *said: str) -> tuple[str, int]:
+def _fails_clearly(proc, node: Path, *said: str, status: dict[int, str] | None = None) -> tuple[str, int]:
+    """The node failed (exit 1, saying one of `said`; or any exit in `status`, saying its line),
+    without a traceback, its local checkpoint whole. (What it said last, that checkpoint's step)"""
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, f"status {proc.returncode}\n{err[-3000:]}"
+    status = status or {1: ""}
+    assert proc.returncode in status, f"status {proc.returncode}\n{err[-3000:]}"
+    said = (status[proc.returncode],) if status[proc.returncode] else said
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if any(s in line for s in said)]
     assert lines, err[-3000:]
@@ -190,7 +194,11 @@ def test_a_bucket_deleted_mid_run_fails_it_clearly_with_the_local_checkpoints_in
             break
         except client.exceptions.ClientError:
             assert time.monotonic() < deadline, "could not delete the bucket"
-    line, local = _fails_clearly(proc, node, s3_env.bucket)
+    # The node notices whichever goes first: the bucket (exit 1, naming it) or, when a lease
+    # renewal falls while the bucket is being emptied (seen once in a two-worker clean-clone
+    # run), its lease object removed (exit 5: it stops, as when another node may have taken over).
+    said = {1: s3_env.bucket, 5: "was removed while"}
+    line, local = _fails_clearly(proc, node, status=said)
     figures.add("store", fault="bucket deleted mid-run", outcome="Failed, clearly",
                 detail=f"said: {line.strip()[:160]}; local checkpoint {local} intact")
-    assert "bucket" in line.lower()
+    assert "lease" in line.lower() if proc.returncode == 5 else "bucket" in line.lower()

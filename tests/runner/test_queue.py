@@ -39,12 +39,15 @@ def submit(storage: Path, name: str) -> None:
     submit_job(parse_job(doc, source=name), f"{storage}/{name}", holder="test-laptop")
 
 
-def move(storage: Path, name: str, *phases: Phase) -> None:
-    """Storage's record of `name` moved through `phases`, as nodes would have moved it."""
+def move(storage: Path, name: str, *phases: Phase, attempt: bool = False) -> None:
+    """Storage's record of `name` moved through `phases` (with an attempt when `attempt`), as
+    nodes would have moved it."""
     store = Store(f"{storage}/{name}")
     local = storage.parent / f"{name}.db"
     store.get_file(RECORD_FILE, local)
     with Record(local) as record:
+        if attempt:
+            record.start_attempt("test-node")
         for phase in phases:
             record.set_phase(phase)
     store.put_file(local, RECORD_FILE)
@@ -57,6 +60,7 @@ class Served:
     def __init__(self, storage: Path, codes: dict | None = None, during=None, *, wait: bool = False,
                  poll_s: float = 0.05) -> None:
         self.runs: list[str] = []
+        self.done_elsewhere: set[str] = set()      # jobs another node finished before this run got their lease
         self.lines: list[str] = []
         self.codes, self.during = codes or {}, during or {}
         self.stop = threading.Event()
@@ -68,7 +72,10 @@ class Served:
         if job.name in self.during:
             self.during[job.name]()
         code = self.codes.get(job.name, EXIT_OK)
-        return code.pop(0) if isinstance(code, list) else code
+        code = code.pop(0) if isinstance(code, list) else code
+        if code != EXIT_HELD and job.name not in self.done_elsewhere:    # it trained here: an attempt in storage
+            move(Path(self.queue.storage), job.name, attempt=True)
+        return code
 
     def serve(self, timeout_s: float = 60.0) -> int:
         result: list[int] = []
@@ -143,6 +150,19 @@ def test_a_job_another_node_took_first_is_looked_at_again_not_counted(tmp_path):
     assert node.serve() == EXIT_OK
     assert node.runs == ["a", "a"]
     assert node.lines[-1].endswith("1 succeeded here (a)")
+
+
+def test_a_job_another_node_finished_before_its_run_here_is_not_counted_as_succeeded_here(tmp_path):
+    """Seen with two real nodes: one looked at a job in FinalEval while the other finished it; its
+    run then found it succeeded ('nothing to do', exit 0) and the node claimed it in its tally."""
+    storage = tmp_path / "bucket"
+    for name in ("a-here", "b-elsewhere"):
+        submit(storage, name)
+    node = Served(storage)
+    node.done_elsewhere.add("b-elsewhere")
+    assert node.serve() == EXIT_OK
+    assert "b-elsewhere succeeded on another node meanwhile" in node.text
+    assert "1 succeeded here (a-here)" in node.text, node.text
 
 
 def test_a_job_submitted_while_the_node_trains_is_served_too(tmp_path):
