@@ -2,7 +2,12 @@
 
     import grpo_run
 
-    job = grpo_run.apply("examples/tiny-arithmetic.yaml")      # train in the foreground
+    def correct(completion: str, task: dict) -> float:
+        return float(completion.strip() == task["answer"])
+
+    job = grpo_run.train(model="Qwen/Qwen2.5-0.5B-Instruct", name="add-lora", rewards=[correct],
+                         tasks=[{"prompt": "2+2=", "answer": "4"}, ...], held_out_fraction=0.1)
+    job = grpo_run.apply("examples/tiny-arithmetic.yaml")      # a job file, from Python
     job.status()["phase"]                                       # 'Succeeded'
     job.report("run.png"); job.export("adapter/")
     grpo_run.get("tiny-arithmetic")                             # the same handle, later
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["apply", "get", "Job", "JobError", "RunError"]
+__all__ = ["train", "apply", "get", "Job", "JobError", "RunError"]
 
 
 class JobError(ValueError):
@@ -53,8 +58,9 @@ class RunError(RuntimeError):
 
 if TYPE_CHECKING:           # what type checkers and editors see; loaded lazily below
     from grpo_run.handle import Job, apply, get
+    from grpo_run.training import train
 
-_LAZY = {"apply": "grpo_run.handle", "get": "grpo_run.handle", "Job": "grpo_run.handle"}
+_LAZY = {"train": "grpo_run.training", "apply": "grpo_run.handle", "get": "grpo_run.handle", "Job": "grpo_run.handle"}
 
 
 def __getattr__(name: str) -> Any:
