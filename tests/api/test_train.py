@@ -8,9 +8,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,35 @@ def test_a_trl_reward_runs_unchanged_in_a_yaml_job(tmp_path):
     assert main(["apply", "-f", str(tmp_path / "job.yaml")]) == 0
     status = grpo_run.get("trl-yaml").status()
     assert status["phase"] == "Succeeded" and set(status["final"]["rewards"]) == {"reward_func"}
+
+
+def test_an_interrupted_run_stops_like_sigint_and_running_it_again_resumes(tmp_path):
+    """Jupyter's interrupt is a SIGINT to the kernel: the run stops as on a spot notice (checkpoint
+    durable, Preempted) and train() returns; the same call again continues from that checkpoint."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(SCRIPT.replace("max_steps=4", "max_steps=40").replace("save_steps=2", "save_steps=10"))
+    env = {**os.environ}                                         # GRPO_RUN_HOME: this test's (conftest)
+    args = [sys.executable, str(script), str(tmp_path / "bucket"), "here-again"]
+    first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None:
+            try:
+                if grpo_run.get("from-python").status()["step"] >= 2:
+                    break
+            except grpo_run.JobError:                            # not started yet
+                pass
+            time.sleep(0.1)
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == "Preempted"
+    stopped = grpo_run.get("from-python").status()
+    assert 2 <= stopped["step"] < 40 and stopped["checkpoints"]["latestDurable"] == stopped["step"]
+    again = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == "Succeeded", again.stderr[-3000:]
+    done = grpo_run.get("from-python").status()
+    assert done["step"] == 40 and len(done["attempts"]) == 2 and done["baseline"]["runs"] == 1
