@@ -112,6 +112,9 @@ class _Found:
         used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
         if isinstance(obj, types.FunctionType):
             used &= _global_names(obj.__code__)  # not its parameters and locals
+            # ... but its default values are evaluated where it is defined, outside its code
+            used |= {n.id for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None
+                     for n in ast.walk(d) if isinstance(n, ast.Name)}
         for used_name in sorted(used - {name}):
             if used_name in self.globals:
                 self._take(used_name, self.globals[used_name])

@@ -31,8 +31,8 @@ def _helper(text: str) -> int:
     return len(text.split())
 
 
-def uses_its_module(completion: str, task: dict) -> float:
-    return SCALE * _helper(completion) + float(json.loads(task["n"]))
+def uses_its_module(completion: str, task: dict, scale: float = SCALE) -> float:
+    return scale * _helper(completion) + float(json.loads(task["n"]))
 
 
 def reads_a_live_object(completion, task):
