@@ -80,7 +80,9 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
             from grpo_run.runner.estimate.summary import summary
 
             print(summary(checked.job.name, checked.estimate, job_file=file, max_cost_usd=checked.job.maxCostUSD))
-        if dry_run and not checked.refusal:
+        if checked.refusal:                      # refused before anything starts, with the numbers
+            raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)      # what apply would answer
+        if dry_run:
             return EXIT_OK
         return start(checked, detach=detach, output=output, stop=threading.Event())
     except Refused as e:
