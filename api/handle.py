@@ -4,6 +4,7 @@ apply -f` would run, and a refusal reads as the CLI's line (raised as JobError o
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -17,6 +18,13 @@ from grpo_run.state.phases import Phase
 # The phases in which no node continues the job by itself: wait() returns there. Preempted is not
 # among them: a spot node that boots runs `grpo-run resume` and continues it.
 SETTLED = (Phase.SUCCEEDED, Phase.FAILED, Phase.BUDGET_EXCEEDED, Phase.CANCELLED)
+
+
+def live_view() -> bool | None:
+    """Whether the trainer draws its progress bar: yes in a Jupyter kernel, whose stderr is no
+    terminal but which shows in the cell what child processes write to file descriptor 2
+    (ipykernel 6 and later capture it); otherwise as the CLI decides (None)."""
+    return True if "ipykernel" in sys.modules else None
 
 
 @contextmanager
@@ -141,6 +149,6 @@ def apply(path: str | Path, *, dry_run: bool = False, detach: bool = False) -> A
             if checked.refusal:
                 raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)
             return checked.dry_run_doc()
-        start(checked, detach=detach, output=None, stop=threading.Event())
+        start(checked, detach=detach, output=None, stop=threading.Event(), progress=live_view())
     job = checked.job
     return Job(job.name, job.storage if detach else None)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run import JobError
-from grpo_run.handle import Job, as_api_errors
+from grpo_run.handle import Job, as_api_errors, live_view
 from grpo_run.package import Unpackable, package_reward
 
 SOURCE = "grpo_run.train()"       # how the job's problems are introduced (a job file's are by its path)
@@ -95,7 +95,7 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
         except ValueError as e:                     # JobError: every problem, one per line
             raise JobError(str(e)) from None
         checked = check_job(SOURCE, job, dry_run=False, detach=detach)
-        start(checked, detach=detach, output=None, stop=threading.Event())
+        start(checked, detach=detach, output=None, stop=threading.Event(), progress=live_view())
     return Job(name, storage if detach else None)
 
 

@@ -197,7 +197,8 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
     return Checked(file, job, est, check_fits(est) if est else None)
 
 
-def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event) -> int:
+def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event,
+          progress: bool | None = None) -> int:
     """What `apply` does once the job is checked: refuse a GPU it does not fit, record its files'
     hashes, then train it here in the foreground (run_job) or submit it (submit_job). Returns
     the exit status; raises Refused."""
@@ -211,7 +212,7 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
         raise Refused(str(e), EXIT_USAGE) from None
     if detach:
         return submit_job(job, checked.estimate, output)
-    return run_job(job, output=output, stop=stop)
+    return run_job(job, output=output, stop=stop, progress=progress)
 
 
 def submit_job(job, est: dict | None, output: str | None) -> int:
@@ -253,7 +254,7 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
 
 
 def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
-            trust_urls: bool | None = None) -> int:
+            trust_urls: bool | None = None, progress: bool | None = None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
@@ -261,8 +262,10 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     `trust_urls`: None for a job file applied here (the operator's own word: its files are
     uploaded once the lease is held); True or False for a job read from storage (resume: its
     files are the stored copies, and its URLs the node's unless True). `stop`: set it to stop
-    the run as a SIGINT does (checkpoint durable, Preempted). Returns the exit status; raises
-    Refused for a failure before or around the run (storage, a full disk, another node's lease)."""
+    the run as a SIGINT does (checkpoint durable, Preempted). `progress`: whether the trainer
+    draws its progress bar on stderr (None: when stderr is a terminal, or GRPO_RUN_PROGRESS=1).
+    Returns the exit status; raises Refused for a failure before or around the run (storage, a
+    full disk, another node's lease)."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.envfiles import environment_uploads, localize_environment
     from grpo_run.runner.spec.job import build_run_spec
@@ -292,7 +295,8 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
                   f"`grpo-run delete {job.name} --yes` clears the name to train it again")
             print(dump(done, output), end="") if output else None
             return EXIT_OK
-        progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
+        if progress is None:
+            progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
         result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,
                             preempt=stop).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -254,3 +255,17 @@ def test_an_interrupted_run_stops_like_sigint_and_running_it_again_resumes(tmp_p
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == "Succeeded", again.stderr[-3000:]
     done = grpo_run.get("from-python").status()
     assert done["step"] == 40 and len(done["attempts"]) == 2 and done["baseline"]["runs"] == 1
+
+
+def test_in_a_jupyter_kernel_the_trainers_progress_bar_is_drawn(tmp_path):
+    """A kernel's stderr is no terminal, so the CLI's rule would draw no bar; ipykernel (6+) shows
+    in the cell what child processes write to fd 2, so in a kernel the trainer draws it. The
+    kernel is stood in for by its module's name in sys.modules, which is what is looked at."""
+    script = SCRIPT.replace("import grpo_run\n", "import types\nsys.modules['ipykernel'] = types.ModuleType('ipykernel')\n"
+                                                  "import grpo_run\n", 1)
+    (tmp_path / "kernel.py").write_text(script)
+    proc = subprocess.run([sys.executable, str(tmp_path / "kernel.py"), str(tmp_path / "bucket"), "here-too"],
+                          cwd=tmp_path, env={**os.environ, "GRPO_RUN_PROGRESS": "0"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "Succeeded", proc.stderr[-3000:]
+    assert re.search(r"training: +100%\|.*\| 4/4", proc.stderr), proc.stderr[-3000:]
