@@ -269,3 +269,23 @@ def test_in_a_jupyter_kernel_the_trainers_progress_bar_is_drawn(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "Succeeded", proc.stderr[-3000:]
     assert re.search(r"training: +100%\|.*\| 4/4", proc.stderr), proc.stderr[-3000:]
+
+
+def test_tasks_as_a_dataset_or_chat_rows_are_written_as_parquet_the_trainer_reads(tmp_path):
+    from datasets import Dataset
+
+    from grpo_run.training import _task_file
+    from grpo_run.trainer.envs.data import load_split
+
+    chat = [{"prompt": [{"role": "system", "content": "add"}, {"role": "user", "content": f"{a}+1="}],
+             "answer": str(a + 1)} for a in range(3)]
+    for given, name in ((chat, "rows.parquet"), (Dataset.from_list(chat), "dataset.parquet")):
+        path = _task_file(given, tmp_path / name, "tasks")
+        assert load_split(path, "train") == chat                 # as the trainer reads a task file
+    first = (tmp_path / "rows.parquet").read_bytes()
+    _task_file(chat, tmp_path / "rows.parquet", "tasks")
+    assert (tmp_path / "rows.parquet").read_bytes() == first     # the same rows, the same bytes: the same job
+    with pytest.raises(grpo_run.JobError, match=r"eval_tasks: the rows cannot be written as Parquet"):
+        _task_file([{"prompt": "a", "n": 1}, {"prompt": "b", "n": "x"}], tmp_path / "mixed.parquet", "eval_tasks")
+    with pytest.raises(grpo_run.JobError, match=r"tasks: give a list of dicts"):
+        _task_file(["just a prompt"], tmp_path / "bad.parquet", "tasks")
