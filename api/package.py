@@ -3,8 +3,9 @@
 `grpo_run.train(rewards=[fn])` turns each function into one small module file: the function's
 own source, and what it uses from its module, found by name: the modules it imports (`import
 re`), names it imports from installed modules (`from math import isclose`), the functions and
-classes of its own module it calls (their source, recursively), and constants (numbers, text,
-and tuples, lists, dicts and sets of them, written back as literals). The file is one of the
+classes of its own module it calls (their source, recursively), constants (numbers, text, and
+tuples, lists, dicts and sets of them, written back as literals), and standard-library objects
+its module's source makes with one assignment (`PATTERN = re.compile(...)`: the statement). The file is one of the
 job's environment files (runner/envfiles.py), so it is hashed into the spec, copied to the job's
 storage under the lease and fetched, checked, by any node that resumes the job; the grader
 imports it inside its sandbox, never the supervisor or the CLI; the evaluation cache's
@@ -16,7 +17,8 @@ unpickling on the node (unpickling runs whatever the bytes say, before the sandb
 it), and a function defined in a notebook cell or in `__main__` packages the same way as one in
 a module. What source cannot carry is refused here, with the reason and what to write instead:
 a lambda or a function whose source is gone, a closure, a decorated function, a builtin or a C
-extension's function, a live object it reads as a global (a model, a tokenizer, an open file),
+extension's function, a live object it reads as a global (a model, a tokenizer, an open file; a
+standard-library object made in a notebook cell, which has no module source to read it from),
 and a module that is not installed (a file next to the script: the node would not have it).
 Stdlib only: this runs in the user's process before anything else of the job.
 """
@@ -57,7 +59,8 @@ def package_reward(fn: Any) -> str:
     if found.imports:
         lines.append("")
     lines += [f"{name} = {text}" for name, text in found.constants.items()]
-    if found.constants:
+    lines += list(found.assignments.values())
+    if found.constants or found.assignments:
         lines.append("")
     for source in found.sources.values():
         lines += ["", source.rstrip(), ""]
@@ -97,6 +100,7 @@ class _Found:
         self.imports: set[str] = set()
         self.constants: dict[str, str] = {}
         self.sources: dict[str, str] = {}        # name -> source, dependencies first
+        self.assignments: dict[str, str] = {}    # name -> its module's `NAME = ...` statement, dependencies first
 
     def visit(self, obj: Any) -> None:
         name = obj.__name__
@@ -145,10 +149,40 @@ class _Found:
                              else f"from {value.__module__} import {value.__qualname__} as {name}")
         elif _literal(value):
             self.constants[name] = repr(value)
+        elif (statement := self._assignment(name, value)) is not None:
+            self.assignments[name] = statement
         else:
             raise Unpackable(f"{self.label} uses the global {name} (a {type(value).__name__}), a live object that "
                              "cannot travel with the job: create it inside the function (or in a helper it calls), "
                              "or give the reward a module of its own installed on the nodes")
+
+    def _assignment(self, name: str, value: Any) -> str | None:
+        """`NAME = expression` as the module's source writes it (its last top-level assignment),
+        when `value` is an object of the standard library (a compiled regex, a Decimal, a
+        frozenset, ...): re-running the expression in the grader makes it again. None otherwise:
+        a third-party object (a model, a tokenizer) is not re-created inside the sandbox, and a
+        notebook's module has no source file to read it from. What the expression uses is
+        packaged like the function's own globals."""
+        kind = type(value).__module__.split(".")[0]
+        if kind not in sys.stdlib_module_names or kind == "builtins" and not isinstance(value, frozenset):
+            return None
+        try:
+            module_source = inspect.getsource(sys.modules[self.globals["__name__"]])
+        except (KeyError, OSError, TypeError):
+            return None
+        found = None
+        for node in ast.parse(module_source).body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and node.targets[0].id == name):
+                found = node
+        if found is None:
+            return None
+        self.assignments[name] = ""              # visiting: what it uses is packaged first
+        for used in sorted({n.id for n in ast.walk(found.value) if isinstance(n, ast.Name)} - {name}):
+            if used in self.globals and used not in self.assignments:
+                self._take(used, self.globals[used])
+        del self.assignments[name]
+        return ast.get_source_segment(module_source, found)
 
     def _installed(self, name: str, module: types.ModuleType) -> None:
         where = getattr(module, "__file__", None)

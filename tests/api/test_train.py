@@ -26,6 +26,9 @@ from tests.runner.test_resume import grpo_run as cli
 
 SCALE = 2.0
 LIVE = object()
+WORD = r"[a-z]+"
+WORDS = re.compile(WORD)
+ONE_WORD = re.compile(f"^{WORD}$")
 
 
 def _helper(text: str) -> int:
@@ -34,6 +37,10 @@ def _helper(text: str) -> int:
 
 def uses_its_module(completion: str, task: dict, scale: float = SCALE) -> float:
     return scale * _helper(completion) + float(json.loads(task["n"]))
+
+
+def counts_words(completion, task):
+    return float(len(WORDS.findall(completion))) + float(bool(ONE_WORD.match(completion)))
 
 
 def reads_a_live_object(completion, task):
@@ -86,6 +93,12 @@ def test_a_packaged_reward_is_its_source_and_what_it_uses():
     assert namespace["uses_its_module"]("a b c", {"n": "1"}) == uses_its_module("a b c", {"n": "1"}) == 7.0
     assert "import json" in source and "SCALE = 2.0" in source and "def _helper" in source
     assert package_reward(uses_its_module) == source                # the same bytes every time
+    source = package_reward(counts_words)                           # stdlib objects: their module's statement
+    assert "WORDS = re.compile(WORD)" in source and source.index("WORD = ") < source.index("WORDS = ")
+    namespace = {}
+    exec(compile(source, "packaged.py", "exec"), namespace)
+    assert namespace["counts_words"]("ab cd", {}) == counts_words("ab cd", {}) == 2.0
+    assert namespace["counts_words"]("ab", {}) == 2.0
 
 
 def helper_module(tmp_path: Path):
