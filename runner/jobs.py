@@ -1,16 +1,29 @@
-"""Finding a job, as the CLI does: in this node's work folders and store (runner/home.py), a
+"""The library behind the CLI and the Python API (grpo_run): applying a job (checked, then run in
+the foreground on this node by the supervisor, or submitted to its storage), running one found in
+storage; finding a job, as the CLI does: in this node's work folders and store (runner/home.py), a
 storage URL, or the storage a job was submitted to from here; and the job as `get tj` shows it,
-from its record."""
+from its record.
+
+Refusals are raised as Refused (runner/exits.py) in the words the CLI prints, with its exit status;
+what a run tells as it goes (the summary, a submission's lines) is printed here, for both.
+"""
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import sys
+import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_run.state.record import RECORD_FILE
+from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
-from grpo_run.state.phases import Phase
+from grpo_run.runner.text import dump, printable
+from grpo_run.state.phases import STOPPED, Phase
 
 
 def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
@@ -132,3 +145,267 @@ def local_jobs() -> list[str]:
     runs = home() / "runs"
     here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
     return sorted(here | set(submitted_jobs(home())))
+
+
+# --- apply: check, then run here or submit ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Checked:
+    """A job file read and checked as `apply` does, before anything starts."""
+    file: str                          # the job file (for the messages)
+    job: Any                           # its TrainingJob
+    estimate: dict[str, Any] | None    # status.estimate (None when the model's config cannot be read here)
+    refusal: str | None                # why it does not fit the GPU (apply refuses it; a dry run shows it)
+
+    def dry_run_doc(self) -> dict[str, Any]:
+        """The whole job with status.estimate, as `apply --dry-run -o yaml` prints it."""
+        est = self.estimate
+        doc = self.job.to_dict()
+        doc["status"] = {"phase": str(Phase.PENDING),
+                         "estimate": {**est, "refusal": self.refusal} if self.refusal and est else est}
+        return doc
+
+
+def check_job_file(file: str, *, dry_run: bool, detach: bool) -> Checked:
+    """Read the job file, run apply's preflight and estimate it. Raises Refused: a job file that
+    is missing or wrong (EXIT_USAGE, its problems all at once), a preflight refusal, a model
+    config that a dry run cannot read. A GPU it does not fit is in Checked.refusal: a dry run
+    shows the job anyway."""
+    from grpo_run.runner.spec.job import JobError, load_job
+
+    try:
+        job = load_job(file)
+    except FileNotFoundError:
+        raise Refused(f"no such job file: {file}", EXIT_USAGE) from None
+    except JobError as e:
+        raise Refused(str(e), EXIT_USAGE, prefixed=False) from None
+    return check_job(file, job, dry_run=dry_run, detach=detach)
+
+
+def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
+    """check_job_file for a TrainingJob already built (the Python API builds one from arguments)."""
+    from grpo_run.runner.estimate.estimate import check_fits, estimate
+    from grpo_run.runner.preflight import check_before_apply
+
+    check_before_apply(file, job, dry_run=dry_run, detach=detach)   # reward, tasks, storage, model: before any node
+    try:
+        est = estimate(job)
+    except (LookupError, ValueError) as e:     # config.json not found here / not readable
+        if dry_run:
+            raise Refused(str(e), EXIT_USAGE) from None
+        est = None                               # a real run may still fetch the model
+    return Checked(file, job, est, check_fits(est) if est else None)
+
+
+def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event,
+          progress: bool | None = None) -> int:
+    """What `apply` does once the job is checked: refuse a GPU it does not fit, record its files'
+    hashes, then train it here in the foreground (run_job) or submit it (submit_job). Returns
+    the exit status; raises Refused."""
+    from grpo_run.runner.envfiles import with_file_hashes
+
+    if checked.refusal:                        # refused before anything starts, with the numbers
+        raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)
+    try:
+        job = with_file_hashes(checked.job)    # what the job's files are now, recorded in its spec
+    except ValueError as e:
+        raise Refused(str(e), EXIT_USAGE) from None
+    if detach:
+        return submit_job(job, checked.estimate, output)
+    return run_job(job, output=output, stop=stop, progress=progress)
+
+
+def submit_job(job, est: dict | None, output: str | None) -> int:
+    """`apply --detach`: write the job (and the installed grpo-run's wheel) into its storage,
+    Pending, for a node to train; nothing runs here. Raises Refused."""
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+    from grpo_run.runner.submit import SubmitRefused, remember, submit
+    from grpo_run.runner.supervisor.supervisor import node_name
+    from grpo_run.runner.wheel import WheelError, build_wheel
+
+    storage = job.storage
+    if storage is None:
+        raise Refused(f"{job.name}: spec.storage is not set, so the job would stay in this machine's own store, where "
+                      "no node can reach it: set spec.storage (e.g. s3://bucket/prefix) to submit it with --detach",
+                      EXIT_USAGE)
+    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
+        try:
+            wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/wheel.py)
+            done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel)
+        except SubmitRefused as e:
+            raise Refused(printable(str(e)), EXIT_USAGE) from None       # it names the phase storage holds
+        except (StorageConfigError, StorageUnavailable, LookupError, ValueError, WheelError) as e:
+            raise Refused(str(e), EXIT_FAILED) from None
+    remember(home(), job.name, storage)
+    if output:
+        print(dump(get_job(job.name, storage), output), end="")
+        return EXIT_OK
+    said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
+            "unchanged": "already submitted with this spec"}[done.outcome]
+    print(f"{job.name}: {said} to {done.url} (phase {printable(done.phase)}); nothing runs on this machine.")
+    if est and est.get("costToCompletionUSD") is not None:
+        print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
+              f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
+    elif est:
+        print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
+    print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
+    print(f"  follow it: grpo-run get tj {job.name} -w")
+    return EXIT_OK
+
+
+def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
+            trust_urls: bool | None = None, progress: bool | None = None) -> int:
+    """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
+    spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
+    What the job needs is decided from storage's record: read here to skip a finished job, then
+    fetched by the supervisor once it holds the lease (this node's copy may be older).
+    `trust_urls`: None for a job file applied here (the operator's own word: its files are
+    uploaded once the lease is held); True or False for a job read from storage (resume: its
+    files are the stored copies, and its URLs the node's unless True). `stop`: set it to stop
+    the run as a SIGINT does (checkpoint durable, Preempted). `progress`: whether the trainer
+    draws its progress bar on stderr (None: when stderr is a terminal, or GRPO_RUN_PROGRESS=1).
+    Returns the exit status; raises Refused for a failure before or around the run (storage, a
+    full disk, another node's lease)."""
+    from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+    from grpo_run.runner.envfiles import environment_uploads, localize_environment
+    from grpo_run.runner.spec.job import build_run_spec
+    from grpo_run.runner.storedjob import as_this_node_runs_it
+    from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
+    from grpo_run.runner.supervisor.supervisor import Supervisor
+    from grpo_run.trainer.protocol import PROGRESS_ENV
+
+    storage = storage or job.storage
+    url = job_store_url(storage, job.name)
+    work = work_dir(job.name)
+    try:
+        if store is None:
+            store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
+            store.check()                      # a bad bucket or credentials fail before any work
+        if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
+            local, uploads = job, environment_uploads(job)
+        else:                                  # resume: nothing of this node's is read or sent for the job
+            local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
+            uploads = ()
+        spec = build_run_spec(job, url, local=local, uploads=uploads)
+        over = already_finished(job, store)
+        if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
+            phase, done = over
+            print(f"{job.name}: already succeeded; nothing to do" if phase == Phase.SUCCEEDED else
+                  f"{job.name}: cancelled ({printable(done['status'].get('message', ''))}); nothing to do; "
+                  f"`grpo-run delete {job.name} --yes` clears the name to train it again")
+            print(dump(done, output), end="") if output else None
+            return EXIT_OK
+        if progress is None:
+            progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
+        result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,
+                            preempt=stop).run()
+    except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
+        raise Refused(str(e), EXIT_FAILED) from None
+    except (OSError, sqlite3.OperationalError) as e:
+        if not disk_full(e):
+            raise
+        raise Refused(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}", EXIT_FAILED) from None
+    if result.exit_code == EXIT_HELD:
+        raise Refused(f"{job.name}: another node holds the job, so this node does not train it: "
+                      f"{printable(result.message)}", EXIT_HELD)
+    doc = job_doc(work / RECORD_FILE)
+    if result.exit_code == EXIT_OK and job.gpu:
+        remember_step_time(job, doc["status"])
+    if result.exit_code == EXIT_FAILED:
+        print(f"error: {job.name} failed: {printable(result.message or doc['status'].get('message', ''))}",
+              file=sys.stderr)
+    if output:
+        print(dump(doc, output), end="")
+    else:
+        print(run_summary(job.name, doc["status"], result))
+    return result.exit_code
+
+
+def _durable_here(work: Path) -> int:
+    """The newest durable checkpoint this node's record knows of (0 when it cannot be read)."""
+    try:
+        return int(job_doc(work / RECORD_FILE)["status"]["checkpoints"].get("latestDurable") or 0)
+    except Exception:           # a record the full disk left unreadable: the message goes without it
+        return 0
+
+
+def remember_step_time(job, status: dict) -> None:
+    """A finished run on a GPU teaches the estimates its measured step time (runs on a CPU, or
+    on a GPU other than spec.gpu says, would teach them wrong)."""
+    from grpo_run.runner.estimate.estimate import record_measured_step_seconds
+
+    device = status.get("device") or ""
+    seconds = status.get("medianStepSeconds")
+    if device.startswith("cuda") and seconds:
+        record_measured_step_seconds(job.gpu, seconds, job.name, model=job.model,
+                                     completion_length=job.parameters.maxCompletionLength)
+
+
+def run_summary(name: str, status: dict, result) -> str:
+    """The lines a run ends with: phase and step, the held-out rewards, the notice's timing."""
+    lines = [f"{name}: {status['phase']} after {status['step']} steps"]
+    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
+        lines.append(f"  {printable(status['message'])}")
+    b, f = status.get("baseline"), status.get("final")
+    if b and f:
+        lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
+                     f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
+    if result.notice_to_durable_s is not None:
+        lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
+                     f"{result.notice_to_durable_s:.2f} s")
+    if status["phase"] in STOPPED:
+        lines.append(f"  continue with: grpo-run resume {name}")
+    return "\n".join(lines)
+
+
+def watchers_for(job):
+    """Spot-notice watchers: spec.notices.clouds, else GRPO_RUN_NOTICES (auto: every cloud whose
+    metadata service answers; a comma-separated list of aws, gcp, azure; none). SIGTERM and
+    SIGINT always count. spec.notices.*MetadataURL override the GRPO_RUN_*_METADATA_URL variables."""
+    from grpo_run.runner.notices.clouds import make_watchers
+
+    clouds: Any = os.environ.get("GRPO_RUN_NOTICES", "auto")
+    urls: dict[str, str] = {}
+    if job.notices is not None:
+        clouds = job.notices.clouds
+        urls = dict(job.notices.urls)
+    if clouds == "none":
+        return []
+    if isinstance(clouds, str) and clouds != "auto":
+        clouds = clouds.split(",")
+    return make_watchers(clouds, base_urls=urls)
+
+
+# --- what the look commands and the handle share -------------------------------------------------
+
+def write_report(name: str, storage: str | None, path: Path) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """Draw job `name`'s run into the PNG `path` and its Markdown summary beside it (.md); returns
+    (the run as gathered, what was drawn, the summary's path). Raises Refused (EXIT_USAGE) for a
+    path that is not a .png or a job that is not found."""
+    from grpo_run.runner.views.report import gather, render, summary
+
+    if path.suffix.lower() != ".png":
+        raise Refused(f"--out {path}: the picture is a PNG; name it FILE.png", EXIT_USAGE)
+    try:
+        with open_record(name, storage) as record:
+            run = gather(record)
+    except LookupError as e:
+        raise Refused(str(e), EXIT_USAGE) from None
+    drawn = render(run, path)
+    md = path.with_suffix(".md")
+    md.write_text(summary(run, path.name), encoding="utf-8")
+    return run, drawn, md
+
+
+def export_adapter(name: str, storage: str | None, out: Path) -> str:
+    """Write job `name`'s final adapter (or the newest durable checkpoint's) as PEFT files into
+    `out`; returns what was written ("the final adapter", ...). Without `storage`: where `apply
+    --detach` sent it, or where it ran on this machine. Raises Refused (EXIT_USAGE) when there is
+    nothing to export."""
+    from grpo_run.runner.export import export_weights
+    from grpo_run.runner.lifecycle import job_storage
+
+    try:
+        return export_weights(job_store_url(job_storage(name, storage), name), out)
+    except LookupError as e:
+        raise Refused(str(e), EXIT_USAGE) from None

@@ -16,7 +16,7 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
                   found, and (not on a dry run) a small object written, read and deleted under
                   the job's prefix
 and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
-checkpoint before the end). `check_before_apply` is the CLI's one call; `preflight` the library's.
+checkpoint before the end). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
 """
 
 from __future__ import annotations
@@ -74,31 +74,26 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     return found
 
 
-def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> int | None:
-    """`grpo-run apply`'s preflight: prints what it found (stderr) and returns the exit status
-    to stop with (2 for a job file that would fail, or for --dry-run with --detach; 1 when the
-    storage does not answer), or None to go on."""
-    from grpo_run.runner.text import error
-    from grpo_run.runner.exits import EXIT_FAILED, EXIT_USAGE
+def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> None:
+    """`apply`'s preflight (the CLI's and the Python API's): prints its warnings and notes (stderr)
+    and raises Refused when the job must stop here (EXIT_USAGE for a job file that would fail, or
+    for a dry run with detach; EXIT_FAILED when the storage does not answer)."""
+    from grpo_run.runner.exits import EXIT_FAILED, EXIT_USAGE, Refused
     from grpo_run.runner.spec.job import JobError
 
     if dry_run and detach:
-        error("--dry-run and --detach together: --dry-run starts and submits nothing, --detach submits; give one "
-              "(a dry run checks everything --detach would, but writing to storage)")
-        return EXIT_USAGE
+        raise Refused("--dry-run and --detach together: --dry-run starts and submits nothing, --detach submits; give "
+                      "one (a dry run checks everything --detach would, but writing to storage)", EXIT_USAGE)
     try:
         found = preflight(job, mode="dry-run" if dry_run else "detach" if detach else "apply")
     except StorageUnreachable as e:
-        error(str(e))
-        return EXIT_FAILED
+        raise Refused(str(e), EXIT_FAILED) from None
     for line in found.warnings:
         print(f"warning: {line}", file=sys.stderr)
     for line in found.notes:
         print(f"note: {line}", file=sys.stderr)
     if found.problems:
-        print(str(JobError(file, found.problems)), file=sys.stderr)
-        return EXIT_USAGE
-    return None
+        raise Refused(str(JobError(file, found.problems)), EXIT_USAGE, prefixed=False)
 
 
 # --- storage ----------------------------------------------------------------------------------------

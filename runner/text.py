@@ -4,6 +4,7 @@ queue, the preflight), so none of them needs the commands' own module."""
 
 from __future__ import annotations
 
+import json
 import sys
 import unicodedata
 from typing import Any
@@ -12,6 +13,15 @@ from typing import Any
 def error(message: str) -> None:
     """`error: MESSAGE` on stderr: the one line a refusal or a failure gets."""
     print(f"error: {message}", file=sys.stderr)
+
+
+def dump(doc: Any, fmt: str) -> str:
+    """A job (or any document) as `-o yaml|json` prints it."""
+    if fmt == "json":
+        return json.dumps(doc, indent=2)
+    import yaml
+
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def printable(text: Any) -> str:

@@ -73,3 +73,21 @@ def _imported_names(node: ast.AST) -> list[str]:
     if isinstance(node, ast.ImportFrom):
         return [f"{'.' * node.level}{node.module or ''}.{alias.name}" for alias in node.names]
     return []
+
+
+def test_the_public_face_is_imported_by_no_package_below_it():
+    """grpo_run's own modules (api/: apply, get, the Job handle) call the library; the library never
+    calls them: `import grpo_run` or `from grpo_run import X` (X not one of the folders) in runner/,
+    trainer/, checkpoint/ or state/ would put the face below the house it fronts."""
+    folders = PACKAGES | {"deploy"}
+    wrong = [f"{path.relative_to(REPO)}:{node.lineno}"
+             for package in sorted(PACKAGES)
+             for path in sorted((REPO / package).rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if (isinstance(node, ast.Import) and any(a.name == "grpo_run" or a.name.split(".")[:2] == ["grpo_run", "handle"]
+                                                       for a in node.names))
+             or (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                 and (node.module.split(".")[0] == "grpo_run" and len(node.module.split(".")) > 1
+                      and node.module.split(".")[1] not in folders
+                      or node.module == "grpo_run" and any(a.name not in folders for a in node.names)))]
+    assert not wrong, "\n".join(wrong)

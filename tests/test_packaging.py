@@ -39,10 +39,10 @@ def test_every_package_folder_is_listed_for_the_wheel():
     setuptools = _pyproject()["tool"]["setuptools"]
     folders = {"grpo_run." + str(init.parent.relative_to(REPO)).replace("/", ".")
                for top in FOLDERS for init in (REPO / top).rglob("__init__.py")}
-    assert set(setuptools["packages"]) == folders | {"grpo_run.deploy"}
-    assert setuptools["package-dir"] == {f"grpo_run.{f}": f for f in (*FOLDERS, "deploy")}
+    assert set(setuptools["packages"]) == folders | {"grpo_run.deploy", "grpo_run"}
+    assert setuptools["package-dir"] == {**{f"grpo_run.{f}": f for f in (*FOLDERS, "deploy")}, "grpo_run": "api"}
     # a folder of modules without __init__.py would be left out of the wheel silently
-    orphans = [str(p.relative_to(REPO)) for top in FOLDERS for p in (REPO / top).rglob("*.py")
+    orphans = [str(p.relative_to(REPO)) for top in (*FOLDERS, "api") for p in (REPO / top).rglob("*.py")
                if not (p.parent / "__init__.py").exists()]
     assert not orphans
 
@@ -115,9 +115,10 @@ def _grpo_run(venv: Path, folder: Path, *args: str, timeout: float = 300) -> sub
 def test_the_installed_package_is_the_wheel_not_the_checkout(installed, decoys):
     python = installed / "bin" / "python"
     out = subprocess.run([str(python), "-P", "-c", "import grpo_run.runner.cli.commands as c, grpo_run.trainer.child as t; "
-                          "print(c.__file__); print(t.__file__)"], cwd=decoys, check=True, capture_output=True,
+                          "import grpo_run, inspect; print(c.__file__); print(t.__file__); print(grpo_run.__file__); "
+                          "print(inspect.getfile(grpo_run.apply))"], cwd=decoys, check=True, capture_output=True,
                          text=True).stdout.split()
-    assert all(Path(p).is_relative_to(installed) for p in out), out
+    assert len(out) == 4 and all(Path(p).is_relative_to(installed) for p in out), out     # the Python API too
 
 
 def test_the_cli_and_deploy_run_from_a_folder_with_decoys(installed, decoys):

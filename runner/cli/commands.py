@@ -4,27 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
-import tempfile
 import threading
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import click
 
 from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
-from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
-from grpo_run.runner.jobs import (already_finished as _already_finished, find_job as _find_job, get_job, job_doc as _job_doc)
-from grpo_run.runner.home import default_storage, home as _home, job_store_url, work_dir
+from grpo_run.runner.jobs import find_job as _find_job
+from grpo_run.runner.home import default_storage
 from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
-from grpo_run.runner.lifecycle import job_storage
-from grpo_run.state.record import RECORD_FILE
-from grpo_run.state.phases import STOPPED, Phase
 
 
 
@@ -75,92 +70,24 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
       grpo-run apply -f job.yaml --dry-run -o yaml   # the whole job with status.estimate
       grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
-    from grpo_run.runner.spec.job import JobError, load_job
+    from grpo_run.runner.jobs import check_job_file, start
 
     try:
-        job = load_job(file)
-    except FileNotFoundError:
-        _error(f"no such job file: {file}")
-        return EXIT_USAGE
-    except JobError as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_USAGE
-    from grpo_run.runner.preflight import check_before_apply
+        checked = check_job_file(file, dry_run=dry_run, detach=detach)
+        if dry_run and output:                   # the whole job, with why it does not fit if it does not
+            print(_dump(checked.dry_run_doc(), output), end="")
+        elif dry_run and checked.estimate:       # the answer first: cost, time, fit, where the step time came from
+            from grpo_run.runner.estimate.summary import summary
 
-    if (refused := check_before_apply(file, job, dry_run=dry_run, detach=detach)) is not None:
-        return refused                           # reward, tasks, storage, model: before any node is paid for
-    from grpo_run.runner.estimate.estimate import check_fits, estimate
-
-    try:
-        est = estimate(job)
-    except (LookupError, ValueError) as e:     # config.json not found here / not readable
+            print(summary(checked.job.name, checked.estimate, job_file=file, max_cost_usd=checked.job.maxCostUSD))
+        if checked.refusal:                      # refused before anything starts, with the numbers
+            raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)      # what apply would answer
         if dry_run:
-            _error(str(e))
-            return EXIT_USAGE
-        est = None                               # a real run may still fetch the model
-    refusal = check_fits(est) if est else None
-    if dry_run and output:                       # the whole job, with why it does not fit if it does not
-        doc = job.to_dict()
-        doc["status"] = {"phase": str(Phase.PENDING), "estimate": {**est, "refusal": refusal} if refusal else est}
-        print(_dump(doc, output), end="")
-    elif dry_run:                                # the answer first: cost, time, fit, where the step time came from
-        from grpo_run.runner.estimate.summary import summary
-
-        print(summary(job.name, est, job_file=file, max_cost_usd=job.maxCostUSD))
-    if refusal:                                  # refused before anything starts, with the numbers
-        print(refusal, file=sys.stderr)
-        return EXIT_USAGE                        # what apply would answer
-    if dry_run:
-        return EXIT_OK
-    from grpo_run.runner.envfiles import with_file_hashes
-
-    try:
-        job = with_file_hashes(job)              # what the job's files are now, recorded in its spec
-    except ValueError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    if detach:
-        return _submit(job, est, output)
-    return _run(job, output=output, stop=threading.Event())
-
-
-def _submit(job, est: dict | None, output: str | None) -> int:
-    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-    from grpo_run.runner.submit import SubmitRefused, remember, submit
-    from grpo_run.runner.supervisor.supervisor import node_name
-
-    storage = job.storage
-    if storage is None:
-        _error(f"{job.name}: spec.storage is not set, so the job would stay in this machine's own store, where no "
-               "node can reach it: set spec.storage (e.g. s3://bucket/prefix) to submit it with --detach")
-        return EXIT_USAGE
-    from grpo_run.runner.wheel import WheelError, build_wheel
-
-    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
-        try:
-            wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/wheel.py)
-            done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel)
-        except SubmitRefused as e:
-            _error(printable(str(e)))               # it names the phase storage holds
-            return EXIT_USAGE
-        except (StorageConfigError, StorageUnavailable, LookupError, ValueError, WheelError) as e:
-            _error(str(e))
-            return EXIT_FAILED
-    remember(_home(), job.name, storage)
-    if output:
-        print(_dump(get_job(job.name, storage), output), end="")
-        return EXIT_OK
-    said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
-            "unchanged": "already submitted with this spec"}[done.outcome]
-    print(f"{job.name}: {said} to {done.url} (phase {printable(done.phase)}); nothing runs on this machine.")
-    if est and est.get("costToCompletionUSD") is not None:
-        print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
-              f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
-    elif est:
-        print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
-    print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
-    print(f"  follow it: grpo-run get tj {job.name} -w")
-    return EXIT_OK
+            return EXIT_OK
+        return start(checked, detach=detach, output=output, stop=threading.Event())
+    except Refused as e:
+        print(e.text, file=sys.stderr)
+        return e.exit_code
 
 
 @cli.command("resume", short_help="continue a job from object storage alone")
@@ -269,121 +196,15 @@ def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | No
     return queue.serve()
 
 
-def _run(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
-         trust_urls: bool | None = None) -> int:
-    """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
-    spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
-    What the job needs is decided from storage's record: read here to skip a finished job, then
-    fetched by the supervisor once it holds the lease (this node's copy may be older).
-    `trust_urls`: None for a job file applied here (the operator's own word: its files are
-    uploaded once the lease is held); True or False for a job read from storage (resume: its
-    files are the stored copies, and its URLs the node's unless True)."""
-    from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
-    from grpo_run.runner.envfiles import environment_uploads, localize_environment
-    from grpo_run.runner.spec.job import build_run_spec
-    from grpo_run.runner.storedjob import as_this_node_runs_it
-    from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
-    from grpo_run.runner.supervisor.supervisor import Supervisor
-    from grpo_run.trainer.protocol import PROGRESS_ENV
+def _run(job, **how) -> int:
+    """runner.jobs.run_job, its refusal printed as the CLI's one line."""
+    from grpo_run.runner.jobs import run_job
 
-    storage = storage or job.storage
-    url = job_store_url(storage, job.name)
-    work = work_dir(job.name)
     try:
-        if store is None:
-            store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
-            store.check()                      # a bad bucket or credentials fail before any work
-        if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
-            local, uploads = job, environment_uploads(job)
-        else:                                  # resume: nothing of this node's is read or sent for the job
-            local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
-            uploads = ()
-        spec = build_run_spec(job, url, local=local, uploads=uploads)
-        over = _already_finished(job, store)
-        if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
-            phase, done = over
-            print(f"{job.name}: already succeeded; nothing to do" if phase == Phase.SUCCEEDED else
-                  f"{job.name}: cancelled ({printable(done['status'].get('message', ''))}); nothing to do; "
-                  f"`grpo-run delete {job.name} --yes` clears the name to train it again")
-            print(_dump(done, output), end="") if output else None
-            return EXIT_OK
-        progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
-        result = Supervisor(spec, work, store=store, watchers=_watchers(local), progress=progress, preempt=stop).run()
-    except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
-        _error(str(e))
-        return EXIT_FAILED
-    except (OSError, sqlite3.OperationalError) as e:
-        if not disk_full(e):
-            raise
-        _error(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}")
-        return EXIT_FAILED
-    if result.exit_code == EXIT_HELD:
-        _error(f"{job.name}: another node holds the job, so this node does not train it: {printable(result.message)}")
-        return EXIT_HELD
-    doc = _job_doc(work / RECORD_FILE)
-    if result.exit_code == EXIT_OK and job.gpu:
-        _remember_step_time(job, doc["status"])
-    if result.exit_code == EXIT_FAILED:
-        _error(f"{job.name} failed: {printable(result.message or doc['status'].get('message', ''))}")
-    if output:
-        print(_dump(doc, output), end="")
-    else:
-        print(_summary(job.name, doc["status"], result))
-    return result.exit_code
-
-
-def _durable_here(work: Path) -> int:
-    """The newest durable checkpoint this node's record knows of (0 when it cannot be read)."""
-    try:
-        return int(_job_doc(work / RECORD_FILE)["status"]["checkpoints"].get("latestDurable") or 0)
-    except Exception:           # a record the full disk left unreadable: the message goes without it
-        return 0
-
-
-def _remember_step_time(job, status: dict) -> None:
-    """A finished run on a GPU teaches the estimates its measured step time (runs on a CPU, or
-    on a GPU other than spec.gpu says, would teach them wrong)."""
-    from grpo_run.runner.estimate.estimate import record_measured_step_seconds
-
-    device = status.get("device") or ""
-    seconds = status.get("medianStepSeconds")
-    if device.startswith("cuda") and seconds:
-        record_measured_step_seconds(job.gpu, seconds, job.name, model=job.model,
-                                     completion_length=job.parameters.maxCompletionLength)
-
-
-def _summary(name: str, status: dict, result) -> str:
-    lines = [f"{name}: {status['phase']} after {status['step']} steps"]
-    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
-        lines.append(f"  {printable(status['message'])}")
-    b, f = status.get("baseline"), status.get("final")
-    if b and f:
-        lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
-                     f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
-    if result.notice_to_durable_s is not None:
-        lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
-                     f"{result.notice_to_durable_s:.2f} s")
-    if status["phase"] in STOPPED:
-        lines.append(f"  continue with: grpo-run resume {name}")
-    return "\n".join(lines)
-
-
-def _watchers(job):
-    """Spot-notice watchers: spec.notices.clouds, else GRPO_RUN_NOTICES (auto: every cloud whose
-    metadata service answers; a comma-separated list of aws, gcp, azure; none). SIGTERM and
-    SIGINT always count. spec.notices.*MetadataURL override the GRPO_RUN_*_METADATA_URL variables."""
-    from grpo_run.runner.notices.clouds import make_watchers
-
-    clouds: Any = os.environ.get("GRPO_RUN_NOTICES", "auto")
-    urls: dict[str, str] = {}
-    if job.notices is not None:
-        clouds = job.notices.clouds
-        urls = dict(job.notices.urls)
-    if clouds == "none":
-        return []
-    if isinstance(clouds, str) and clouds != "auto":
-        clouds = clouds.split(",")
-    return make_watchers(clouds, base_urls=urls)
+        return run_job(job, **how)
+    except Refused as e:
+        print(e.text, file=sys.stderr)
+        return e.exit_code
 
 
 # --- export ----------------------------------------------------------------------------------------
@@ -401,13 +222,13 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
       grpo-run export tiny-arithmetic --out ./adapter
       python -c "from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')"
     """
-    from grpo_run.runner.export import export_weights
+    from grpo_run.runner.jobs import export_adapter
 
     try:      # without --storage: where `apply --detach` sent it, or where it ran on this machine
-        what = export_weights(job_store_url(job_storage(name, storage), name), Path(out))
-    except LookupError as e:
-        _error(str(e))
-        return EXIT_USAGE
+        what = export_adapter(name, storage, Path(out))
+    except Refused as e:
+        print(e.text, file=sys.stderr)
+        return e.exit_code
     print(f"wrote {what} of {name} to {out}")
     return EXIT_OK
 

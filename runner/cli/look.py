@@ -150,24 +150,16 @@ def cmd_report(name: str, storage: str | None, out: str) -> int:
       grpo-run report tiny-arithmetic --out report.png
       grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
     """
-    from grpo_run.runner.jobs import open_record
-    from grpo_run.runner.views.report import gather, render, summary
+    from grpo_run.runner.exits import Refused
+    from grpo_run.runner.jobs import write_report
 
-    path = Path(out)
-    if path.suffix.lower() != ".png":
-        _error(f"--out {out}: the picture is a PNG; name it FILE.png")
-        return EXIT_USAGE
     try:
-        with open_record(name, storage) as record:
-            run = gather(record)
-    except LookupError as e:
-        _error(str(e))
-        return EXIT_USAGE
-    drawn = render(run, path)
-    md = path.with_suffix(".md")
-    md.write_text(summary(run, path.name), encoding="utf-8")
+        run, drawn, md = write_report(name, storage, Path(out))
+    except Refused as e:
+        print(e.text, file=sys.stderr)
+        return e.exit_code
     cuts = drawn["boundaries"]
-    print(f"wrote {path} and {md}: {printable(run['name'])} {run['phase']}, {len(run['steps'])} steps, "
+    print(f"wrote {out} and {md}: {printable(run['name'])} {run['phase']}, {len(run['steps'])} steps, "
           f"{len(run['attempts'])} attempt(s), {len(cuts)} boundar{'y' if len(cuts) == 1 else 'ies'}, "
           f"{sum(c['redone'] for c in cuts)} steps redone")
     return EXIT_OK

@@ -1,25 +1,15 @@
-"""`grpo-run`'s output helpers for the commands (runner.cli). `error` and `printable` live in
-runner/text.py, below every module that prints (views, the queue, the preflight)."""
+"""`grpo-run`'s output helpers for the commands (runner.cli). `error`, `printable` and `dump` live
+in runner/text.py, below every module that prints (views, the queue, the preflight, the library)."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import click
-import yaml
 
-from grpo_run.runner.text import error, printable  # noqa: F401  (the commands import them from here)
+from grpo_run.runner.text import dump, error, printable  # noqa: F401  (the commands import them from here)
 
 # -h as well as --help (as argparse had); help up to 100 columns wide, as the examples are
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 FORMAT = click.Choice(["yaml", "json"])
-
-
-def dump(doc: Any, fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(doc, indent=2)
-    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def job_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -225,7 +225,7 @@ def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_f
 
 
 def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_path, gsm8k_like):
-    from grpo_run.runner.cli.commands import _remember_step_time
+    from grpo_run.runner.jobs import remember_step_time as _remember_step_time
 
     job = gsm8k_like(model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B), "L4")
     _remember_step_time(job, {"device": "cpu", "medianStepSeconds": 99.0})        # a CPU run teaches nothing

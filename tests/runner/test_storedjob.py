@@ -167,7 +167,7 @@ def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsy
 
 def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsys, figures):
     from grpo_run.checkpoint.storage.lease import Lease
-    from grpo_run.runner.cli.commands import _summary
+    from grpo_run.runner.jobs import run_summary as _summary
     from grpo_run.runner.cli.output import printable
 
     storage = str(tmp_path / "bucket")
@@ -194,7 +194,7 @@ def test_on_resume_the_node_not_the_bucket_chooses_the_urls_it_contacts(tmp_path
     would receive the node's token: a resume uses neither unless the operator says so."""
     from tests.emulators import AwsImdsEmulator
 
-    from grpo_run.runner.cli.commands import _watchers
+    from grpo_run.runner.jobs import watchers_for as _watchers
     from grpo_run.runner.jobs import find_job
     from grpo_run.runner.storedjob import as_this_node_runs_it, trusts_stored_urls
 

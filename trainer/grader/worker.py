@@ -22,6 +22,8 @@ Conversation:
     worker -> parent  one frame per item, in order, as soon as it is scored, up to and including
                       the first failure:
                       {"ok": FLOAT} or {"kind": "exception"|"timeout"|"invalid"|"refused", "error": TEXT}
+                      (a batched function, TRL's signature, is called once for the request's items:
+                      its frames come together after the call; its failure is the first item's)
 A closed request pipe means the parent is gone or done: the worker exits.
 
 Sandbox (environment, network, seccomp, filesystem, signals, processes, memory, time):
@@ -37,6 +39,7 @@ import errno
 import faulthandler
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -345,11 +348,85 @@ def score_one(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> di
         return {"kind": "invalid", "error": str(error)}
 
 
+# TRL's reward functions, batched ------------------------------------------------------------------
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` has TRL's signature, `(prompts, completions, **columns) -> list` (or
+    `(completions, **kwargs)`): a parameter named `completions`, or `prompts` first. Anything else
+    is called per completion, `fn(completion, task) -> number`."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: called per completion
+        return False
+    return "completions" in names or names[:1] == ["prompts"]
+
+
+def batch_arguments(fn: Callable[..., Any], items: list) -> dict[str, Any]:
+    """The keyword arguments TRL passes a reward function, for these [completion, task] items:
+    `prompts` (each task's prompt), `completions` (as text; for a chat prompt, as TRL gives them:
+    [{"role": "assistant", "content": TEXT}]) and every other task column as a list (None where a
+    task lacks it). Only the parameters `fn` names, unless it takes **kwargs."""
+    tasks = [task for _, task in items]
+    prompts = [task.get("prompt") for task in tasks]
+    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                   for (c, _), p in zip(items, prompts)]
+    args: dict[str, Any] = {"prompts": prompts, "completions": completions}
+    for column in sorted({k for task in tasks for k in task} - {"prompt", "prompts", "completions"}):
+        args[column] = [task.get(column) for task in tasks]
+    params = inspect.signature(fn).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return args
+    return {k: v for k, v in args.items() if k in params}
+
+
+def score_batch(fn: Callable[..., Any], items: list, timeout_s: float) -> list[dict]:
+    """The items' result frames from one call of a batched function, up to and including the first
+    failure; never raises. The call gets `timeout_s` for the whole batch (the parent waits that
+    long for the first frame). A failure of the call is the first item's; a wrong length or a
+    value that is not a finite number, that item's."""
+    signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        try:
+            values = fn(**batch_arguments(fn, items))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except RewardTimeout as error:
+        return [{"kind": "timeout", "error": _where_interrupted(error)}]
+    except BaseException as error:  # the user's failures, all of them, as score_one
+        kind, text = _describe(error)
+        return [{"kind": kind, "error": text}]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+        return [{"kind": "invalid", "error": f"returned {_shown(values)} ({type(values).__name__}); a batched reward "
+                 f"(TRL's signature) returns a list with one number per completion ({len(items)} here)"}]
+    if len(values) != len(items):
+        return [{"kind": "invalid", "error": f"returned {len(values)} values for {len(items)} completions; a batched "
+                 "reward (TRL's signature) returns one number per completion, in order"}]
+    frames: list[dict] = []
+    for i in range(len(items)):
+        try:
+            frames.append({"ok": as_reward(values[i])})
+        except (TypeError, ValueError) as error:
+            frames.append({"kind": "invalid", "error": f"completion {i} of the batch: {error}"})
+            break
+    return frames
+
+
 def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, helpers: frozenset[int]) -> None:
     """Answer requests until the parent closes the pipe. `helpers`: the children the module's import
-    started, spared by the cleanup after each item."""
+    started, spared by the cleanup after each item (after each call, for a batched function)."""
     worker_pid = os.getpid()
+    batched = is_batched(fn)
     while (request := read_frame(request_fd)) is not None:
+        if batched:
+            results = score_batch(fn, request["items"], timeout_s) if request["items"] else []
+            if os.getpid() != worker_pid:
+                os._exit(0)  # as below: only the worker answers
+            _end_leftover_processes(helpers)
+            for result in results:
+                write_frame(response_fd, result)
+            continue
         for completion, task in request["items"]:
             result = score_one(fn, completion, task, timeout_s)
             if os.getpid() != worker_pid:

@@ -1,0 +1,178 @@
+"""`grpo_run.train(...)`: the TrainingJob a YAML file describes, built from keyword arguments,
+checked and run by the same library as `grpo-run apply` (runner/jobs.py).
+
+What a job file names by path, train() writes first, into $GRPO_RUN_HOME/python/NAME/: each
+reward function packaged as a module file (grpo_run.package), and tasks given as rows (a list of
+dicts or a datasets.Dataset) as Parquet. From there they are the job's environment files like a
+job file's: hashed into the spec, copied to the job's storage under its lease, fetched and checked
+by a node that resumes it. The same arguments write the same bytes, so running the cell again
+finds the same job (and resumes it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from grpo_run import JobError
+from grpo_run.handle import Job, as_api_errors, live_view
+from grpo_run.package import Unpackable, package_reward
+
+SOURCE = "grpo_run.train()"       # how the job's problems are introduced (a job file's are by its path)
+FOLDER = "python"                  # under GRPO_RUN_HOME: what train() wrote for each job
+
+
+def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: Any = None,
+          held_out_fraction: float | None = None, storage: str | None = None, gpu: str | None = None,
+          max_cost_usd: float | None = None, system_prompt: str | None = None, detach: bool = False,
+          **parameters: Any) -> Job:
+    """Train `model` with GRPO on `tasks`, scored by `rewards`, as the job file
+
+        metadata: {name: NAME}
+        spec: {model: MODEL, storage: STORAGE, gpu: GPU, maxCostUSD: MAX_COST_USD,
+               environment: {rewards: [...], tasks: ..., evalTasks: ... | heldOutFraction: ...},
+               parameters: {numGenerations: ..., ...}}
+
+    would, on the same supervisor: in the foreground here (the live view on stderr; returns when
+    the run stops: Succeeded, or Preempted after a SIGINT with its checkpoint durable), or with
+    `detach=True` submitted to `storage` for a node to train (`grpo-run resume NAME --storage
+    STORAGE`). Returns the Job.
+
+    rewards: functions `f(completion: str, task: dict) -> float`, each alone (weight 1) or as
+      `(f, weight)`; each one's mean is recorded under the function's name. Each is packaged
+      with its source (grpo_run.package); one that cannot travel is refused here, before
+      anything is written.
+    tasks, eval_tasks: a list of dicts (each with a "prompt": text or chat messages, and the
+      columns the rewards read), a datasets.Dataset, or a task file's path (.jsonl, .json, .csv,
+      .parquet); give eval_tasks or held_out_fraction.
+    parameters: every spec.parameters field in snake_case (num_generations=8, max_steps=500,
+      save_steps=25, learning_rate=1e-5, lora={"r": 8}, method="QLoRA", ...).
+
+    Raises JobError for what `grpo-run apply` would refuse (its message names the job file's
+    field: spec.parameters.numGenerations for num_generations), RunError when the job cannot
+    run here now.
+
+        def correct(completion: str, task: dict) -> float:
+            return float(completion.strip() == task["answer"])
+
+        job = grpo_run.train(model="Qwen/Qwen2.5-0.5B-Instruct", name="add-lora",
+                             tasks=[{"prompt": "2+2=", "answer": "4"}, ...], held_out_fraction=0.1,
+                             rewards=[correct], max_steps=200, storage="s3://bucket/runs")
+    """
+    from grpo_run.runner.home import home
+    from grpo_run.runner.jobs import check_job, start
+    from grpo_run.runner.spec.job import name_problem, parse_job
+
+    if (trouble := name_problem(name)) is not None:
+        raise JobError(f"{SOURCE}: name: {trouble}")
+    params = _parameters(parameters)
+    if system_prompt is not None:
+        params["systemPrompt"] = system_prompt
+    packaged = _packaged_rewards(rewards)            # every refusal of a function before anything is written
+    folder = home() / FOLDER / name
+    folder.mkdir(parents=True, exist_ok=True)
+    env: dict[str, Any] = {"name": name, "path": [str(folder)], "rewards": []}
+    for fn_name, source, weight in packaged:
+        path = folder / f"{fn_name}.py"
+        _write_if_changed(path, source.encode())
+        env["rewards"].append({"function": f"{path}:{fn_name}", "weight": weight})
+    env["tasks"] = _task_file(tasks, folder / "tasks.parquet", "tasks")
+    if eval_tasks is not None:
+        env["evalTasks"] = _task_file(eval_tasks, folder / "eval_tasks.parquet", "eval_tasks")
+    if held_out_fraction is not None:
+        env["heldOutFraction"] = held_out_fraction
+    spec: dict[str, Any] = {"model": model, "environment": env, "parameters": params}
+    for key, value in (("storage", storage), ("gpu", gpu), ("maxCostUSD", max_cost_usd)):
+        if value is not None:
+            spec[key] = value
+    doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name}, "spec": spec}
+    with as_api_errors():
+        try:
+            job = parse_job(doc, source=SOURCE, base=folder)
+        except ValueError as e:                     # JobError: every problem, one per line
+            raise JobError(str(e)) from None
+        checked = check_job(SOURCE, job, dry_run=False, detach=detach)
+        start(checked, detach=detach, output=None, stop=threading.Event(), progress=live_view())
+    return Job(name, storage if detach else None)
+
+
+def _parameters(given: dict[str, Any]) -> dict[str, Any]:
+    """spec.parameters from train()'s snake_case keywords; an unknown one is refused by its
+    keyword name, with the nearest known one."""
+    from grpo_run.trainer.config import GRPOParams
+
+    known = {_snake(field): field for field in GRPOParams.model_fields}
+    params = {}
+    for key, value in given.items():
+        if key not in known:
+            near = difflib.get_close_matches(key, [*known, "eval_tasks", "held_out_fraction", "system_prompt"], n=1)
+            hint = f"; did you mean {near[0]}?" if near else f"; train() takes {', '.join(sorted(known))}"
+            raise JobError(f"{SOURCE}: unknown argument {key}{hint}")
+        params[known[key]] = value
+    return params
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", lambda m: "_" + m.group(1).lower(), camel)
+
+
+def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float]]:
+    """(function name, its packaged module's source, weight) of each reward; raises JobError for
+    a reward that is not `f` or `(f, weight)`, two of one name, or one that cannot travel."""
+    if not isinstance(rewards, list) or not rewards:
+        raise JobError(f"{SOURCE}: rewards: give a list of functions, each f or (f, weight), e.g. rewards=[correct, "
+                       f"(length_penalty, 0.1)] (got {type(rewards).__name__})")
+    out, names = [], set()
+    for i, item in enumerate(rewards):
+        fn, weight = item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0)
+        if not callable(fn) or isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise JobError(f"{SOURCE}: rewards[{i}]: give a function or (function, weight) (got {item!r:.80})")
+        try:
+            source = package_reward(fn)
+        except Unpackable as e:
+            raise JobError(f"{SOURCE}: rewards[{i}]: {e}") from None
+        if fn.__name__ in names:
+            raise JobError(f"{SOURCE}: rewards[{i}]: two rewards are named {fn.__name__}; each reward's mean is "
+                           "recorded under its function's name: rename one")
+        names.add(fn.__name__)
+        out.append((fn.__name__, source, float(weight)))
+    return out
+
+
+def _task_file(tasks: Any, path: Path, field: str) -> str:
+    """A task file's path: as given, or `path` written (Parquet) from a list of dicts or a
+    datasets.Dataset."""
+    if isinstance(tasks, (str, Path)):
+        return str(Path(tasks).expanduser().resolve())
+    rows = tasks
+    if type(tasks).__name__ == "Dataset" and hasattr(tasks, "to_list"):     # datasets.Dataset, without importing it
+        rows = tasks.to_list()
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise JobError(f"{SOURCE}: {field}: give a list of dicts (each with a \"prompt\"), a datasets.Dataset or a "
+                       f"task file's path (got {type(tasks).__name__}{' with no rows' if rows == [] else ''})")
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise JobError(f"{SOURCE}: {field}: the rows cannot be written as Parquet ({e}): give each column one type "
+                       "in every row") from None
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    _write_if_changed(path, buffer.getvalue())
+    return str(path)
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Write `data` to `path` unless it holds those bytes already (through a temporary name)."""
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
