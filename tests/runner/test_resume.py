@@ -123,8 +123,12 @@ def test_resuming_a_finished_job_is_a_no_op_that_says_so(tmp_path, s3_env):
 
 def test_changed_eval_settings_invalidate_the_cached_baseline(tmp_path, s3_env):
     job = write_job(tmp_path, s3_env.url)
-    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="backward@5", check=False)
+    # killed in the supervisor's upload of checkpoint 4: it handles the trainer's reports in order,
+    # so the baseline is stored by then (a kill in the trainer may come before: CI's a0f0496+ run)
+    killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault="upload@4", check=False)
     assert killed.returncode == -signal.SIGKILL
+    from grpo_run.checkpoint.storage.store import Store
+    assert Store(f"{s3_env.url}/resumable").exists("baseline.json")
     same = write_job(tmp_path, s3_env.url, evalTemperature=0.7)
     done = grpo_run(tmp_path / "node-b", "apply", "-f", str(same))
     assert "cached baseline was computed for another" in done.stderr
