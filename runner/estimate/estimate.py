@@ -301,6 +301,9 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                            "updateSeconds": _figures(timed.update_seconds),
                            "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),
                            "cardFigures": _figures_from(card, pricing)}
+    if card.figures_note:
+        fields["stepModel"]["cardNote"] = card.figures_note
+        notes.append(f"{card.name}: {card.figures_note}")
     bucket = completion_bucket(p.maxCompletionLength)
     notes.append({
         "override": "step time from spec.pricing.stepSeconds",

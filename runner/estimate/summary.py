@@ -76,6 +76,8 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
                  + f"; {shape}")
     if model and model.get("cardFigures", "").startswith("stand-in"):
         lines.append(f"  card        {gpu} is not in the table: {model['cardFigures']}; an upper bound")
+    if model and model.get("cardNote"):
+        lines.append(f"  card        {model['cardNote']}")
     if max_cost_usd is not None:
         enough = est["costToCompletionUSD"] <= max_cost_usd
         lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: "

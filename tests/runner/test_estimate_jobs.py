@@ -213,6 +213,17 @@ def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(
     assert "L4 cannot hold this run" in err and "B200 fits as is" in err
 
 
+def test_a_card_whose_datasheet_figures_are_a_stand_in_says_so_in_the_estimate_and_the_dry_run(capsys, tmp_path):
+    model = model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    a10g = estimate(parse_job(doc(model, gpu="A10G")))
+    assert "A10G: NVIDIA publishes no figures for the A10G: the A10's are used" in a10g["note"]
+    assert "FP32 rate (8.1 TFLOP/s)" in estimate(parse_job(doc(model, gpu="T4")))["stepModel"]["cardNote"]
+    assert "cardNote" not in estimate(parse_job(doc(model, gpu="L4")))["stepModel"]
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="A10G"))
+    assert rc == EXIT_OK, err
+    assert "\n  card        NVIDIA publishes no figures for the A10G" in out
+
+
 def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_fields(capsys, tmp_path):
     model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
     rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="L4"), "-o", "json")
