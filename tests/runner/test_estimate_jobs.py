@@ -65,6 +65,19 @@ def gsm8k_like(tmp_path):
 # --- the step time follows the job ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("gpu", "seconds", "usd"), [("H100", 0.45, 0.33), ("A100-80GB", 0.7, 0.21),
+                                                      ("L40S", 1.0, 0.22), ("RTX4090", 1.2, 0.10), ("A6000", 1.3, 0.12)])
+def test_the_reference_job_takes_spec_s_step_times_and_costs_spec_s_table_to_the_cent(tmp_path, gpu, seconds, usd):
+    # SPEC §2's example job (Qwen3-0.6B, graph-coloring, G=4, 64-token completions, LoRA r=8, beta 0) for 1,000
+    # steps, through the whole estimate: its config, its tasks' prompts, the model of a step
+    job = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu, parameters={
+        "numGenerations": 4, "maxCompletionLength": 64, "lora": {"r": 8}, "method": "LoRA", "beta": 0.0,
+        "maxSteps": 1000}))
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (seconds, "model", usd)
+    assert est["tokens"]["prompt"] == 6.1                    # the prompts the calibration assumed
+
+
 @pytest.mark.parametrize("gpu", ["L40S", "L4", "H100", "A10G", "RTX4090"])
 def test_qwen3_8b_steps_at_least_5x_longer_than_qwen2_5_0_5b_on_the_same_card(tmp_path, gsm8k_like, gpu):
     big = estimate(gsm8k_like(model_folder(tmp_path, "qwen3-8b", QWEN3_8B), gpu))
