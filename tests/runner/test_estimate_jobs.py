@@ -213,7 +213,8 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
     assert "2 x 100 held-out tasks (baseline, final)" in out
     assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
-    assert "from the model of a step" in out and "64 completion tokens at most, prompts ~6.1 tokens" in out
+    assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
+           "completion tokens at most, prompts ~6.1 tokens)" in out
     assert "maxCostUSD $5: covers it" in out
     assert "apiVersion" not in out                            # the document needs -o
 
@@ -257,3 +258,41 @@ def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_pat
     _remember_step_time(job, {"device": "cuda:0", "medianStepSeconds": 3.25})
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"]) == (3.25, "measured")
+
+
+def _record_of(job, device: str, step_seconds: list[float]) -> None:
+    """The job's record in its work folder, as a node's supervisor leaves it: the manifest, the
+    trainer's device and a time per step taken."""
+    from grpo_run.runner.home import work_dir
+    from grpo_run.state import values
+    from grpo_run.state.record import RECORD_FILE, Record
+
+    work_dir(job.name).mkdir(parents=True)
+    with Record(work_dir(job.name) / RECORD_FILE) as record:
+        record.init_job(job.name, job.to_dict())
+        values.DEVICE.set(record, device)
+        for step, seconds in enumerate(step_seconds, 1):
+            record.log_step(step, {"stepSeconds": seconds, "loss": 0.0})
+
+
+def test_this_node_s_job_records_running_ones_too_teach_the_estimate_one_vote_per_job(tmp_path, gsm8k_like):
+    from grpo_run.runner.estimate.estimate import record_measured_step_seconds
+
+    model = model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B)
+    job = gsm8k_like(model, "L4")
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "warming-up"}), "cuda:NVIDIA L4", [9.0, 5.0])
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "on-a-cpu"}), "cpu", [90.0] * 5)
+    _record_of(gsm8k_like(model, "L4", maxCompletionLength=1024).model_copy(update={"name": "longer"}),
+               "cuda:NVIDIA L4", [50.0] * 5)
+    _record_of(gsm8k_like(model, "L40S").model_copy(update={"name": "another-card"}), "cuda:NVIDIA L40S", [2.0] * 5)
+    assert estimate(job)["stepSecondsSource"] == "model"          # none of these is this job's (GPU, model, length)
+
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "running"}), "cuda:NVIDIA L4", [9.0, 4.0, 4.2, 4.4])
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["measuredRuns"]) == (4.4, "measured", 1)
+
+    record_measured_step_seconds("L4", 6.0, "running", model=job.model, completion_length=512)   # the same run
+    record_measured_step_seconds("L4", 3.0, "finished-elsewhere", model=job.model, completion_length=512)
+    est = estimate(job)
+    assert (est["stepSeconds"], est["measuredRuns"]) == (pytest.approx(3.7), 2)    # median of 3.0 and 4.4
+    assert "the median of 2 of your runs of this model on L4" in est["note"]
