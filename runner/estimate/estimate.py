@@ -315,9 +315,11 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
         "measured": f"step time: {_runs(len(runs))} of this model on {card.name} with completions "
                     f"of up to {bucket} tokens (the last {MEASURED_WINDOW} at most: this node's job records, running "
                     f"ones too, and the finished runs kept in {measured_steps_path()})",
-        "model": f"step time: the model of a step (runner/estimate/steptime.py) from the model's config and "
-                 f"{card.name}'s datasheet figures, calibrated on a reference job's measured step times (Qwen3-0.6B LoRA, G=4, 64-token completions)"
-                 + ("" if card.name in _REFERENCE_CARDS else f" (none measured on {card.name}: uncorrected)")
+        "model": f"step time: modelled from the model's config and {card.name}'s figures (stepModel; how: docs/job.md), "
+                 "calibrated on a reference job's measured step times (Qwen3-0.6B LoRA, G=4, "
+                 "64-token completions)"
+                 + ("" if card.name in _REFERENCE_CARDS else
+                    f"; that job was not measured on {card.name}, so the calibration is the five cards' fit alone")
                  + f"; your own runs of this model on {card.name} replace it once they have taken {MIN_STEPS} steps",
     }[cost.step_seconds_source])
     if not card.listed and not (pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps):
