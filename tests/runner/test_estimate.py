@@ -163,3 +163,18 @@ def test_estimates_are_immutable():
     assert isinstance(estimate, CostEstimate)
     with pytest.raises(AttributeError):
         estimate.steps = 20  # type: ignore[misc]
+
+
+def test_docs_job_md_lists_every_card_with_the_table_s_figures():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "job.md").read_text()
+    rows = {cells[0].strip("` "): cells for line in text.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]] if cells[0].strip("` ") in GPUS}
+    assert set(rows) == set(GPUS)
+    for name, gpu in GPUS.items():
+        aliases, memory, flops, bandwidth, rate = rows[name][1:6]
+        assert aliases.replace("`", "").split(", ") == (list(gpu.aliases) or [""])
+        assert float(memory) == gpu.memory_gb and float(flops.split()[0]) * 1e12 == gpu.bf16_flops
+        assert float(bandwidth) * 1e12 == pytest.approx(gpu.memory_bandwidth) and float(rate) == gpu.usd_per_hour
+        assert ("on-demand" in rows[name][6]) == (gpu.rate_kind == "on-demand")
