@@ -26,6 +26,7 @@ from typing import Any, Literal
 __all__ = [
     "ALIASES",
     "GPUS",
+    "STAND_IN",
     "CostEstimate",
     "Gpu",
     "canonical_name",
@@ -54,6 +55,7 @@ class Gpu:
     aliases: tuple[str, ...] = ()   # earlier names, still accepted
     listed: bool = True             # False: described by the job's spec.pricing
     figures_note: str = ""          # what a user should know about the figures, said in the estimate
+    bf16_tensor_cores: bool = True  # False: bf16 runs emulated, at the FP32 rate (a T4)
 
     @property
     def step_seconds(self) -> float | None:
@@ -144,11 +146,16 @@ GPUS: Mapping[str, Gpu] = MappingProxyType({
                          "throughput is lower, so the update may take longer than this"),
         Gpu("T4", 16.0, 8.1e12, 0.320e12, 0.526, "on-demand", _AWS + ", g4dn.xlarge",
             figures_note="a T4 has no bf16 tensor cores: the trainer's bf16 matmuls run at about its FP32 rate "
-                         "(8.1 TFLOP/s), not its FP16 tensor rate (65)"),
+                         "(8.1 TFLOP/s), not its FP16 tensor rate (65)", bf16_tensor_cores=False),
         Gpu("RTX4090", 24.0, 165.2e12, 1.008e12, 0.29, "unstated", _SPEC, 1.2, ("RTX-4090",)),
         Gpu("A6000", 48.0, 154.8e12, 0.768e12, 0.33, "unstated", _SPEC, 1.3, ("RTX-A6000",)),
     )
 })
+
+# A card outside the table without its figures in spec.pricing: the smallest dense bf16 FLOP/s and
+# bandwidth of the listed cards with bf16 tensor cores (both the L4's: 121 TFLOP/s, 0.3 TB/s).
+STAND_IN: tuple[float, float] = (min(g.bf16_flops for g in GPUS.values() if g.bf16_tensor_cores),
+                                 min(g.memory_bandwidth for g in GPUS.values() if g.bf16_tensor_cores))
 
 # Every accepted name -> its table name.
 ALIASES: Mapping[str, str] = MappingProxyType(
@@ -206,10 +213,10 @@ def lookup_gpu(name: str) -> Gpu:
 def custom_gpu(name: str, *, usd_per_hour: float, memory_gb: float, bf16_tflops: float | None = None,
                memory_bandwidth_gbps: float | None = None) -> Gpu:
     """A card the table does not list, as the job's spec.pricing describes it. Without its
-    throughput figures the step model cannot place it: it gets the slowest listed card's
-    (the smallest FLOP/s and bandwidth in the table), an upper bound on its step time."""
-    slowest_flops = min(g.bf16_flops for g in GPUS.values())
-    slowest_bandwidth = min(g.memory_bandwidth for g in GPUS.values())
+    throughput figures the step model cannot place it: it gets the slowest figures of the listed
+    cards with bf16 tensor cores (STAND_IN), an upper bound on the step time of any such card. A
+    card without them (a V100, a T4) multiplies bf16 at its FP32 rate: slower than that."""
+    slowest_flops, slowest_bandwidth = STAND_IN
     return Gpu(name, memory_gb=memory_gb,
                bf16_flops=bf16_tflops * 1e12 if bf16_tflops else slowest_flops,
                memory_bandwidth=memory_bandwidth_gbps * 1e9 if memory_bandwidth_gbps else slowest_bandwidth,

@@ -31,7 +31,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
-from grpo_run.runner.gpus import GPUS, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
+from grpo_run.runner.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
 from grpo_run.runner.home import ensure_model, is_tiny
 from grpo_run.runner.spec.job import TrainingJob
 
@@ -324,7 +324,9 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     }[cost.step_seconds_source])
     if not card.listed and not (pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps):
         notes.append(f"{card.name} is not in the table and spec.pricing gives no bf16TFLOPS and memoryBandwidthGBps: "
-                     "the slowest listed card's figures stand in (an upper bound on the step time)")
+                     f"the slowest figures of the listed cards with bf16 tensor cores stand in ({STAND_IN[0] / 1e12:g} "
+                     f"TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s: an upper bound on the step time of such a card; a card "
+                     "without them, like a V100, is slower)")
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU")
@@ -347,7 +349,8 @@ def _figures_from(card: Gpu, pricing) -> str:
         return "datasheet, with spec.pricing's" if given else "datasheet"
     if pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps:
         return "spec.pricing"
-    return "stand-in: the slowest listed card's (spec.pricing has no bf16TFLOPS and memoryBandwidthGBps)"
+    return ("stand-in: the slowest listed card with bf16 tensor cores (spec.pricing has no bf16TFLOPS and "
+            "memoryBandwidthGBps)")
 
 
 _REFERENCE_CARDS = frozenset(g.name for g in GPUS.values() if g.reference_step_seconds is not None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
+from grpo_run.runner.gpus import STAND_IN
 
 __all__ = ["duration", "summary"]
 
@@ -63,7 +64,9 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
              else f"{tokens.get('completion')} completion tokens at most, prompts not counted")
     lines.append(f"  step time   {_source(est, gpu, model)} ({_modelled(est, model)}{shape})")
     if model and model.get("cardFigures", "").startswith("stand-in"):
-        lines.append(f"  card        {gpu} is not in the table: {model['cardFigures']}; an upper bound")
+        lines.append(f"  card        {gpu} is not in the table: the slowest listed figures with bf16 tensor cores stand "
+                     f"in ({STAND_IN[0] / 1e12:g} TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s), an upper bound; give yours as "
+                     "spec.pricing.bf16TFLOPS and memoryBandwidthGBps")
     if model and model.get("cardNote"):
         lines.append(f"  card        {model['cardNote']}")
     if max_cost_usd is not None:
@@ -85,7 +88,7 @@ def _source(est: dict[str, Any], gpu: str, model: dict[str, Any]) -> str:
     if source == "model":
         figures = model.get("cardFigures", "")
         card = (f"{gpu}'s datasheet figures" if figures.startswith("datasheet") else
-                f"{gpu}'s figures in spec.pricing" if figures == "spec.pricing" else "the slowest listed card's figures")
+                f"{gpu}'s figures in spec.pricing" if figures == "spec.pricing" else "stand-in figures")
         return f"modelled from the model's config and {card}"
     return f"{gpu}'s reference step time"
 

@@ -151,7 +151,7 @@ def test_a_card_outside_the_table_gets_an_estimate_from_spec_pricing(tmp_path):
     bare = estimate(parse_job(doc(model, gpu="RTX5090", pricing={"usdPerHour": 0.9, "memoryGB": 32})))
     assert (bare["gpu"], bare["usdPerHour"], bare["gpuMemoryGB"], bare["memory"]["fits"]) == ("RTX5090", 0.9, 32, True)
     assert bare["costToCompletionUSD"] > 0 and bare["stepModel"]["cardFigures"].startswith("stand-in")
-    assert "the slowest listed card's figures stand in" in bare["note"]
+    assert "the slowest figures of the listed cards with bf16 tensor cores stand in (121 TFLOP/s, 0.3 TB/s" in bare["note"]
     described = estimate(parse_job(doc(model, gpu="RTX5090", pricing={
         "usdPerHour": 0.9, "memoryGB": 32, "bf16TFLOPS": 209.5, "memoryBandwidthGBps": 1792})))
     assert described["stepSeconds"] < bare["stepSeconds"] and described["stepModel"]["cardFigures"] == "spec.pricing"
@@ -236,6 +236,11 @@ def test_a_card_whose_datasheet_figures_are_a_stand_in_says_so_in_the_estimate_a
     rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="A10G"))
     assert rc == EXIT_OK, err
     assert "\n  card        NVIDIA publishes no figures for the A10G" in out
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="RTX5090", pricing={"usdPerHour": 0.9,
+                                                                                           "memoryGB": 32}))
+    assert rc == EXIT_OK, err
+    assert ("\n  card        RTX5090 is not in the table: the slowest listed figures with bf16 tensor cores stand in "
+            "(121 TFLOP/s, 0.3 TB/s), an upper bound; give yours as spec.pricing.bf16TFLOPS") in out
 
 
 def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_fields(capsys, tmp_path):
