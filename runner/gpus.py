@@ -26,6 +26,7 @@ from typing import Any, Literal
 __all__ = [
     "ALIASES",
     "GPUS",
+    "STAND_IN",
     "CostEstimate",
     "Gpu",
     "canonical_name",
@@ -53,6 +54,8 @@ class Gpu:
     reference_step_seconds: float | None = None   # SPEC §3's reference job on this card
     aliases: tuple[str, ...] = ()   # earlier names, still accepted
     listed: bool = True             # False: described by the job's spec.pricing
+    figures_note: str = ""          # what a user should know about the figures, said in the estimate
+    bf16_tensor_cores: bool = True  # False: bf16 runs emulated, at the FP32 rate (a T4)
 
     @property
     def step_seconds(self) -> float | None:
@@ -63,26 +66,45 @@ class Gpu:
 # --- the table ----------------------------------------------------------------------------------
 #
 # Compute and memory: peak *dense* bf16 tensor throughput (the datasheets quote 2:4 sparsity too,
-# at twice these) and memory bandwidth as NVIDIA's datasheets publish them, written down
-# 2026-12-02 (no copy of the datasheets could be fetched to check them against that day; the
-# datasheet each figure is from is named, so it can be):
-#   H100 SXM5 80 GB        989.5 TFLOP/s  3.35 TB/s   (H100 Tensor Core GPU datasheet; SkyPilot's
-#                                                       "H100" is also the PCIe card, which is slower)
-#   H200 SXM 141 GB        989.5 TFLOP/s  4.8 TB/s    (H200 datasheet)
+# at twice these) and memory bandwidth as NVIDIA's datasheets publish them. Written down
+# 2026-12-02 from the datasheet named on each line; checked 2026-12-03 against public copies of
+# those figures (the copy read is named after "seen:"; NVIDIA's own PDFs were not reachable):
+#   H100 SXM5 80 GB        989.5 TFLOP/s  3.35 TB/s   (H100 Tensor Core GPU datasheet: 1,979 sparse;
+#                                                       seen: glennklockwood.com/garden/processors/h100.
+#                                                       SkyPilot's "H100" is also the slower PCIe card)
+#   H200 SXM 141 GB        989.5 TFLOP/s  4.8 TB/s    (H200 datasheet: 1,979 sparse; the H100's
+#                                                       compute; seen: aiwiki.ai/wiki/nvidia_h200)
 #   B200 (HGX) 180 GB     2250 TFLOP/s    8.0 TB/s    (HGX B200 datasheet: 36 PFLOP/s sparse and
-#                                                       64 TB/s for 8 GPUs; 1.44 TB of memory)
-#   A100 SXM 80 GB         312 TFLOP/s    2.039 TB/s  (A100 datasheet)
-#   A100 SXM 40 GB         312 TFLOP/s    1.555 TB/s  (A100 datasheet)
-#   L40S 48 GB             362.05 TFLOP/s 0.864 TB/s  (L40S datasheet)
-#   L4 24 GB               121 TFLOP/s    0.300 TB/s  (L4 datasheet: 242 with sparsity)
-#   A10G 24 GB             125 TFLOP/s    0.600 TB/s  (AWS's variant of the A10; NVIDIA publishes
-#                                                       the A10's datasheet only, used here)
-#   T4 16 GB                 8.1 TFLOP/s  0.320 TB/s  (T4 datasheet. Turing has no bf16 tensor
-#                                                       cores: bf16 matmuls run at about the FP32
-#                                                       rate, 8.1 TFLOP/s, not FP16's 65)
+#                                                       64 TB/s for 8 GPUs; 1.44 TB of memory; seen:
+#                                                       glennklockwood.com/garden/processors/B200,
+#                                                       docs.vultr.com's HGX B200 hardware overview)
+#   A100 SXM 80 GB         312 TFLOP/s    2.039 TB/s  (A100 datasheet, nvidia-a100-datasheet-us-
+#   A100 SXM 40 GB         312 TFLOP/s    1.555 TB/s   nvidia-1758950-r4-web.pdf; seen:
+#                                                       glennklockwood.com/garden/processors/A100)
+#   L40S 48 GB             362.05 TFLOP/s 0.864 TB/s  (L40S datasheet: 733 sparse; seen: a reseller's
+#                                                       copy of the datasheet table, store.sourcecode.com)
+#   L4 24 GB               121 TFLOP/s    0.300 TB/s  (L4 datasheet: 242 with sparsity; seen:
+#                                                       grokipedia.com/page/NVIDIA_L4_vs_L40S)
+#   A10G 24 GB             125 TFLOP/s    0.600 TB/s  (AWS's variant of the A10. NVIDIA publishes the
+#                                                       A10's datasheet only; its 125 (250 sparse) is
+#                                                       used. Memory and bandwidth are the A10's too;
+#                                                       baseten.co's "NVIDIA A10 vs A10G" says the
+#                                                       A10G's tensor throughput is lower, so the update
+#                                                       time is a lower bound there; sampling, bound by
+#                                                       the bandwidth, is not affected)
+#   T4 16 GB                 8.1 TFLOP/s  0.320 TB/s  (T4 datasheet: FP32 8.1, FP16 tensor 65; seen:
+#                                                       sysrqmts.com/en/gpus/nvidia/tesla/t4. Turing has
+#                                                       no bf16 tensor cores and the trainer computes in
+#                                                       bf16 wherever torch.cuda.is_bf16_supported(),
+#                                                       which on a T4 is True through emulation: its
+#                                                       matmuls run at about the FP32 rate, not FP16's)
 #   RTX 4090 24 GB         165.2 TFLOP/s  1.008 TB/s  (Ada Lovelace whitepaper: bf16 with FP32
-#                                                       accumulate, as PyTorch multiplies)
-#   RTX A6000 48 GB        154.8 TFLOP/s  0.768 TB/s  (RTX A6000 datasheet: 309.7 with sparsity)
+#                                                       accumulate, as PyTorch multiplies; seen:
+#                                                       waredb.com/processor/nvidia-geforce-rtx-4090)
+#   RTX A6000 48 GB        154.8 TFLOP/s  0.768 TB/s  (RTX A6000 datasheet: 309.7 with sparsity; seen:
+#                                                       servethehome.com's RTX A6000 table, Microway's
+#                                                       Ampere comparison as llmperf.net quotes it)
+# SkyPilot's names for them: docs.skypilot.co/en/stable/compute/gpus.html (`sky show-gpus -a`).
 #
 # Rates, per GPU-hour:
 # - The five SPEC §3 cards keep SPEC's rates. SPEC states the H100's ($2.60/h); the others are
@@ -119,12 +141,21 @@ GPUS: Mapping[str, Gpu] = MappingProxyType({
         Gpu("A100", 40.0, 312e12, 1.555e12, 2.7447, "on-demand", _AWS + ", p4d.24xlarge / 8"),
         Gpu("L40S", 48.0, 362.05e12, 0.864e12, 0.79, "unstated", _SPEC, 1.0),
         Gpu("L4", 24.0, 121e12, 0.300e12, 0.8048, "on-demand", _AWS + ", g6.xlarge"),
-        Gpu("A10G", 24.0, 125e12, 0.600e12, 1.006, "on-demand", _AWS + ", g5.xlarge"),
-        Gpu("T4", 16.0, 8.1e12, 0.320e12, 0.526, "on-demand", _AWS + ", g4dn.xlarge"),
+        Gpu("A10G", 24.0, 125e12, 0.600e12, 1.006, "on-demand", _AWS + ", g5.xlarge",
+            figures_note="NVIDIA publishes no figures for the A10G: the A10's are used, and the A10G's tensor "
+                         "throughput is lower, so the update may take longer than this"),
+        Gpu("T4", 16.0, 8.1e12, 0.320e12, 0.526, "on-demand", _AWS + ", g4dn.xlarge",
+            figures_note="a T4 has no bf16 tensor cores: the trainer's bf16 matmuls run at about its FP32 rate "
+                         "(8.1 TFLOP/s), not its FP16 tensor rate (65)", bf16_tensor_cores=False),
         Gpu("RTX4090", 24.0, 165.2e12, 1.008e12, 0.29, "unstated", _SPEC, 1.2, ("RTX-4090",)),
         Gpu("A6000", 48.0, 154.8e12, 0.768e12, 0.33, "unstated", _SPEC, 1.3, ("RTX-A6000",)),
     )
 })
+
+# A card outside the table without its figures in spec.pricing: the smallest dense bf16 FLOP/s and
+# bandwidth of the listed cards with bf16 tensor cores (both the L4's: 121 TFLOP/s, 0.3 TB/s).
+STAND_IN: tuple[float, float] = (min(g.bf16_flops for g in GPUS.values() if g.bf16_tensor_cores),
+                                 min(g.memory_bandwidth for g in GPUS.values() if g.bf16_tensor_cores))
 
 # Every accepted name -> its table name.
 ALIASES: Mapping[str, str] = MappingProxyType(
@@ -182,10 +213,10 @@ def lookup_gpu(name: str) -> Gpu:
 def custom_gpu(name: str, *, usd_per_hour: float, memory_gb: float, bf16_tflops: float | None = None,
                memory_bandwidth_gbps: float | None = None) -> Gpu:
     """A card the table does not list, as the job's spec.pricing describes it. Without its
-    throughput figures the step model cannot place it: it gets the slowest listed card's
-    (the smallest FLOP/s and bandwidth in the table), an upper bound on its step time."""
-    slowest_flops = min(g.bf16_flops for g in GPUS.values())
-    slowest_bandwidth = min(g.memory_bandwidth for g in GPUS.values())
+    throughput figures the step model cannot place it: it gets the slowest figures of the listed
+    cards with bf16 tensor cores (STAND_IN), an upper bound on the step time of any such card. A
+    card without them (a V100, a T4) multiplies bf16 at its FP32 rate: slower than that."""
+    slowest_flops, slowest_bandwidth = STAND_IN
     return Gpu(name, memory_gb=memory_gb,
                bf16_flops=bf16_tflops * 1e12 if bf16_tflops else slowest_flops,
                memory_bandwidth=memory_bandwidth_gbps * 1e9 if memory_bandwidth_gbps else slowest_bandwidth,

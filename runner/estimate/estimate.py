@@ -10,7 +10,8 @@ cost arithmetic). This module finds the inputs and shapes the answer:
     estimate(job)                            the status.estimate dict
     check_fits(estimate(job))                None, or the refusal to print before anything starts
     record_measured_step_seconds(gpu, s, job, model=, completion_length=)
-                                             after a finished run: learn its step time
+                                             after a finished run: keep its step time (this
+                                             node's job records are read as they are)
     summary.summary(job, estimate(job))      the dry run's answer in a few lines
 """
 
@@ -18,17 +19,19 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, completion_bucket, measured_step_seconds,
-                                               measured_steps_path, record_measured_step_seconds)
+from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, completion_bucket, measured_runs,
+                                               measured_step_seconds, measured_steps_path,
+                                               record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
-from grpo_run.runner.gpus import GPUS, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
+from grpo_run.runner.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
 from grpo_run.runner.home import ensure_model, is_tiny
 from grpo_run.runner.spec.job import TrainingJob
 
@@ -195,8 +198,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
 
     Cost needs `spec.gpu`; without it the cost fields are None and `note` says so, and
     `memory.fits` is None. Step time: `spec.pricing.stepSeconds` ("override"), else the median of
-    the user's measured runs of this model on this GPU with completions of this length bucket
-    ("measured"), else the model of a step ("model", steptime.py). Evaluations (baseline, every
+    the user's measured runs of this model on this GPU with completions of this length bucket,
+    running ones on this node included ("measured", `measuredRuns` of them; measured.py), else the model of a step ("model", steptime.py). Evaluations (baseline, every
     evalSteps, final) are counted in `evalSeconds`, `evalUSD` and the cost to completion. The
     rate is `spec.pricing.usdPerHour` or the table's.
 
@@ -271,6 +274,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     """The cost and time fields of the estimate for `card`, and their notes."""
     p, pricing = job.parameters, job.pricing
     timed = step_time(step, card)
+    runs = measured_runs(card.name, job.model, p.maxCompletionLength)
     one_eval = 0.0
     if work.eval_tasks:
         eval_prompt = work.eval_prompt_tokens if work.eval_prompt_tokens is not None else step.prompt_tokens
@@ -282,7 +286,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
         steps=p.maxSteps,
         usd_per_hour=pricing.usdPerHour if pricing else None,
         step_seconds=pricing.stepSeconds if pricing else None,
-        measured_step_seconds=measured_step_seconds(card.name, job.model, p.maxCompletionLength),
+        measured_step_seconds=statistics.median(runs) if runs else None,
         model_step_seconds=_figures(timed.seconds),
         eval_seconds=evals,
         baseline_seconds=round(one_eval, 1),
@@ -295,25 +299,34 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                                 "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
     fields["completionSeconds"] = round(cost.step_seconds * p.maxSteps + evals, 1)
     fields["gpuMemoryGB"] = card.memory_gb
+    fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
                       "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
                            "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),
                            "cardFigures": _figures_from(card, pricing)}
+    if card.figures_note:
+        fields["stepModel"]["cardNote"] = card.figures_note
+        notes.append(f"{card.name}: {card.figures_note}")
     bucket = completion_bucket(p.maxCompletionLength)
     notes.append({
         "override": "step time from spec.pricing.stepSeconds",
-        "measured": f"step time: the median of your last finished runs of this model on {card.name} with completions "
-                    f"of up to {bucket} tokens (up to {MEASURED_WINDOW}, from {measured_steps_path()})",
-        "model": f"step time: the model of a step (runner/estimate/steptime.py) from the model's config and "
-                 f"{card.name}'s datasheet figures, calibrated on a reference job's measured step times (Qwen3-0.6B LoRA, G=4, 64-token completions)"
-                 + ("" if card.name in _REFERENCE_CARDS else f" (none measured on {card.name}: uncorrected)")
-                 + f"; your own runs of this model on {card.name} replace it once they finish",
+        "measured": f"step time: {_runs(len(runs))} of this model on {card.name} with completions "
+                    f"of up to {bucket} tokens (the last {MEASURED_WINDOW} at most: this node's job records, running "
+                    f"ones too, and the finished runs kept in {measured_steps_path()})",
+        "model": f"step time: modelled from the model's config and {card.name}'s figures (stepModel; how: docs/job.md), "
+                 "calibrated on a reference job's measured step times (Qwen3-0.6B LoRA, G=4, "
+                 "64-token completions)"
+                 + ("" if card.name in _REFERENCE_CARDS else
+                    f"; that job was not measured on {card.name}, so the calibration is the five cards' fit alone")
+                 + f"; your own runs of this model on {card.name} replace it once they have taken {MIN_STEPS} steps",
     }[cost.step_seconds_source])
     if not card.listed and not (pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps):
         notes.append(f"{card.name} is not in the table and spec.pricing gives no bf16TFLOPS and memoryBandwidthGBps: "
-                     "the slowest listed card's figures stand in (an upper bound on the step time)")
+                     f"the slowest figures of the listed cards with bf16 tensor cores stand in ({STAND_IN[0] / 1e12:g} "
+                     f"TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s: an upper bound on the step time of such a card; a card "
+                     "without them, like a V100, is slower)")
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU")
@@ -325,6 +338,10 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     return fields
 
 
+def _runs(count: int) -> str:
+    return "your one run" if count == 1 else f"the median of {count} of your runs"
+
+
 def _figures_from(card: Gpu, pricing) -> str:
     """Where the card's FLOP/s and bandwidth come from."""
     given = bool(pricing and (pricing.bf16TFLOPS or pricing.memoryBandwidthGBps))
@@ -332,7 +349,8 @@ def _figures_from(card: Gpu, pricing) -> str:
         return "datasheet, with spec.pricing's" if given else "datasheet"
     if pricing and pricing.bf16TFLOPS and pricing.memoryBandwidthGBps:
         return "spec.pricing"
-    return "stand-in: the slowest listed card's (spec.pricing has no bf16TFLOPS and memoryBandwidthGBps)"
+    return ("stand-in: the slowest listed card with bf16 tensor cores (spec.pricing has no bf16TFLOPS and "
+            "memoryBandwidthGBps)")
 
 
 _REFERENCE_CARDS = frozenset(g.name for g in GPUS.values() if g.reference_step_seconds is not None)

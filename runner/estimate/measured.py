@@ -1,4 +1,11 @@
-"""The user's own measured step times: a finished run on a GPU teaches later estimates.
+"""The user's own measured step times: runs on a GPU teach later estimates.
+
+Two sources, one vote per job:
+- this node's job records ($GRPO_RUN_HOME/runs/NAME/state.db): every job that has taken at least
+  MIN_STEPS steps on a GPU -- running, preempted, stopped or finished -- at the median of its
+  steps' times so far;
+- runs that finished (Succeeded) here, kept in a file that outlives their work folders (`grpo-run
+  delete` removes those):
 
 $GRPO_RUN_HOME/measured-steps.json, version 2:
 
@@ -36,7 +43,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MEASURED_WINDOW",
+    "MIN_STEPS",
     "completion_bucket",
+    "measured_runs",
     "measured_step_seconds",
     "measured_steps_path",
     "record_measured_step_seconds",
@@ -45,6 +54,9 @@ __all__ = [
 # The estimate uses the median of this many most recent finished runs of a key: recent enough to
 # follow a new driver, many enough that one odd run does not swing it.
 MEASURED_WINDOW = 20
+# A record counts once it has this many steps: the first step warms up (kernels chosen, the
+# allocator grown), and the median of three is past it.
+MIN_STEPS = 3
 VERSION = 2
 
 
@@ -59,14 +71,49 @@ def completion_bucket(max_completion_length: int | None) -> int | None:
     return 1 << max(0, int(max_completion_length) - 1).bit_length()
 
 
-def measured_step_seconds(gpu: str, model: str | None = None, completion_length: int | None = None) -> float | None:
-    """The median step time of the user's last MEASURED_WINDOW finished runs of `model` on `gpu`
-    with completions in the bucket of `completion_length`, or None when there are none. An
-    unreadable file counts as none (logged): a dry run never fails on it."""
+def measured_runs(gpu: str, model: str | None = None, completion_length: int | None = None) -> list[float]:
+    """Step times of the user's last MEASURED_WINDOW runs of `model` on `gpu` with completions in
+    the bucket of `completion_length`, oldest first: one per job, a job's record on this node
+    (finished or not) in place of what the file kept of it. An unreadable file or record counts
+    as none (logged): a dry run never fails on it."""
     key = (model, completion_bucket(completion_length))
-    runs = _load(measured_steps_path()).get(_gpu_key(gpu), [])
-    seconds = [r["stepSeconds"] for r in runs if _key(r) == key][-MEASURED_WINDOW:]
+    recorded = _recorded_runs(_gpu_key(gpu), key)
+    kept = [r["stepSeconds"] for r in _load(measured_steps_path()).get(_gpu_key(gpu), [])
+            if _key(r) == key and r.get("job") not in recorded]
+    return (kept + list(recorded.values()))[-MEASURED_WINDOW:]
+
+
+def measured_step_seconds(gpu: str, model: str | None = None, completion_length: int | None = None) -> float | None:
+    """The median of `measured_runs`, or None when there are none."""
+    seconds = measured_runs(gpu, model, completion_length)
     return statistics.median(seconds) if seconds else None
+
+
+def _recorded_runs(gpu: str, key: tuple[str | None, int | None]) -> dict[str, float]:
+    """{job: its median step time} of this node's job records of `key` on `gpu` (a table name)
+    whose newest trainer ran on a GPU and took at least MIN_STEPS steps, oldest update first."""
+    from grpo_run.state import values
+    from grpo_run.state.record import RECORD_FILE, Record
+
+    found: list[tuple[str, str, float]] = []
+    for path in sorted((grpo_run_home() / "runs").glob(f"*/{RECORD_FILE}")):
+        try:
+            with Record(path) as record:
+                job = record.job()
+                if job is None or not (values.DEVICE.get(record) or "").startswith("cuda"):
+                    continue
+                spec = (job["spec"] or {}).get("spec") or {}
+                length = (spec.get("parameters") or {}).get("maxCompletionLength")
+                if (_gpu_key(str(spec.get("gpu"))) != gpu or (spec.get("model"), completion_bucket(length)) != key):
+                    continue
+                times = sorted(float(s["stepSeconds"]) for s in record.steps()
+                               if isinstance(s.get("stepSeconds"), (int, float)) and s["stepSeconds"] > 0)
+        except Exception as e:          # noqa: BLE001 -- a record mid-write or of another version: skipped
+            log.debug("measured step times: %s not read: %s", path, e)
+            continue
+        if len(times) >= MIN_STEPS:     # the upper median, as `get tj`'s medianStepSeconds
+            found.append((str(job["updated"]), job["name"], round(times[len(times) // 2], 4)))
+    return {name: seconds for _, name, seconds in sorted(found)}
 
 
 def record_measured_step_seconds(gpu: str, seconds: float, job: str, *, model: str | None = None,

@@ -9,17 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
+from grpo_run.runner.gpus import STAND_IN
 
 __all__ = ["duration", "summary"]
-
-_SOURCES = {
-    "override": "spec.pricing.stepSeconds",
-    "measured": "the median of your own finished runs of this model and completion length on this GPU",
-    "model": "the model of a step (the model's config, the card's datasheet figures, calibrated on "
-             "a reference job's measured step times (Qwen3-0.6B LoRA, G=4, 64-token completions))",
-    "reference": "the reference job's measured step time on this card",
-}
-
 
 def duration(seconds: float) -> str:
     """`seconds` as a person says it: 40 s, 12 min, 3.2 h, 2.5 days."""
@@ -70,17 +62,44 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     prompt = tokens.get("prompt")
     shape = (f"{tokens.get('completion')} completion tokens at most, prompts ~{prompt:g} tokens" if prompt is not None
              else f"{tokens.get('completion')} completion tokens at most, prompts not counted")
-    source = est["stepSecondsSource"]
-    lines.append(f"  step time   from {_SOURCES.get(source, source)}"
-                 + (f"; modelled {model['seconds']:g} s, {model['samplingShare']:.0%} of it sampling" if model else "")
-                 + f"; {shape}")
+    lines.append(f"  step time   {_source(est, gpu, model)} ({_modelled(est, model)}{shape})")
     if model and model.get("cardFigures", "").startswith("stand-in"):
-        lines.append(f"  card        {gpu} is not in the table: {model['cardFigures']}; an upper bound")
+        lines.append(f"  card        {gpu} is not in the table: the slowest listed figures with bf16 tensor cores stand "
+                     f"in ({STAND_IN[0] / 1e12:g} TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s), an upper bound; give yours as "
+                     "spec.pricing.bf16TFLOPS and memoryBandwidthGBps")
+    if model and model.get("cardNote"):
+        lines.append(f"  card        {model['cardNote']}")
     if max_cost_usd is not None:
         enough = est["costToCompletionUSD"] <= max_cost_usd
         lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: "
                      + ("covers it" if enough else "the run stops there, before completion"))
     return lines
+
+
+def _source(est: dict[str, Any], gpu: str, model: dict[str, Any]) -> str:
+    """Where the step time came from, in words."""
+    source = est["stepSecondsSource"]
+    if source == "measured":
+        runs = est.get("measuredRuns") or 0
+        return (f"your one run of this model on {gpu}" if runs == 1 else
+                f"the median of {runs} of your runs of this model on {gpu}")
+    if source == "override":
+        return "spec.pricing.stepSeconds"
+    if source == "model":
+        figures = model.get("cardFigures", "")
+        card = (f"{gpu}'s datasheet figures" if figures.startswith("datasheet") else
+                f"{gpu}'s figures in spec.pricing" if figures == "spec.pricing" else "stand-in figures")
+        return f"modelled from the model's config and {card}"
+    return f"{gpu}'s reference step time"
+
+
+def _modelled(est: dict[str, Any], model: dict[str, Any]) -> str:
+    """The model of a step's own figure, where it is not the step time shown."""
+    if not model:
+        return ""
+    if est["stepSecondsSource"] == "model":
+        return f"{model['samplingShare']:.0%} of it sampling; "
+    return f"modelled: {model['seconds']:g} s, {model['samplingShare']:.0%} of it sampling; "
 
 
 def _fit_line(est: dict[str, Any]) -> str:

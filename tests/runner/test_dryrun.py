@@ -281,7 +281,7 @@ def test_measured_step_times_replace_the_model_for_that_gpu_model_and_length(qwe
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"]) == (2.4, "measured")
     assert est["trainingUSD"] == 0.19  # twice the modelled 1.2 s
-    assert "median of your last finished runs of this model on RTX4090 with completions of up to 64 tokens" in est["note"]
+    assert "your one run of this model on RTX4090 with completions of up to 64 tokens" in est["note"]
     assert estimate(reference_job(qwen3_0_6b, "RTX4090"))["stepSecondsSource"] == "measured"   # the alias's card
     assert estimate(reference_job(qwen3_0_6b, "L40S"))["stepSecondsSource"] == "model"         # per GPU
     longer = reference_job(qwen3_0_6b, "RTX-4090", parameters={"maxCompletionLength": 512})

@@ -133,8 +133,9 @@ def test_a_card_outside_the_table_is_what_spec_pricing_says_or_the_slowest_liste
     assert (card.name, card.memory_gb, card.bf16_flops, card.memory_bandwidth, card.listed) == \
         ("RTX5090", 32, 209.5e12, 1792e9, False)
     bare = custom_gpu("X1", usd_per_hour=1.0, memory_gb=24)
-    assert bare.bf16_flops == min(g.bf16_flops for g in GPUS.values())
-    assert bare.memory_bandwidth == min(g.memory_bandwidth for g in GPUS.values())
+    # the slowest cards with bf16 tensor cores, not a T4's FP32 rate: the L4's figures, both
+    assert (bare.bf16_flops, bare.memory_bandwidth) == (GPUS["L4"].bf16_flops, GPUS["L4"].memory_bandwidth)
+    assert GPUS["T4"].bf16_flops < bare.bf16_flops and not GPUS["T4"].bf16_tensor_cores
     assert cost_estimate(gpu=card, steps=3600, model_step_seconds=1.0).cost_to_completion_usd == 0.9
 
 
@@ -163,3 +164,18 @@ def test_estimates_are_immutable():
     assert isinstance(estimate, CostEstimate)
     with pytest.raises(AttributeError):
         estimate.steps = 20  # type: ignore[misc]
+
+
+def test_docs_job_md_lists_every_card_with_the_table_s_figures():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "job.md").read_text()
+    rows = {cells[0].strip("` "): cells for line in text.splitlines() if line.startswith("| `")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]] if cells[0].strip("` ") in GPUS}
+    assert set(rows) == set(GPUS)
+    for name, gpu in GPUS.items():
+        aliases, memory, flops, bandwidth, rate = rows[name][1:6]
+        assert aliases.replace("`", "").split(", ") == (list(gpu.aliases) or [""])
+        assert float(memory) == gpu.memory_gb and float(flops.split()[0]) * 1e12 == gpu.bf16_flops
+        assert float(bandwidth) * 1e12 == pytest.approx(gpu.memory_bandwidth) and float(rate) == gpu.usd_per_hour
+        assert ("on-demand" in rows[name][6]) == (gpu.rate_kind == "on-demand")

@@ -65,6 +65,19 @@ def gsm8k_like(tmp_path):
 # --- the step time follows the job ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("gpu", "seconds", "usd"), [("H100", 0.45, 0.33), ("A100-80GB", 0.7, 0.21),
+                                                      ("L40S", 1.0, 0.22), ("RTX4090", 1.2, 0.10), ("A6000", 1.3, 0.12)])
+def test_the_reference_job_takes_spec_s_step_times_and_costs_spec_s_table_to_the_cent(tmp_path, gpu, seconds, usd):
+    # SPEC §2's example job (Qwen3-0.6B, graph-coloring, G=4, 64-token completions, LoRA r=8, beta 0) for 1,000
+    # steps, through the whole estimate: its config, its tasks' prompts, the model of a step
+    job = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu, parameters={
+        "numGenerations": 4, "maxCompletionLength": 64, "lora": {"r": 8}, "method": "LoRA", "beta": 0.0,
+        "maxSteps": 1000}))
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (seconds, "model", usd)
+    assert est["tokens"]["prompt"] == 6.1                    # the prompts the calibration assumed
+
+
 @pytest.mark.parametrize("gpu", ["L40S", "L4", "H100", "A10G", "RTX4090"])
 def test_qwen3_8b_steps_at_least_5x_longer_than_qwen2_5_0_5b_on_the_same_card(tmp_path, gsm8k_like, gpu):
     big = estimate(gsm8k_like(model_folder(tmp_path, "qwen3-8b", QWEN3_8B), gpu))
@@ -138,7 +151,7 @@ def test_a_card_outside_the_table_gets_an_estimate_from_spec_pricing(tmp_path):
     bare = estimate(parse_job(doc(model, gpu="RTX5090", pricing={"usdPerHour": 0.9, "memoryGB": 32})))
     assert (bare["gpu"], bare["usdPerHour"], bare["gpuMemoryGB"], bare["memory"]["fits"]) == ("RTX5090", 0.9, 32, True)
     assert bare["costToCompletionUSD"] > 0 and bare["stepModel"]["cardFigures"].startswith("stand-in")
-    assert "the slowest listed card's figures stand in" in bare["note"]
+    assert "the slowest figures of the listed cards with bf16 tensor cores stand in (121 TFLOP/s, 0.3 TB/s" in bare["note"]
     described = estimate(parse_job(doc(model, gpu="RTX5090", pricing={
         "usdPerHour": 0.9, "memoryGB": 32, "bf16TFLOPS": 209.5, "memoryBandwidthGBps": 1792})))
     assert described["stepSeconds"] < bare["stepSeconds"] and described["stepModel"]["cardFigures"] == "spec.pricing"
@@ -200,7 +213,8 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
     assert "2 x 100 held-out tasks (baseline, final)" in out
     assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
-    assert "from the model of a step" in out and "64 completion tokens at most, prompts ~6.1 tokens" in out
+    assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
+           "completion tokens at most, prompts ~6.1 tokens)" in out
     assert "maxCostUSD $5: covers it" in out
     assert "apiVersion" not in out                            # the document needs -o
 
@@ -211,6 +225,22 @@ def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(
     assert rc == EXIT_USAGE
     assert "does NOT fit: needs about 134.2 GB, 21.6 GB usable (90% of 24 GB): 112.6 GB short" in out
     assert "L4 cannot hold this run" in err and "B200 fits as is" in err
+
+
+def test_a_card_whose_datasheet_figures_are_a_stand_in_says_so_in_the_estimate_and_the_dry_run(capsys, tmp_path):
+    model = model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    a10g = estimate(parse_job(doc(model, gpu="A10G")))
+    assert "A10G: NVIDIA publishes no figures for the A10G: the A10's are used" in a10g["note"]
+    assert "FP32 rate (8.1 TFLOP/s)" in estimate(parse_job(doc(model, gpu="T4")))["stepModel"]["cardNote"]
+    assert "cardNote" not in estimate(parse_job(doc(model, gpu="L4")))["stepModel"]
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="A10G"))
+    assert rc == EXIT_OK, err
+    assert "\n  card        NVIDIA publishes no figures for the A10G" in out
+    rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-0.6b", gpu="RTX5090", pricing={"usdPerHour": 0.9,
+                                                                                           "memoryGB": 32}))
+    assert rc == EXIT_OK, err
+    assert ("\n  card        RTX5090 is not in the table: the slowest listed figures with bf16 tensor cores stand in "
+            "(121 TFLOP/s, 0.3 TB/s), an upper bound; give yours as spec.pricing.bf16TFLOPS") in out
 
 
 def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_fields(capsys, tmp_path):
@@ -233,3 +263,41 @@ def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_pat
     _remember_step_time(job, {"device": "cuda:0", "medianStepSeconds": 3.25})
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"]) == (3.25, "measured")
+
+
+def _record_of(job, device: str, step_seconds: list[float]) -> None:
+    """The job's record in its work folder, as a node's supervisor leaves it: the manifest, the
+    trainer's device and a time per step taken."""
+    from grpo_run.runner.home import work_dir
+    from grpo_run.state import values
+    from grpo_run.state.record import RECORD_FILE, Record
+
+    work_dir(job.name).mkdir(parents=True)
+    with Record(work_dir(job.name) / RECORD_FILE) as record:
+        record.init_job(job.name, job.to_dict())
+        values.DEVICE.set(record, device)
+        for step, seconds in enumerate(step_seconds, 1):
+            record.log_step(step, {"stepSeconds": seconds, "loss": 0.0})
+
+
+def test_this_node_s_job_records_running_ones_too_teach_the_estimate_one_vote_per_job(tmp_path, gsm8k_like):
+    from grpo_run.runner.estimate.estimate import record_measured_step_seconds
+
+    model = model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B)
+    job = gsm8k_like(model, "L4")
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "warming-up"}), "cuda:NVIDIA L4", [9.0, 5.0])
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "on-a-cpu"}), "cpu", [90.0] * 5)
+    _record_of(gsm8k_like(model, "L4", maxCompletionLength=1024).model_copy(update={"name": "longer"}),
+               "cuda:NVIDIA L4", [50.0] * 5)
+    _record_of(gsm8k_like(model, "L40S").model_copy(update={"name": "another-card"}), "cuda:NVIDIA L40S", [2.0] * 5)
+    assert estimate(job)["stepSecondsSource"] == "model"          # none of these is this job's (GPU, model, length)
+
+    _record_of(gsm8k_like(model, "L4").model_copy(update={"name": "running"}), "cuda:NVIDIA L4", [9.0, 4.0, 4.2, 4.4])
+    est = estimate(job)
+    assert (est["stepSeconds"], est["stepSecondsSource"], est["measuredRuns"]) == (4.4, "measured", 1)
+
+    record_measured_step_seconds("L4", 6.0, "running", model=job.model, completion_length=512)   # the same run
+    record_measured_step_seconds("L4", 3.0, "finished-elsewhere", model=job.model, completion_length=512)
+    est = estimate(job)
+    assert (est["stepSeconds"], est["measuredRuns"]) == (pytest.approx(3.7), 2)    # median of 3.0 and 4.4
+    assert "the median of 2 of your runs of this model on L4" in est["note"]
