@@ -182,6 +182,13 @@ class EnvironmentSpec(Strict):
     def is_catalog(self) -> bool:
         return self.reward is None and self.name in CATALOG
 
+    @property
+    def reads_tasks(self) -> bool:
+        """Whether it reads your tasks (tasks, dataset, dataFiles): your own environment, or a
+        catalog one that takes them (code)."""
+        own = self.tasks is not None or self.dataset is not None or self.dataFiles is not None
+        return not self.is_catalog or (own and CATALOG[self.name].task_problem is not None)
+
     def reward_list(self) -> tuple[tuple[str, str, float], ...]:
         """(name, ref or catalog reward name, weight) of each reward; () for a catalog default."""
         if self.reward is not None:
@@ -207,10 +214,16 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     has = {k for k, v in given.items() if v not in (None, (), {}, [])}
     if name in CATALOG and "reward" not in has:
         entry = CATALOG[name]
-        for key in sorted(has & set(OWN_DATA), key=OWN_DATA.index):
-            found.append(((key,), f"only for environments with your own reward "
-                          f"(catalog environment {name!r} makes its own tasks)"))
-        if "dataFiles" in has and not entry.data:
+        own_data = sorted(has & set(OWN_DATA), key=OWN_DATA.index)
+        if entry.task_problem is None:
+            found += [((key,), f"only for environments with your own reward (catalog environment {name!r} "
+                       "makes its own tasks)") for key in own_data]
+        elif has & {"tasks", "dataset", "dataFiles"}:    # your tasks, checked as your own environment's
+            found += _source_problems(has)
+        else:
+            found += [((key,), f"goes with tasks, dataset or dataFiles (your own tasks); without them {name!r} "
+                       "uses its built-in tasks") for key in own_data]
+        if "dataFiles" in has and not entry.data and entry.task_problem is None:
             found.append((("dataFiles",), f"catalog environment {name!r} makes its own tasks; dataFiles is for "
                           + ", ".join(n for n, e in CATALOG.items() if e.data)))
         for i, r in enumerate(given.get("rewards") or ()):
@@ -239,6 +252,12 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
     for label in sorted({x for x in labels if x and labels.count(x) > 1}):
         found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
+    return found + _source_problems(has)
+
+
+def _source_problems(has: set[str]) -> list[tuple[tuple[str, ...], str]]:
+    """Where your own tasks come from: one source, and its held-out tasks."""
+    found: list[tuple[tuple[str, ...], str]] = []
     sources = sorted(has & {"tasks", "dataset", "dataFiles"})
     if len(sources) > 1:
         found.append(((sources[1],), f"give one source of tasks: tasks, dataset or dataFiles (got {', '.join(sources)})"))
@@ -275,14 +294,30 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
 
     if env.is_catalog:
         chosen = tuple((fn, w) for _, fn, w in env.reward_list()) or None
+        own = _checked(env, _own_tasks(env, p.seed)) if env.reads_tasks else None
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
-                                    rewards=chosen, data_files=env.dataFiles)
+                                    rewards=chosen, data_files=None if own else env.dataFiles, tasks=own)
         if env.rewards:    # the job's own names for them
             built = replace(built, rewards=tuple(replace(r, name=spec.label) for r, spec in zip(built.rewards, env.rewards)))
         return built
     train, held = _own_tasks(env, p.seed)
     return user_environment(name=env.name, rewards=tuple(Reward(n, ref, w) for n, ref, w in env.reward_list()),
                             tasks=train, eval_tasks=held, search_path=env.path)
+
+
+def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:
+    """Your tasks for a catalog environment that takes them, each checked by the environment
+    (a code task needs its tests). Raises ValueError naming the first bad one."""
+    check = CATALOG[env.name].task_problem
+    source = "tasks" if env.tasks is not None else "dataset" if env.dataset is not None else "dataFiles"
+    for held_out, rows in enumerate(tasks):
+        where = "evalTasks" if held_out and env.evalTasks is not None else source
+        for task in rows:
+            trouble = check(task) if check is not None else None
+            if trouble:
+                raise ValueError(f"spec.environment.{where}: the task with prompt {str(task.get('prompt'))[:60]!r}: "
+                                 f"{trouble} ({env.name} environment)")
+    return tasks
 
 
 def _own_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
