@@ -290,19 +290,29 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
     or the user's rewards and tasks. Raises ValueError naming a bad task file, column or split."""
     from dataclasses import replace
 
-    from grpo_run.trainer.envs.catalog import Reward, catalog_environment, user_environment
+    from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
 
     if env.is_catalog:
         chosen = tuple((fn, w) for _, fn, w in env.reward_list()) or None
         own = _checked(env, _own_tasks(env, p.seed)) if env.reads_tasks else None
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
                                     rewards=chosen, data_files=None if own else env.dataFiles, tasks=own)
-        if env.rewards:    # the job's own names for them
-            built = replace(built, rewards=tuple(replace(r, name=spec.label) for r, spec in zip(built.rewards, env.rewards)))
-        return built
+        return replace(built, rewards=rewards_of(env))      # the job's own names for them
     train, held = _own_tasks(env, p.seed)
-    return user_environment(name=env.name, rewards=tuple(Reward(n, ref, w) for n, ref, w in env.reward_list()),
-                            tasks=train, eval_tasks=held, search_path=env.path)
+    return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path)
+
+
+def rewards_of(env: EnvironmentSpec) -> tuple:
+    """The trainer's Rewards for this environment, named as the job names them, without its
+    tasks (nothing is read or downloaded)."""
+    from dataclasses import replace
+
+    from grpo_run.trainer.envs.catalog import Reward, catalog_rewards
+
+    if not env.is_catalog:
+        return tuple(Reward(n, ref, w) for n, ref, w in env.reward_list())
+    chosen = catalog_rewards(env.name, tuple((fn, w) for _, fn, w in env.reward_list()) or None)
+    return tuple(replace(r, name=spec.label) for r, spec in zip(chosen, env.rewards)) if env.rewards else chosen
 
 
 def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:

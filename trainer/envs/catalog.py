@@ -183,8 +183,14 @@ def catalog_environment(name: str, *, seed: int, n_train: int | None = None, n_e
     else:
         train, held_out = (entry.make(seed, n_train, n_eval, data_files) if entry.data
                            else entry.make(seed, n_train, n_eval))
-    chosen = tuple(Reward(reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
-    return Environment(name=name, rewards=chosen, train_tasks=tuple(train), eval_tasks=tuple(held_out))
+    return Environment(name=name, rewards=catalog_rewards(name, rewards), train_tasks=tuple(train),
+                       eval_tasks=tuple(held_out))
+
+
+def catalog_rewards(name: str, rewards: tuple[tuple[str, float], ...] | None = None) -> tuple[Reward, ...]:
+    """A catalog environment's rewards by (name or ref, weight) (None: its default)."""
+    entry = CATALOG[name]
+    return tuple(Reward(reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
 
 
 def reward_name(ref: str) -> str:
