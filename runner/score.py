@@ -6,6 +6,7 @@ grader's sandbox with the job's limits, as the trainer scores them; no model is 
 
 A row is `{"completion": TEXT, "task": N}` (the job's N-th training task, counting from 0) or the
 task's own fields with `completion` beside them (`{"prompt": ..., "tests": [...], "completion": ...}`).
+A group reward (`group: true`) sees consecutive rows of the same task as one prompt's group.
 """
 
 from __future__ import annotations
@@ -82,9 +83,15 @@ def score_completions(job: TrainingJob, rows: list[tuple[str, dict[str, Any]]]) 
 
     env, p = job.environment, job.parameters
     completions, tasks = [c for c, _ in rows], [t for _, t in rows]
+    groups: list[int] = []                  # a group reward sees consecutive rows of one task together
+    for i, task in enumerate(tasks):
+        if i and task == tasks[i - 1]:
+            groups[-1] += 1
+        else:
+            groups.append(1)
     with Scorer(rewards_of(env), search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
                 memory_mb=p.rewardMemoryMB, retries=p.rewardRetries, strict=sandbox_strict(job)) as scorer:
-        by_name = scorer.score(completions, tasks)
+        by_name = scorer.score(completions, tasks, groups)
         totals = scorer.total(by_name)
     return [{"rewards": {name: scores[i] for name, scores in by_name.items()}, "total": totals[i]}
             for i in range(len(rows))]

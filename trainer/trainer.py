@@ -309,7 +309,7 @@ class GRPOTrainer:
         t_sampled = time.perf_counter()
 
         # score (in the graders' processes; a failure raises, never becomes a 0)
-        by_reward = self.scorer.score(texts, group)                                    # {name: [b*G]}
+        by_reward = self.scorer.score(texts, group, [p.numGenerations] * len(tasks))  # {name: [b*G]}
         rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
         # each reward is finite and within MAX_ABS_REWARD (the grader checks), but a weight can
         # still carry the sum past float32's range: checked with the loss, before the update

@@ -77,6 +77,7 @@ class RewardSpec(Strict):
                                              "environment's reward name such as correct"})
     weight: float = 1.0
     name: str | None = None          # how metrics name it (default: the function's name)
+    group: bool = False              # fn(completions, task) -> one number per completion of a prompt's group
 
     @field_validator("weight")
     @classmethod
@@ -199,7 +200,8 @@ class EnvironmentSpec(Strict):
         out = self.model_dump(exclude_none=True, exclude_defaults=True)
         out["name"] = self.name
         if self.rewards:
-            out["rewards"] = [r.model_dump(exclude_none=True) for r in self.rewards]
+            out["rewards"] = [r.model_dump(exclude_none=True, exclude={"group"} if not r.group else None)
+                              for r in self.rewards]
         if self.path:
             out["path"] = list(self.path)
         return out
@@ -310,9 +312,12 @@ def rewards_of(env: EnvironmentSpec) -> tuple:
     from grpo_run.trainer.envs.catalog import Reward, catalog_rewards
 
     if not env.is_catalog:
-        return tuple(Reward(n, ref, w) for n, ref, w in env.reward_list())
-    chosen = catalog_rewards(env.name, tuple((fn, w) for _, fn, w in env.reward_list()) or None)
-    return tuple(replace(r, name=spec.label) for r, spec in zip(chosen, env.rewards)) if env.rewards else chosen
+        chosen = tuple(Reward(n, ref, w) for n, ref, w in env.reward_list())
+    else:
+        chosen = catalog_rewards(env.name, tuple((fn, w) for _, fn, w in env.reward_list()) or None)
+    if not env.rewards:        # one `reward`, or a catalog environment's default
+        return chosen
+    return tuple(replace(r, name=spec.label, group=spec.group) for r, spec in zip(chosen, env.rewards))
 
 
 def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:

@@ -30,6 +30,7 @@ class Reward:
     name: str          # how metrics and the record name it
     ref: str           # "module:function" or "/path/file.py:function", run by the grader
     weight: float = 1.0
+    group: bool = False  # scores a prompt's G completions together: fn(completions, task) -> G numbers
 
 
 @dataclass(frozen=True)

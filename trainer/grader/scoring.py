@@ -2,7 +2,7 @@
 process, the step's reward the weighted sum, every function's scores kept for the record.
 
     with Scorer(env.rewards, ...) as scorer:
-        by_name = scorer.score(completions, tasks)        # {name: [B*G] floats}
+        by_name = scorer.score(completions, tasks, [G] * B)   # {name: [B*G] floats}
         rewards = scorer.total(by_name)                   # [B*G] weighted sums
         scorer.sandbox_mode                               # {"network": "netns", ...}: for the events
 """
@@ -28,7 +28,7 @@ class Scorer:
         self._graders: list[Grader] = []
         try:
             for r in self.rewards:
-                self._graders.append(Grader(r.ref, search_path=search_path, **grader_settings))
+                self._graders.append(Grader(r.ref, search_path=search_path, group=r.group, **grader_settings))
         except BaseException:
             self.close()
             raise
@@ -46,9 +46,12 @@ class Scorer:
         """The first reward's name: an evaluation's `solved` counts the tasks it scores 1.0."""
         return self.rewards[0].name
 
-    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
-        """{reward name: one score per completion}, in the environment's order."""
-        return {r.name: g.score(completions, tasks) for r, g in zip(self.rewards, self._graders)}
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]],
+              groups: Sequence[int] | None = None) -> dict[str, list[float]]:
+        """{reward name: one score per completion}, in the environment's order. `groups`: the sizes
+        of the consecutive groups (a prompt's G completions) that group rewards see together
+        (None: each completion alone)."""
+        return {r.name: g.score(completions, tasks, groups) for r, g in zip(self.rewards, self._graders)}
 
     def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
         """The weighted sum per completion, summed in the environment's order (so it is the same
