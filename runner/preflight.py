@@ -366,7 +366,7 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
     else:
         refs = [(f"spec.environment.rewards.{i}.function", r.function) for i, r in enumerate(env.rewards)]
     for where, ref in refs:
-        if ":" not in ref or ref.startswith("grpo_run."):
+        if ref is None or ":" not in ref or ref.startswith("grpo_run."):    # a reward model, a catalog reward
             continue
         try:
             with _quiet_grader():

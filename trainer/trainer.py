@@ -142,8 +142,10 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
-        self.scorer = Scorer(env.rewards, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
-                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries, strict=sandbox_strict)
+        # reward functions in their sandboxed graders; a reward model here, on this device, outside the optimizer
+        self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device,
+                             timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
+                             retries=params.rewardRetries, strict=sandbox_strict)
 
     def close(self) -> None:
         self.scorer.close()

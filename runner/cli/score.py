@@ -21,7 +21,8 @@ def cmd_score(file: str, completions: str, output: str | None) -> int:
     """Score each completion in FILE.jsonl with the job's rewards, as training would: in the grader's
     sandbox, with the job's rewardTimeoutSeconds, rewardMemoryMB and spec.sandbox. Prints every
     reward by name and the weighted total, one line per completion in the file's order. No model
-    is loaded. A reward function that fails is an error (exit 1), never a score.
+    is loaded, unless the job names a reward model. A reward function that fails is an error
+    (exit 1), never a score.
 
     \b
     example:
@@ -55,6 +56,9 @@ def cmd_score(file: str, completions: str, output: str | None) -> int:
         return EXIT_USAGE if e.index is None else EXIT_FAILED      # one that cannot load is the job file's
     except SandboxUnavailable as e:
         _error(str(e))
+        return EXIT_FAILED
+    except (OSError, ValueError) as e:          # a reward model that cannot be loaded, or is not one
+        _error(f"{e}".splitlines()[0] if str(e) else type(e).__name__)
         return EXIT_FAILED
     if output == "json":
         print(json.dumps(scored, indent=2))

@@ -72,12 +72,42 @@ TASKS_HINT = "a JSONL file, one {\"prompt\": ...} per line (or .json, .csv, .par
 
 
 class RewardSpec(Strict):
-    """One of `spec.environment.rewards`: a function and its weight in the step's reward."""
-    function: str = Field(json_schema_extra={"required": "module:function, file.py:function, or a catalog "
-                                             "environment's reward name such as correct"})
+    """One of `spec.environment.rewards`: a function (or a reward model) and its weight in the
+    step's reward."""
+    function: str | None = None      # module:function, file.py:function, or a catalog environment's reward name
+    # a sequence-classification model with one logit (a hub id or a folder), scored in the trainer
+    model: str | None = None
     weight: float = 1.0
-    name: str | None = None          # how metrics name it (default: the function's name)
+    name: str | None = None          # how metrics name it (default: the function's name, the model's last part)
     group: bool = False              # fn(completions, task) -> one number per completion of a prompt's group
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_kind(cls, raw: Any, handler: Any) -> RewardSpec:
+        """A function or a model, said beside every other problem of the reward."""
+        try:
+            spec, error = handler(raw), None
+        except ValidationError as e:
+            spec, error = None, e
+        given = {k for k, v in raw.items() if v is not None} if isinstance(raw, dict) else set()
+        found: list[tuple[tuple[str, ...], str]] = []
+        if not given & {"function", "model"}:
+            found.append((("function",), "required: module:function, file.py:function, or a catalog environment's "
+                          "reward name such as correct; or model: a reward model (a hub id or a folder)"))
+        elif {"function", "model"} <= given:
+            found.append((("model",), "give function or model, not both"))
+        elif "model" in given and raw.get("group"):
+            found.append((("group",), "is for functions: a reward model scores each completion on its own"))
+        if found or error is not None:
+            named = {loc for loc, _ in found}
+            also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
+            raise problems_at("RewardSpec", found, also=also)
+        return spec
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _model_path(value, info)
 
     @field_validator("weight")
     @classmethod
@@ -88,12 +118,29 @@ class RewardSpec(Strict):
 
     @field_validator("function")
     @classmethod
-    def _function(cls, ref: str, info: ValidationInfo) -> str:
-        return _ref(ref, info) if ":" in ref else ref
+    def _function(cls, ref: str | None, info: ValidationInfo) -> str | None:
+        return _ref(ref, info) if ref is not None and ":" in ref else ref
 
     @property
     def label(self) -> str:
-        return self.name or reward_name(self.function)
+        return self.name or (reward_name(self.function) if self.function is not None else model_label(self.model or ""))
+
+
+def model_label(model: str) -> str:
+    """A reward model's name in metrics when the job gives none: its id's or folder's last part."""
+    return Path(model.rstrip("/")).name
+
+
+def _model_path(value: str, info: ValidationInfo) -> str:
+    """A reward model: a folder (resolved against the job file, checked) or a hub id as written."""
+    looks_like_path = value.startswith(("/", "./", "../", "~"))
+    path = resolve_path(value, base_folder(info))
+    if not looks_like_path and not Path(path).exists():
+        return value                                    # org/name on the hub
+    if checks_files(info) and not (Path(path) / "config.json").is_file():
+        raise problem(f"no model folder {path} (no config.json there; got {value!r}): a folder saved by "
+                      "save_pretrained, or a hub id such as org/name")
+    return path
 
 
 class EnvironmentSpec(Strict):
@@ -282,8 +329,9 @@ def _source_problems(has: set[str]) -> list[tuple[tuple[str, ...], str]]:
 
 def _label(reward: dict[str, Any]) -> str | None:
     """The name a reward is recorded under (RewardSpec.label), from what was written."""
-    fn = reward.get("function")
-    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else None)
+    fn, model = reward.get("function"), reward.get("model")
+    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else
+                                  model_label(model) if isinstance(model, str) else None)
     return name if isinstance(name, str) else None
 
 
@@ -295,11 +343,10 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
     from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
 
     if env.is_catalog:
-        chosen = tuple((fn, w) for _, fn, w in env.reward_list()) or None
         own = _checked(env, _own_tasks(env, p.seed)) if env.reads_tasks else None
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
-                                    rewards=chosen, data_files=None if own else env.dataFiles, tasks=own)
-        return replace(built, rewards=rewards_of(env))      # the job's own names for them
+                                    data_files=None if own else env.dataFiles, tasks=own)
+        return replace(built, rewards=rewards_of(env))      # the job's rewards, by the job's names
     train, held = _own_tasks(env, p.seed)
     return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path)
 
@@ -307,17 +354,16 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
 def rewards_of(env: EnvironmentSpec) -> tuple:
     """The trainer's Rewards for this environment, named as the job names them, without its
     tasks (nothing is read or downloaded)."""
-    from dataclasses import replace
-
     from grpo_run.trainer.envs.catalog import Reward, catalog_rewards
 
-    if not env.is_catalog:
-        chosen = tuple(Reward(n, ref, w) for n, ref, w in env.reward_list())
-    else:
-        chosen = catalog_rewards(env.name, tuple((fn, w) for _, fn, w in env.reward_list()) or None)
-    if not env.rewards:        # one `reward`, or a catalog environment's default
-        return chosen
-    return tuple(replace(r, name=spec.label, group=spec.group) for r, spec in zip(chosen, env.rewards))
+    if env.reward is not None:
+        return (Reward(reward_name(env.reward), env.reward, 1.0),)
+    if not env.rewards:                     # a catalog environment's default
+        return catalog_rewards(env.name)
+    offered = CATALOG[env.name].rewards if env.is_catalog else {}
+    return tuple(Reward(r.label, r.model, r.weight, model=True) if r.model is not None
+                 else Reward(r.label, offered.get(r.function, r.function), r.weight, group=r.group)
+                 for r in env.rewards)
 
 
 def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:

@@ -31,6 +31,7 @@ class Reward:
     ref: str           # "module:function" or "/path/file.py:function", run by the grader
     weight: float = 1.0
     group: bool = False  # scores a prompt's G completions together: fn(completions, task) -> G numbers
+    model: bool = False  # ref is a reward model (a hub id or a folder), scored in the trainer's process
 
 
 @dataclass(frozen=True)
