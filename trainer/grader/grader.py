@@ -364,7 +364,8 @@ class Grader:
         outcomes: dict[int, float | Failure] = {}
         request: dict[str, Any] = {"items": [items[i] for i in pending]}
         if self.group:      # pending is whole groups: each group's outcomes are all rewards, or a failure
-            request["groups"] = [size for start, size in self._groups.items() if start in set(pending)]
+            waiting = set(pending)
+            request["groups"] = [size for start, size in self._groups.items() if start in waiting]
         try:
             worker.send(request)
         except WorkerGone:
