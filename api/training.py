@@ -42,7 +42,9 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
     STORAGE`). Returns the Job.
 
     rewards: functions `f(completion: str, task: dict) -> float`, each alone (weight 1) or as
-      `(f, weight)`; each one's mean is recorded under the function's name. Each is packaged
+      `(f, weight)`; `{"function": f, "weight": w, "group": True}` for a group reward,
+      `f(completions: list[str], task: dict) -> list[float]`, called with a prompt's G
+      completions; each one's mean is recorded under the function's name. Each is packaged
       with its source (grpo_run.package); one that cannot travel is refused here, before
       anything is written.
     tasks, eval_tasks: a list of dicts (each with a "prompt": text or chat messages, and the
@@ -75,10 +77,10 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
     folder = home() / FOLDER / name
     folder.mkdir(parents=True, exist_ok=True)
     env: dict[str, Any] = {"name": name, "path": [str(folder)], "rewards": []}
-    for fn_name, source, weight in packaged:
+    for fn_name, source, weight, group in packaged:
         path = folder / f"{fn_name}.py"
         _write_if_changed(path, source.encode())
-        env["rewards"].append({"function": f"{path}:{fn_name}", "weight": weight})
+        env["rewards"].append({"function": f"{path}:{fn_name}", "weight": weight, **({"group": True} if group else {})})
     env["tasks"] = _task_file(tasks, folder / "tasks.parquet", "tasks")
     if eval_tasks is not None:
         env["evalTasks"] = _task_file(eval_tasks, folder / "eval_tasks.parquet", "eval_tasks")
@@ -119,17 +121,25 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", lambda m: "_" + m.group(1).lower(), camel)
 
 
-def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float]]:
-    """(function name, its packaged module's source, weight) of each reward; raises JobError for
-    a reward that is not `f` or `(f, weight)`, two of one name, or one that cannot travel."""
+def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool]]:
+    """(function name, its packaged module's source, weight, group) of each reward; raises JobError
+    for a reward that is not `f`, `(f, weight)` or `{"function": f, "weight": w, "group": True}`,
+    two of one name, or one that cannot travel."""
     if not isinstance(rewards, list) or not rewards:
         raise JobError(f"{SOURCE}: rewards: give a list of functions, each f or (f, weight), e.g. rewards=[correct, "
                        f"(length_penalty, 0.1)] (got {type(rewards).__name__})")
     out, names = [], set()
     for i, item in enumerate(rewards):
         fn, weight = item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0)
+        group = False
+        if isinstance(item, dict):
+            if not set(item) <= {"function", "weight", "group"} or not isinstance(item.get("group", False), bool):
+                raise JobError(f"{SOURCE}: rewards[{i}]: a dict takes function, weight and group (True: it scores a "
+                               f"prompt's completions together) (got {item!r:.80})")
+            fn, weight, group = item.get("function"), item.get("weight", 1.0), item.get("group", False)
         if not callable(fn) or isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise JobError(f"{SOURCE}: rewards[{i}]: give a function or (function, weight) (got {item!r:.80})")
+            raise JobError(f"{SOURCE}: rewards[{i}]: give a function, (function, weight) or {{\"function\": f, "
+                           f"\"weight\": w, \"group\": True}} (got {item!r:.80})")
         try:
             source = package_reward(fn)
         except Unpackable as e:
@@ -138,7 +148,7 @@ def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float]]:
             raise JobError(f"{SOURCE}: rewards[{i}]: two rewards are named {fn.__name__}; each reward's mean is "
                            "recorded under its function's name: rename one")
         names.add(fn.__name__)
-        out.append((fn.__name__, source, float(weight)))
+        out.append((fn.__name__, source, float(weight), group))
     return out
 
 

@@ -28,7 +28,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping
 from urllib.parse import urlsplit
 
 from grpo_run.runner.spec.job import TrainingJob
@@ -195,16 +195,19 @@ def _check_tasks(job: TrainingJob, found: Findings) -> None:
     """The first rows of every task file and local data set, as the trainer will read them."""
     env = job.environment
     base = "spec.environment"
-    if env.is_catalog:
+    if not env.reads_tasks:
         for split, path in (env.dataFiles or {}).items():     # gsm8k's own files
             found.problems += _gsm8k_rows(path, f"{base}.dataFiles.{split}")
         return
+    from grpo_run.trainer.envs.catalog import CATALOG
+
+    check = CATALOG[env.name].task_problem if env.is_catalog else None   # code: each task's tests
     for key in ("tasks", "evalTasks"):
         path = getattr(env, key)
         if path is not None:
-            found.problems += _task_rows(path, env.columns, f"{base}.{key}")
+            found.problems += _task_rows(path, env.columns, f"{base}.{key}", check)
     for split, path in (env.dataFiles or {}).items():
-        found.problems += _task_rows(path, env.columns, f"{base}.dataFiles.{split}")
+        found.problems += _task_rows(path, env.columns, f"{base}.dataFiles.{split}", check)
     if env.dataset is not None:
         if not Path(env.dataset).exists():
             found.notes.append(f"{base}.dataset: {env.dataset} is a data set on the hub, not read here; its columns "
@@ -213,12 +216,13 @@ def _check_tasks(job: TrainingJob, found: Findings) -> None:
         found.problems += _dataset_rows(env, f"{base}.dataset")
 
 
-def _task_rows(path: str, columns: Mapping[str, str], where: str) -> list[str]:
+def _task_rows(path: str, columns: Mapping[str, str], where: str,
+               check: Callable[[Any], str | None] | None = None) -> list[str]:
     try:
         rows = first_rows(path)
     except ValueError as e:
         return [f"{where}: {e}"]
-    return row_problems(rows, columns, where, Path(path).name)
+    return row_problems(rows, columns, where, Path(path).name, check)
 
 
 def _dataset_rows(env, where: str) -> list[str]:
@@ -290,9 +294,11 @@ def first_rows(path: str, n: int = FIRST_ROWS) -> list[dict[str, Any]]:
         raise ValueError(f"{source.name} cannot be read as {builder}: {_first_line(e)}") from None
 
 
-def row_problems(rows: list[Any], columns: Mapping[str, str], where: str, name: str) -> list[str]:
+def row_problems(rows: list[Any], columns: Mapping[str, str], where: str, name: str,
+                 check: Callable[[Any], str | None] | None = None) -> list[str]:
     """At most one line for `rows` read through `columns` (task key -> column) as
-    trainer.envs.data.as_tasks reads them: a mapped column missing, or no usable prompt."""
+    trainer.envs.data.as_tasks reads them: a mapped column missing, or no usable prompt, or what
+    `check` (a catalog environment's task_problem) finds."""
     from grpo_run.trainer.envs.tasks import prompt_problem
 
     if not rows:
@@ -316,6 +322,9 @@ def row_problems(rows: list[Any], columns: Mapping[str, str], where: str, name: 
         if trouble:
             via = f" (column {columns['prompt']!r})" if "prompt" in columns else ""
             return [f"{where}: {name} row {i}: {trouble}{via}"]
+        trouble = check(task) if check is not None else None
+        if trouble:
+            return [f"{where}: {name} row {i}: {trouble}"]
     return []
 
 
@@ -357,7 +366,7 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
     else:
         refs = [(f"spec.environment.rewards.{i}.function", r.function) for i, r in enumerate(env.rewards)]
     for where, ref in refs:
-        if ":" not in ref or ref.startswith("grpo_run."):
+        if ref is None or ":" not in ref or ref.startswith("grpo_run."):    # a reward model, a catalog reward
             continue
         try:
             with _quiet_grader():

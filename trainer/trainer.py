@@ -142,8 +142,10 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
-        self.scorer = Scorer(env.rewards, search_path=env.search_path, timeout_s=params.rewardTimeoutSeconds,
-                             memory_mb=params.rewardMemoryMB, retries=params.rewardRetries, strict=sandbox_strict)
+        # reward functions in their sandboxed graders; a reward model here, on this device, outside the optimizer
+        self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device,
+                             timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
+                             retries=params.rewardRetries, strict=sandbox_strict)
 
     def close(self) -> None:
         self.scorer.close()
@@ -309,7 +311,7 @@ class GRPOTrainer:
         t_sampled = time.perf_counter()
 
         # score (in the graders' processes; a failure raises, never becomes a 0)
-        by_reward = self.scorer.score(texts, group)                                    # {name: [b*G]}
+        by_reward = self.scorer.score(texts, group, [p.numGenerations] * len(tasks))  # {name: [b*G]}
         rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
         # each reward is finite and within MAX_ABS_REWARD (the grader checks), but a weight can
         # still carry the sum past float32's range: checked with the loss, before the update

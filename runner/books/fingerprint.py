@@ -55,7 +55,10 @@ def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
     environment's rewards (with their weights) and eval tasks, the generation settings, the batching and the seed."""
     payload = {
         "model": model_identity(model), "method": p.method, "environment": env.name,
-        "rewards": [[r.name, reward_identity(r.ref), r.weight] for r in env.rewards],
+        # a group reward (scored with its group) is another reward than the same function per completion
+        # a reward model by its config and weights (model_identity), as the policy
+        "rewards": [[r.name, model_identity(r.ref) if r.model else reward_identity(r.ref), r.weight,
+                     *(["group"] if r.group else [])] for r in env.rewards],
         "evalTasks": list(env.eval_tasks),
         "maxCompletionLength": p.maxCompletionLength, "evalTemperature": p.evalTemperature,
         "evalBatchSize": p.evalBatchSize, "seed": p.seed,

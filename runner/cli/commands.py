@@ -20,6 +20,7 @@ from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
+from grpo_run.runner.cli.score import cmd_score
 
 
 
@@ -267,6 +268,8 @@ cli.add_command(cmd_cancel)
 cli.add_command(cmd_delete)
 # the launch files for spot nodes (runner/cli/deploy.py)
 cli.add_command(cmd_deploy)
+# rewards tried on completions from a file (runner/cli/score.py)
+cli.add_command(cmd_score)
 
 
 # --- entry point ---------------------------------------------------------------------------------

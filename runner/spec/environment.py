@@ -72,11 +72,42 @@ TASKS_HINT = "a JSONL file, one {\"prompt\": ...} per line (or .json, .csv, .par
 
 
 class RewardSpec(Strict):
-    """One of `spec.environment.rewards`: a function and its weight in the step's reward."""
-    function: str = Field(json_schema_extra={"required": "module:function, file.py:function, or a catalog "
-                                             "environment's reward name such as correct"})
+    """One of `spec.environment.rewards`: a function (or a reward model) and its weight in the
+    step's reward."""
+    function: str | None = None      # module:function, file.py:function, or a catalog environment's reward name
+    # a sequence-classification model with one logit (a hub id or a folder), scored in the trainer
+    model: str | None = None
     weight: float = 1.0
-    name: str | None = None          # how metrics name it (default: the function's name)
+    name: str | None = None          # how metrics name it (default: the function's name, the model's last part)
+    group: bool = False              # fn(completions, task) -> one number per completion of a prompt's group
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_kind(cls, raw: Any, handler: Any) -> RewardSpec:
+        """A function or a model, said beside every other problem of the reward."""
+        try:
+            spec, error = handler(raw), None
+        except ValidationError as e:
+            spec, error = None, e
+        given = {k for k, v in raw.items() if v is not None} if isinstance(raw, dict) else set()
+        found: list[tuple[tuple[str, ...], str]] = []
+        if not given & {"function", "model"}:
+            found.append((("function",), "required: module:function, file.py:function, or a catalog environment's "
+                          "reward name such as correct; or model: a reward model (a hub id or a folder)"))
+        elif {"function", "model"} <= given:
+            found.append((("model",), "give function or model, not both"))
+        elif "model" in given and raw.get("group"):
+            found.append((("group",), "is for functions: a reward model scores each completion on its own"))
+        if found or error is not None:
+            named = {loc for loc, _ in found}
+            also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
+            raise problems_at("RewardSpec", found, also=also)
+        return spec
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _model_path(value, info)
 
     @field_validator("weight")
     @classmethod
@@ -87,12 +118,29 @@ class RewardSpec(Strict):
 
     @field_validator("function")
     @classmethod
-    def _function(cls, ref: str, info: ValidationInfo) -> str:
-        return _ref(ref, info) if ":" in ref else ref
+    def _function(cls, ref: str | None, info: ValidationInfo) -> str | None:
+        return _ref(ref, info) if ref is not None and ":" in ref else ref
 
     @property
     def label(self) -> str:
-        return self.name or reward_name(self.function)
+        return self.name or (reward_name(self.function) if self.function is not None else model_label(self.model or ""))
+
+
+def model_label(model: str) -> str:
+    """A reward model's name in metrics when the job gives none: its id's or folder's last part."""
+    return Path(model.rstrip("/")).name
+
+
+def _model_path(value: str, info: ValidationInfo) -> str:
+    """A reward model: a folder (resolved against the job file, checked) or a hub id as written."""
+    looks_like_path = value.startswith(("/", "./", "../", "~"))
+    path = resolve_path(value, base_folder(info))
+    if not looks_like_path and not Path(path).exists():
+        return value                                    # org/name on the hub
+    if checks_files(info) and not (Path(path) / "config.json").is_file():
+        raise problem(f"no model folder {path} (no config.json there; got {value!r}): a folder saved by "
+                      "save_pretrained, or a hub id such as org/name")
+    return path
 
 
 class EnvironmentSpec(Strict):
@@ -182,6 +230,13 @@ class EnvironmentSpec(Strict):
     def is_catalog(self) -> bool:
         return self.reward is None and self.name in CATALOG
 
+    @property
+    def reads_tasks(self) -> bool:
+        """Whether it reads your tasks (tasks, dataset, dataFiles): your own environment, or a
+        catalog one that takes them (code)."""
+        own = self.tasks is not None or self.dataset is not None or self.dataFiles is not None
+        return not self.is_catalog or (own and CATALOG[self.name].task_problem is not None)
+
     def reward_list(self) -> tuple[tuple[str, str, float], ...]:
         """(name, ref or catalog reward name, weight) of each reward; () for a catalog default."""
         if self.reward is not None:
@@ -192,7 +247,8 @@ class EnvironmentSpec(Strict):
         out = self.model_dump(exclude_none=True, exclude_defaults=True)
         out["name"] = self.name
         if self.rewards:
-            out["rewards"] = [r.model_dump(exclude_none=True) for r in self.rewards]
+            out["rewards"] = [r.model_dump(exclude_none=True, exclude={"group"} if not r.group else None)
+                              for r in self.rewards]
         if self.path:
             out["path"] = list(self.path)
         return out
@@ -207,10 +263,16 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     has = {k for k, v in given.items() if v not in (None, (), {}, [])}
     if name in CATALOG and "reward" not in has:
         entry = CATALOG[name]
-        for key in sorted(has & set(OWN_DATA), key=OWN_DATA.index):
-            found.append(((key,), f"only for environments with your own reward "
-                          f"(catalog environment {name!r} makes its own tasks)"))
-        if "dataFiles" in has and not entry.data:
+        own_data = sorted(has & set(OWN_DATA), key=OWN_DATA.index)
+        if entry.task_problem is None:
+            found += [((key,), f"only for environments with your own reward (catalog environment {name!r} "
+                       "makes its own tasks)") for key in own_data]
+        elif has & {"tasks", "dataset", "dataFiles"}:    # your tasks, checked as your own environment's
+            found += _source_problems(has)
+        else:
+            found += [((key,), f"goes with tasks, dataset or dataFiles (your own tasks); without them {name!r} "
+                       "uses its built-in tasks") for key in own_data]
+        if "dataFiles" in has and not entry.data and entry.task_problem is None:
             found.append((("dataFiles",), f"catalog environment {name!r} makes its own tasks; dataFiles is for "
                           + ", ".join(n for n, e in CATALOG.items() if e.data)))
         for i, r in enumerate(given.get("rewards") or ()):
@@ -239,6 +301,12 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     labels = [_label(r) for r in given.get("rewards") or () if isinstance(r, dict)]
     for label in sorted({x for x in labels if x and labels.count(x) > 1}):
         found.append((("rewards",), f"two rewards are named {label!r}: give one of them a name (name: ...)"))
+    return found + _source_problems(has)
+
+
+def _source_problems(has: set[str]) -> list[tuple[tuple[str, ...], str]]:
+    """Where your own tasks come from: one source, and its held-out tasks."""
+    found: list[tuple[tuple[str, ...], str]] = []
     sources = sorted(has & {"tasks", "dataset", "dataFiles"})
     if len(sources) > 1:
         found.append(((sources[1],), f"give one source of tasks: tasks, dataset or dataFiles (got {', '.join(sources)})"))
@@ -261,8 +329,9 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
 
 def _label(reward: dict[str, Any]) -> str | None:
     """The name a reward is recorded under (RewardSpec.label), from what was written."""
-    fn = reward.get("function")
-    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else None)
+    fn, model = reward.get("function"), reward.get("model")
+    name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else
+                                  model_label(model) if isinstance(model, str) else None)
     return name if isinstance(name, str) else None
 
 
@@ -271,18 +340,45 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
     or the user's rewards and tasks. Raises ValueError naming a bad task file, column or split."""
     from dataclasses import replace
 
-    from grpo_run.trainer.envs.catalog import Reward, catalog_environment, user_environment
+    from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
 
     if env.is_catalog:
-        chosen = tuple((fn, w) for _, fn, w in env.reward_list()) or None
+        own = _checked(env, _own_tasks(env, p.seed)) if env.reads_tasks else None
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
-                                    rewards=chosen, data_files=env.dataFiles)
-        if env.rewards:    # the job's own names for them
-            built = replace(built, rewards=tuple(replace(r, name=spec.label) for r, spec in zip(built.rewards, env.rewards)))
-        return built
+                                    data_files=None if own else env.dataFiles, tasks=own)
+        return replace(built, rewards=rewards_of(env))      # the job's rewards, by the job's names
     train, held = _own_tasks(env, p.seed)
-    return user_environment(name=env.name, rewards=tuple(Reward(n, ref, w) for n, ref, w in env.reward_list()),
-                            tasks=train, eval_tasks=held, search_path=env.path)
+    return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path)
+
+
+def rewards_of(env: EnvironmentSpec) -> tuple:
+    """The trainer's Rewards for this environment, named as the job names them, without its
+    tasks (nothing is read or downloaded)."""
+    from grpo_run.trainer.envs.catalog import Reward, catalog_rewards
+
+    if env.reward is not None:
+        return (Reward(reward_name(env.reward), env.reward, 1.0),)
+    if not env.rewards:                     # a catalog environment's default
+        return catalog_rewards(env.name)
+    offered = CATALOG[env.name].rewards if env.is_catalog else {}
+    return tuple(Reward(r.label, r.model, r.weight, model=True) if r.model is not None
+                 else Reward(r.label, offered.get(r.function, r.function), r.weight, group=r.group)
+                 for r in env.rewards)
+
+
+def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:
+    """Your tasks for a catalog environment that takes them, each checked by the environment
+    (a code task needs its tests). Raises ValueError naming the first bad one."""
+    check = CATALOG[env.name].task_problem
+    source = "tasks" if env.tasks is not None else "dataset" if env.dataset is not None else "dataFiles"
+    for held_out, rows in enumerate(tasks):
+        where = "evalTasks" if held_out and env.evalTasks is not None else source
+        for task in rows:
+            trouble = check(task) if check is not None else None
+            if trouble:
+                raise ValueError(f"spec.environment.{where}: the task with prompt {str(task.get('prompt'))[:60]!r}: "
+                                 f"{trouble} ({env.name} environment)")
+    return tasks
 
 
 def _own_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:

@@ -10,7 +10,9 @@ messages (`{"role": ..., "content": ...}`) that the tokenizer's chat template re
 Catalog environments make their tasks deterministically from a seed, train and eval from
 disjoint sets, so the held-out score is honest. `arithmetic` and `graph-coloring` speak a
 compact format only the tiny demo model answers; `gsm8k` is GSM8K in natural language, for real
-instruct models, loaded with `datasets` (from the hub, or offline from `dataFiles`).
+instruct models, loaded with `datasets` (from the hub, or offline from `dataFiles`). `code` runs
+the completion's code against unit tests (`grpo_run.trainer.envs.code`): twelve built-in tasks,
+or your own (MBPP, HumanEval or `{prompt, tests}`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from grpo_run.trainer.envs.code import tests_problem
+from grpo_run.trainer.envs.codetasks import code_tasks
 from grpo_run.trainer.envs.tasks import Task
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class Reward:
     name: str          # how metrics and the record name it
     ref: str           # "module:function" or "/path/file.py:function", run by the grader
     weight: float = 1.0
+    group: bool = False  # scores a prompt's G completions together: fn(completions, task) -> G numbers
+    model: bool = False  # ref is a reward model (a hub id or a folder), scored in the trainer's process
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,9 @@ class CatalogEnvironment:
     rewards: Mapping[str, str]                          # the rewards it offers, by name
     default: tuple[tuple[str, float], ...]              # (name, weight) used when the job names none
     data: bool = False                                  # loads a data set: dataFiles, else the hub
+    # takes your tasks too (spec.environment.tasks, dataset, ...), each checked by this (what is
+    # wrong with a task, or None); without them, `make`'s
+    task_problem: Callable[[Task], str | None] | None = None
 
 
 CATALOG: dict[str, CatalogEnvironment] = {
@@ -155,20 +164,35 @@ CATALOG: dict[str, CatalogEnvironment] = {
     "gsm8k": CatalogEnvironment(gsm8k_tasks, {"correct": "grpo_run.trainer.envs.rewards:math_correct",
                                               "format": "grpo_run.trainer.envs.rewards:boxed_format"},
                                 (("correct", 1.0),), data=True),
+    "code": CatalogEnvironment(code_tasks, {"passed": "grpo_run.trainer.envs.code:fraction_passed",
+                                            "all_passed": "grpo_run.trainer.envs.code:all_passed"},
+                               (("passed", 1.0),), task_problem=tests_problem),
 }
 
 
 def catalog_environment(name: str, *, seed: int, n_train: int | None = None, n_eval: int | None = None,
                         rewards: tuple[tuple[str, float], ...] | None = None,
-                        data_files: Mapping[str, str] | None = None) -> Environment:
-    """A catalog environment's tasks (None: the environment's default counts) with its rewards by
-    (name or ref, weight) (None: its default). Raises ValueError for counts that do not fit or
-    data that is not the environment's."""
+                        data_files: Mapping[str, str] | None = None,
+                        tasks: tuple[list[Task], list[Task]] | None = None) -> Environment:
+    """A catalog environment's tasks (None: the environment's default counts), or your (train,
+    held-out) `tasks` where it takes them, with its rewards by (name or ref, weight) (None: its
+    default). Raises ValueError for counts that do not fit or data that is not the environment's."""
     entry = CATALOG[name]
-    train, held_out = (entry.make(seed, n_train, n_eval, data_files) if entry.data
-                       else entry.make(seed, n_train, n_eval))
-    chosen = tuple(Reward(reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
-    return Environment(name=name, rewards=chosen, train_tasks=tuple(train), eval_tasks=tuple(held_out))
+    if tasks is not None:
+        if entry.task_problem is None:
+            raise ValueError(f"catalog environment {name!r} makes its own tasks")
+        train, held_out = tasks
+    else:
+        train, held_out = (entry.make(seed, n_train, n_eval, data_files) if entry.data
+                           else entry.make(seed, n_train, n_eval))
+    return Environment(name=name, rewards=catalog_rewards(name, rewards), train_tasks=tuple(train),
+                       eval_tasks=tuple(held_out))
+
+
+def catalog_rewards(name: str, rewards: tuple[tuple[str, float], ...] | None = None) -> tuple[Reward, ...]:
+    """A catalog environment's rewards by (name or ref, weight) (None: its default)."""
+    entry = CATALOG[name]
+    return tuple(Reward(reward_name(r), entry.rewards.get(r, r), w) for r, w in (rewards or entry.default))
 
 
 def reward_name(ref: str) -> str:

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
-from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
+from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, memory_hint, section
 from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
 from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
 
@@ -100,6 +99,9 @@ class Grader:
         False (the library's default for now) runs it with what the node allows, and warns once.
         `Grader.sandbox_mode` says which layers are in force.
     load_timeout_s: how long importing the reward module may take.
+    group: the function scores one prompt's group at a time, `fn(completions, task) -> [G numbers]`
+        (relative judges, ranking, diversity): `score` gets the groups' sizes. timeout_s is per
+        group; a group is retried whole, and one that fails never becomes scores.
 
     Raises RewardFunctionError at once when the ref cannot be loaded, SandboxUnavailable when a
     layer that had to be in force is not, ValueError for bad settings.
@@ -117,6 +119,7 @@ class Grader:
         filesystem: FilesystemSandbox = "auto",
         signals: SignalsSandbox = "auto",
         strict: bool = False,
+        group: bool = False,
         kill_grace_s: float = 2.0,
         load_timeout_s: float = 60.0,
         retry_wait_s: float = 0.05,
@@ -159,11 +162,13 @@ class Grader:
         self._filesystem_setting = filesystem
         self._signals = signals
         self._strict = strict
+        self.group = group
         self._kill_grace_s = kill_grace_s
         self._load_timeout_s = load_timeout_s
         self._retry_wait_s = retry_wait_s
         self._sleep = sleep
         self._lock = threading.Lock()  # one batch at a time: the pipe carries one conversation
+        self._groups: dict[int, int] = {}  # the batch being scored: {first completion: group size}
         self._closed = False
         self._worker: WorkerProcess | None = None
         self._mode: dict[str, str] = {}
@@ -205,18 +210,30 @@ class Grader:
         """The live worker's pid, or None between a crash and the restart, and after close()."""
         return self._worker.pid if self._worker is not None else None
 
-    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
-        """One reward per completion, fn(completions[i], tasks[i]), in order.
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]],
+              groups: Sequence[int] | None = None) -> list[float]:
+        """One reward per completion, fn(completions[i], tasks[i]), in order; for a group
+        function, fn(one group's completions, its task) per group, `groups` the sizes of the
+        consecutive groups (None: each completion alone).
 
-        Raises RewardFunctionError when a completion failed on all 1 + retries tries (the last
-        error is reported), TypeError/ValueError when the inputs cannot be sent to the worker
-        (tasks must be JSON-compatible; tuples arrive as lists), RuntimeError after close().
+        Raises RewardFunctionError when a completion (a group) failed on all 1 + retries tries
+        (the last error is reported), TypeError/ValueError when the inputs cannot be sent to the
+        worker (tasks must be JSON-compatible; tuples arrive as lists) or the groups do not add
+        up, RuntimeError after close().
         """
         if len(completions) != len(tasks):
             raise ValueError(
                 f"got {len(completions)} completions but {len(tasks)} tasks; need one task per completion"
             )
+        sizes = list(groups) if groups is not None else [1] * len(completions)
+        if sum(sizes) != len(completions) or any(size < 1 for size in sizes):
+            raise ValueError(f"groups {sizes} do not split {len(completions)} completions into groups of 1 or more")
         items = _encode_items(completions, tasks)
+        self._groups = {}
+        start = 0
+        for size in sizes:
+            self._groups[start] = size
+            start += size
         with self._lock:
             if self._closed:
                 raise RuntimeError("Grader.score called after close()")
@@ -280,6 +297,7 @@ class Grader:
                 "filesystem": self._filesystem_setting,
                 "signals": self._signals,
                 "strict": self._strict,
+                "group": self.group,
             }
         )
         deadline = time.monotonic() + self._load_timeout_s
@@ -300,7 +318,7 @@ class Grader:
             worker.abort(self._kill_grace_s)
             detail = (
                 f"importing it took longer than load_timeout_s={self._load_timeout_s:g}"
-                f"{_section('It was here', worker.crash_log())}"
+                f"{section('It was here', worker.crash_log())}"
             )
             worker.release()
             raise RewardFunctionError(
@@ -312,8 +330,8 @@ class Grader:
         error, kind, summary = hello.get("error"), hello.get("kind"), hello.get("summary")
         if not (isinstance(error, str) and kind in ("exception", "refused")):
             error = (
-                f"the worker process {_how_it_died(worker.returncode)} while loading it"
-                f"{_section('Crash report', worker.crash_log())}"
+                f"the worker process {how_it_died(worker.returncode)} while loading it"
+                f"{section('Crash report', worker.crash_log())}"
             )
             kind = "crashed"
         worker.release()
@@ -344,8 +362,12 @@ class Grader:
             self._worker = self._start_worker()
         worker = self._worker
         outcomes: dict[int, float | Failure] = {}
+        request: dict[str, Any] = {"items": [items[i] for i in pending]}
+        if self.group:      # pending is whole groups: each group's outcomes are all rewards, or a failure
+            waiting = set(pending)
+            request["groups"] = [size for start, size in self._groups.items() if start in waiting]
         try:
-            worker.send({"items": [items[i] for i in pending]})
+            worker.send(request)
         except WorkerGone:
             pass  # it died while idle or mid-request; reading reports how
         for i in pending:
@@ -371,14 +393,14 @@ class Grader:
                 f"did not return within timeout_s={self.timeout_s:g} and ignored the in-process "
                 f"timeout (stuck in C code, or SIGALRM ignored or caught); the grader worker was "
                 f"killed after {self.timeout_s + self._kill_grace_s:g} s"
-                f"{_section('Where it was stuck', worker.crash_log())}"
+                f"{section('Where it was stuck', worker.crash_log())}"
             )
         else:
             worker.kill_after_exit()
             detail = (
-                f"the grader worker process {_how_it_died(worker.returncode)} while running it"
-                f"{_memory_hint(worker.returncode, self.memory_mb)}"
-                f"{_section('Crash report', worker.crash_log())}"
+                f"the grader worker process {how_it_died(worker.returncode)} while running it"
+                f"{memory_hint(worker.returncode, self.memory_mb)}"
+                f"{section('Crash report', worker.crash_log())}"
             )
         worker.release()
         self._worker = None
@@ -406,8 +428,10 @@ class Grader:
         elif failure.kind == "invalid":
             detail = f"{self._ref.rpartition(':')[2]} {detail}"
         on_tries = "on its only try" if tries == 1 else f"on all {tries} tries"
+        size = self._groups.get(index, 1) if self.group else 1
+        where = f"the group of completions {index}-{index + size - 1}" if size > 1 else f"completion {index}"
         return RewardFunctionError(
-            f"reward function {self.reward_ref!r} {what} on completion {index} of {total}, "
+            f"reward function {self.reward_ref!r} {what} on {where} of {total}, "
             f"{on_tries} (retries={self.retries}); the last error:\n{detail.rstrip()}",
             ref=self.reward_ref,
             index=index,
@@ -459,25 +483,3 @@ def _encode_items(completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]
             ) from None
         items.append([completion, task])
     return items
-
-
-def _how_it_died(returncode: int | None) -> str:
-    if returncode is None:
-        return "stopped answering"
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    return f"was killed by {name}"
-
-
-def _memory_hint(returncode: int | None, memory_mb: int) -> str:
-    if returncode == -signal.SIGKILL:
-        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
-    return ""
-
-
-def _section(title: str, text: str) -> str:
-    return f"\n{title}:\n{text.rstrip()}" if text.strip() else ""

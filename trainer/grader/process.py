@@ -333,3 +333,29 @@ def _cleaned(value: Any) -> Any:
     if isinstance(value, list):
         return [_cleaned(item) for item in value]
     return value
+
+
+# how a worker ended, in words -------------------------------------------------------------------
+
+
+def how_it_died(returncode: int | None) -> str:
+    """How the worker ended, in words, from its return code (None: it is still there, not answering)."""
+    if returncode is None:
+        return "stopped answering"
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
+def memory_hint(returncode: int | None, memory_mb: int) -> str:
+    if returncode == -signal.SIGKILL:
+        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
+    return ""
+
+
+def section(title: str, text: str) -> str:
+    return f"\n{title}:\n{text.rstrip()}" if text.strip() else ""

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from grpo_run.trainer.grader.worker import reward_problem
+from grpo_run.trainer.grader.calls import reward_problem
 
 FailureKind = Literal["exception", "timeout", "invalid", "refused", "hung", "crashed"]
 

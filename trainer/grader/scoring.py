@@ -2,7 +2,7 @@
 process, the step's reward the weighted sum, every function's scores kept for the record.
 
     with Scorer(env.rewards, ...) as scorer:
-        by_name = scorer.score(completions, tasks)        # {name: [B*G] floats}
+        by_name = scorer.score(completions, tasks, [G] * B)   # {name: [B*G] floats}
         rewards = scorer.total(by_name)                   # [B*G] weighted sums
         scorer.sandbox_mode                               # {"network": "netns", ...}: for the events
 """
@@ -20,15 +20,22 @@ class Scorer:
     """Owns one Grader per reward function. Raises what Grader raises (RewardFunctionError
     when a function fails on every try: never a score)."""
 
-    def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), **grader_settings: Any) -> None:
+    def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), device: Any = "cpu",
+                 **grader_settings: Any) -> None:
+        """A reward model (Reward.model) is loaded here, on `device` (rewardmodel.RewardModel)."""
         names = [r.name for r in rewards]
         if not rewards or len(set(names)) != len(names):
             raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'})")
         self.rewards = tuple(rewards)
-        self._graders: list[Grader] = []
+        self._graders: list[Any] = []       # a Grader per function, a RewardModel per model
         try:
             for r in self.rewards:
-                self._graders.append(Grader(r.ref, search_path=search_path, **grader_settings))
+                if r.model:
+                    from grpo_run.trainer.grader.rewardmodel import RewardModel
+
+                    self._graders.append(RewardModel(r.ref, device))
+                else:
+                    self._graders.append(Grader(r.ref, search_path=search_path, group=r.group, **grader_settings))
         except BaseException:
             self.close()
             raise
@@ -38,17 +45,21 @@ class Scorer:
         """The sandbox layers in force for the environment's rewards (Grader.sandbox_mode), for the
         trainer's events and the run's record. Every grader runs on the same node with the same
         settings; a layer on which they differ anyway reads as their values joined by "|"."""
-        modes = [g.sandbox_mode for g in self._graders]
-        return {layer: "|".join(sorted({m[layer] for m in modes})) for layer in modes[0]}
+        modes = [g.sandbox_mode for g in self._graders if isinstance(g, Grader)]    # a reward model runs outside it
+        return {layer: "|".join(sorted({m[layer] for m in modes})) for layer in modes[0]} if modes else {}
 
     @property
     def primary(self) -> str:
         """The first reward's name: an evaluation's `solved` counts the tasks it scores 1.0."""
         return self.rewards[0].name
 
-    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
-        """{reward name: one score per completion}, in the environment's order."""
-        return {r.name: g.score(completions, tasks) for r, g in zip(self.rewards, self._graders)}
+    def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]],
+              groups: Sequence[int] | None = None) -> dict[str, list[float]]:
+        """{reward name: one score per completion}, in the environment's order. `groups`: the sizes
+        of the consecutive groups (a prompt's G completions) that group rewards see together
+        (None: each completion alone)."""
+        return {r.name: g.score(completions, tasks) if r.model else g.score(completions, tasks, groups)
+                for r, g in zip(self.rewards, self._graders)}
 
     def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
         """The weighted sum per completion, summed in the environment's order (so it is the same
