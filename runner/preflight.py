@@ -168,12 +168,16 @@ def _probe(url: str, found: Findings) -> None:
 
 
 def _check_model(job: TrainingJob, mode: Mode, found: Findings) -> None:
-    """The model's config.json is found here (a hub id's fetched into the cache): the memory fit
-    is checked by every apply. A config the estimate cannot read (dry run: refused by the estimate
-    itself) is said on apply and --detach, never passed over in silence."""
-    from grpo_run.runner.estimate.estimate import model_config
+    """The model's config.json (and each reward model's) is found here (a hub id's fetched into
+    the cache): the memory fit is checked by every apply. A config the estimate cannot read (dry
+    run: refused by the estimate itself) is said on apply and --detach, never passed over in silence."""
+    from grpo_run.runner.estimate.estimate import model_config, reward_model_configs
     from grpo_run.runner.estimate.memory import model_shape
 
+    try:
+        reward_model_configs(job)        # their memory is counted in the fit: found here, or said
+    except (LookupError, ValueError) as e:
+        found.problems.append(str(e))
     try:
         config = model_config(job.model)
     except (LookupError, ValueError) as e:

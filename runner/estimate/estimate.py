@@ -155,6 +155,21 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
+def reward_model_configs(job: TrainingJob) -> list[dict[str, Any]]:
+    """The config.json of each reward model the job names (spec.environment.rewards[].model), found
+    as model_config finds the policy's. Raises LookupError or ValueError naming the reward."""
+    configs = []
+    for i, reward in enumerate(job.environment.rewards):
+        if reward.model is None:
+            continue
+        field = f"spec.environment.rewards[{i}].model"
+        try:
+            configs.append(model_config(reward.model))
+        except (LookupError, ValueError) as e:
+            raise type(e)(f"{field}: {str(e).removeprefix('spec.model: ')}".replace("spec.model", field)) from None
+    return configs
+
+
 # --- the estimate -------------------------------------------------------------------------------
 
 
@@ -214,6 +229,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
     config = model_config(job.model)
+    scorer_configs = reward_model_configs(job)
     targets = p.lora.targetModules
     memory = memory_estimate(
         config,
@@ -229,12 +245,14 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         micro_batch_size=p.microBatchSize,
         gradient_checkpointing=p.gradientCheckpointing,
         gpu=card,
+        reward_models=scorer_configs,
     )
     work = workload(job)
     shape = model_shape(config)
     step = StepWork(shape=shape, method=p.method, prompts=prompts, generations=p.numGenerations,
                     prompt_tokens=work.prompt_tokens or 0.0, completion_tokens=p.maxCompletionLength,
-                    num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing)
+                    num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing,
+                    scorers=tuple(model_shape(c) for c in scorer_configs))
     out: dict[str, Any] = {
         "costToCompletionUSD": None,
         "firstHoldUSD": None,
@@ -279,7 +297,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     if work.eval_tasks:
         eval_prompt = work.eval_prompt_tokens if work.eval_prompt_tokens is not None else step.prompt_tokens
         one_eval = eval_seconds(step.shape, p.method, tasks=work.eval_tasks, batch_size=p.evalBatchSize,
-                                prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card)
+                                prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card,
+                                scorers=step.scorers)
     evals = round(one_eval * work.evaluations, 1)
     cost = cost_estimate(
         gpu=card,

@@ -53,6 +53,7 @@ __all__ = [
     "model_shape",
     "parameter_count",
     "quoted_count",
+    "reward_model_memory",
 ]
 
 
@@ -249,6 +250,19 @@ def _update_bytes(shape: ModelShape, micro: int, seq_tokens: int, completion_tok
     return logits + chunk + kept
 
 
+def reward_model_memory(config: Mapping[str, Any], *, sequences: int, seq_tokens: int) -> tuple[Decimal, Decimal]:
+    """(weights, one scoring forward) in GB for a reward model (a sequence-classification model
+    with one logit, loaded in bf16 and run without gradients) scoring `sequences` completions of
+    `seq_tokens` tokens in one batch. Its weights: the decoder's parameters with a one-output head
+    instead of the vocabulary's. Its forward holds one decoder layer's tensors at a time: the
+    residual stream and the MLP's gate and up outputs, for the whole batch."""
+    shape = model_shape(config)
+    parameters = parameter_count(shape) - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden
+    weights = _gb(quoted_count(parameters), Decimal(_ACTIVATION_BYTES), "0.01")
+    live = sequences * seq_tokens * (shape.hidden + 2 * shape.intermediate) * _ACTIVATION_BYTES
+    return weights, _gb(live, Decimal(1), "0.1")
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """SPEC §6 ``status.estimate.memory``; see the module docstring for the rounding."""
@@ -264,8 +278,10 @@ class MemoryEstimate:
     micro_batch_size: int = 1     # completions per forward/backward in the update
     sampling_gb: float = 0.0      # the KV cache of the step's promptsPerStep x numGenerations completions
     update_gb: float = 0.0        # one micro-batch: logits, their gradient, activations
-    needed_gb: float = 0.0        # total + the larger of sampling and update
+    needed_gb: float = 0.0        # total + reward models + the largest of sampling, update and scoring
     fits: bool | None = None      # None when no GPU was named
+    reward_models_gb: float = 0.0  # the reward models' weights (bf16), resident the whole run
+    scoring_gb: float = 0.0        # the reward models' forward over one step's completions
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -282,6 +298,9 @@ class MemoryEstimate:
             "updateGB": self.update_gb,
             "neededGB": self.needed_gb,
             "fits": self.fits,
+            # only for a job with reward models: SPEC §6's document is the same for every other
+            **({"rewardModelsGB": self.reward_models_gb, "scoringGB": self.scoring_gb}
+               if self.reward_models_gb else {}),
         }
 
 
@@ -299,13 +318,15 @@ def memory_estimate(
     micro_batch_size: int | None = None,
     gradient_checkpointing: bool = True,
     gpu: str | Gpu | None = None,
+    reward_models: Sequence[Mapping[str, Any]] = (),
 ) -> MemoryEstimate:
     """Memory for weights and trainable state of one run, from a HF ``config.json`` dict.
 
     ``method`` is one of ``trainer.config.METHODS``; ``lora_r`` and ``lora_targets`` are ignored
     for ``method="Full"``. ``micro_batch_size`` None: the trainer's own choice for ``gpu``
     (trainer.config.default_micro_batch). With ``gpu`` the estimate's ``fits`` is filled in (see
-    ``fits``); without it ``fits`` is None.
+    ``fits``); without it ``fits`` is None. ``reward_models``: the config.json of each reward model
+    the job names (reward_model_memory), counted in ``neededGB``.
 
     Raises ValueError for an unknown method, GPU or LoRA target, a non-positive rank, group
     size or completion length, a negative beta or prompt length, and a config without the
@@ -354,7 +375,10 @@ def memory_estimate(
     micro = min(micro, completions)
     update = _gb(_update_bytes(shape, micro, seq_tokens, max_completion_length, gradient_checkpointing),
                  Decimal(1), "0.1")
-    needed = total + max(sampling, update)
+    scorers = [reward_model_memory(c, sequences=completions, seq_tokens=seq_tokens) for c in reward_models]
+    scorer_weights = sum((w for w, _ in scorers), Decimal("0.00"))
+    scoring = max((f for _, f in scorers), default=Decimal("0.0"))
+    needed = total + scorer_weights + max(sampling, update, scoring)
 
     return MemoryEstimate(
         parameters=parameters,
@@ -368,6 +392,8 @@ def memory_estimate(
         micro_batch_size=micro,
         sampling_gb=float(sampling),
         update_gb=float(update),
+        reward_models_gb=float(scorer_weights),
+        scoring_gb=float(scoring),
         needed_gb=float(needed),
         fits=None if card is None else fits(float(needed), card),
     )

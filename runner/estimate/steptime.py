@@ -14,6 +14,9 @@ update    forward and backward over n sequences of P + T tokens, compute-bound:
           gradients in a full fine-tune) + 1 recomputed forward with gradient checkpointing,
           x numIterations (the old log-probabilities are the first iteration's, no extra pass);
           + 1 forward of the reference when beta > 0.
+scoring  each reward model the job names (a one-logit classifier): one forward, no gradients,
+          over the same n sequences of P + T tokens, as one pass (weights read once at 2 bytes;
+          the head is hidden x 1, not the vocabulary's); counted with the update.
 Both x the card's CALIBRATION (see below). Scoring (a Python check in the grader), the optimizer
 step and the host's bookkeeping are left out: next to these they are small (SPEC §5).
 
@@ -50,7 +53,7 @@ times replace it (measured.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from grpo_run.runner.estimate.memory import ModelShape, model_shape
@@ -68,6 +71,7 @@ __all__ = [
     "decode_seconds",
     "eval_seconds",
     "forward_flops_per_token",
+    "score_seconds",
     "matmul_parameters",
     "step_time",
     "update_seconds",
@@ -96,6 +100,7 @@ class StepWork:
     num_iterations: int = 1
     beta: float = 0.0
     gradient_checkpointing: bool = True
+    scorers: tuple[ModelShape, ...] = ()   # the reward models' shapes (scored once per step)
 
     @property
     def sequences(self) -> int:
@@ -172,10 +177,19 @@ def update_seconds(work: StepWork, gpu: Gpu) -> float:
     return total / (gpu.bf16_flops * COMPUTE_EFFICIENCY)
 
 
+def score_seconds(scorer: ModelShape, sequences: int, tokens: float, gpu: Gpu) -> float:
+    """One reward model's forward over `sequences` of `tokens` tokens, batched (uncalibrated)."""
+    head = replace(scorer, vocab=1)          # a one-logit head: hidden x 1
+    return _pass_seconds(head, gpu, weight_bytes(head, "LoRA"),
+                         sequences * tokens * forward_flops_per_token(head, tokens / 2))
+
+
 def _uncalibrated(work: StepWork, gpu: Gpu) -> tuple[float, float]:
     sample = decode_seconds(work.shape, work.method, work.sequences, work.prompt_tokens,
                             work.completion_tokens, gpu)
-    return sample, update_seconds(work, gpu)
+    length = work.prompt_tokens + work.completion_tokens
+    scoring = sum(score_seconds(s, work.sequences, length, gpu) for s in work.scorers)
+    return sample, update_seconds(work, gpu) + scoring
 
 
 # --- calibration --------------------------------------------------------------------------------
@@ -203,13 +217,19 @@ def step_time(work: StepWork, gpu: Gpu) -> StepTime:
 
 
 def eval_seconds(shape: ModelShape, method: str, *, tasks: int, batch_size: int, prompt_tokens: float,
-                 completion_tokens: int, gpu: Gpu) -> float:
+                 completion_tokens: int, gpu: Gpu, scorers: tuple[ModelShape, ...] = ()) -> float:
     """One evaluation: `tasks` held-out prompts, one greedy completion each, `batch_size` at a
-    time, each batch decoding to `completion_tokens` (calibrated like a step)."""
+    time, each batch decoding to `completion_tokens` and scored by each reward model
+    (calibrated like a step)."""
     if tasks <= 0:
         return 0.0
+
+    def batch(n: int) -> float:
+        return decode_seconds(shape, method, n, prompt_tokens, completion_tokens, gpu) + sum(
+            score_seconds(s, n, prompt_tokens + completion_tokens, gpu) for s in scorers)
+
     full, rest = divmod(tasks, batch_size)
-    seconds = full * decode_seconds(shape, method, batch_size, prompt_tokens, completion_tokens, gpu)
+    seconds = full * batch(batch_size)
     if rest:
-        seconds += decode_seconds(shape, method, rest, prompt_tokens, completion_tokens, gpu)
+        seconds += batch(rest)
     return seconds * (CALIBRATION.get(gpu.name, 1.0) if gpu.listed else 1.0)

@@ -103,6 +103,12 @@ def _modelled(est: dict[str, Any], model: dict[str, Any]) -> str:
 
 
 def _fit_line(est: dict[str, Any]) -> str:
+    scorers = est["memory"].get("rewardModelsGB") or 0.0
+    line = _fit(est)
+    return line + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else "")
+
+
+def _fit(est: dict[str, Any]) -> str:
     memory = est["memory"]
     card_gb = est.get("gpuMemoryGB")
     need = memory["neededGB"]

@@ -301,3 +301,64 @@ def test_this_node_s_job_records_running_ones_too_teach_the_estimate_one_vote_pe
     est = estimate(job)
     assert (est["stepSeconds"], est["measuredRuns"]) == (pytest.approx(3.7), 2)    # median of 3.0 and 4.4
     assert "the median of 2 of your runs of this model on L4" in est["note"]
+
+
+# --- reward models ----------------------------------------------------------------------------------
+
+
+def reward_model_job(tmp_path: Path, reward_model: str, gpu: str = "L40S"):
+    (tmp_path / "rewards.py").write_text("def score(completion, task):\n    return 0.0\n")
+    for name, count in (("train.jsonl", 16), ("eval.jsonl", 20)):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": QUESTION}) + "\n" for _ in range(count)))
+    env = {"name": "words", "rewards": [{"function": str(tmp_path / "rewards.py") + ":score"},
+                                        {"model": reward_model, "weight": 0.5, "name": "rm"}],
+           "tasks": str(tmp_path / "train.jsonl"), "evalTasks": str(tmp_path / "eval.jsonl")}
+    return doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu, environment=env,
+               parameters={"numGenerations": 8, "maxCompletionLength": 512, "maxSteps": 100})
+
+
+def test_a_reward_model_s_weights_and_forward_are_in_the_memory_and_the_step_time(tmp_path):
+    with_rm = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    plain = json.loads(json.dumps(with_rm))
+    plain["spec"]["environment"]["rewards"] = plain["spec"]["environment"]["rewards"][:1]
+    rm, no_rm = estimate(parse_job(with_rm)), estimate(parse_job(plain))
+    # Qwen2.5-0.5B's 494,032,768 parameters (its head tied to the embeddings) with a 896 x 1 score
+    # head instead, in bf16: 0.99 GB, resident the whole run
+    assert rm["memory"]["rewardModelsGB"] == 0.99 and "rewardModelsGB" not in no_rm["memory"]
+    # its forward over the step's 64 completions is smaller than sampling or the update here
+    assert 0 < rm["memory"]["scoringGB"] < max(rm["memory"]["samplingGB"], rm["memory"]["updateGB"])
+    assert rm["memory"]["neededGB"] == pytest.approx(no_rm["memory"]["neededGB"] + 0.99)
+    # one more forward pass per step (counted with the update) and per evaluation batch
+    assert rm["stepModel"]["sampleSeconds"] == no_rm["stepModel"]["sampleSeconds"]
+    assert rm["stepModel"]["updateSeconds"] > no_rm["stepModel"]["updateSeconds"]
+    assert rm["evalSeconds"] > no_rm["evalSeconds"] and rm["costToCompletionUSD"] > no_rm["costToCompletionUSD"]
+
+
+def test_one_reward_model_forward_is_a_one_logit_pass_computed_by_hand():
+    from grpo_run.runner.estimate.memory import model_shape
+    from grpo_run.runner.estimate.steptime import COMPUTE_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, score_seconds
+    from grpo_run.runner.gpus import lookup_gpu
+
+    config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 1000}
+    card = lookup_gpu("L40S")
+    # per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up/down 64x128 x3 = 36,864; 2 layers; head 64 x 1
+    matmul = 2 * 36_864 + 64
+    tokens, sequences = 100, 8
+    flops = sequences * tokens * (2 * matmul + 4 * 2 * 4 * 16 * tokens / 2)
+    read = 2 * matmul
+    by_hand = LAUNCH_SECONDS * 2 + max(read / (card.memory_bandwidth * MEMORY_EFFICIENCY),
+                                       flops / (card.bf16_flops * COMPUTE_EFFICIENCY))
+    assert score_seconds(model_shape(config), sequences, tokens, card) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_the_dry_run_counts_a_reward_model_and_names_one_it_cannot_find(capsys, tmp_path, monkeypatch):
+    rc, out, err = dry_run(capsys, tmp_path, reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B))))
+    assert rc == EXIT_OK, err
+    assert "the reward models' weights are 0.99 GB of it" in out
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    rc, out, err = dry_run(capsys, tmp_path, reward_model_job(tmp_path, "grpo-run-tests/no-such-reward-model"))
+    assert rc == EXIT_USAGE
+    assert "spec.environment.rewards[1].model: " in err and "grpo-run-tests/no-such-reward-model" in err
+    assert "Traceback" not in err
