@@ -20,6 +20,8 @@ Events, in the order they happen (rank 0 reports all of them, other ranks only `
     PhaseStarted   BaselineEval | Training | FinalEval
     EvalBatch      one held-out evaluation batch finished (a stopped evaluation resumes by batch)
     Evaluated      a whole baseline or final evaluation
+    Samples        what the model wrote: a step's first groups (just before its Step), or an
+                   evaluation's first held-out tasks (before that batch's EvalBatch, or HeldOut)
     Step           a completed training step and its metrics
     HeldOut        the held-out evaluation every evalSteps, while training
     Sealed         a checkpoint sealed on the local disk (its manifest hashed once, trusted after)
@@ -151,6 +153,31 @@ class Evaluated(_Event):
     noSignal: bool                        # every held-out reward equal: GRPO's groups would all be identical
 
 
+class SampleCompletion(_Event):
+    text: str                             # capped (trainer.samples.MAX_CHARS)
+    rewards: dict[str, float]             # by reward name
+    reward: float                         # the weighted sum
+    advantage: float | None = None        # training steps only
+    length: int                           # tokens
+    truncated: bool                       # cut at maxCompletionLength
+
+
+class SampleGroup(_Event):
+    item: int                             # a step's group (0-based), or the held-out task's place among them
+    prompt: str                           # capped; chat messages as `role: content` lines
+    completions: list[SampleCompletion]   # a group's G; an evaluation's one per task
+
+
+SampleKind = Literal["step", "baseline", "final", "heldOut"]
+
+
+class Samples(_Event):
+    event: Literal["samples"] = "samples"
+    kind: SampleKind
+    step: int                             # the training step (1-based) they came from or were evaluated after
+    groups: list[SampleGroup]             # a step's: all its kept groups (a redone step's replace them)
+
+
 class Step(_Event):
     event: Literal["step"] = "step"
     step: int                             # completed steps
@@ -189,8 +216,8 @@ class Failed(_Event):
     diskFull: bool = False                # the local disk is full: restarting cannot help either
 
 
-TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Step, HeldOut, Sealed, Final, Stopped,
-                               Failed], Field(discriminator="event")]
+TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Samples, Step, HeldOut, Sealed, Final,
+                               Stopped, Failed], Field(discriminator="event")]
 _EVENT = TypeAdapter(TrainerEvent)
 
 

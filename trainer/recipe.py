@@ -30,7 +30,8 @@ from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
-                                       PhaseStarted, Plan, Sealed, Started, Step, Stopped, TrainerPhase)
+                                       PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step, Stopped,
+                                       TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
@@ -90,7 +91,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
 
         events.emit(PhaseStarted(phase=TrainerPhase.FINAL_EVAL))
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
-        if evaluate(trainer, plan, "final", events) is None:
+        if evaluate(trainer, plan, "final", events, step) is None:
             return _stopped(events, checkpoints, step, TrainerPhase.FINAL_EVAL)
         final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True, "run": plan.run_id})   # rank 0's
         if final is not None:
@@ -124,6 +125,8 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 return step, "requested"
             step += 1
             last_seconds = metrics["stepSeconds"]
+            if trainer.samples:                        # before its Step: a recorded step has its samples
+                events.emit(Samples(kind="step", step=step, groups=trainer.samples))
             events.emit(Step(step=step, metrics=metrics))
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
@@ -143,20 +146,27 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 except GenerationInterrupted:          # this step's evaluation is given up, not the step
                     return step, "requested"
                 eval_seconds = time.monotonic() - t0
+                if ev.samples:
+                    events.emit(Samples(kind="heldOut", step=step, groups=list(ev.samples)))
                 events.emit(HeldOut(step=step, result=ev.to_dict()))
         return step, None
     finally:
         bar.close()
 
 
-def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events) -> dict[str, Any] | None:
-    """The held-out evaluation `kind`, each batch reported as it is finished; batches an earlier
-    attempt finished are reused. None when a stop request interrupted it."""
+def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, step: int = 0) -> dict[str, Any] | None:
+    """The held-out evaluation `kind` (after training step `step`), each batch reported as it is
+    finished, its samples just before it; batches an earlier attempt finished are reused. None
+    when a stop request interrupted it."""
     def on_batch(i: int, rewards: dict[str, list[float]]) -> None:
         events.emit(EvalBatch(kind=kind, batch=i, rewards=rewards))
 
+    def on_samples(groups: list[SampleGroup]) -> None:
+        events.emit(Samples(kind=kind, step=step, groups=groups))
+
     try:
-        ev = trainer.evaluate(plan.env.eval_tasks, done=plan.eval_done.get(kind), on_batch=on_batch)
+        ev = trainer.evaluate(plan.env.eval_tasks, done=plan.eval_done.get(kind), on_batch=on_batch,
+                              on_samples=on_samples)
     except GenerationInterrupted:
         return None
     result = ev.to_dict()

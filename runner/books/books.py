@@ -30,6 +30,7 @@ from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
+from grpo_run.runner.books.samples import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
 from grpo_run.state.phases import Phase
@@ -149,6 +150,7 @@ class Books:
             values.RUN_ID.set(self.record, self.run_id)
         self.ledger = Ledger(self.record, usd_per_hour=usd_per_hour, max_cost_usd=max_cost_usd)
         self.evals = Evals(self.record, store)
+        self.samples = SampleBooks(self.record)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
         self._queued: Future | None = None
@@ -329,6 +331,10 @@ class Books:
         self.record.log_step(step, metrics)
         self.trackers.step(step, metrics)
         self.sync_soon()
+
+    def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
+        """What the model wrote (runner.books.samples); uploaded with the record."""
+        self.samples.add(kind, step, groups)
 
     def fill_in_steps(self, steps: list[dict[str, Any]]) -> None:
         """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record
