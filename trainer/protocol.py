@@ -166,6 +166,7 @@ class SampleGroup(_Event):
     item: int                             # a step's group (0-based), or the held-out task's place among them
     prompt: str                           # capped; chat messages as `role: content` lines
     completions: list[SampleCompletion]   # a group's G; an evaluation's one per task
+    solved: bool                          # every completion scored 1 on the first reward (an evaluation's "solved")
 
 
 SampleKind = Literal["step", "baseline", "final", "heldOut"]

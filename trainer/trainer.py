@@ -224,7 +224,7 @@ class GRPOTrainer:
                     computed[i] = self.scorer.score(texts, chunk)    # {reward: [scores]}
                     kept[i] = samples.eval_items(start, [t["prompt"] for t in chunk], texts, computed[i],
                                                  self.scorer.total(computed[i]), cmask.sum(1).tolist(),
-                                                 cut.tolist(), p.sampleEvalTasks)
+                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary)
                     if on_samples is not None and kept[i]:
                         on_samples(kept[i])
                     if on_batch is not None:
@@ -365,7 +365,7 @@ class GRPOTrainer:
         # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
         self.samples = samples.step_groups([t["prompt"] for t in tasks], texts, by_reward, local["rewards"],
                                            adv.tolist(), local["lengths"], local["truncated"], p.numGenerations,
-                                           p.sampleGroups if world.main else 0)
+                                           p.sampleGroups if world.main else 0, self.scorer.primary)
         metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens,
                                primary=self.scorer.primary, iterations=p.numIterations)
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
