@@ -51,6 +51,10 @@ CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, t
 # In every checkpoint: each step's metrics so far ([{"step": n, **metrics}], oldest first), the
 # record's steps for a restore to fill in when a node was lost before its record reached storage.
 STEP_METRICS = "metrics.json"
+# ... and the samples of its newest CHECKPOINT_SAMPLE_STEPS steps ({step: [group, ...]}), which the
+# restore fills in likewise for the steps it fills in (the steps a lost record upload left out).
+STEP_SAMPLES = "samples.json"
+CHECKPOINT_SAMPLE_STEPS = 100
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)

@@ -127,6 +127,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
             last_seconds = metrics["stepSeconds"]
             if trainer.samples:                        # before its Step: a recorded step has its samples
                 events.emit(Samples(kind="step", step=step, groups=trainer.samples))
+                checkpoints.add_samples(step, [g.model_dump() for g in trainer.samples])
             events.emit(Step(step=step, metrics=metrics))
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)

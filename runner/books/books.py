@@ -336,11 +336,16 @@ class Books:
         """What the model wrote (runner.books.samples); uploaded with the record."""
         self.samples.add(kind, step, groups)
 
-    def fill_in_steps(self, steps: list[dict[str, Any]]) -> None:
+    def fill_in_steps(self, steps: list[dict[str, Any]], samples: dict[int, list[dict[str, Any]]] | None = None) -> None:
         """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record
         lacks are added (a node lost within DURABLE_SYNC_S of that checkpoint becoming durable
-        left them out of storage's record, and the resume starts after them); steps it has stay."""
-        added = self.record.add_missing_steps(steps)
+        left them out of storage's record, and the resume starts after them); steps it has stay.
+        `samples` ({step: groups}, the checkpoint's newest steps'): those of the steps added."""
+        with self.record.transaction():
+            added = self.record.add_missing_steps(steps)
+            for step in added:
+                if samples and step in samples:
+                    self.samples.add("step", step, samples[step])
         if added:
             log.info("steps %s were missing from the record; filled in from the checkpoint", _ranges(added))
 
