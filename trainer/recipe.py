@@ -29,6 +29,7 @@ from typing import Any
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
+from grpo_run.trainer.metrics import LOSS_NOTE
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
                                        PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step, Stopped,
                                        TrainerPhase)
@@ -108,7 +109,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
     """Steps start..maxSteps-1, a checkpoint every saveSteps. Returns (completed steps, why it
     stopped early: "requested" | "deadline" | None)."""
     p, world = plan.params, trainer.world
-    bar = _Progress(p.maxSteps, start, progress and world.main)
+    bar = _Progress(p.maxSteps, start, progress and world.main, p.numIterations)
     step, last_seconds, eval_seconds = start, 0.0, 0.0
     try:
         while step < p.maxSteps:
@@ -204,17 +205,20 @@ def _gpu_name(device) -> str:
 class _Progress:
     """The terminal's progress bar, and a line in the job's log every 5% of the steps."""
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, enabled: bool, iterations: int = 1) -> None:
         from tqdm import tqdm
 
         self.total = total
+        # GRPO's loss is ~0 by construction at one update per batch: said where it is printed
+        self.loss_note = f" ({LOSS_NOTE})" if iterations == 1 else ""
         self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", disable=not enabled,
                         file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, step: int, m: dict[str, Any]) -> None:
         if step % max(1, self.total // 20) == 0:
-            progress_log.info("step %d/%d reward %.3f identical-groups %.2f length %.1f loss %.4f",
-                              step, self.total, m["rewardMean"], m["identicalGroups"], m["completionLength"], m["loss"])
+            progress_log.info("step %d/%d reward %.3f solved-groups %.2f no-signal-groups %.2f length %.1f "
+                              "grad-norm %.4f loss %.4f%s", step, self.total, m["rewardMean"], m["solvedGroups"],
+                              m["noSignalGroups"], m["completionLength"], m["gradNorm"], m["loss"], self.loss_note)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{m['rewardMean']:.3f}", same=f"{m['identicalGroups']:.2f}",
                              len=f"{m['completionLength']:.1f}", refresh=False)

@@ -365,14 +365,28 @@ class Books:
         self.sync_soon(DURABLE_SYNC_S)
 
     def update_reward_signal(self) -> None:
+        """status.diagnostics.rewardSignal over the newest REWARD_WINDOW steps: the groups whose G
+        rewards were identical, split into solved (every completion scored 1 on the first reward:
+        nothing left to learn there, which is fine) and no signal (all failed alike: the warning,
+        with the fix). A step logged before the split counts its identical groups as no signal."""
         steps = self.record.steps(last=REWARD_WINDOW)
         if not steps:
             return
-        frac = sum(s["identicalGroups"] for s in steps) / len(steps)
-        signal = {"identicalGroupFraction": round(frac, 4), "window": len(steps)}
-        if frac >= 0.5:
-            signal["warning"] = (f"{frac:.0%} of groups in the last {len(steps)} steps had identical rewards "
-                                 "and taught nothing; raise numGenerations or temperature, or use an easier task")
+        n = len(steps)
+        identical = sum(s["identicalGroups"] for s in steps) / n
+        solved = sum(s.get("solvedGroups", 0.0) for s in steps) / n
+        no_signal = sum(s.get("noSignalGroups", s["identicalGroups"]) for s in steps) / n
+        signal: values.RewardSignal = {"identicalGroupFraction": round(identical, 4), "window": n,
+                                       "solvedGroupFraction": round(solved, 4),
+                                       "noSignalGroupFraction": round(no_signal, 4)}
+        if no_signal >= 0.5:
+            signal["warning"] = (f"{no_signal:.0%} of groups in the last {n} steps failed alike (identical rewards, "
+                                 "not solved) and taught nothing; raise numGenerations or temperature, or use an "
+                                 "easier task")
+        elif solved >= 0.5:
+            signal["note"] = (f"{solved:.0%} of groups in the last {n} steps were solved (every completion scored 1): "
+                              "nothing left to learn there, which is fine; the held-out reward says whether it "
+                              "generalises")
         values.REWARD_SIGNAL.set(self.record, signal)
 
     # --- evaluations (evals.py) -----------------------------------------------------------------
