@@ -4,7 +4,7 @@ an evaluation's result (EvalResult).
 Only what is cheap and exact: reward mean and spread (each reward's mean by name), the groups
 that taught nothing split into solved (every completion scored 1 on the first reward: fine) and
 no signal (all failed alike), completion length and the truncated fraction, the loss, the
-gradient norm before clipping, the clip ratio when numIterations > 1 (on the first iteration the
+gradient norm before clipping, the mean token entropy of sampling, the clip ratio when numIterations > 1 (on the first iteration the
 ratio is exactly 1 and nothing is clipped) and the KL to the reference when beta > 0.
 
 Why the loss sits near 0 when numIterations is 1: the ratio is 1, so the loss is minus the mean
@@ -46,6 +46,8 @@ def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int, *, 
         "solvedGroups": solved,                   # every completion solved it: nothing left to learn there
         "noSignalGroups": identical - solved,     # all failed alike: nothing to learn from
         "completionLength": lengths.mean().item(),
+        # per sampled token: the entropy (nats) of the distribution it was drawn from
+        "tokenEntropy": sum(s["entropy"] for s in shares) / max(float(lengths.sum()), 1.0),
         "truncatedFraction": truncated.mean().item(),   # cut at maxCompletionLength
         "loss": sum(s["loss"] for s in shares),
         "microBatches": sum(s["microBatches"] for s in shares),

@@ -219,7 +219,7 @@ class GRPOTrainer:
                     chunk = list(tasks[start:start + p.evalBatchSize])
                     gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
                     ids, mask = self._encode([t["prompt"] for t in chunk])
-                    comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, gen)
+                    comp, cmask, cut, _ = self._generate(ids, mask, p.evalTemperature, gen)
                     texts = self._decode(comp, cmask)
                     computed[i] = self.scorer.score(texts, chunk)    # {reward: [scores]}
                     kept[i] = samples.eval_items(start, [t["prompt"] for t in chunk], texts, computed[i],
@@ -281,7 +281,8 @@ class GRPOTrainer:
         interrupted = False
         try:
             with self._whole_weights():
-                comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gens)  # [b*G, T], [b*G]
+                comp_ids, comp_mask, truncated, entropy = self._generate(prompt_ids, prompt_mask, p.temperature,
+                                                                         gens)      # [b*G, T], [b*G, T], [b*G], [b*G]
         except sampler.GenerationInterrupted:
             if not world.distributed:
                 raise
@@ -359,6 +360,7 @@ class GRPOTrainer:
         self.scheduler.step()
 
         local = {"rewards": rewards.tolist(), "byReward": {k: list(v) for k, v in by_reward.items()},
+                 "entropy": float(entropy.sum()),
                  "lengths": comp_mask.sum(1).tolist(), "truncated": truncated.tolist(), "loss": loss,
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}

@@ -108,10 +108,18 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     params = run["params"]
     beta = float(params.get("beta") or 0.0)
     rate = next((v.get("usdPerHour") for v in run["ledger"].values() if v.get("usdPerHour")), None)
-    fig = Figure(figsize=(13, 10.5 if rate else 7.5), dpi=100, layout="constrained")
-    grid = fig.add_gridspec(3 if rate else 2, 2)
-    reward_ax, groups_ax = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
-    length_ax, update_ax = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    extra = [(key, name, label) for key, name, label, on in (
+        ("kl", "KL", f"KL to the reference (beta {beta:g})", beta > 0),
+        ("clipRatio", "clip ratio", "fraction of tokens clipped", int(params.get("numIterations", 1)) > 1)) if on]
+    # four panels, a fifth for KL and the clip ratio when they apply, one more for the spend with a
+    # rate; an odd one out takes a whole row: no empty box
+    count = 4 + bool(extra) + bool(rate)
+    rows = -(-count // 2)
+    fig = Figure(figsize=(13, 3.5 * rows), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(rows, 2)
+    cells = [grid[i // 2, i % 2] if i < count - 1 or count % 2 == 0 else grid[i // 2, :] for i in range(count)]
+    reward_ax, groups_ax, length_ax, update_ax = (fig.add_subplot(c) for c in cells[:4])
+    step_axes = [reward_ax, groups_ax, length_ax, update_ax]
     panels: list[str] = []
 
     def series(ax, key: str, label: str, *, smooth: bool = False, color: str = "C0") -> bool:
@@ -169,21 +177,30 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         cut_ax.legend(loc="upper right", fontsize=8)
 
     # the update: the gradient norm before clipping (the loss is ~0 by construction at
-    # numIterations 1 and is left out), the KL when beta > 0, the clip ratio when numIterations > 1
+    # numIterations 1 and is left out) and the entropy of sampling
     if not series(update_ax, "gradNorm", "gradient norm (before clipping)", color="C0", smooth=True):
         empty(update_ax, "no steps yet")
-    extra = [(key, name, label) for key, name, label, on in (
-        ("kl", "KL", f"KL to the reference (beta {beta:g})", beta > 0),
-        ("clipRatio", "clip ratio", "clip ratio", int(params.get("numIterations", 1)) > 1)) if on]
-    if extra:
+    title = "gradient norm"
+    if any(isinstance(s.get("tokenEntropy"), (int, float)) for s in steps):
         twin = update_ax.twinx()
-        for i, (key, _, label) in enumerate(extra):
-            series(twin, key, label, color=f"C{5 + i}", smooth=True)
-        twin.set_ylabel(" and ".join(name for _, name, _ in extra))
+        series(twin, "tokenEntropy", "token entropy (nats)", color="C8", smooth=True)
+        twin.set_ylabel("token entropy (nats)")
         twin.legend(loc="upper right", fontsize=8)
-    update_ax.set_title(", ".join(["the update: gradient norm", *(name for _, name, _ in extra)]))
+        title += " and the entropy of sampling (per token)"
+    update_ax.set_title(title)
+    # the KL to the reference when beta > 0, the clip ratio when numIterations > 1
+    if extra:
+        policy_ax = fig.add_subplot(cells[4])
+        step_axes.append(policy_ax)
+        for i, (key, _, label) in enumerate(extra):
+            ax = policy_ax if i == 0 else policy_ax.twinx()
+            series(ax, key, label, color=f"C{5 + i}", smooth=True)
+            ax.set_ylabel(label)
+            if i:
+                ax.legend(loc="upper right", fontsize=8)
+        policy_ax.set_title(" and ".join(name for _, name, _ in extra))
 
-    for ax in (reward_ax, groups_ax, length_ax, update_ax):
+    for ax in step_axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.25)
         for cut in cuts:
@@ -202,7 +219,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     # the spend over wall time, when there is a rate to spend at
     segments = spend_segments(run)
     if rate:
-        cost_ax = fig.add_subplot(grid[2, :])
+        cost_ax = fig.add_subplot(cells[-1])
         for i, seg in enumerate(segments):
             cost_ax.plot([seg["t0"], seg["t1"]], [seg["usd0"], seg["usd1"]], color="C0", linewidth=2)
             if i + 1 < len(segments):

@@ -109,7 +109,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert sorted({ln.get_xdata()[0] for ln in lines}) == sorted({a["toStep"] for a in attempts[:3]})
     assert len(lines) == 3 * 4                                          # on each of the 4 step panels
     assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
-                               "gradNorm", "costUSD"]
+                               "gradNorm", "tokenEntropy", "costUSD"]
     assert [seg["attempt"] for seg in drawn["segments"]] == [1, 2, 3, 4]
 
     # TensorBoard: every step exactly once across the four attempts' event files, read back
@@ -161,7 +161,7 @@ def test_tensorboard_holds_each_step_once_after_a_restart_redid_steps(tmp_path):
 def synthetic_steps(n: int = 59) -> list[dict]:
     return [{"step": i, "logged": f"2026-12-01T12:00:{i:02d}+00:00", "rewardMean": i / 60, "completionLength": 5.0,
              "identicalGroups": 0.5, "solvedGroups": 0.2, "noSignalGroups": 0.3, "truncatedFraction": 0.1,
-             "gradNorm": 0.5, "loss": 0.01, "kl": 0.001 * i, "clipRatio": 0.02, "learningRate": 1e-5,
+             "gradNorm": 0.5, "tokenEntropy": 1.2, "loss": 0.01, "kl": 0.001 * i, "clipRatio": 0.02, "learningRate": 1e-5,
              "costUSD": i / 1000} for i in range(1, n + 1)]
 
 
@@ -176,8 +176,8 @@ def test_with_beta_the_update_panel_carries_the_kl_and_every_panel_has_its_serie
            "heldOut": [{"step": 20, "meanReward": 0.4}, {"step": 40, "meanReward": 0.5}]}
     drawn = render(run, tmp_path / "kl.png")
     assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
-                               "gradNorm", "kl", "costUSD"]              # no clip ratio: numIterations 1
-    kl_axis = [ax for ax in drawn["figure"].axes if ax.get_ylabel() == "KL"]
+                               "gradNorm", "tokenEntropy", "kl", "costUSD"]    # no clip ratio: numIterations 1
+    kl_axis = [ax for ax in drawn["figure"].axes if ax.get_ylabel().startswith("KL")]
     assert kl_axis and kl_axis[0].get_lines()[-1].get_ydata()[-1] > 0
     assert drawn["boundaries"] == []                                     # the one attempt is still running
     assert drawn["segments"] == [{"attempt": 1, "t0": 0.0, "t1": 59 / 60, "usd0": 0.0, "usd1": 0.059}]
@@ -195,7 +195,7 @@ def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_seve
            "heldOut": []}
     drawn = render(run, tmp_path / "no-rate.png")
     assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
-                               "gradNorm", "clipRatio"]
-    assert png_size(tmp_path / "no-rate.png") == (1300, 750)            # 2 x 2: no empty box
+                               "gradNorm", "tokenEntropy", "clipRatio"]
+    assert png_size(tmp_path / "no-rate.png") == (1300, 1050)           # 2 + 2 + the clip ratio across: no empty box
     assert all(ax.has_data() for ax in drawn["figure"].axes)
     assert drawn["figure"].texts[0].get_text() == "no-rate: Succeeded at step 59 of 59; 1 attempt"

@@ -1,5 +1,7 @@
 """The GRPO trainer on the tiny local model: what a step changes, and what it must not."""
 
+import math
+
 import pytest
 import torch
 
@@ -60,11 +62,12 @@ def test_a_step_reports_the_metrics_a_user_watches(make_trainer):
     finally:
         tr.close()
     for key in ("rewardMean", "rewardStd", "identicalGroups", "solvedGroups", "noSignalGroups", "completionLength",
-                "truncatedFraction", "loss", "gradNorm"):
+                "truncatedFraction", "tokenEntropy", "loss", "gradNorm"):
         assert key in m
     assert "kl" not in m                      # beta 0: no KL computed at all
     assert "clipRatio" not in m               # numIterations 1: the ratio is 1, nothing is ever clipped
     assert m["identicalGroups"] == pytest.approx(m["solvedGroups"] + m["noSignalGroups"])
+    assert 0 < m["tokenEntropy"] <= math.log(len(tr.tokenizer))    # at most the uniform distribution's
     assert 0 <= m["identicalGroups"] <= 1 and 1 <= m["completionLength"] <= 4
 
 
