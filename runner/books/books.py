@@ -333,8 +333,9 @@ class Books:
         self.sync_soon()
 
     def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
-        """What the model wrote (runner.books.samples); uploaded with the record."""
+        """What the model wrote (runner.books.samples); uploaded with the record, and to the trackers."""
         self.samples.add(kind, step, groups)
+        self.trackers.samples(kind, step, groups)
 
     def fill_in_steps(self, steps: list[dict[str, Any]], samples: dict[int, list[dict[str, Any]]] | None = None) -> None:
         """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record

@@ -7,6 +7,8 @@ supervisor from what the trainer reports (the same events the record gets), off 
       mlflow: {trackingURI: file:///srv/mlruns, experiment: grpo}
       wandb: {project: grpo, entity: my-team}          # WANDB_MODE=offline works as usual
 
+TensorBoard also gets what the model wrote (the samples the record keeps) in its text tab.
+
 A resumed run continues the same tracker run: TensorBoard's folder is the job's, MLflow's and
 W&B's run id is kept in the run's record. Every point is written once: a resume redoes the steps
 after its checkpoint, and a step a tracker already holds is not written again (TensorBoard: read
@@ -58,6 +60,26 @@ def eval_scalars(kind: str, result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def samples_markdown(kind: str, step: int, groups: list[dict[str, Any]]) -> str:
+    """What the model wrote (runner.books.samples) as Markdown: each prompt, then a table of its
+    completions with their rewards by name (and advantage, for a training step's)."""
+    def cell(text: Any) -> str:
+        return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+
+    lines = []
+    for g in groups:
+        where = f"group {g['item'] + 1}" if kind == "step" else f"task {g['item'] + 1}"
+        lines += [f"**{kind} {step}, {where}**: {cell(g['prompt'])}", "",
+                  "| completion | reward | by name |" + (" advantage |" if kind == "step" else ""),
+                  "|---|---|---|" + ("---|" if kind == "step" else "")]
+        for c in g["completions"]:
+            by_name = ", ".join(f"{k} {v:.3f}" for k, v in c["rewards"].items())
+            row = f"| {cell(c['text'])} | {c['reward']:.3f} | {by_name} |"
+            lines.append(row + (f" {c['advantage']:+.2f} |" if kind == "step" else ""))
+        lines.append("")
+    return "\n".join(lines)
+
+
 class Tracker(Protocol):
     name: str
 
@@ -87,6 +109,23 @@ class TensorBoard:
         self.written = written_pairs(self.local)
         self._writer = EventFileWriter(str(self.local), flush_secs=5, filename_suffix=suffix)
         self._sent: dict[str, int] = {}       # file name -> its size when last copied
+
+    def text(self, step: int, tag: str, markdown: str) -> None:
+        """Markdown for TensorBoard's text tab, once per (tag, step)."""
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.plugins.text.metadata import create_summary_metadata
+
+        if (tag, step) in self.written:
+            return
+        tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[markdown.encode()], tensor_shape=TensorShapeProto())
+        value = Summary.Value(tag=tag, metadata=create_summary_metadata(display_name=None, description=None),
+                              tensor=tensor)
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+        self.written.add((tag, step))
 
     def write(self, step: int, values: dict[str, float]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -137,6 +176,22 @@ class Trackers:
     def evaluation(self, kind: str, step: int, result: dict[str, Any]) -> None:
         if self.trackers:
             self._each("write", step, eval_scalars(kind, result))
+
+    def samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
+        """What the model wrote, as text, to the trackers that take text (TensorBoard): one entry
+        per step and kind (an evaluation's per batch, named by its first task)."""
+        texts = [t for t in self.trackers if hasattr(t, "text")]
+        if not texts or not groups:
+            return
+        tag = f"samples/{kind}" if kind in ("step", "heldOut") else f"samples/{kind}/from-task-{groups[0]['item'] + 1}"
+        markdown = samples_markdown(kind, step, groups)
+        for tracker in texts:
+            try:
+                tracker.text(step, tag, markdown)
+            except Exception as e:          # a tracker never stops the training
+                log.warning("tracker %s failed (%s: %s); the run goes on without it", tracker.name,
+                            type(e).__name__, e)
+                self.trackers.remove(tracker)
 
     def flush(self) -> None:
         self._each("flush")

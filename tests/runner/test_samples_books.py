@@ -78,3 +78,25 @@ def test_a_long_run_s_samples_stay_bounded_in_the_record(tmp_path):
     assert size < (RECENT_STEPS + OLDER_STEPS) * per_step * 1.5
     with Record(tmp_path / "copy.db") as r:
         assert r.samples("step", [1500])[0]["completions"][0]["text"].endswith(f"[{5000 - MAX_CHARS} more characters]")
+
+
+def test_tensorboard_gets_each_step_s_samples_once_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    store = Store(str(tmp_path / "store"))
+    b = Books(store, tmp_path / "node", name="job", manifest={"kind": "TrainingJob", "metadata": {"name": "job"}},
+              usd_per_hour=None, max_cost_usd=None, tracking={"tensorboard": True})
+    try:
+        b.start_attempt("node", from_step=0)
+        b.add_samples("step", 3, [group(0, "8", g=2)])
+        b.add_samples("step", 3, [group(0, "8", g=2)])           # redone: already there
+        b.add_samples("final", 4, [group(0, "8|`x`", g=1)])
+        b.sync(wait=True)
+    finally:
+        b.close()
+    texts = [(v.tag, e.step, v.tensor.string_val[0].decode()) for f in sorted((tmp_path / "store" / "tensorboard").glob("events*"))
+             for e in EventFileLoader(str(f)).Load() for v in e.summary.value if v.metadata.plugin_data.plugin_name == "text"]
+    assert [(tag, step) for tag, step, _ in texts] == [("samples/step", 3), ("samples/final/from-task-1", 4)]
+    step_text, final_text = texts[0][2], texts[1][2]
+    assert "**step 3, group 1**" in step_text and "| `8` | 1.500 | correct 1.000, format 0.500 | +0.87 |" in step_text
+    assert "| `8\\|'x'` | 1.500 |" in final_text                  # a table cell cannot be broken out of
