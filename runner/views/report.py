@@ -37,7 +37,16 @@ def gather(record: Record) -> dict[str, Any]:
             "params": spec.get("parameters", {}), "steps": record.steps(logged=True),
             "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
-            "heldOut": values.HELD_OUT.get(record)}
+            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record)}
+
+
+def _samples(record: Record) -> dict[str, list[dict[str, Any]]]:
+    """The newest step's kept groups, and the baseline's and final evaluation's kept tasks."""
+    out = {}
+    for kind in ("step", "baseline", "final"):
+        steps = record.sample_steps(kind)
+        out[kind] = record.samples(kind, steps[-1:]) if steps else []
+    return out
 
 
 def boundaries(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -297,7 +306,37 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
                          "and every 10 s); what it did after that is not known, so its redone steps are a lower bound.")
     if notes:
         lines += [""] + notes
+    lines += _samples_md(run.get("samples") or {})
     return "\n".join(lines) + "\n"
+
+
+def _samples_md(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The held-out tasks the run kept, the baseline's answer beside the final one, and the
+    newest step's groups (`grpo-run samples` shows every kept one)."""
+    def cell(text: Any) -> str:
+        text = str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ")
+        return f"`{text}`" if text.strip() else "(empty)" if not text else f"`{text}` (spaces)"
+
+    lines: list[str] = []
+    final = {g["item"]: g for g in samples.get("final", [])}
+    if samples.get("baseline") and final:
+        lines += ["", "## Held-out tasks before and after training", "",
+                  "| task | prompt | baseline | reward | final | reward |", "|---|---|---|---|---|---|"]
+        for g in samples["baseline"]:
+            if g["item"] in final:
+                b, f = g["completions"][0], final[g["item"]]["completions"][0]
+                lines.append(f"| {g['item'] + 1} | {cell(g['prompt'])} | {cell(b['text'])} | {b['reward']:.3f} | "
+                             f"{cell(f['text'])} | {f['reward']:.3f} |")
+    if samples.get("step"):
+        step = samples["step"][0]["step"]
+        lines += ["", f"## What the model wrote at step {step}", ""]
+        for g in samples["step"]:
+            lines += [f"Group {g['item'] + 1}: {cell(g['prompt'])}", "", "| completion | reward | advantage |",
+                      "|---|---|---|"]
+            lines += [f"| {cell(c['text'])} | {c['reward']:.3f} | {c['advantage']:+.2f} |" for c in g["completions"]]
+            lines.append("")
+        lines.pop()
+    return lines
 
 
 def _time(iso: str) -> float:

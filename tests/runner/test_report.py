@@ -199,3 +199,22 @@ def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_seve
     assert png_size(tmp_path / "no-rate.png") == (1300, 1050)           # 2 + 2 + the clip ratio across: no empty box
     assert all(ax.has_data() for ax in drawn["figure"].axes)
     assert drawn["figure"].texts[0].get_text() == "no-rate: Succeeded at step 59 of 59; 1 attempt"
+
+
+def test_the_summary_puts_the_baseline_and_final_answers_side_by_side_and_the_newest_step_s_groups(tmp_path):
+    from grpo_run.runner.views.report import summary
+
+    def group(step, item, text, reward, advantage=None):
+        return {"step": step, "item": item, "prompt": f"{item}+1=", "solved": reward == 1.0, "completions": [
+            {"text": text, "rewards": {"correct": reward}, "reward": reward, "advantage": advantage, "length": 2,
+             "truncated": False}]}
+
+    run = {"name": "job", "phase": "Succeeded", "params": {"maxSteps": 9}, "steps": [], "attempts": [],
+           "ledger": {}, "baseline": None, "final": None,
+           "samples": {"baseline": [group(0, 0, "7", 0.0), group(0, 1, "", 0.0)],
+                       "final": [group(9, 0, "1", 1.0), group(9, 1, "2|", 1.0)],
+                       "step": [group(9, 0, "5", 1.0, 0.5)]}}
+    md = summary(run)
+    assert "| 1 | `0+1=` | `7` | 0.000 | `1` | 1.000 |" in md
+    assert "| 2 | `1+1=` | (empty) | 0.000 | `2\\|` | 1.000 |" in md
+    assert "## What the model wrote at step 9" in md and "| `5` | 1.000 | +0.50 |" in md
