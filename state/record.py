@@ -264,6 +264,8 @@ class Record:
 
     def samples(self, kind: str, steps: list[int]) -> list[dict]:
         """[{"step": n, **group}] of `kind` at these steps, by step and item."""
+        if not steps:
+            return []
         marks = ", ".join("?" for _ in steps)
         with self._lock:
             rows = self._conn.execute(f"SELECT step, data FROM samples WHERE kind = ? AND step IN ({marks}) "
