@@ -129,6 +129,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     cells = [grid[i // 2, i % 2] if i < count - 1 or count % 2 == 0 else grid[i // 2, :] for i in range(count)]
     reward_ax, groups_ax, length_ax, update_ax = (fig.add_subplot(c) for c in cells[:4])
     step_axes = [reward_ax, groups_ax, length_ax, update_ax]
+    twins: dict[Any, Any] = {}                # a panel's axes -> its right-hand axes, if it has one
     panels: list[str] = []
 
     def series(ax, key: str, label: str, *, smooth: bool = False, color: str = "C0") -> bool:
@@ -165,7 +166,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if run["final"]:
         reward_ax.plot([last], [run["final"]["meanReward"]], "*", color="C3", markersize=14,
                        label=f"held-out final ({how}) {run['final']['meanReward']:.3f}")
-    reward_ax.set_title("mean reward: train tasks and held-out tasks")
+    reward_ax.set_title("mean reward: train tasks (sampled) and held-out tasks (never trained on)")
 
     # what the groups taught: identical groups are solved (fine) or without signal (the waste)
     drawn = series(groups_ax, "solvedGroups", "solved: every completion scored 1", color="C2", smooth=True)
@@ -183,7 +184,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         series(cut_ax, "truncatedFraction", "truncated fraction", color="C5", smooth=True)
         cut_ax.set_ylim(-0.03, 1.03)
         cut_ax.set_ylabel("truncated fraction")
-        cut_ax.legend(loc="upper right", fontsize=8)
+        twins[length_ax] = cut_ax
 
     # the update: the gradient norm before clipping (the loss is ~0 by construction at
     # numIterations 1 and is left out) and the entropy of sampling
@@ -194,7 +195,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         twin = update_ax.twinx()
         series(twin, "tokenEntropy", "token entropy (nats)", color="C8", smooth=True)
         twin.set_ylabel("token entropy (nats)")
-        twin.legend(loc="upper right", fontsize=8)
+        twins[update_ax] = twin
         title += " and the entropy of sampling (per token)"
     update_ax.set_title(title)
     # the KL to the reference when beta > 0, the clip ratio when numIterations > 1
@@ -206,7 +207,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
             series(ax, key, label, color=f"C{5 + i}", smooth=True)
             ax.set_ylabel(label)
             if i:
-                ax.legend(loc="upper right", fontsize=8)
+                twins[policy_ax] = ax
         policy_ax.set_title(" and ".join(name for _, name, _ in extra))
 
     for ax in step_axes:
@@ -216,8 +217,13 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
             ax.axvline(cut["step"], color="C3", linestyle="--", linewidth=1, alpha=0.8, gid="attempt-boundary")
             if cut["redone"]:
                 ax.axvspan(cut["resumedFrom"], cut["step"], color="C3", alpha=0.12, linewidth=0)
-        if ax is not reward_ax and ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=8)
+        # one legend per panel, on its topmost axes (a twin's would hide the other's)
+        handles, labels = ax.get_legend_handles_labels()
+        if ax in twins:
+            more = twins[ax].get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        if ax is not reward_ax and handles:
+            twins.get(ax, ax).legend(handles, labels, loc="upper right", fontsize=8)
     for i, cut in enumerate(cuts):          # labels staggered down, so close boundaries stay readable
         reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
                            (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
