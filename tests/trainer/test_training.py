@@ -357,3 +357,14 @@ def test_solved_groups_are_told_apart_from_groups_without_signal(tmp_path):
             tr.close()
     assert (metrics[1.0]["solvedGroups"], metrics[1.0]["noSignalGroups"]) == (1.0, 0.0)
     assert (metrics[0.0]["solvedGroups"], metrics[0.0]["noSignalGroups"]) == (0.0, 1.0)
+
+
+def test_samples_can_be_turned_off(make_trainer):
+    tr = make_trainer(small(sampleGroups=0, sampleEvalTasks=0))
+    reported = []
+    try:
+        tr.train_step(0)
+        ev = tr.evaluate(tr.env.eval_tasks, on_samples=reported.append)
+    finally:
+        tr.close()
+    assert tr.samples == [] and ev.samples == () and reported == []
