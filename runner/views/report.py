@@ -166,7 +166,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if run["final"]:
         reward_ax.plot([last], [run["final"]["meanReward"]], "*", color="C3", markersize=14,
                        label=f"held-out final ({how}) {run['final']['meanReward']:.3f}")
-    reward_ax.set_title("mean reward: train tasks (sampled) and held-out tasks (never trained on)")
+    reward_ax.set_title("mean reward: train (sampled), held-out (never trained on)")
 
     # what the groups taught: identical groups are solved (fine) or without signal (the waste)
     drawn = series(groups_ax, "solvedGroups", "solved: every completion scored 1", color="C2", smooth=True)
@@ -174,11 +174,11 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if not drawn:               # steps recorded before the split
         series(groups_ax, "identicalGroups", "identical rewards", color="C4", smooth=True)
     groups_ax.set_ylim(-0.03, 1.03)
-    groups_ax.set_title("fraction of groups with identical rewards (nothing to learn from)")
+    groups_ax.set_title("groups with identical rewards (nothing to learn from)")
 
     if not series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True):
         empty(length_ax, "no steps yet")
-    length_ax.set_title("completion length (tokens) and the fraction cut at maxCompletionLength")
+    length_ax.set_title("completion length (tokens), fraction truncated")
     if any(isinstance(s.get("truncatedFraction"), (int, float)) for s in steps):
         cut_ax = length_ax.twinx()
         series(cut_ax, "truncatedFraction", "truncated fraction", color="C5", smooth=True)
@@ -196,7 +196,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         series(twin, "tokenEntropy", "token entropy (nats)", color="C8", smooth=True)
         twin.set_ylabel("token entropy (nats)")
         twins[update_ax] = twin
-        title += " and the entropy of sampling (per token)"
+        title += ", entropy of sampling (per token)"
     update_ax.set_title(title)
     # the KL to the reference when beta > 0, the clip ratio when numIterations > 1
     if extra:
