@@ -327,11 +327,11 @@ def _samples_md(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
     final = {g["item"]: g for g in samples.get("final", [])}
     if samples.get("baseline") and final:
         lines += ["", "## Held-out tasks before and after training", "",
-                  "| task | prompt | baseline | reward | final | reward |", "|---|---|---|---|---|---|"]
+                  "| held-out | prompt | baseline | reward | final | reward |", "|---|---|---|---|---|---|"]
         for g in samples["baseline"]:
             if g["item"] in final:
                 b, f = g["completions"][0], final[g["item"]]["completions"][0]
-                lines.append(f"| {g['item'] + 1} | {cell(g['prompt'])} | {cell(b['text'])} | {b['reward']:.3f} | "
+                lines.append(f"| task {g['item'] + 1} | {cell(g['prompt'])} | {cell(b['text'])} | {b['reward']:.3f} | "
                              f"{cell(f['text'])} | {f['reward']:.3f} |")
     if samples.get("step"):
         step = samples["step"][0]["step"]

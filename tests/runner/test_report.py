@@ -215,6 +215,6 @@ def test_the_summary_puts_the_baseline_and_final_answers_side_by_side_and_the_ne
                        "final": [group(9, 0, "1", 1.0), group(9, 1, "2|", 1.0)],
                        "step": [group(9, 0, "5", 1.0, 0.5)]}}
     md = summary(run)
-    assert "| 1 | `0+1=` | `7` | 0.000 | `1` | 1.000 |" in md
-    assert "| 2 | `1+1=` | (empty) | 0.000 | `2\\|` | 1.000 |" in md
+    assert "| task 1 | `0+1=` | `7` | 0.000 | `1` | 1.000 |" in md
+    assert "| task 2 | `1+1=` | (empty) | 0.000 | `2\\|` | 1.000 |" in md
     assert "## What the model wrote at step 9" in md and "| `5` | 1.000 | +0.50 |" in md
