@@ -239,6 +239,39 @@ class Record:
         return {**json.loads(row["result"]), "runs": row["runs"],
                 "fingerprint": row["fingerprint"], "source": row["source"]}
 
+    # --- samples -------------------------------------------------------------------------------
+
+    def put_samples(self, kind: str, step: int, groups: list[dict], *, whole: bool) -> None:
+        """Groups (each {"item": n, ...}) of `kind` at `step`. whole=True: they are all of that
+        step's (its earlier rows go: a redone step replaces its samples); else each replaces only
+        the row of its own item (an evaluation reported batch by batch)."""
+        with self._write():
+            if whole:
+                self._conn.execute("DELETE FROM samples WHERE kind = ? AND step = ?", [kind, int(step)])
+            self.db["samples"].upsert_all([{"kind": kind, "step": int(step), "item": int(g["item"]), "data": _dumps(g)}
+                                           for g in groups], pk=("kind", "step", "item"))
+
+    def drop_samples(self, kind: str, steps: list[int]) -> None:
+        """The samples of `kind` at these steps, gone."""
+        with self._write():
+            self._conn.executemany("DELETE FROM samples WHERE kind = ? AND step = ?", [[kind, int(s)] for s in steps])
+
+    def sample_steps(self, kind: str) -> list[int]:
+        """The steps that have samples of `kind`, oldest first."""
+        with self._lock:
+            rows = self._conn.execute("SELECT DISTINCT step FROM samples WHERE kind = ? ORDER BY step", [kind])
+            return [r[0] for r in rows.fetchall()]
+
+    def samples(self, kind: str, steps: list[int]) -> list[dict]:
+        """[{"step": n, **group}] of `kind` at these steps, by step and item."""
+        if not steps:
+            return []
+        marks = ", ".join("?" for _ in steps)
+        with self._lock:
+            rows = self._conn.execute(f"SELECT step, data FROM samples WHERE kind = ? AND step IN ({marks}) "
+                                      "ORDER BY step, item", [kind, *map(int, steps)]).fetchall()
+        return [{"step": step, **json.loads(data)} for step, data in rows]
+
     # --- checkpoints ---------------------------------------------------------------------------
 
     def add_checkpoint(self, step: int, *, durable: bool) -> None:

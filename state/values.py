@@ -45,7 +45,10 @@ class _RewardSignal(TypedDict):
 
 
 class RewardSignal(_RewardSignal, total=False):
-    warning: str                  # half the groups or more taught nothing
+    solvedGroupFraction: float    # of them, solved: every completion scored 1 on the first reward
+    noSignalGroupFraction: float  # ... and all failed alike (the rest)
+    warning: str                  # half the groups or more failed alike: nothing to learn from
+    note: str                     # half the groups or more were solved: fine
 
 
 class HeldOutPoint(TypedDict, total=False):

@@ -120,6 +120,8 @@ class GRPOParams(Strict):
     evalTemperature: float = Field(0.0, ge=0)    # 0 = greedy decoding for evaluation
     evalSteps: int | None = Field(None, ge=1)    # held-out evaluation every N training steps too (None: only before and after)
     evalBatchSize: int = Field(64, ge=1)         # held-out tasks per evaluation batch (a stopped evaluation resumes by batch)
+    sampleGroups: int = Field(2, ge=0, le=8)     # groups of every step kept in the record for `grpo-run samples` (0: none)
+    sampleEvalTasks: int = Field(8, ge=0, le=32)   # held-out tasks whose completions every evaluation keeps (0: none)
     gradientCheckpointing: bool = True
     maxGradNorm: float = Field(1.0, gt=0)
     weightDecay: float = Field(0.0, ge=0)

@@ -41,6 +41,16 @@ def identical_group_fraction(rewards: Tensor, group_size: int) -> float:
     return same.float().mean().item()
 
 
+def solved_group_fraction(rewards: Tensor, primary: Tensor, group_size: int) -> float:
+    """Fraction of groups that are identical (equal rewards) because every completion solved the
+    task: its primary (first) reward is 1.0, as an evaluation counts a task solved. The rest of
+    the identical groups all failed alike: no signal. rewards, primary [B*G]."""
+    grouped = rewards.view(-1, group_size)                            # [B, G]
+    same = (grouped == grouped[:, :1]).all(dim=1)                     # [B]
+    solved = (primary.view(-1, group_size) == 1.0).all(dim=1)         # [B]
+    return (same & solved).float().mean().item()
+
+
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, *,
                    chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> Tensor:
     """Log-probability of each sampled token under logits scaled as they were when sampling.

@@ -20,6 +20,8 @@ Events, in the order they happen (rank 0 reports all of them, other ranks only `
     PhaseStarted   BaselineEval | Training | FinalEval
     EvalBatch      one held-out evaluation batch finished (a stopped evaluation resumes by batch)
     Evaluated      a whole baseline or final evaluation
+    Samples        what the model wrote: a step's first groups (just before its Step), or an
+                   evaluation's first held-out tasks (before that batch's EvalBatch, or HeldOut)
     Step           a completed training step and its metrics
     HeldOut        the held-out evaluation every evalSteps, while training
     Sealed         a checkpoint sealed on the local disk (its manifest hashed once, trusted after)
@@ -49,6 +51,10 @@ CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, t
 # In every checkpoint: each step's metrics so far ([{"step": n, **metrics}], oldest first), the
 # record's steps for a restore to fill in when a node was lost before its record reached storage.
 STEP_METRICS = "metrics.json"
+# ... and the samples of its newest CHECKPOINT_SAMPLE_STEPS steps ({step: [group, ...]}), which the
+# restore fills in likewise for the steps it fills in (the steps a lost record upload left out).
+STEP_SAMPLES = "samples.json"
+CHECKPOINT_SAMPLE_STEPS = 100
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)
@@ -151,6 +157,32 @@ class Evaluated(_Event):
     noSignal: bool                        # every held-out reward equal: GRPO's groups would all be identical
 
 
+class SampleCompletion(_Event):
+    text: str                             # capped (trainer.samples.MAX_CHARS)
+    rewards: dict[str, float]             # by reward name
+    reward: float                         # the weighted sum
+    advantage: float | None = None        # training steps only
+    length: int                           # tokens
+    truncated: bool                       # cut at maxCompletionLength
+
+
+class SampleGroup(_Event):
+    item: int                             # a step's group (0-based), or the held-out task's place among them
+    prompt: str                           # capped; chat messages as `role: content` lines
+    completions: list[SampleCompletion]   # a group's G; an evaluation's one per task
+    solved: bool                          # every completion scored 1 on the first reward (an evaluation's "solved")
+
+
+SampleKind = Literal["step", "baseline", "final", "heldOut"]
+
+
+class Samples(_Event):
+    event: Literal["samples"] = "samples"
+    kind: SampleKind
+    step: int                             # the training step (1-based) they came from or were evaluated after
+    groups: list[SampleGroup]             # a step's: all its kept groups (a redone step's replace them)
+
+
 class Step(_Event):
     event: Literal["step"] = "step"
     step: int                             # completed steps
@@ -189,8 +221,8 @@ class Failed(_Event):
     diskFull: bool = False                # the local disk is full: restarting cannot help either
 
 
-TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Step, HeldOut, Sealed, Final, Stopped,
-                               Failed], Field(discriminator="event")]
+TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Samples, Step, HeldOut, Sealed, Final,
+                               Stopped, Failed], Field(discriminator="event")]
 _EVENT = TypeAdapter(TrainerEvent)
 
 

@@ -29,8 +29,10 @@ from typing import Any
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
+from grpo_run.trainer.metrics import LOSS_NOTE
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
-                                       PhaseStarted, Plan, Sealed, Started, Step, Stopped, TrainerPhase)
+                                       PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step, Stopped,
+                                       TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
@@ -90,7 +92,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
 
         events.emit(PhaseStarted(phase=TrainerPhase.FINAL_EVAL))
         log.info("final evaluation on the same %d held-out tasks", len(plan.env.eval_tasks))
-        if evaluate(trainer, plan, "final", events) is None:
+        if evaluate(trainer, plan, "final", events, step) is None:
             return _stopped(events, checkpoints, step, TrainerPhase.FINAL_EVAL)
         final = checkpoints.save_final(work / "final", step, {"job": plan.name, "final": True, "run": plan.run_id})   # rank 0's
         if final is not None:
@@ -107,7 +109,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
     """Steps start..maxSteps-1, a checkpoint every saveSteps. Returns (completed steps, why it
     stopped early: "requested" | "deadline" | None)."""
     p, world = plan.params, trainer.world
-    bar = _Progress(p.maxSteps, start, progress and world.main)
+    bar = _Progress(p.maxSteps, start, progress and world.main, p.numIterations)
     step, last_seconds, eval_seconds = start, 0.0, 0.0
     try:
         while step < p.maxSteps:
@@ -124,6 +126,9 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 return step, "requested"
             step += 1
             last_seconds = metrics["stepSeconds"]
+            if trainer.samples:                        # before its Step: a recorded step has its samples
+                events.emit(Samples(kind="step", step=step, groups=trainer.samples))
+                checkpoints.add_samples(step, [g.model_dump() for g in trainer.samples])
             events.emit(Step(step=step, metrics=metrics))
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
@@ -143,20 +148,27 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 except GenerationInterrupted:          # this step's evaluation is given up, not the step
                     return step, "requested"
                 eval_seconds = time.monotonic() - t0
+                if ev.samples:
+                    events.emit(Samples(kind="heldOut", step=step, groups=list(ev.samples)))
                 events.emit(HeldOut(step=step, result=ev.to_dict()))
         return step, None
     finally:
         bar.close()
 
 
-def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events) -> dict[str, Any] | None:
-    """The held-out evaluation `kind`, each batch reported as it is finished; batches an earlier
-    attempt finished are reused. None when a stop request interrupted it."""
+def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, step: int = 0) -> dict[str, Any] | None:
+    """The held-out evaluation `kind` (after training step `step`), each batch reported as it is
+    finished, its samples just before it; batches an earlier attempt finished are reused. None
+    when a stop request interrupted it."""
     def on_batch(i: int, rewards: dict[str, list[float]]) -> None:
         events.emit(EvalBatch(kind=kind, batch=i, rewards=rewards))
 
+    def on_samples(groups: list[SampleGroup]) -> None:
+        events.emit(Samples(kind=kind, step=step, groups=groups))
+
     try:
-        ev = trainer.evaluate(plan.env.eval_tasks, done=plan.eval_done.get(kind), on_batch=on_batch)
+        ev = trainer.evaluate(plan.env.eval_tasks, done=plan.eval_done.get(kind), on_batch=on_batch,
+                              on_samples=on_samples)
     except GenerationInterrupted:
         return None
     result = ev.to_dict()
@@ -193,17 +205,20 @@ def _gpu_name(device) -> str:
 class _Progress:
     """The terminal's progress bar, and a line in the job's log every 5% of the steps."""
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, enabled: bool, iterations: int = 1) -> None:
         from tqdm import tqdm
 
         self.total = total
+        # GRPO's loss is ~0 by construction at one update per batch: said where it is printed
+        self.loss_note = f" ({LOSS_NOTE})" if iterations == 1 else ""
         self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", disable=not enabled,
                         file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, step: int, m: dict[str, Any]) -> None:
         if step % max(1, self.total // 20) == 0:
-            progress_log.info("step %d/%d reward %.3f identical-groups %.2f length %.1f loss %.4f",
-                              step, self.total, m["rewardMean"], m["identicalGroups"], m["completionLength"], m["loss"])
+            progress_log.info("step %d/%d reward %.3f solved-groups %.2f no-signal-groups %.2f length %.1f "
+                              "grad-norm %.4f loss %.4f%s", step, self.total, m["rewardMean"], m["solvedGroups"],
+                              m["noSignalGroups"], m["completionLength"], m["gradNorm"], m["loss"], self.loss_note)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{m['rewardMean']:.3f}", same=f"{m['identicalGroups']:.2f}",
                              len=f"{m['completionLength']:.1f}", refresh=False)

@@ -24,21 +24,22 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from grpo_run.trainer import grpo
+from grpo_run.trainer import grpo, samples
+from grpo_run.trainer.metrics import EvalResult, step_metrics
 from grpo_run.trainer.sampling import sampler
 from grpo_run.trainer.config import GRPOParams, default_micro_batch
-from grpo_run.trainer.distributed import World, concat, shard_fsdp, unsharded, wrap_ddp
+from grpo_run.trainer.distributed import World, shard_fsdp, unsharded, wrap_ddp
 from grpo_run.trainer.envs.catalog import Environment
 from grpo_run.trainer.envs.tasks import Task
 from grpo_run.trainer.grader.scoring import Scorer
 from grpo_run.trainer.model.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters)
 from grpo_run.trainer.model.prompts import Prompt, PromptEncoder
+from grpo_run.trainer.protocol import SampleGroup
 from grpo_run.trainer.threads import CpuShare
 
 log = logging.getLogger(__name__)
@@ -81,29 +82,6 @@ def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int
     return out
 
 
-@dataclass(frozen=True)
-class EvalResult:
-    meanReward: float           # of the weighted sum
-    tasks: int
-    solved: int                 # tasks the primary (first) reward scored 1.0
-    rewards: tuple[float, ...]  # the weighted sum per task
-    batches: int = 1            # evaluation batches in all
-    reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
-    byReward: Mapping[str, float] | None = None   # each reward function's mean
-
-    @property
-    def no_signal(self) -> bool:
-        """All held-out rewards equal: at 0% or 100% GRPO's groups would all be identical."""
-        return len(set(self.rewards)) <= 1
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
-               "batches": self.batches, "reusedBatches": self.reusedBatches}
-        if self.byReward is not None:
-            out["rewards"] = {k: round(v, 6) for k, v in self.byReward.items()}
-        return out
-
-
 class GRPOTrainer:
     """Owns the policy, optimizer, scheduler and grader for one run."""
 
@@ -142,6 +120,7 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
+        self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.samples)
         # reward functions in their sandboxed graders; a reward model here, on this device, outside the optimizer
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device,
                              timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
@@ -214,7 +193,8 @@ class GRPOTrainer:
     # --- evaluation ----------------------------------------------------------------------
 
     def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
-                 on_batch: Callable[[int, dict[str, list[float]]], None] | None = None) -> EvalResult:
+                 on_batch: Callable[[int, dict[str, list[float]]], None] | None = None,
+                 on_samples: Callable[[list[SampleGroup]], None] | None = None) -> EvalResult:
         """Mean reward on held-out tasks (greedy by default), scored by the graders, in batches
         of evalBatchSize. Batch i's scores in `done` (from an attempt that was stopped part-way)
         are taken as they are; every batch computed here goes to `on_batch(i, {reward: scores})`.
@@ -222,11 +202,14 @@ class GRPOTrainer:
         same whichever batches came before it. Raises GenerationInterrupted on a stop request
         between batches or between two tokens; the batches finished before it were reported.
         Several processes: batch i is computed by rank i mod world size, all are gathered at the
-        end (a stop request on any rank stops all there) and rank 0's `on_batch` gets each."""
+        end (a stop request on any rank stops all there) and rank 0's `on_batch` gets each.
+        The completions for the first sampleEvalTasks tasks go to `on_samples` before their
+        batch's `on_batch`, and into the result's `samples` (those computed here)."""
         p, done, world = self.params, done or {}, self.world
         by_reward: dict[str, list[float]] = {r.name: [] for r in self.scorer.rewards}
         starts = range(0, len(tasks), p.evalBatchSize)
         computed: dict[int, dict[str, list[float]]] = {}
+        kept: dict[int, list[SampleGroup]] = {}      # batch -> its tasks among the first sampleEvalTasks
         stopped = False
         try:
             with self._whole_weights():          # FSDP: every rank gathers, whatever it computes
@@ -238,8 +221,14 @@ class GRPOTrainer:
                     chunk = list(tasks[start:start + p.evalBatchSize])
                     gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
                     ids, mask = self._encode([t["prompt"] for t in chunk])
-                    comp, cmask, _ = self._generate(ids, mask, p.evalTemperature, gen)
-                    computed[i] = self.scorer.score(self._decode(comp, cmask), chunk)    # {reward: [scores]}
+                    comp, cmask, cut, _ = self._generate(ids, mask, p.evalTemperature, gen)
+                    texts = self._decode(comp, cmask)
+                    computed[i] = self.scorer.score(texts, chunk)    # {reward: [scores]}
+                    kept[i] = samples.eval_items(start, [t["prompt"] for t in chunk], texts, computed[i],
+                                                 self.scorer.total(computed[i]), cmask.sum(1).tolist(),
+                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary)
+                    if on_samples is not None and kept[i]:
+                        on_samples(kept[i])
                     if on_batch is not None:
                         on_batch(i, computed[i])
         except sampler.GenerationInterrupted:
@@ -247,14 +236,17 @@ class GRPOTrainer:
                 raise
             stopped = True                           # the others still come to the gather below
         if world.distributed:
-            shares = world.gather((stopped, computed))
-            for rank, (_, theirs) in enumerate(shares):
+            shares = world.gather((stopped, computed, kept))
+            for rank, (_, theirs, their_samples) in enumerate(shares):
                 if rank != world.rank:
                     computed.update(theirs)
+                    kept.update(their_samples)
                     for i, batch in theirs.items():
+                        if on_samples is not None and their_samples.get(i):
+                            on_samples(their_samples[i])
                         if on_batch is not None:
                             on_batch(i, batch)
-            if any(s for s, _ in shares):
+            if any(s for s, _, _ in shares):
                 raise sampler.GenerationInterrupted()
         for i in range(len(starts)):
             batch = done[i] if i in done else computed[i]
@@ -264,7 +256,8 @@ class GRPOTrainer:
         return EvalResult(meanReward=float(np.mean(totals)), tasks=len(tasks),
                           solved=sum(1 for r in by_reward[self.scorer.primary] if r == 1.0), rewards=tuple(totals),
                           batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done),
-                          byReward={k: float(np.mean(v)) for k, v in by_reward.items()})
+                          byReward={k: float(np.mean(v)) for k, v in by_reward.items()},
+                          samples=tuple(g for i in sorted(kept) for g in kept[i]))
 
     # --- one GRPO step -------------------------------------------------------------------
 
@@ -290,7 +283,8 @@ class GRPOTrainer:
         interrupted = False
         try:
             with self._whole_weights():
-                comp_ids, comp_mask, truncated = self._generate(prompt_ids, prompt_mask, p.temperature, gens)  # [b*G, T], [b*G]
+                comp_ids, comp_mask, truncated, entropy = self._generate(prompt_ids, prompt_mask, p.temperature,
+                                                                         gens)      # [b*G, T], [b*G, T], [b*G], [b*G]
         except sampler.GenerationInterrupted:
             if not world.distributed:
                 raise
@@ -368,10 +362,16 @@ class GRPOTrainer:
         self.scheduler.step()
 
         local = {"rewards": rewards.tolist(), "byReward": {k: list(v) for k, v in by_reward.items()},
+                 "entropy": float(entropy.sum()),
                  "lengths": comp_mask.sum(1).tolist(), "truncated": truncated.tolist(), "loss": loss,
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
-        metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens)
+        # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
+        self.samples = samples.step_groups([t["prompt"] for t in tasks], texts, by_reward, local["rewards"],
+                                           adv.tolist(), local["lengths"], local["truncated"], p.numGenerations,
+                                           p.sampleGroups if world.main else 0, self.scorer.primary)
+        metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens,
+                               primary=self.scorer.primary, iterations=p.numIterations)
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
         if refs is None:
@@ -476,24 +476,3 @@ class GRPOTrainer:
 
             self._adapter = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return self._adapter
-
-
-def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int) -> dict[str, Any]:
-    """A step's metrics from each process's share (one share alone), over all B x G completions."""
-    rewards = torch.tensor(concat([s["rewards"] for s in shares]), dtype=torch.float32)     # [B*G]
-    lengths = torch.tensor(concat([s["lengths"] for s in shares]), dtype=torch.float32)     # [B*G]
-    truncated = torch.tensor(concat([s["truncated"] for s in shares]), dtype=torch.float32)
-    names = shares[0]["byReward"]
-    return {
-        "rewardMean": rewards.mean().item(),
-        "rewardStd": rewards.std(unbiased=False).item(),
-        "rewards": {name: float(np.mean(concat([s["byReward"][name] for s in shares]))) for name in names},
-        "identicalGroups": grpo.identical_group_fraction(rewards, group_size),
-        "completionLength": lengths.mean().item(),
-        "truncatedFraction": truncated.mean().item(),   # cut at maxCompletionLength
-        "loss": sum(s["loss"] for s in shares),
-        "clipRatio": sum(s["clipped"] for s in shares) / max(tokens, 1),
-        "microBatches": sum(s["microBatches"] for s in shares),
-        "learningCompletions": sum(s["learning"] for s in shares),   # the others had advantage 0: no gradient
-        "kl": sum(s["kl"] for s in shares) / max(tokens, 1),
-    }

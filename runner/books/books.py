@@ -30,6 +30,7 @@ from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
+from grpo_run.runner.books.samples import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
 from grpo_run.state.phases import Phase
@@ -149,6 +150,7 @@ class Books:
             values.RUN_ID.set(self.record, self.run_id)
         self.ledger = Ledger(self.record, usd_per_hour=usd_per_hour, max_cost_usd=max_cost_usd)
         self.evals = Evals(self.record, store)
+        self.samples = SampleBooks(self.record)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
         self._queued: Future | None = None
@@ -330,11 +332,21 @@ class Books:
         self.trackers.step(step, metrics)
         self.sync_soon()
 
-    def fill_in_steps(self, steps: list[dict[str, Any]]) -> None:
+    def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
+        """What the model wrote (runner.books.samples); uploaded with the record, and to the trackers."""
+        self.samples.add(kind, step, groups)
+        self.trackers.samples(kind, step, groups)
+
+    def fill_in_steps(self, steps: list[dict[str, Any]], samples: dict[int, list[dict[str, Any]]] | None = None) -> None:
         """The metrics a restored checkpoint holds ([{"step": n, **metrics}]): steps the record
         lacks are added (a node lost within DURABLE_SYNC_S of that checkpoint becoming durable
-        left them out of storage's record, and the resume starts after them); steps it has stay."""
-        added = self.record.add_missing_steps(steps)
+        left them out of storage's record, and the resume starts after them); steps it has stay.
+        `samples` ({step: groups}, the checkpoint's newest steps'): those of the steps added."""
+        with self.record.transaction():
+            added = self.record.add_missing_steps(steps)
+            for step in added:
+                if samples and step in samples:
+                    self.samples.add("step", step, samples[step])
         if added:
             log.info("steps %s were missing from the record; filled in from the checkpoint", _ranges(added))
 
@@ -354,14 +366,28 @@ class Books:
         self.sync_soon(DURABLE_SYNC_S)
 
     def update_reward_signal(self) -> None:
+        """status.diagnostics.rewardSignal over the newest REWARD_WINDOW steps: the groups whose G
+        rewards were identical, split into solved (every completion scored 1 on the first reward:
+        nothing left to learn there, which is fine) and no signal (all failed alike: the warning,
+        with the fix). A step logged before the split counts its identical groups as no signal."""
         steps = self.record.steps(last=REWARD_WINDOW)
         if not steps:
             return
-        frac = sum(s["identicalGroups"] for s in steps) / len(steps)
-        signal = {"identicalGroupFraction": round(frac, 4), "window": len(steps)}
-        if frac >= 0.5:
-            signal["warning"] = (f"{frac:.0%} of groups in the last {len(steps)} steps had identical rewards "
-                                 "and taught nothing; raise numGenerations or temperature, or use an easier task")
+        n = len(steps)
+        identical = sum(s["identicalGroups"] for s in steps) / n
+        solved = sum(s.get("solvedGroups", 0.0) for s in steps) / n
+        no_signal = sum(s.get("noSignalGroups", s["identicalGroups"]) for s in steps) / n
+        signal: values.RewardSignal = {"identicalGroupFraction": round(identical, 4), "window": n,
+                                       "solvedGroupFraction": round(solved, 4),
+                                       "noSignalGroupFraction": round(no_signal, 4)}
+        if no_signal >= 0.5:
+            signal["warning"] = (f"{no_signal:.0%} of groups in the last {n} steps failed alike (identical rewards, "
+                                 "not solved) and taught nothing; raise numGenerations or temperature, or use an "
+                                 "easier task")
+        elif solved >= 0.5:
+            signal["note"] = (f"{solved:.0%} of groups in the last {n} steps were solved (every completion scored 1): "
+                              "nothing left to learn there, which is fine; the held-out reward says whether it "
+                              "generalises")
         values.REWARD_SIGNAL.set(self.record, signal)
 
     # --- evaluations (evals.py) -----------------------------------------------------------------

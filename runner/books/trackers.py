@@ -7,6 +7,9 @@ supervisor from what the trainer reports (the same events the record gets), off 
       mlflow: {trackingURI: file:///srv/mlruns, experiment: grpo}
       wandb: {project: grpo, entity: my-team}          # WANDB_MODE=offline works as usual
 
+What the model wrote (the samples the record keeps) goes to each tracker too: TensorBoard's text
+tab, an MLflow artifact per step (samples/step/0000042.md), a W&B Table.
+
 A resumed run continues the same tracker run: TensorBoard's folder is the job's, MLflow's and
 W&B's run id is kept in the run's record. Every point is written once: a resume redoes the steps
 after its checkpoint, and a step a tracker already holds is not written again (TensorBoard: read
@@ -18,6 +21,7 @@ out; it never stops the training.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -58,11 +62,34 @@ def eval_scalars(kind: str, result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def samples_markdown(kind: str, step: int, groups: list[dict[str, Any]]) -> str:
+    """What the model wrote (runner.books.samples) as Markdown: each prompt, then a table of its
+    completions with their rewards by name (and advantage, for a training step's)."""
+    def cell(text: Any) -> str:
+        return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+
+    lines = []
+    for g in groups:
+        where = f"group {g['item'] + 1}" if kind == "step" else f"task {g['item'] + 1}"
+        lines += [f"**{kind} {step}, {where}**: {cell(g['prompt'])}", "",
+                  "| completion | reward | by name |" + (" advantage |" if kind == "step" else ""),
+                  "|---|---|---|" + ("---|" if kind == "step" else "")]
+        for c in g["completions"]:
+            by_name = ", ".join(f"{k} {v:.3f}" for k, v in c["rewards"].items())
+            row = f"| {cell(c['text'])} | {c['reward']:.3f} | {by_name} |"
+            lines.append(row + (f" {c['advantage']:+.2f} |" if kind == "step" else ""))
+        lines.append("")
+    return "\n".join(lines)
+
+
 class Tracker(Protocol):
     name: str
 
     def write(self, step: int, values: dict[str, float]) -> None:
         """Each (tag, step) once: what the tracker already holds is skipped."""
+
+    def samples(self, kind: str, step: int, tag: str, groups: list[dict[str, Any]]) -> None:
+        """What the model wrote (runner.books.samples) at `step`, under `tag`, once."""
 
     def flush(self) -> None: ...
 
@@ -87,6 +114,24 @@ class TensorBoard:
         self.written = written_pairs(self.local)
         self._writer = EventFileWriter(str(self.local), flush_secs=5, filename_suffix=suffix)
         self._sent: dict[str, int] = {}       # file name -> its size when last copied
+
+    def samples(self, kind: str, step: int, tag: str, groups: list[dict[str, Any]]) -> None:
+        """Markdown in TensorBoard's text tab, once per (tag, step)."""
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+        from tensorboard.plugins.text.metadata import create_summary_metadata
+
+        if (tag, step) in self.written:
+            return
+        markdown = samples_markdown(kind, step, groups)
+        tensor = TensorProto(dtype=types_pb2.DT_STRING, string_val=[markdown.encode()], tensor_shape=TensorShapeProto())
+        value = Summary.Value(tag=tag, metadata=create_summary_metadata(display_name=None, description=None),
+                              tensor=tensor)
+        self._writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=[value])))
+        self.written.add((tag, step))
 
     def write(self, step: int, values: dict[str, float]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -137,6 +182,14 @@ class Trackers:
     def evaluation(self, kind: str, step: int, result: dict[str, Any]) -> None:
         if self.trackers:
             self._each("write", step, eval_scalars(kind, result))
+
+    def samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
+        """What the model wrote, to every tracker: one entry per step and kind, under `tag` (an
+        evaluation's per batch, named by its first task)."""
+        if self.trackers and groups:
+            tag = (f"samples/{kind}" if kind in ("step", "heldOut")
+                   else f"samples/{kind}/from-task-{groups[0]['item'] + 1}")
+            self._each("samples", kind, step, tag, groups)
 
     def flush(self) -> None:
         self._each("flush")
@@ -214,6 +267,10 @@ class MLflow:
         if batch:
             self.client.log_batch(self.run, metrics=batch)
 
+    def samples(self, kind: str, step: int, tag: str, groups: list[dict[str, Any]]) -> None:
+        """A Markdown artifact, TAG/STEP.md: a redone step writes the same file again."""
+        self.client.log_text(self.run, samples_markdown(kind, step, groups), f"{tag}/{step:07d}.md")
+
     def flush(self) -> None:
         pass                                  # log_batch is synchronous
 
@@ -246,6 +303,19 @@ class Wandb:
             return
         self.run.log({**new, "step": step})
         self.latest.update({tag: step for tag in new})
+        WANDB_STEPS.set(self.record, self.latest)
+
+    def samples(self, kind: str, step: int, tag: str, groups: list[dict[str, Any]]) -> None:
+        """A W&B Table, one row per completion, once per (tag, step) as the metrics are."""
+        import wandb
+
+        if step <= self.latest.get(tag, -1):
+            return
+        columns = ["group" if kind == "step" else "task", "prompt", "completion", "reward", "rewards", "advantage"]
+        rows = [[g["item"] + 1, g["prompt"], c["text"], c["reward"], json.dumps(c["rewards"]), c.get("advantage")]
+                for g in groups for c in g["completions"]]
+        self.run.log({tag: wandb.Table(columns=columns, data=rows), "step": step})
+        self.latest[tag] = step
         WANDB_STEPS.set(self.record, self.latest)
 
     def flush(self) -> None:

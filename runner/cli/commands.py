@@ -21,6 +21,7 @@ from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
 from grpo_run.runner.cli.score import cmd_score
+from grpo_run.runner.cli.samples import cmd_samples
 
 
 
@@ -263,6 +264,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 cli.add_command(cmd_get)
 cli.add_command(cmd_logs)
 cli.add_command(cmd_report)
+cli.add_command(cmd_samples)      # runner/cli/samples.py
 # the commands that end a job: cancel, delete (runner/cli/lifecycle.py)
 cli.add_command(cmd_cancel)
 cli.add_command(cmd_delete)

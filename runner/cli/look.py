@@ -140,10 +140,11 @@ def cmd_logs(name: str, follow: bool) -> int:
 @click.option("--out", required=True, metavar="FILE.png", help="the picture to write; a Markdown summary goes beside it (.md)")
 def cmd_report(name: str, storage: str | None, out: str) -> int:
     """Draw a job's run into a PNG from its record: the train reward (raw and smoothed) with the
-    held-out baseline, periodic and final evaluations, completion length, groups with identical
-    rewards, loss (and KL when beta > 0), learning rate, and the spend over wall time; every attempt
-    boundary is marked with why it ended and the steps the next attempt redid. A Markdown summary
-    with one row per attempt is written beside it (same name, .md).
+    held-out baseline, periodic and final evaluations; the groups with identical rewards, solved or
+    without signal; completion length and the truncated fraction; the gradient norm (with KL when
+    beta > 0, the clip ratio when numIterations > 1); the spend over wall time when the job has a
+    rate. Every attempt boundary is marked with why it ended and the steps the next attempt redid.
+    A Markdown summary with one row per attempt is written beside it (same name, .md).
 
     \b
     example:

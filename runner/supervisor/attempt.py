@@ -38,8 +38,8 @@ from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.state.phases import Phase
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV,
                                        PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL, WORLD_ENV, EvalBatch,
-                                       Evaluated, Failed, Final, HeldOut, PhaseStarted, Plan, Sealed, Started, Step,
-                                       Stopped, TrainerEvent, TrainerPhase, parse_event)
+                                       Evaluated, Failed, Final, HeldOut, PhaseStarted, Plan, Samples, Sealed, Started,
+                                       Step, Stopped, TrainerEvent, TrainerPhase, parse_event)
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +178,8 @@ class TrainerProcess:
             self._listens = True
             self.checkpoints.set_listener(self._proc)
         match ev:
+            case Samples():          # a step's come before it, an evaluation batch's before it
+                books.add_samples(ev.kind, ev.step, [g.model_dump() for g in ev.groups])
             case Step():
                 books.log_step(ev.step, ev.metrics)
             case Sealed():

@@ -23,7 +23,7 @@ from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Upload
                                       run_prefix)
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
-from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS
+from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS, STEP_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Durability:
         if got is None:
             return 0
         step, folder, manifest, durable = got
-        self.books.fill_in_steps(_step_metrics(folder))
+        self.books.fill_in_steps(_step_metrics(folder), _step_samples(folder))
         if durable:
             self._note([step])
         else:
@@ -161,3 +161,14 @@ def _step_metrics(folder: Path) -> list[dict]:
     except (OSError, ValueError, TypeError) as e:     # damaged: the record keeps what it has
         log.warning("the metrics in %s cannot be read (%s); the record is not filled in from them", path, e)
         return []
+
+
+def _step_samples(folder: Path) -> dict[int, list[dict]]:
+    """The samples of its newest steps that a checkpoint holds, by step (none in one written before it held them)."""
+    path = folder / STEP_SAMPLES
+    try:
+        kept = json.loads(path.read_text()) if path.exists() else {}
+        return {int(s): groups for s, groups in kept.items() if isinstance(groups, list)}
+    except (OSError, ValueError, TypeError, AttributeError) as e:     # damaged: the record keeps what it has
+        log.warning("the samples in %s cannot be read (%s); the record is not filled in from them", path, e)
+        return {}

@@ -1,11 +1,14 @@
 """`grpo-run report`: one picture of a run (and a Markdown summary beside it), drawn from its
 record alone — the copy in storage is enough, on a machine that never ran the job.
 
-Panels, every one against the training step except the last: the train reward (raw points faint,
-a trailing mean over them) with the held-out evaluations marked (baseline at step 0, the periodic
-ones, the final one at the last step); completion length; the fraction of groups whose G rewards
-were identical (they teach nothing); the loss, and the KL to the reference when beta > 0; the
-learning rate; and the spend in dollars over wall time, one segment per attempt.
+Panels with data only, every one against the training step except the spend: the mean reward,
+train (sampled completions on train tasks, raw points faint under a trailing mean) and held-out
+(the baseline at step 0, the periodic evaluations, the final one at the last step); the groups
+with identical rewards, split into solved (every completion scored 1) and no signal (all failed
+alike); completion length with the truncated fraction; the update's gradient norm, with the KL
+to the reference when beta > 0 and the clip ratio when numIterations > 1 (not the loss: it is ~0
+by construction at numIterations 1); and, when the run has a rate, the spend in dollars over wall
+time, one segment per attempt.
 
 Every attempt that did not end the run is a boundary at the last step it completed, labelled with
 why it ended (preempted by which cloud's notice, crashed, out of budget), and the steps the next
@@ -34,7 +37,16 @@ def gather(record: Record) -> dict[str, Any]:
             "params": spec.get("parameters", {}), "steps": record.steps(logged=True),
             "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
-            "heldOut": values.HELD_OUT.get(record)}
+            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record)}
+
+
+def _samples(record: Record) -> dict[str, list[dict[str, Any]]]:
+    """The newest step's kept groups, and the baseline's and final evaluation's kept tasks."""
+    out = {}
+    for kind in ("step", "baseline", "final"):
+        steps = record.sample_steps(kind)
+        out[kind] = record.samples(kind, steps[-1:]) if steps else []
+    return out
 
 
 def boundaries(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -93,68 +105,125 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
 
 
 def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Draw `run` (from `gather`) into the PNG `out`; what was drawn: {"boundaries", "panels",
-    "segments", "figure"} (the tests compare the figure's boundary lines with the record)."""
+    """Draw `run` (from `gather`) into the PNG `out`; what was drawn: {"boundaries", "panels" (the
+    series drawn, by metric), "segments", "figure"} (the tests compare the figure's boundary
+    lines with the record). Only panels with data: the spend needs a rate, KL needs beta > 0,
+    the clip ratio numIterations > 1, the group outcomes steps that recorded them."""
     from matplotlib.figure import Figure      # no pyplot: no GUI backend, nothing global
 
     steps = run["steps"]
     xs = [s["step"] for s in steps]
     cuts = boundaries(run["attempts"])
-    beta = float(run["params"].get("beta") or 0.0)
-    fig = Figure(figsize=(13, 10.5), dpi=100, layout="constrained")
-    axes = fig.subplots(3, 2)
-    reward_ax, length_ax, same_ax, loss_ax, lr_ax, cost_ax = axes.flat
-    panels = []
+    params = run["params"]
+    beta = float(params.get("beta") or 0.0)
+    rate = next((v.get("usdPerHour") for v in run["ledger"].values() if v.get("usdPerHour")), None)
+    extra = [(key, name, label) for key, name, label, on in (
+        ("kl", "KL", f"KL to the reference (beta {beta:g})", beta > 0),
+        ("clipRatio", "clip ratio", "fraction of tokens clipped", int(params.get("numIterations", 1)) > 1)) if on]
+    # four panels, a fifth for KL and the clip ratio when they apply, one more for the spend with a
+    # rate; an odd one out takes a whole row: no empty box
+    count = 4 + bool(extra) + bool(rate)
+    rows = -(-count // 2)
+    fig = Figure(figsize=(13, 3.5 * rows), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(rows, 2)
+    cells = [grid[i // 2, i % 2] if i < count - 1 or count % 2 == 0 else grid[i // 2, :] for i in range(count)]
+    reward_ax, groups_ax, length_ax, update_ax = (fig.add_subplot(c) for c in cells[:4])
+    step_axes = [reward_ax, groups_ax, length_ax, update_ax]
+    twins: dict[Any, Any] = {}                # a panel's axes -> its right-hand axes, if it has one
+    panels: list[str] = []
 
-    def series(ax, key: str, label: str, *, smooth: bool = False, color: str = "C0") -> None:
+    def series(ax, key: str, label: str, *, smooth: bool = False, color: str = "C0") -> bool:
         pts = [(s["step"], s[key]) for s in steps if isinstance(s.get(key), (int, float))]
         if not pts:
-            ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="0.5")
-            return
+            return False
         x, y = zip(*pts)
-        if smooth and len(y) >= SMOOTH_FROM:
-            ax.plot(x, y, ".", color=color, alpha=0.18, markersize=3, label=f"{label} (each step)")
-            window = max(1, len(y) // 40)
+        window = max(1, len(y) // 40)
+        if smooth and len(y) >= SMOOTH_FROM and window > 1:
+            ax.plot(x, y, ".", color=color, alpha=0.18, markersize=3, label=f"{label}, each step")
             ax.plot(x, trailing_mean(list(y), window), color=color, linewidth=1.8,
-                    label=f"{label} (mean of {window})" if window > 1 else label)
+                    label=f"{label}, trailing mean over {window} steps")
         else:
             ax.plot(x, y, color=color, linewidth=1.2, label=label)
         panels.append(key)
+        return True
 
-    # the reward, with the held-out evaluations on the same scale
-    series(reward_ax, "rewardMean", "train reward", smooth=True)
-    last = max(xs) if xs else int(run["params"].get("maxSteps") or 0)
+    def empty(ax, text: str) -> None:
+        ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.5")
+
+    # the reward: the train reward is of sampled completions on train tasks, the held-out one of
+    # greedy (or evalTemperature) answers to tasks never trained on: the gap between them is expected
+    temperature, eval_t = params.get("temperature", 1.0), params.get("evalTemperature", 0.0)
+    if not series(reward_ax, "rewardMean", f"train reward (sampled at temperature {temperature:g})", smooth=True):
+        empty(reward_ax, "no steps yet")
+    last = max(xs) if xs else int(params.get("maxSteps") or 0)
+    how = "greedy" if not eval_t else f"temperature {eval_t:g}"
     if run["baseline"]:
         reward_ax.plot([0], [run["baseline"]["meanReward"]], "s", color="C3", markersize=8,
-                       label=f"held-out baseline {run['baseline']['meanReward']:.3f}")
+                       label=f"held-out baseline ({how}) {run['baseline']['meanReward']:.3f}")
     if run["heldOut"]:
         reward_ax.plot([e["step"] for e in run["heldOut"]], [e["meanReward"] for e in run["heldOut"]], "o-",
-                       color="C2", markersize=4, label="held-out, every evalSteps")
+                       color="C2", markersize=4, label=f"held-out every evalSteps ({how})")
     if run["final"]:
         reward_ax.plot([last], [run["final"]["meanReward"]], "*", color="C3", markersize=14,
-                       label=f"held-out final {run['final']['meanReward']:.3f}")
-    reward_ax.set_title("reward")
-    series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True)
-    length_ax.set_title("completion length (tokens)")
-    series(same_ax, "identicalGroups", "groups with identical rewards", color="C4", smooth=True)
-    same_ax.set_ylim(-0.03, 1.03)
-    same_ax.set_title("groups with identical rewards (no signal)")
-    series(loss_ax, "loss", "loss", color="C0", smooth=True)
-    loss_ax.set_title("loss" + (" and KL" if beta > 0 else ""))
-    if beta > 0:
-        kl_ax = loss_ax.twinx()
-        series(kl_ax, "kl", f"KL (beta {beta:g})", color="C5", smooth=True)
-        kl_ax.set_ylabel("KL")
-        kl_ax.legend(loc="upper right", fontsize=8)
-    series(lr_ax, "learningRate", "learning rate", color="C6")
-    lr_ax.set_title("learning rate")
-    for ax in (reward_ax, length_ax, same_ax, loss_ax, lr_ax):
+                       label=f"held-out final ({how}) {run['final']['meanReward']:.3f}")
+    reward_ax.set_title("mean reward: train (sampled), held-out (never trained on)")
+
+    # what the groups taught: identical groups are solved (fine) or without signal (the waste)
+    drawn = series(groups_ax, "solvedGroups", "solved: every completion scored 1", color="C2", smooth=True)
+    drawn = series(groups_ax, "noSignalGroups", "no signal: all failed alike", color="C3", smooth=True) or drawn
+    if not drawn:               # steps recorded before the split
+        series(groups_ax, "identicalGroups", "identical rewards", color="C4", smooth=True)
+    groups_ax.set_ylim(-0.03, 1.03)
+    groups_ax.set_title("groups with identical rewards (nothing to learn from)")
+
+    if not series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True):
+        empty(length_ax, "no steps yet")
+    length_ax.set_title("completion length (tokens), fraction truncated")
+    if any(isinstance(s.get("truncatedFraction"), (int, float)) for s in steps):
+        cut_ax = length_ax.twinx()
+        series(cut_ax, "truncatedFraction", "truncated fraction", color="C5", smooth=True)
+        cut_ax.set_ylim(-0.03, 1.03)
+        cut_ax.set_ylabel("truncated fraction")
+        twins[length_ax] = cut_ax
+
+    # the update: the gradient norm before clipping (the loss is ~0 by construction at
+    # numIterations 1 and is left out) and the entropy of sampling
+    if not series(update_ax, "gradNorm", "gradient norm (before clipping)", color="C0", smooth=True):
+        empty(update_ax, "no steps yet")
+    title = "gradient norm"
+    if any(isinstance(s.get("tokenEntropy"), (int, float)) for s in steps):
+        twin = update_ax.twinx()
+        series(twin, "tokenEntropy", "token entropy (nats)", color="C8", smooth=True)
+        twin.set_ylabel("token entropy (nats)")
+        twins[update_ax] = twin
+        title += ", entropy of sampling (per token)"
+    update_ax.set_title(title)
+    # the KL to the reference when beta > 0, the clip ratio when numIterations > 1
+    if extra:
+        policy_ax = fig.add_subplot(cells[4])
+        step_axes.append(policy_ax)
+        for i, (key, _, label) in enumerate(extra):
+            ax = policy_ax if i == 0 else policy_ax.twinx()
+            series(ax, key, label, color=f"C{5 + i}", smooth=True)
+            ax.set_ylabel(label)
+            if i:
+                twins[policy_ax] = ax
+        policy_ax.set_title(" and ".join(name for _, name, _ in extra))
+
+    for ax in step_axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.25)
         for cut in cuts:
             ax.axvline(cut["step"], color="C3", linestyle="--", linewidth=1, alpha=0.8, gid="attempt-boundary")
             if cut["redone"]:
                 ax.axvspan(cut["resumedFrom"], cut["step"], color="C3", alpha=0.12, linewidth=0)
+        # one legend per panel, on its topmost axes (a twin's would hide the other's)
+        handles, labels = ax.get_legend_handles_labels()
+        if ax in twins:
+            more = twins[ax].get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        if ax is not reward_ax and handles:
+            twins.get(ax, ax).legend(handles, labels, loc="upper right", fontsize=8)
     for i, cut in enumerate(cuts):          # labels staggered down, so close boundaries stay readable
         reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
                            (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
@@ -162,27 +231,20 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if reward_ax.get_legend_handles_labels()[0]:
         reward_ax.legend(loc="lower right", fontsize=8)
 
-    # the spend over wall time
+    # the spend over wall time, when there is a rate to spend at
     segments = spend_segments(run)
-    rate = next((v.get("usdPerHour") for v in run["ledger"].values() if v.get("usdPerHour")), None)
-    for i, seg in enumerate(segments):
-        if rate:
+    if rate:
+        cost_ax = fig.add_subplot(cells[-1])
+        for i, seg in enumerate(segments):
             cost_ax.plot([seg["t0"], seg["t1"]], [seg["usd0"], seg["usd1"]], color="C0", linewidth=2)
             if i + 1 < len(segments):
                 cost_ax.plot([seg["t1"], segments[i + 1]["t0"]], [seg["usd1"]] * 2, color="0.6", linestyle=":")
-            cost_ax.annotate(f"#{seg['attempt']}", (seg["t0"], seg["usd0"]), xytext=(2, 4),
+            cost_ax.annotate(f"attempt {seg['attempt']}", (seg["t0"], seg["usd0"]), xytext=(2, 4),
                              textcoords="offset points", fontsize=8)
-        else:                      # no dollars to draw: when each attempt ran
-            cost_ax.axvspan(seg["t0"], seg["t1"], color="C0", alpha=0.15, linewidth=0)
-            cost_ax.annotate(f"attempt {seg['attempt']}", (seg["t0"], 0.92), xycoords=("data", "axes fraction"),
-                             xytext=(3, 0), textcoords="offset points", fontsize=8)
-    if not rate:
-        cost_ax.set_yticks([])
-        cost_ax.text(0.5, 0.5, "no rate: set spec.gpu or spec.pricing.usdPerHour", ha="center", va="center",
-                     transform=cost_ax.transAxes, color="0.3", fontsize=9)
-    cost_ax.set_title(f"spend (USD) over wall time at ${rate:g}/h" if rate else "attempts over wall time")
-    cost_ax.set_xlabel("minutes since the first attempt began")
-    cost_ax.grid(alpha=0.25)
+        panels.append("costUSD")
+        cost_ax.set_title(f"spend (USD) over wall time at ${rate:g}/h")
+        cost_ax.set_xlabel("minutes since the first attempt began")
+        cost_ax.grid(alpha=0.25)
 
     fig.suptitle(_title(run, cuts), fontsize=12)
     out = Path(out)
@@ -199,18 +261,21 @@ def _redone(cut: dict[str, Any]) -> str:
 
 def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
     steps = run["steps"]
-    parts = [f"{run['name']}: {run['phase']}, step {steps[-1]['step'] if steps else 0}/"
+    parts = [f"{run['name']}: {run['phase']} at step {steps[-1]['step'] if steps else 0} of "
              f"{run['params'].get('maxSteps', '?')}"]
     if run["baseline"] and run["final"]:
-        parts.append(f"held-out {run['baseline']['meanReward']:.3f} -> {run['final']['meanReward']:.3f}")
+        parts.append(f"held-out reward {run['baseline']['meanReward']:.3f} before, "
+                     f"{run['final']['meanReward']:.3f} after")
     usd = sum(float(v.get("usd", 0.0)) for v in run["ledger"].values())
     if usd:
         parts.append(f"${usd:.4f}")
     n = len(run["attempts"])
-    lower = any(c["reason"] == "Crashed" for c in cuts)     # a lost node's unseen steps are not counted
-    parts.append(f"{n} attempt{'s' if n != 1 else ''}, {'at least ' if lower else ''}"
-                 f"{sum(c['redone'] for c in cuts)} steps redone")
-    return ", ".join(parts)
+    parts.append(f"{n} attempt{'s' if n != 1 else ''}")
+    if cuts:
+        lower = any(c["reason"] == "Crashed" for c in cuts)     # a lost node's unseen steps are not counted
+        redone = sum(c["redone"] for c in cuts)
+        parts[-1] += f", {'at least ' if lower else ''}{redone} step{'' if redone == 1 else 's'} redone"
+    return "; ".join(parts)
 
 
 def summary(run: dict[str, Any], picture: str | None = None) -> str:
@@ -247,7 +312,37 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
                          "and every 10 s); what it did after that is not known, so its redone steps are a lower bound.")
     if notes:
         lines += [""] + notes
+    lines += _samples_md(run.get("samples") or {})
     return "\n".join(lines) + "\n"
+
+
+def _samples_md(samples: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The held-out tasks the run kept, the baseline's answer beside the final one, and the
+    newest step's groups (`grpo-run samples` shows every kept one)."""
+    def cell(text: Any) -> str:
+        text = str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ")
+        return f"`{text}`" if text.strip() else "(empty)" if not text else f"`{text}` (spaces)"
+
+    lines: list[str] = []
+    final = {g["item"]: g for g in samples.get("final", [])}
+    if samples.get("baseline") and final:
+        lines += ["", "## Held-out tasks before and after training", "",
+                  "| held-out | prompt | baseline | reward | final | reward |", "|---|---|---|---|---|---|"]
+        for g in samples["baseline"]:
+            if g["item"] in final:
+                b, f = g["completions"][0], final[g["item"]]["completions"][0]
+                lines.append(f"| task {g['item'] + 1} | {cell(g['prompt'])} | {cell(b['text'])} | {b['reward']:.3f} | "
+                             f"{cell(f['text'])} | {f['reward']:.3f} |")
+    if samples.get("step"):
+        step = samples["step"][0]["step"]
+        lines += ["", f"## What the model wrote at step {step}", ""]
+        for g in samples["step"]:
+            lines += [f"Group {g['item'] + 1}: {cell(g['prompt'])}", "", "| completion | reward | advantage |",
+                      "|---|---|---|"]
+            lines += [f"| {cell(c['text'])} | {c['reward']:.3f} | {c['advantage']:+.2f} |" for c in g["completions"]]
+            lines.append("")
+        lines.pop()
+    return lines
 
 
 def _time(iso: str) -> float:

@@ -107,9 +107,9 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
         del os.environ["GRPO_RUN_HOME"]
     lines = [ln for ax in drawn["figure"].axes for ln in ax.get_lines() if ln.get_gid() == "attempt-boundary"]
     assert sorted({ln.get_xdata()[0] for ln in lines}) == sorted({a["toStep"] for a in attempts[:3]})
-    assert len(lines) == 3 * 5
-    assert drawn["panels"][:5] == ["rewardMean", "completionLength", "identicalGroups", "loss",
-                                                 "learningRate"]
+    assert len(lines) == 3 * 4                                          # on each of the 4 step panels
+    assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
+                               "gradNorm", "tokenEntropy", "costUSD"]
     assert [seg["attempt"] for seg in drawn["segments"]] == [1, 2, 3, 4]
 
     # TensorBoard: every step exactly once across the four attempts' event files, read back
@@ -158,21 +158,63 @@ def test_tensorboard_holds_each_step_once_after_a_restart_redid_steps(tmp_path):
     assert sorted(step for tag, step in points if tag == "train/loss") == list(range(1, 9))
 
 
-def test_with_beta_the_loss_panel_carries_the_kl_and_every_panel_has_its_series(tmp_path):
+def synthetic_steps(n: int = 59) -> list[dict]:
+    return [{"step": i, "logged": f"2026-12-01T12:00:{i:02d}+00:00", "rewardMean": i / 60, "completionLength": 5.0,
+             "identicalGroups": 0.5, "solvedGroups": 0.2, "noSignalGroups": 0.3, "truncatedFraction": 0.1,
+             "gradNorm": 0.5, "tokenEntropy": 1.2, "loss": 0.01, "kl": 0.001 * i, "clipRatio": 0.02, "learningRate": 1e-5,
+             "costUSD": i / 1000} for i in range(1, n + 1)]
+
+
+def test_with_beta_the_update_panel_carries_the_kl_and_every_panel_has_its_series(tmp_path):
     from grpo_run.runner.views.report import render
 
-    steps = [{"step": i, "logged": f"2026-12-01T12:00:{i:02d}+00:00", "rewardMean": i / 60, "completionLength": 5.0,
-              "identicalGroups": 0.5, "loss": 0.01, "kl": 0.001 * i, "learningRate": 1e-5, "costUSD": i / 1000}
-             for i in range(1, 60)]
+    steps = synthetic_steps()
     run = {"name": "kl-job", "phase": "Training", "spec": {}, "params": {"beta": 0.04, "maxSteps": 100},
            "steps": steps, "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00", "ended": None,
                                          "reason": None, "notice": None, "from_step": 0, "to_step": None}],
            "ledger": {"1": {"seconds": 0.0, "usd": 0.0, "usdPerHour": 3.6}}, "baseline": None, "final": None,
            "heldOut": [{"step": 20, "meanReward": 0.4}, {"step": 40, "meanReward": 0.5}]}
     drawn = render(run, tmp_path / "kl.png")
-    assert drawn["panels"] == ["rewardMean", "completionLength", "identicalGroups", "loss", "kl", "learningRate"]
-    kl_axis = [ax for ax in drawn["figure"].axes if ax.get_ylabel() == "KL"]
+    assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
+                               "gradNorm", "tokenEntropy", "kl", "costUSD"]    # no clip ratio: numIterations 1
+    kl_axis = [ax for ax in drawn["figure"].axes if ax.get_ylabel().startswith("KL")]
     assert kl_axis and kl_axis[0].get_lines()[-1].get_ydata()[-1] > 0
     assert drawn["boundaries"] == []                                     # the one attempt is still running
     assert drawn["segments"] == [{"attempt": 1, "t0": 0.0, "t1": 59 / 60, "usd0": 0.0, "usd1": 0.059}]
     assert png_size(tmp_path / "kl.png") == (1300, 1050)
+
+
+def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_several_iterations(tmp_path):
+    from grpo_run.runner.views.report import render
+
+    run = {"name": "no-rate", "phase": "Succeeded", "spec": {}, "params": {"numIterations": 2, "maxSteps": 59},
+           "steps": synthetic_steps(), "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00",
+                                                     "ended": "2026-12-01T12:01:00+00:00", "reason": "Succeeded",
+                                                     "notice": None, "from_step": 0, "to_step": 59}],
+           "ledger": {"1": {"seconds": 60.0, "usd": 0.0, "usdPerHour": None}}, "baseline": None, "final": None,
+           "heldOut": []}
+    drawn = render(run, tmp_path / "no-rate.png")
+    assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
+                               "gradNorm", "tokenEntropy", "clipRatio"]
+    assert png_size(tmp_path / "no-rate.png") == (1300, 1050)           # 2 + 2 + the clip ratio across: no empty box
+    assert all(ax.has_data() for ax in drawn["figure"].axes)
+    assert drawn["figure"].texts[0].get_text() == "no-rate: Succeeded at step 59 of 59; 1 attempt"
+
+
+def test_the_summary_puts_the_baseline_and_final_answers_side_by_side_and_the_newest_step_s_groups(tmp_path):
+    from grpo_run.runner.views.report import summary
+
+    def group(step, item, text, reward, advantage=None):
+        return {"step": step, "item": item, "prompt": f"{item}+1=", "solved": reward == 1.0, "completions": [
+            {"text": text, "rewards": {"correct": reward}, "reward": reward, "advantage": advantage, "length": 2,
+             "truncated": False}]}
+
+    run = {"name": "job", "phase": "Succeeded", "params": {"maxSteps": 9}, "steps": [], "attempts": [],
+           "ledger": {}, "baseline": None, "final": None,
+           "samples": {"baseline": [group(0, 0, "7", 0.0), group(0, 1, "", 0.0)],
+                       "final": [group(9, 0, "1", 1.0), group(9, 1, "2|", 1.0)],
+                       "step": [group(9, 0, "5", 1.0, 0.5)]}}
+    md = summary(run)
+    assert "| task 1 | `0+1=` | `7` | 0.000 | `1` | 1.000 |" in md
+    assert "| task 2 | `1+1=` | (empty) | 0.000 | `2\\|` | 1.000 |" in md
+    assert "## What the model wrote at step 9" in md and "| `5` | 1.000 | +0.50 |" in md

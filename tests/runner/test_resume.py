@@ -134,3 +134,18 @@ def test_changed_eval_settings_invalidate_the_cached_baseline(tmp_path, s3_env):
     assert "cached baseline was computed for another" in done.stderr
     st = status(tmp_path / "node-b", s3_env.url)
     assert st["baseline"]["runs"] == 2 and st["baseline"]["source"] == "computed"
+
+
+@pytest.mark.fault
+def test_a_run_killed_and_resumed_has_each_step_s_samples_once(tmp_path, s3_env):
+    """Steps after the checkpoint are redone on the fresh node: their samples replace the killed
+    attempt's, whichever of them reached storage."""
+    kill_and_resume(tmp_path, s3_env.url, "backward@7")
+    st = status(tmp_path / "node-d", s3_env.url)
+    assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
+    assert st["attempts"][1]["fromStep"] < STEPS            # the fresh node redid steps
+    rows = json.loads(grpo_run(tmp_path / "node-d", "samples", "resumable", "--storage", s3_env.url,
+                               "--last", str(STEPS), "-o", "json").stdout)
+    groups = [(r["step"], r["group"]) for r in rows[::4]]        # G = 4 completions a group
+    assert groups == [(step, g) for step in range(1, STEPS + 1) for g in (1, 2)]   # sampleGroups 2: once each
+    assert all(len({(r["step"], r["group"]) for r in rows[i:i + 4]}) == 1 for i in range(0, len(rows), 4))

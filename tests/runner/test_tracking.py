@@ -92,12 +92,20 @@ def test_mlflow_and_wandb_continue_one_run_across_a_restart_without_a_duplicate_
     assert [m.step for m in history] == list(range(1, 9))              # steps 5.. redone, logged once
     assert [m.value for m in history] == [s["loss"] for s in steps]
     assert [m.step for m in client.get_metric_history(mlflow_run, "eval/final/meanReward")] == [8]
+    # what the model wrote: an artifact per step, the steps redone written over, not beside
+    assert [a.path for a in client.list_artifacts(mlflow_run, "samples/step")] == \
+        [f"samples/step/{step:07d}.md" for step in range(1, 9)]
+    local = client.download_artifacts(mlflow_run, "samples/step/0000008.md", str(tmp_path / "artifacts"))
+    assert "| completion | reward | by name | advantage |" in Path(local).read_text()
 
     rows = wandb_history(tmp_path / "wandb-dir")
     runs = sorted(p.name for p in (tmp_path / "wandb-dir" / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(name.split("-", 3)[-1].startswith(run_id) for name in runs)  # one W&B run id
     trained = [r["step"] for r in rows if "train/loss" in r]
     assert trained == list(range(1, 9))
+    tables = [r for r in rows if r.get("samples/step/_type") == "table-file"]
+    assert [r["step"] for r in tables] == list(range(1, 9))                   # a Table a step, once
+    assert {r["samples/step/nrows"] for r in tables} == {2 * 4}                 # a row per completion
 
 
 def test_a_tracker_whose_package_is_missing_is_refused_before_anything_runs_naming_the_extra(monkeypatch):

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo_run.trainer.grpo import (clipped_token_loss, group_advantages, identical_group_fraction, k3_kl, reduce_loss, token_logprobs)
+from grpo_run.trainer.grpo import (clipped_token_loss, group_advantages, identical_group_fraction, k3_kl, reduce_loss,
+                                   solved_group_fraction, token_logprobs)
 
 SPEC_REWARDS = torch.tensor([1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.float32)
 
@@ -52,6 +53,15 @@ def test_rewards_that_do_not_fill_whole_groups_are_refused():
 def test_identical_group_fraction_counts_groups_that_teach_nothing():
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
     assert identical_group_fraction(rewards, 2) == 0.75
+
+
+def test_solved_groups_are_the_identical_ones_where_every_completion_scored_1():
+    # groups: (1, 1) solved; (0, 1) has signal; (0, 0) no signal; (1.5, 1.5) identical, but a
+    # second reward made the sum: solved by the first reward's 1.0
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.5, 1.5])
+    primary = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    assert solved_group_fraction(rewards, primary, 2) == 0.5
+    assert identical_group_fraction(rewards, 2) - solved_group_fraction(rewards, primary, 2) == 0.25   # no signal
 
 
 def test_clipping_bounds_the_ratio_on_the_side_the_advantage_pushes():

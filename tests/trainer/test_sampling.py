@@ -1,6 +1,7 @@
 """Sampling controls: top-k, top-p, the repetition penalty, stop strings, every EOS id, and
 truncated completions left out of the loss."""
 
+import math
 import pytest
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -127,6 +128,23 @@ def test_sampling_with_top_p_draws_only_from_the_nucleus():
     assert set(out.ids.unique().tolist()) == {0, 1}
 
 
+def test_each_completion_sums_the_entropy_of_the_distributions_its_tokens_were_drawn_from():
+    # every step: probabilities 0.5, 0.3, 0.15, 0.05 over tokens 0-3, never an EOS: 3 tokens each;
+    # top-p 0.7 renormalises tokens 0 and 1 to 0.625 / 0.375
+    n = 4
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(n, -1)
+    ids, mask = prompt(n)
+    h = -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.15 * math.log(0.15) + 0.05 * math.log(0.05))   # 1.1542
+    h_p = -(0.625 * math.log(0.625) + 0.375 * math.log(0.375))                                          # 0.6616
+    for top_p, each in ((1.0, h), (0.7, h_p)):
+        out = sampler.sample(Scripted(lambda k: probs), ids, mask, max_new_tokens=3, temperature=1.0, eos_ids=(9,),
+                             pad_id=0, generator=torch.Generator().manual_seed(0), top_p=top_p)
+        torch.testing.assert_close(out.entropy, torch.full((n,), 3 * each))
+    greedy = sampler.sample(Scripted(lambda k: probs), ids, mask, max_new_tokens=3, temperature=0.0, eos_ids=(9,),
+                            pad_id=0, generator=None)
+    assert greedy.entropy.tolist() == [0.0] * n                       # nothing drawn
+
+
 def test_greedy_decoding_penalises_prompt_and_completion_tokens_but_not_padding():
     # Constant logits: token 1 (3.0) beats token 2 (2.0); penalty 2 makes a seen 1 worth 1.5.
     # Row 0 prompt [3, 3]; row 1 [pad=1, 3] (the pad is no token of the prompt); row 2 [1, 3].
@@ -176,7 +194,7 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(reward_r
         assert [len(r) for r in rows] == [8, 8, 8]
         tr.model = emitting(rows, len(tok))
         ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)
+        comp, cmask, truncated, _ = tr._generate(ids, mask, 0.0, None)
         # "is 4" is completed inside " 42" (the whole token stays, as transformers' generate does);
         # "problem step" spans " problem" and " step"
         assert tr._decode(comp, cmask) == ["The answer is 42", "Solve the problem step", tok.decode(rows[2])]
@@ -197,7 +215,7 @@ def test_each_eos_id_of_the_generation_config_ends_a_completion(reward_ref):
         rows = [[the, endoftext, the, the], [the, answer, im_end, the], [the, answer, the, answer]]
         tr.model = emitting(rows, len(tok))
         ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)
+        comp, cmask, truncated, _ = tr._generate(ids, mask, 0.0, None)
         assert cmask.sum(1).tolist() == [2, 3, 8]     # the third never ends: cut at maxCompletionLength
         assert truncated.tolist() == [False, False, True]
         assert tr._decode(comp, cmask)[:2] == ["The", "The answer"]

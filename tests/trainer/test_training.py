@@ -1,5 +1,7 @@
 """The GRPO trainer on the tiny local model: what a step changes, and what it must not."""
 
+import math
+
 import pytest
 import torch
 
@@ -59,9 +61,13 @@ def test_a_step_reports_the_metrics_a_user_watches(make_trainer):
         m = tr.train_step(0)
     finally:
         tr.close()
-    for key in ("rewardMean", "rewardStd", "identicalGroups", "completionLength", "loss", "clipRatio", "gradNorm"):
+    for key in ("rewardMean", "rewardStd", "identicalGroups", "solvedGroups", "noSignalGroups", "completionLength",
+                "truncatedFraction", "tokenEntropy", "loss", "gradNorm"):
         assert key in m
     assert "kl" not in m                      # beta 0: no KL computed at all
+    assert "clipRatio" not in m               # numIterations 1: the ratio is 1, nothing is ever clipped
+    assert m["identicalGroups"] == pytest.approx(m["solvedGroups"] + m["noSignalGroups"])
+    assert 0 < m["tokenEntropy"] <= math.log(len(tr.tokenizer))    # at most the uniform distribution's
     assert 0 <= m["identicalGroups"] <= 1 and 1 <= m["completionLength"] <= 4
 
 
@@ -98,6 +104,7 @@ def test_every_loss_type_trains(loss_type, make_trainer):
     finally:
         tr.close()
     assert m["loss"] == m["loss"]          # not NaN
+    assert 0 <= m["clipRatio"] <= 1        # numIterations 2: the second update's ratio can be clipped
 
 
 def test_qlora_trains_a_lora_adapter_on_a_4bit_base(make_trainer):
@@ -305,3 +312,59 @@ def test_rewards_a_weight_carries_past_float32_fail_the_step(tmp_path):
         assert lora_weights(tr) == before
     finally:
         tr.close()
+
+
+def test_a_step_keeps_its_first_groups_for_people_to_read(make_trainer):
+    tr = make_trainer(small(sampleGroups=1))
+    try:
+        m = tr.train_step(0)
+        prompts = [tr.env.train_tasks[i]["prompt"] for i in batch_indices(0, 0, 2, len(tr.env.train_tasks))]
+    finally:
+        tr.close()
+    group, = tr.samples                                   # the first of the step's 2 groups
+    assert group.item == 0 and group.prompt == prompts[0] and len(group.completions) == 4
+    for c in group.completions:
+        assert c.rewards == {"score": c.reward} and c.reward == float(len(c.text))   # the length reward, by name
+        assert 1 <= c.length <= 4 and (c.length == 4 or not c.truncated)   # only a full-length one is cut
+    assert sum(c.advantage for c in group.completions) == pytest.approx(0.0, abs=1e-5)
+    assert m["rewardMean"] >= 0
+
+
+def test_every_evaluation_keeps_the_same_first_held_out_tasks_batch_by_batch(make_trainer):
+    tr = make_trainer(small(sampleEvalTasks=3, evalBatchSize=2))
+    reported = []
+    try:
+        ev = tr.evaluate(tr.env.eval_tasks, on_samples=reported.append)
+    finally:
+        tr.close()
+    assert [[g.item for g in batch] for batch in reported] == [[0, 1], [2]]      # batches of 2 tasks
+    assert [g.prompt for g in ev.samples] == [t["prompt"] for t in tr.env.eval_tasks[:3]]
+    assert [g.completions[0].reward for g in ev.samples] == list(ev.rewards[:3])
+
+
+def test_solved_groups_are_told_apart_from_groups_without_signal(tmp_path):
+    metrics = {}
+    for score in (1.0, 0.0):
+        reward = tmp_path / f"constant{int(score)}.py"
+        reward.write_text(f"def score(completion, task):\n    return {score}\n")
+        arith = catalog_environment("arithmetic", seed=0, n_eval=8)
+        env = user_environment(name="flat", reward_ref=f"{reward}:score", tasks=list(arith.train_tasks),
+                               eval_tasks=list(arith.eval_tasks))
+        tr = GRPOTrainer(ensure_model("tiny:char"), env, small())
+        try:
+            metrics[score] = tr.train_step(0)
+        finally:
+            tr.close()
+    assert (metrics[1.0]["solvedGroups"], metrics[1.0]["noSignalGroups"]) == (1.0, 0.0)
+    assert (metrics[0.0]["solvedGroups"], metrics[0.0]["noSignalGroups"]) == (0.0, 1.0)
+
+
+def test_samples_can_be_turned_off(make_trainer):
+    tr = make_trainer(small(sampleGroups=0, sampleEvalTasks=0))
+    reported = []
+    try:
+        tr.train_step(0)
+        ev = tr.evaluate(tr.env.eval_tasks, on_samples=reported.append)
+    finally:
+        tr.close()
+    assert tr.samples == [] and ev.samples == () and reported == []

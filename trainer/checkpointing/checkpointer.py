@@ -33,7 +33,7 @@ from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpo
 from grpo_run.checkpoint.writer import CheckpointWriter, weights_finite, write_files
 from grpo_run.trainer.distributed import World, full_state
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
-from grpo_run.trainer.protocol import STEP_METRICS
+from grpo_run.trainer.protocol import CHECKPOINT_SAMPLE_STEPS, STEP_METRICS, STEP_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Checkpointer:
         self._trainer: Any = None
         self._last_saved: int | None = None
         self._metrics: dict[int, dict[str, Any]] = {}     # by step: what each step reported, since the first
+        self._samples: dict[int, list[dict[str, Any]]] = {}   # by step: its kept groups, the newest steps'
 
     def attach(self, trainer: Any) -> None:
         self._trainer = trainer
@@ -76,12 +77,22 @@ class Checkpointer:
         metrics = folder / STEP_METRICS                 # absent from checkpoints written before it
         steps = json.loads(metrics.read_text()) if metrics.exists() else []
         self._metrics = {s["step"]: {k: v for k, v in s.items() if k != "step"} for s in steps if s["step"] <= loaded}
+        samples = folder / STEP_SAMPLES                 # likewise
+        kept = json.loads(samples.read_text()) if samples.exists() else {}
+        self._samples = {int(s): groups for s, groups in kept.items() if int(s) <= loaded}
         return loaded
 
     def add_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """Step `step`'s metrics, for the checkpoints from here on (a step redone after a resume
         replaces what it reported before)."""
         self._metrics[step] = dict(metrics)
+
+    def add_samples(self, step: int, groups: list[dict[str, Any]]) -> None:
+        """Step `step`'s kept groups (trainer.samples), for the checkpoints from here on; only the
+        newest CHECKPOINT_SAMPLE_STEPS steps' are kept."""
+        self._samples[step] = groups
+        for old in sorted(self._samples)[:-CHECKPOINT_SAMPLE_STEPS]:
+            del self._samples[old]
 
     def save(self, step: int, *, force: bool = False) -> bool:
         """Checkpoint the trainer after `step` completed steps when the interval says so (or
@@ -98,6 +109,7 @@ class Checkpointer:
             return True
         files = state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full)
         files[STEP_METRICS] = json.dumps([{"step": s, **m} for s, m in sorted(self._metrics.items()) if s <= step])
+        files[STEP_SAMPLES] = json.dumps({str(s): g for s, g in sorted(self._samples.items()) if s <= step})
         layout, _ = pack(files, self._writer.buffer)
         self._writer.submit(step, layout)
         self._last_saved = step

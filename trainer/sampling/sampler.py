@@ -20,6 +20,8 @@ class Completions(NamedTuple):
     ids: Tensor          # [N, T] completion tokens, pad after a completion ends
     mask: Tensor         # [N, T] 1 up to and including the token that ended it (EOS or a stop string's last)
     truncated: Tensor    # [N] bool: cut at max_new_tokens without an EOS or a stop string
+    entropy: Tensor      # [N] float: summed over each completion's tokens, the entropy (nats) of the
+                         # distribution its token was drawn from (after the filters); 0 when greedy
 
 
 @torch.no_grad()
@@ -78,6 +80,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         seen[rows.unsqueeze(1).expand_as(prompt_ids)[keep], prompt_ids[keep]] = True
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [N, T]
     masks = torch.zeros(n, max_new_tokens, dtype=torch.bool, device=device)             # [N, T]
+    entropy = torch.zeros(n, dtype=torch.float32, device=device)                         # [N]
     length = 0
     for t in range(max_new_tokens):
         if should_stop is not None and should_stop():
@@ -92,6 +95,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
                 scaled = top_p_filter(scaled, top_p)
             probs = torch.softmax(scaled, dim=-1)
             nxt = _draw(probs, generator)                                       # [N]
+            entropy += torch.where(done, 0.0, torch.special.entr(probs).sum(-1))   # -p log p, 0 at p = 0
         else:
             nxt = logits.argmax(dim=-1)
         masks[:, t] = ~done
@@ -108,7 +112,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         if seen is not None:
             seen[rows, nxt] = True
         logits = decoder.step(nxt, ~done)
-    return Completions(tokens[:, :length], masks[:, :length].long(), ~done)
+    return Completions(tokens[:, :length], masks[:, :length].long(), ~done, entropy)
 
 
 def _draw(probs: Tensor, generator) -> Tensor:

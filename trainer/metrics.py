@@ -1,0 +1,83 @@
+"""A training step's metrics, over all B x G completions (every process's share gathered), and
+an evaluation's result (EvalResult).
+
+Only what is cheap and exact: reward mean and spread (each reward's mean by name), the groups
+that taught nothing split into solved (every completion scored 1 on the first reward: fine) and
+no signal (all failed alike), completion length and the truncated fraction, the loss, the
+gradient norm before clipping, the mean token entropy of sampling, the clip ratio when numIterations > 1 (on the first iteration the
+ratio is exactly 1 and nothing is clipped) and the KL to the reference when beta > 0.
+
+Why the loss sits near 0 when numIterations is 1: the ratio is 1, so the loss is minus the mean
+advantage, and advantages are centred in every group (they sum to 0). Its gradient is not 0:
+learning shows in the reward and the gradient norm, not the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from grpo_run.trainer import grpo
+from grpo_run.trainer.distributed import concat
+from grpo_run.trainer.protocol import SampleGroup
+
+LOSS_NOTE = "loss ~0 by construction when numIterations is 1: advantages average 0 in each group"
+
+
+def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int, *, primary: str,
+                 iterations: int) -> dict[str, Any]:
+    """A step's metrics from each process's share (one share alone). `primary`: the first
+    reward's name (what "solved" means); `iterations`: numIterations (the clip ratio is reported
+    only above 1)."""
+    rewards = torch.tensor(concat([s["rewards"] for s in shares]), dtype=torch.float32)     # [B*G]
+    lengths = torch.tensor(concat([s["lengths"] for s in shares]), dtype=torch.float32)     # [B*G]
+    truncated = torch.tensor(concat([s["truncated"] for s in shares]), dtype=torch.float32)
+    first = torch.tensor(concat([s["byReward"][primary] for s in shares]), dtype=torch.float32)   # [B*G]
+    names = shares[0]["byReward"]
+    identical = grpo.identical_group_fraction(rewards, group_size)
+    solved = grpo.solved_group_fraction(rewards, first, group_size)
+    out = {
+        "rewardMean": rewards.mean().item(),
+        "rewardStd": rewards.std(unbiased=False).item(),
+        "rewards": {name: float(np.mean(concat([s["byReward"][name] for s in shares]))) for name in names},
+        "identicalGroups": identical,             # = solvedGroups + noSignalGroups
+        "solvedGroups": solved,                   # every completion solved it: nothing left to learn there
+        "noSignalGroups": identical - solved,     # all failed alike: nothing to learn from
+        "completionLength": lengths.mean().item(),
+        # per sampled token: the entropy (nats) of the distribution it was drawn from
+        "tokenEntropy": sum(s["entropy"] for s in shares) / max(float(lengths.sum()), 1.0),
+        "truncatedFraction": truncated.mean().item(),   # cut at maxCompletionLength
+        "loss": sum(s["loss"] for s in shares),
+        "microBatches": sum(s["microBatches"] for s in shares),
+        "learningCompletions": sum(s["learning"] for s in shares),   # the others had advantage 0: no gradient
+        "kl": sum(s["kl"] for s in shares) / max(tokens, 1),
+    }
+    if iterations > 1:
+        out["clipRatio"] = sum(s["clipped"] for s in shares) / max(tokens, 1)
+    return out
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    meanReward: float           # of the weighted sum
+    tasks: int
+    solved: int                 # tasks the primary (first) reward scored 1.0
+    rewards: tuple[float, ...]  # the weighted sum per task
+    batches: int = 1            # evaluation batches in all
+    reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
+    byReward: Mapping[str, float] | None = None   # each reward function's mean
+    samples: tuple[SampleGroup, ...] = ()         # the completions for the first sampleEvalTasks tasks computed here
+
+    @property
+    def no_signal(self) -> bool:
+        """All held-out rewards equal: at 0% or 100% GRPO's groups would all be identical."""
+        return len(set(self.rewards)) <= 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
+               "batches": self.batches, "reusedBatches": self.reusedBatches}
+        if self.byReward is not None:
+            out["rewards"] = {k: round(v, 6) for k, v in self.byReward.items()}
+        return out
