@@ -171,13 +171,18 @@ def test_a_judge_that_does_not_answer_fails_the_run_as_infrastructure_never_a_ze
     assert "baseline" not in status and status["judgeCalls"] == {"judge": 0}   # nothing scored, no 0 recorded
 
 
-def test_the_run_fails_when_its_call_budget_is_spent(tmp_path, server, capsys, monkeypatch):
+def test_the_run_fails_when_its_call_budget_is_spent_and_a_resume_counts_on(tmp_path, server, capsys, monkeypatch):
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
     monkeypatch.setenv("JUDGE_TEST_KEY", "not-a-real-key")
     assert main(["apply", "-f", write_job(tmp_path, server, maxCalls=5)]) != EXIT_OK
     status = status_of(capsys)
     assert status["phase"] == "Failed" and status["step"] == 0 and status["judgeCalls"] == {"judge": 2}
     assert "maxCalls 5 reached: 2 calls made, the next 4 completions need 1 more" in status["message"]
+    # resumed, the baseline is reused and the trainer counts on from the run's 2: the budget still holds
+    assert main(["resume", "judged"]) != EXIT_OK
+    status = status_of(capsys)
+    assert status["baseline"]["runs"] == 1 and status["judgeCalls"] == {"judge": 2} and status["step"] == 0
+    assert "maxCalls 5 reached: 2 calls made" in status["message"] and len(status["attempts"]) == 2
 
 
 def test_the_baseline_fingerprint_covers_the_judge_but_not_its_key_or_limits(tmp_path, server):
@@ -193,3 +198,20 @@ def test_the_baseline_fingerprint_covers_the_judge_but_not_its_key_or_limits(tmp
     assert fingerprint(prompt="Rate {completion}") != before
     assert fingerprint(model="another") != before
     assert fingerprint(url="http://127.0.0.1:1/v1") != before
+
+
+def test_the_preflight_refuses_a_judge_here_unless_allowed_and_notes_it_for_another_node(tmp_path, server,
+                                                                                        monkeypatch):
+    from grpo_run.runner.preflight import preflight
+    from grpo_run.runner.spec.job import load_job
+
+    job = load_job(write_job(tmp_path, server))
+    monkeypatch.delenv("GRPO_RUN_ALLOW_JUDGES", raising=False)
+    assert [p for p in preflight(job, mode="apply").problems if "judge" in p] == [
+        f"spec.environment.rewards.0.judge: this node does not allow LLM judges (the trainer would call {server.url}): "
+        "set GRPO_RUN_ALLOW_JUDGES=1 where grpo-run runs to allow it"]
+    assert any("the node that runs this job needs GRPO_RUN_ALLOW_JUDGES=1" in n
+               for n in preflight(job, mode="dry-run").notes)
+    monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    found = preflight(job, mode="apply")
+    assert not [p for p in found.problems if "judge" in p] and not [n for n in found.notes if "judge" in n]
