@@ -22,7 +22,7 @@ import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, main
 from grpo_run.trainer.envs.catalog import JudgeSettings
-from grpo_run.trainer.grader.judge import Judge, JudgeError, JudgeUnavailable
+from grpo_run.trainer.grader.judge import Judge, JudgeError, JudgeUnavailable, judge_message, reply_number
 from grpo_run.trainer.model.tinymodel import build_tiny_model
 
 
@@ -74,6 +74,17 @@ def settings(server: Server, **overrides) -> JudgeSettings:
     base = dict(url=server.url, model=str(server.folder), prompt="{prompt}{completion}", low=0.0, high=10.0,
                 timeout_s=5.0, retries=0, max_tokens=4)
     return JudgeSettings(**{**base, **overrides})
+
+
+def test_the_message_fills_both_placeholders_once_and_the_reward_is_the_first_number_clipped():
+    assert judge_message("Q: {prompt} A: {completion}", {"prompt": "say {completion}"}, "x {prompt}") == \
+        "Q: say {completion} A: x {prompt}"
+    chat = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]}
+    assert judge_message("{prompt}|{completion}", chat, "4") == "be brief\n2+2?|4"
+    assert reply_number("Score: 8.5/10", 0, 10) == 8.5
+    assert reply_number("-3 points", 0, 10) == 0 and reply_number("12", 0, 10) == 10
+    assert reply_number("9" * 400, 0, 10) == 10                      # too long for a float: inf, clipped
+    assert reply_number("excellent", 0, 10) is None
 
 
 def test_a_judge_scores_each_completion_with_one_call_and_counts_them(server):

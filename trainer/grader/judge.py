@@ -32,6 +32,7 @@ from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_a
 
 from grpo_run.trainer.envs.catalog import JudgeSettings
 
+PLACEHOLDER = re.compile(r"\{prompt\}|\{completion\}")
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 RETRIED_STATUS = (408, 429, 500, 502, 503, 504)
 REPLY_SHOWN = 200                 # characters of a reply quoted in an error
@@ -77,15 +78,13 @@ class Judge:
 
     def _score_one(self, completion: str, task: Mapping[str, Any], index: int, total: int) -> float:
         s = self.settings
-        text = self._ask(s.prompt.replace("{prompt}", prompt_text(task.get("prompt", "")))
-                         .replace("{completion}", completion))
+        text = self._ask(judge_message(s.prompt, task, completion))
         self.calls += 1
-        found = NUMBER.search(text)
-        if found is None:
+        value = reply_number(text, s.low, s.high)
+        if value is None:
             raise JudgeError(f"judge {self.name!r} ({s.model} at {s.url}) replied without a number on completion "
                              f"{index} of {total}: {text[:REPLY_SHOWN]!r}; its prompt must ask for a number")
-        value = float(found.group())
-        return min(max(value, s.low), s.high)           # a number too long for a float is inf: clipped too
+        return value
 
     def _ask(self, message: str) -> str:
         """The reply's text, the server asked up to 1 + retries times."""
@@ -132,6 +131,20 @@ class Judge:
 
     def close(self) -> None:
         """Nothing to release: no connection is kept between calls."""
+
+
+def judge_message(template: str, task: Mapping[str, Any], completion: str) -> str:
+    """The job's prompt with {prompt} and {completion} filled in, in one pass (a placeholder
+    inside the task's prompt or the completion stays as written)."""
+    fill = {"{prompt}": prompt_text(task.get("prompt", "")), "{completion}": completion}
+    return PLACEHOLDER.sub(lambda m: fill[m.group()], template)
+
+
+def reply_number(text: str, low: float, high: float) -> float | None:
+    """The first number in `text` (7, -2, 8.5) clipped to [low, high]; None when it has none. A
+    number too long for a float is infinite, and clipped too."""
+    found = NUMBER.search(text)
+    return None if found is None else min(max(float(found.group()), low), high)
 
 
 def prompt_text(prompt: Any) -> str:
