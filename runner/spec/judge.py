@@ -38,6 +38,7 @@ class JudgeSpec(Strict):
     retries: int = Field(3, ge=0)       # further tries of a call the server did not answer
     maxCalls: int | None = Field(None, ge=1)   # answered calls the whole run may make
     maxTokens: int | None = Field(None, ge=1)  # the reply's length limit (unset: the server's default)
+    concurrency: int = Field(1, ge=1, le=64)   # calls in flight at once (a step's completions, an evaluation batch)
 
     @field_validator("range", mode="before")
     @classmethod
@@ -80,7 +81,8 @@ class JudgeSpec(Strict):
     def settings(self) -> JudgeSettings:
         return JudgeSettings(url=self.url, model=self.model, prompt=self.prompt, low=self.range[0],
                              high=self.range[1], timeout_s=self.timeoutSeconds, retries=self.retries,
-                             max_calls=self.maxCalls, max_tokens=self.maxTokens, api_key_env=self.apiKeyEnv)
+                             max_calls=self.maxCalls, max_tokens=self.maxTokens, api_key_env=self.apiKeyEnv,
+                             concurrency=self.concurrency)
 
 
 def judges_refused(env: Any, processes: int = 1) -> list[str]:

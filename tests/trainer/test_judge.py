@@ -94,6 +94,10 @@ def test_a_judge_scores_each_completion_with_one_call_and_counts_them(server):
     assert len(scores) == 2 and all(0.0 <= s <= 10.0 for s in scores)
     assert judge.score(["3", "8"], tasks) == scores                 # greedy: the same reply, the same number
     assert judge.calls == 7
+    several = Judge("quality", settings(server, concurrency=3))
+    completions = ["3", "8", "12", "5", "7"]
+    assert several.score(completions, tasks * 3) == [judge.score([c], [t])[0] for c, t in zip(completions, tasks * 3)]
+    assert several.calls == 5
 
 
 def test_a_judge_whose_server_stops_answering_is_retried_then_unavailable(server):

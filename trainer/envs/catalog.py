@@ -38,6 +38,7 @@ class JudgeSettings:
     retries: int                   # further tries of a call the server did not answer
     max_calls: int | None = None   # answered calls the whole run may make (None: no limit)
     max_tokens: int | None = None  # the reply's length limit (None: the server's default)
+    concurrency: int = 1           # calls in flight at once
     api_key_env: str | None = None  # the node's environment variable holding the key (Authorization: Bearer)
 
 

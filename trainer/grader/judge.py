@@ -3,7 +3,7 @@
 sandbox stays closed), and the first number of the reply is the reward.
 
     judge = Judge("quality", settings, calls=0)   # calls: what earlier attempts of the run made
-    judge.score(completions, tasks)               # one answered call per completion, in order
+    judge.score(completions, tasks)               # one answered call per completion, `concurrency` at a time
     judge.calls                                   # the run's answered calls so far
 
 The message is the job's prompt with `{prompt}` replaced by the task's prompt (chat messages:
@@ -24,8 +24,10 @@ import json
 import os
 import re
 import socket
+import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -59,6 +61,7 @@ class Judge:
                  sleep: Callable[[float], None] | None = None) -> None:
         self.name, self.settings, self.calls = name, settings, calls
         self._sleep = sleep               # tenacity's own (time.sleep) when None; tests pass their own
+        self._lock = threading.Lock()
         self._key = None
         if settings.api_key_env is not None:
             self._key = os.environ.get(settings.api_key_env)
@@ -67,19 +70,32 @@ class Judge:
                                  "environment: set it where grpo-run runs (the key never goes in the job)")
 
     def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
-        """One answered call per completion, in order. Raises JudgeError before any call when the
+        """One answered call per completion, `concurrency` at a time, the scores in the completions'
+        order. Raises JudgeError before any call when the
         batch would pass max_calls, JudgeUnavailable, JudgeError (see the module)."""
         limit = self.settings.max_calls
         if limit is not None and self.calls + len(completions) > limit:
             raise JudgeError(f"judge {self.name!r}: maxCalls {limit} reached: {self.calls} calls made, the next "
                              f"{len(completions)} completions need {self.calls + len(completions) - limit} more; "
                              "raise maxCalls and resume")
-        return [self._score_one(c, t, i, len(completions)) for i, (c, t) in enumerate(zip(completions, tasks))]
+        jobs = [(c, t, i, len(completions)) for i, (c, t) in enumerate(zip(completions, tasks))]
+        if self.settings.concurrency == 1 or len(jobs) < 2:
+            return [self._score_one(*job) for job in jobs]
+        with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(jobs)),
+                                thread_name_prefix=f"judge-{self.name}") as pool:
+            futures = [pool.submit(self._score_one, *job) for job in jobs]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:         # no new call after a failure; those in flight end (answered: counted)
+                for f in futures:
+                    f.cancel()
+                raise
 
     def _score_one(self, completion: str, task: Mapping[str, Any], index: int, total: int) -> float:
         s = self.settings
         text = self._ask(judge_message(s.prompt, task, completion))
-        self.calls += 1
+        with self._lock:                  # concurrent calls: one count
+            self.calls += 1
         value = reply_number(text, s.low, s.high)
         if value is None:
             raise JudgeError(f"judge {self.name!r} ({s.model} at {s.url}) replied without a number on completion "
