@@ -22,7 +22,8 @@ import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, main
 from grpo_run.trainer.envs.catalog import JudgeSettings
-from grpo_run.trainer.grader.judge import Judge, JudgeError, JudgeUnavailable, judge_message, reply_number
+from grpo_run.trainer.grader.judge import (REPLY_SHOWN, Judge, JudgeError, JudgeUnavailable, judge_message, quoted,
+                                           reply_number)
 from grpo_run.trainer.model.tinymodel import build_tiny_model
 
 
@@ -85,6 +86,13 @@ def test_the_message_fills_both_placeholders_once_and_the_reward_is_the_first_nu
     assert reply_number("-3 points", 0, 10) == 0 and reply_number("12", 0, 10) == 10
     assert reply_number("9" * 400, 0, 10) == 10                      # too long for a float: inf, clipped
     assert reply_number("excellent", 0, 10) is None
+
+
+def test_what_an_error_quotes_of_a_server_hides_the_key_and_the_nodes_secrets(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secretvalue123")
+    text = quoted('{"error": "bad key sk-abc", "auth": "Bearer sk-abc", "hf": "hf_secretvalue123"}' + "x" * 500, "sk-abc")
+    assert "sk-abc" not in text and "hf_secretvalue123" not in text and "[redacted apiKeyEnv]" in text
+    assert len(text) == REPLY_SHOWN
 
 
 def test_a_judge_scores_each_completion_with_one_call_and_counts_them(server):

@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from grpo_run.trainer.envs.catalog import JudgeSettings
+from grpo_run.trainer.grader.redact import scrub
 
 PLACEHOLDER = re.compile(r"\{prompt\}|\{completion\}")
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -99,7 +100,7 @@ class Judge:
         value = reply_number(text, s.low, s.high)
         if value is None:
             raise JudgeError(f"judge {self.name!r} ({s.model} at {s.url}) replied without a number on completion "
-                             f"{index} of {total}: {text[:REPLY_SHOWN]!r}; its prompt must ask for a number")
+                             f"{index} of {total}: {self._quote(text)!r}; its prompt must ask for a number")
         return value
 
     def _ask(self, message: str) -> str:
@@ -122,7 +123,7 @@ class Judge:
             return str(reply["choices"][0]["message"]["content"] or "")
         except (KeyError, IndexError, TypeError):
             raise JudgeError(f"judge {self.name!r}: {s.url} did not reply as an OpenAI-compatible chat completions "
-                             f"endpoint: {json.dumps(reply)[:REPLY_SHOWN]}") from None
+                             f"endpoint: {self._quote(json.dumps(reply))}") from None
 
     def _post(self, body: bytes, headers: dict[str, str]) -> Any:
         s = self.settings
@@ -135,7 +136,7 @@ class Judge:
             if e.code in RETRIED_STATUS:
                 raise _NoAnswer(f"HTTP {e.code}") from None
             raise JudgeError(f"judge {self.name!r}: {s.url} refused the call with HTTP {e.code} "
-                             f"{e.read()[:REPLY_SHOWN].decode(errors='replace')!r}: check url, model and "
+                             f"{self._quote(e.read().decode(errors='replace'))!r}: check url, model and "
                              "apiKeyEnv") from None
         except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
             raise _NoAnswer(str(getattr(e, "reason", e)) or type(e).__name__) from None
@@ -143,10 +144,21 @@ class Judge:
             return json.loads(raw)
         except ValueError:
             raise JudgeError(f"judge {self.name!r}: {s.url} replied with something other than JSON: "
-                             f"{raw[:REPLY_SHOWN]!r}") from None
+                             f"{self._quote(raw.decode(errors='replace'))!r}") from None
+
+    def _quote(self, text: str) -> str:
+        return quoted(text, self._key)
 
     def close(self) -> None:
         """Nothing to release: no connection is kept between calls."""
+
+
+def quoted(text: str, key: str | None) -> str:
+    """A server's text as an error quotes it (the record keeps it): the key and the node's secrets
+    (redact.scrub) replaced, at most REPLY_SHOWN characters."""
+    if key:
+        text = text.replace(key, "[redacted apiKeyEnv]")
+    return scrub(text)[:REPLY_SHOWN]
 
 
 def judge_message(template: str, task: Mapping[str, Any], completion: str) -> str:
