@@ -238,3 +238,18 @@ def test_the_preflight_refuses_a_judge_here_unless_allowed_and_notes_it_for_anot
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
     found = preflight(job, mode="apply")
     assert not [p for p in found.problems if "judge" in p] and not [n for n in found.notes if "judge" in n]
+
+
+def test_a_node_without_the_allow_leaves_a_submitted_judge_job_pending(tmp_path, server, capsys, monkeypatch):
+    monkeypatch.delenv("GRPO_RUN_ALLOW_JUDGES", raising=False)
+    job = write_job(tmp_path, server)
+    doc = yaml.safe_load(Path(job).read_text())
+    doc["spec"]["storage"] = str(tmp_path / "store")
+    Path(job).write_text(yaml.safe_dump(doc))
+    assert main(["apply", "-f", job, "--detach"]) == EXIT_OK
+    assert "the node that runs this job needs GRPO_RUN_ALLOW_JUDGES=1" in capsys.readouterr().err
+    assert main(["resume", "judged", "--storage", str(tmp_path / "store")]) != EXIT_OK
+    assert "this node does not allow LLM judges" in capsys.readouterr().err
+    assert main(["get", "tj", "judged", "--storage", str(tmp_path / "store"), "-o", "json"]) == EXIT_OK
+    status = json.loads(capsys.readouterr().out)["status"]
+    assert status["phase"] == "Pending" and status["attempts"] == []
