@@ -393,8 +393,8 @@ def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
         found.problems += refused
     elif refused:
         i = next(i for i, r in enumerate(job.environment.rewards) if r.judge is not None)
-        found.notes.append(f"spec.environment.rewards.{i}.judge: the node that runs this job needs {ALLOW_JUDGES_ENV}=1 "
-                           "in its environment to call the judge (this machine does not have it)")
+        found.notes.append(f"spec.environment.rewards.{i}.judge: the node that runs this job needs "
+                           f"{ALLOW_JUDGES_ENV}=1 in its environment to call the judge (this machine does not have it)")
 
 
 def _reward_fix(summary: str, ref: str) -> str:

@@ -75,7 +75,7 @@ def child_main(argv: list[str] | None = None) -> int:
         log.error("infrastructure failure: %s", e)
         return CHILD_INFRA_FAILED
     except (SandboxUnavailable, NonFiniteStep, JudgeError) as e:   # the node's sandbox, the job's numbers, the
-        # judge's refusal or budget: a restart cannot get the missing layer, and replays the same step; each ends the job
+        # judge's refusal or budget: a restart cannot get the missing layer and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e)
         return CHILD_CODE_ERROR

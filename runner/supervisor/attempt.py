@@ -38,8 +38,9 @@ from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.state.phases import Phase
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
-                                       WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls, PhaseStarted, Plan, Sealed, Started, Step,
-                                       Stopped, TrainerEvent, TrainerPhase, parse_event)
+                                       WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
+                                       PhaseStarted, Plan, Sealed, Started, Step, Stopped, TrainerEvent, TrainerPhase,
+                                       parse_event)
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,7 @@ class TrainerProcess:
         if code == CHILD_CODE_ERROR:
             return Outcome("code error", failed.message if failed else "the reward function failed")
         if code == CHILD_INFRA_FAILED:
-            return Outcome("infrastructure", failed.message if failed else "infrastructure failure: a judge did not answer")
+            return Outcome("infrastructure", failed.message if failed else
+                           "infrastructure failure: a service the run calls (a judge) did not answer")
         why = f"trainer exited with status {code}" if code >= 0 else f"trainer killed by {signal.Signals(-code).name}"
         return Outcome("crashed", why + (f" ({failed.message})" if failed else ""))

@@ -90,7 +90,8 @@ def test_the_message_fills_both_placeholders_once_and_the_reward_is_the_first_nu
 
 def test_what_an_error_quotes_of_a_server_hides_the_key_and_the_nodes_secrets(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretvalue123")
-    text = quoted('{"error": "bad key sk-abc", "auth": "Bearer sk-abc", "hf": "hf_secretvalue123"}' + "x" * 500, "sk-abc")
+    reply = '{"error": "bad key sk-abc", "auth": "Bearer sk-abc", "hf": "hf_secretvalue123"}' + "x" * 500
+    text = quoted(reply, "sk-abc")
     assert "sk-abc" not in text and "hf_secretvalue123" not in text and "[redacted apiKeyEnv]" in text
     assert len(text) == REPLY_SHOWN
 
