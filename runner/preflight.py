@@ -15,6 +15,8 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
     the storage   a scheme the job's lease works on (s3:// or a folder); for s3://, credentials
                   found, and (not on a dry run) a small object written, read and deleted under
                   the job's prefix
+    the judges    an LLM judge needs GRPO_RUN_ALLOW_JUDGES=1 where the job runs (a note for a
+                  dry run or --detach: another node may run it)
 and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
 checkpoint before the end). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
 """
@@ -71,6 +73,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_model(job, mode, found)
     _check_tasks(job, found)
     _check_rewards(job, found)
+    _check_judges(job, mode, found)
     return found
 
 
@@ -378,6 +381,20 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
                        memory_mb=p.rewardMemoryMB, retries=0).close()
         except RewardFunctionError as e:    # strict is off: no SandboxUnavailable, whatever this machine lacks
             found.problems.append(f"{where}: {_reward_fix(e.summary, ref)}")
+
+
+def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """An LLM judge needs its node's allow (runner.spec.judge): refused here when this machine
+    is the node (apply), a note when another node will run it (a dry run, --detach)."""
+    from grpo_run.runner.spec.judge import ALLOW_JUDGES_ENV, judges_refused
+
+    refused = judges_refused(job.environment)
+    if mode == "apply":
+        found.problems += refused
+    elif refused:
+        i = next(i for i, r in enumerate(job.environment.rewards) if r.judge is not None)
+        found.notes.append(f"spec.environment.rewards.{i}.judge: the node that runs this job needs "
+                           f"{ALLOW_JUDGES_ENV}=1 in its environment to call the judge (this machine does not have it)")
 
 
 def _reward_fix(summary: str, ref: str) -> str:

@@ -1,5 +1,6 @@
 """`grpo-run score`'s library: completions from a JSONL file scored with a job's rewards, in the
-grader's sandbox with the job's limits, as the trainer scores them; no model is loaded.
+grader's sandbox with the job's limits, as the trainer scores them; no model is loaded (unless
+a reward model is named); an LLM judge is called from this process, where the node allows it.
 
     rows = read_completions("completions.jsonl", job)     # [(completion, task)], checked
     scored = score_completions(job, rows)                 # [{"rewards": {name: r}, "total": t}]
@@ -17,6 +18,7 @@ from typing import Any
 
 from grpo_run.runner.spec.job import TrainingJob, build_environment, sandbox_strict
 from grpo_run.runner.spec.environment import rewards_of
+from grpo_run.runner.spec.judge import judges_refused
 
 
 class CompletionsError(ValueError):
@@ -78,10 +80,15 @@ def score_completions(job: TrainingJob, rows: list[tuple[str, dict[str, Any]]]) 
     """[{"rewards": {name: reward}, "total": weighted sum}], one per row, in order: the job's
     rewards in the grader's sandbox with the job's limits (rewardTimeoutSeconds, rewardMemoryMB,
     rewardRetries, spec.sandbox). Raises RewardFunctionError (a reward failed: never a score),
-    SandboxUnavailable (strict, and a layer is missing)."""
+    SandboxUnavailable (strict, and a layer is missing), JudgeError (judges not allowed here, or
+    one refused), JudgeUnavailable (a judge did not answer)."""
+    from grpo_run.trainer.grader.judge import JudgeError
     from grpo_run.trainer.grader.scoring import Scorer
 
     env, p = job.environment, job.parameters
+    refused = judges_refused(env)
+    if refused:
+        raise JudgeError("; ".join(refused))
     completions, tasks = [c for c, _ in rows], [t for _, t in rows]
     groups: list[int] = []                  # a group reward sees consecutive rows of one task together
     for i, task in enumerate(tasks):

@@ -100,6 +100,8 @@ HELD_OUT: Value[list[HeldOutPoint]] = Value("heldOut", list)   # the curve every
 REWARD_SIGNAL: Value[RewardSignal] = Value("rewardSignal")    # identical groups over the newest steps
 BASELINE_WARNING: Value[str] = Value("baselineWarning")   # the base model scores the same on every task
 LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot notice and how fast its step was durable
+# {judge reward: the run's answered calls}, every attempt's (a restarted trainer counts on from it)
+JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
 # Evaluation batches a stopped attempt finished, kept for a resume to reuse.
 EVAL_BATCHES: dict[str, Value[SavedBatches]] = {kind: Value(f"evalBatches.{kind}") for kind in EVAL_KINDS}
 # The trackers' own continuity across attempts (runner.books.trackers).

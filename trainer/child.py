@@ -25,8 +25,10 @@ from grpo_run.checkpoint.writer import WriterDied
 from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
+from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
 from grpo_run.trainer.logs import trainer_logging
-from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
+                                       CHILD_INFRA_FAILED, CHILD_STOPPED,
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
                                        Failed, Plan)
 from grpo_run.trainer.recipe import Requests, run
@@ -68,8 +70,12 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
-    except (SandboxUnavailable, NonFiniteStep) as e:   # the node's sandbox, the job's numbers: a restart
-        # cannot get the missing layer, and replays the same step; either ends the job
+    except JudgeUnavailable as e:                      # past the judge's own retries: reported, never a score
+        events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
+        log.error("infrastructure failure: %s", e)
+        return CHILD_INFRA_FAILED
+    except (SandboxUnavailable, NonFiniteStep, JudgeError) as e:   # the node's sandbox, the job's numbers, the
+        # judge's refusal or budget: a restart cannot get the missing layer and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e)
         return CHILD_CODE_ERROR

@@ -23,6 +23,7 @@ Events, in the order they happen (rank 0 reports all of them, other ranks only `
     Samples        what the model wrote: a step's first groups (just before its Step), or an
                    evaluation's first held-out tasks (before that batch's EvalBatch, or HeldOut)
     Step           a completed training step and its metrics
+    JudgeCalls     the run's answered calls of each LLM judge, after a step or evaluation batch that called one
     HeldOut        the held-out evaluation every evalSteps, while training
     Sealed         a checkpoint sealed on the local disk (its manifest hashed once, trusted after)
     Final          the final weights sealed on the local disk
@@ -73,6 +74,8 @@ CHILD_STOPPED = 3          # stopped on request or at the plan's deadline, the l
 CHILD_CODE_ERROR = 10      # the user's code or numbers: the reward function failed on every try, or a step's
                            # rewards, loss or gradient norm is not finite (trainer.NonFiniteStep): restarting
                            # replays the same step and cannot help; the job fails (never a preemption)
+CHILD_INFRA_FAILED = 11    # a service outside the node (an LLM judge) did not answer past its own retries: the job
+                           # fails as an infrastructure failure (never a score; `resume` tries again)
 
 
 class TrainerPhase(str, enum.Enum):
@@ -112,6 +115,7 @@ class Plan(BaseModel):
     # every layer of the reward sandbox must be in force, or no reward function runs (the job
     # fails, saying which layer is missing and how to get it); False: run with what the node allows
     sandbox_strict: bool = False
+    judge_calls: dict[str, int] = Field(default_factory=dict)   # {judge reward: the run's answered calls so far}
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -183,6 +187,11 @@ class Samples(_Event):
     groups: list[SampleGroup]             # a step's: all its kept groups (a redone step's replace them)
 
 
+class JudgeCalls(_Event):
+    event: Literal["judgeCalls"] = "judgeCalls"
+    calls: dict[str, int]                 # {judge reward: the run's answered calls so far (Plan.judge_calls + this process's)}
+
+
 class Step(_Event):
     event: Literal["step"] = "step"
     step: int                             # completed steps
@@ -221,8 +230,8 @@ class Failed(_Event):
     diskFull: bool = False                # the local disk is full: restarting cannot help either
 
 
-TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Samples, Step, HeldOut, Sealed, Final,
-                               Stopped, Failed], Field(discriminator="event")]
+TrainerEvent = Annotated[Union[Started, PhaseStarted, EvalBatch, Evaluated, Samples, JudgeCalls, Step, HeldOut, Sealed,
+                               Final, Stopped, Failed], Field(discriminator="event")]
 _EVENT = TypeAdapter(TrainerEvent)
 
 

@@ -31,8 +31,8 @@ from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.metrics import LOSS_NOTE
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
-                                       PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step, Stopped,
-                                       TrainerPhase)
+                                       JudgeCalls, PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step,
+                                       Stopped, TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
@@ -66,7 +66,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     trainer = None
     try:
         trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world,
-                              sandbox_strict=plan.sandbox_strict)
+                              sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls)
         checkpoints.attach(trainer)
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
@@ -99,6 +99,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
             events.emit(Final(step=step, path=str(final)))
         return Ending("done", step)
     finally:
+        if trainer is not None and trainer.scorer.judge_calls:   # a judge's calls count, even those before a failure
+            events.emit(JudgeCalls(calls=trainer.scorer.judge_calls))
         _report_sealed(events, checkpoints, checkpoints.close())
         if trainer is not None:
             trainer.close()
@@ -120,6 +122,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 return step, "requested"
             if late:
                 return step, "deadline"                # the next step would end past the budget
+            calls = trainer.scorer.judge_calls
             try:
                 metrics = trainer.train_step(step)     # sample a group, score, advantages, update
             except GenerationInterrupted:              # ... and between tokens: the step is abandoned
@@ -129,7 +132,10 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
             if trainer.samples:                        # before its Step: a recorded step has its samples
                 events.emit(Samples(kind="step", step=step, groups=trainer.samples))
                 checkpoints.add_samples(step, [g.model_dump() for g in trainer.samples])
+            if calls:                                  # this step's answered calls of each judge
+                metrics["judgeCalls"] = {k: n - calls[k] for k, n in trainer.scorer.judge_calls.items()}
             events.emit(Step(step=step, metrics=metrics))
+            _report_judge_calls(events, trainer)
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
             if step < p.maxSteps:
@@ -151,6 +157,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 if ev.samples:
                     events.emit(Samples(kind="heldOut", step=step, groups=list(ev.samples)))
                 events.emit(HeldOut(step=step, result=ev.to_dict()))
+                _report_judge_calls(events, trainer)
         return step, None
     finally:
         bar.close()
@@ -162,6 +169,7 @@ def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, s
     when a stop request interrupted it."""
     def on_batch(i: int, rewards: dict[str, list[float]]) -> None:
         events.emit(EvalBatch(kind=kind, batch=i, rewards=rewards))
+        _report_judge_calls(events, trainer)
 
     def on_samples(groups: list[SampleGroup]) -> None:
         events.emit(Samples(kind=kind, step=step, groups=groups))
@@ -189,6 +197,11 @@ def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase:
             _report_sealed(events, checkpoints, checkpoints.sealed(wait_for=step))
     events.emit(Stopped(step=step, phase=phase, reason=reason))
     return Ending("stopped", step or 0)
+
+
+def _report_judge_calls(events: Events, trainer: GRPOTrainer) -> None:
+    if trainer.scorer.judge_calls:
+        events.emit(JudgeCalls(calls=trainer.scorer.judge_calls))
 
 
 def _report_sealed(events: Events, checkpoints: Checkpointer, steps: list[int]) -> None:

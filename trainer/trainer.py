@@ -87,7 +87,8 @@ class GRPOTrainer:
 
     def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
                  stop: threading.Event | None = None, device: torch.device | None = None,
-                 model_name: str | None = None, world: World | None = None, sandbox_strict: bool = False) -> None:
+                 model_name: str | None = None, world: World | None = None, sandbox_strict: bool = False,
+                 judge_calls: dict[str, int] | None = None) -> None:
         self.params = params
         self.env = env
         self.stop = stop or threading.Event()
@@ -121,8 +122,8 @@ class GRPOTrainer:
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
         self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.samples)
-        # reward functions in their sandboxed graders; a reward model here, on this device, outside the optimizer
-        self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device,
+        # reward functions in sandboxed graders; a reward model (on this device, outside the optimizer) or judge here
+        self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
                              retries=params.rewardRetries, strict=sandbox_strict)
 

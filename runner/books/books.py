@@ -318,6 +318,15 @@ class Books:
         return CarryOver(cpu_threads=values.CPU_THREADS.get(self.record) or None,
                          micro_batch_size=values.MICRO_BATCH_SIZE.get(self.record) or None)
 
+    def judge_calls(self) -> dict[str, int]:
+        """{judge reward: the run's answered calls so far}, for the next trainer to count on from."""
+        return values.JUDGE_CALLS.get(self.record)
+
+    def note_judge_calls(self, calls: dict[str, int]) -> None:
+        """The trainer's running count of each judge's calls (the run's, not only its own)."""
+        values.JUDGE_CALLS.set(self.record, {**self.judge_calls(), **calls})
+        self.sync_soon()
+
     def record_notice(self, source: str, seconds: float, durable_step: int) -> None:
         """A spot notice: where it came from and how long after it the last step was durable."""
         values.LAST_NOTICE.set(self.record, {"source": source, "noticeToDurableSeconds": round(seconds, 3),

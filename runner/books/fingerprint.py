@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run.trainer.config import GRPOParams
-from grpo_run.trainer.envs.catalog import Environment
+from grpo_run.trainer.envs.catalog import Environment, JudgeSettings
 
 
 RENDERING_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
@@ -50,15 +50,21 @@ def reward_identity(ref: str) -> str:
     return ref
 
 
+def _judge_identity(judge: JudgeSettings) -> dict[str, Any]:
+    return {"url": judge.url, "model": judge.model, "prompt": judge.prompt, "range": [judge.low, judge.high],
+            "maxTokens": judge.max_tokens}
+
+
 def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
     """sha256 over everything the baseline evaluation depends on: the model's identity, the
     environment's rewards (with their weights) and eval tasks, the generation settings, the batching and the seed."""
     payload = {
         "model": model_identity(model), "method": p.method, "environment": env.name,
         # a group reward (scored with its group) is another reward than the same function per completion
-        # a reward model by its config and weights (model_identity), as the policy
-        "rewards": [[r.name, model_identity(r.ref) if r.model else reward_identity(r.ref), r.weight,
-                     *(["group"] if r.group else [])] for r in env.rewards],
+        # a reward model by its config and weights (model_identity), as the policy; a judge by its
+        # url, model, prompt, range and reply length (not its key, its limits or its timeout)
+        "rewards": [[r.name, _judge_identity(r.judge) if r.judge else model_identity(r.ref) if r.model
+                     else reward_identity(r.ref), r.weight, *(["group"] if r.group else [])] for r in env.rewards],
         "evalTasks": list(env.eval_tasks),
         "maxCompletionLength": p.maxCompletionLength, "evalTemperature": p.evalTemperature,
         "evalBatchSize": p.evalBatchSize, "seed": p.seed,

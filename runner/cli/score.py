@@ -21,8 +21,8 @@ def cmd_score(file: str, completions: str, output: str | None) -> int:
     """Score each completion in FILE.jsonl with the job's rewards, as training would: in the grader's
     sandbox, with the job's rewardTimeoutSeconds, rewardMemoryMB and spec.sandbox. Prints every
     reward by name and the weighted total, one line per completion in the file's order. No model
-    is loaded, unless the job names a reward model. A reward function that fails is an error
-    (exit 1), never a score.
+    is loaded, unless the job names a reward model; an LLM judge is called from here (with
+    GRPO_RUN_ALLOW_JUDGES=1). A reward that fails is an error (exit 1), never a score.
 
     \b
     example:
@@ -37,6 +37,7 @@ def cmd_score(file: str, completions: str, output: str | None) -> int:
     from grpo_run.runner.score import CompletionsError, read_completions, score_completions
     from grpo_run.runner.spec.job import JobError, load_job
     from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
+    from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
 
     try:
         job = load_job(file)
@@ -54,7 +55,7 @@ def cmd_score(file: str, completions: str, output: str | None) -> int:
     except RewardFunctionError as e:
         _error(printable(str(e)) if e.index is None else str(e))
         return EXIT_USAGE if e.index is None else EXIT_FAILED      # one that cannot load is the job file's
-    except SandboxUnavailable as e:
+    except (SandboxUnavailable, JudgeError, JudgeUnavailable) as e:
         _error(str(e))
         return EXIT_FAILED
     except (OSError, ValueError) as e:          # a reward model that cannot be loaded, or is not one

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from grpo_run.runner.spec.judge import JudgeSpec
 from grpo_run.trainer.config import GRPOParams, Strict, fmt, problem, problems_at
 from grpo_run.trainer.envs.catalog import CATALOG, reward_name
 
@@ -77,6 +78,7 @@ class RewardSpec(Strict):
     function: str | None = None      # module:function, file.py:function, or a catalog environment's reward name
     # a sequence-classification model with one logit (a hub id or a folder), scored in the trainer
     model: str | None = None
+    judge: JudgeSpec | None = None   # an LLM judge over HTTP, called from the trainer (runner.spec.judge)
     weight: float = 1.0
     name: str | None = None          # how metrics name it (default: the function's name, the model's last part)
     group: bool = False              # fn(completions, task) -> one number per completion of a prompt's group
@@ -91,13 +93,16 @@ class RewardSpec(Strict):
             spec, error = None, e
         given = {k for k, v in raw.items() if v is not None} if isinstance(raw, dict) else set()
         found: list[tuple[tuple[str, ...], str]] = []
-        if not given & {"function", "model"}:
+        kinds = sorted(given & {"function", "model", "judge"})
+        if not kinds:
             found.append((("function",), "required: module:function, file.py:function, or a catalog environment's "
-                          "reward name such as correct; or model: a reward model (a hub id or a folder)"))
-        elif {"function", "model"} <= given:
-            found.append((("model",), "give function or model, not both"))
-        elif "model" in given and raw.get("group"):
-            found.append((("group",), "is for functions: a reward model scores each completion on its own"))
+                          "reward name such as correct; or model: a reward model (a hub id or a folder); or judge: "
+                          "an LLM judge ({url, model, prompt})"))
+        elif len(kinds) > 1:
+            found.append(((kinds[1],), f"give one of function, model or judge (got {', '.join(kinds)})"))
+        elif kinds != ["function"] and raw.get("group"):
+            found.append((("group",), f"is for functions: a {'reward model' if 'model' in given else 'judge'} scores "
+                          "each completion on its own"))
         if found or error is not None:
             named = {loc for loc, _ in found}
             also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
@@ -123,7 +128,10 @@ class RewardSpec(Strict):
 
     @property
     def label(self) -> str:
-        return self.name or (reward_name(self.function) if self.function is not None else model_label(self.model or ""))
+        if self.name:
+            return self.name
+        return reward_name(self.function) if self.function is not None else \
+            model_label(self.model) if self.model is not None else "judge"
 
 
 def model_label(model: str) -> str:
@@ -247,7 +255,7 @@ class EnvironmentSpec(Strict):
         out = self.model_dump(exclude_none=True, exclude_defaults=True)
         out["name"] = self.name
         if self.rewards:
-            out["rewards"] = [r.model_dump(exclude_none=True, exclude={"group"} if not r.group else None)
+            out["rewards"] = [r.model_dump(mode="json", exclude_none=True, exclude={"group"} if not r.group else None)
                               for r in self.rewards]
         if self.path:
             out["path"] = list(self.path)
@@ -331,7 +339,8 @@ def _label(reward: dict[str, Any]) -> str | None:
     """The name a reward is recorded under (RewardSpec.label), from what was written."""
     fn, model = reward.get("function"), reward.get("model")
     name = reward.get("name") or (reward_name(fn) if isinstance(fn, str) else
-                                  model_label(model) if isinstance(model, str) else None)
+                                  model_label(model) if isinstance(model, str) else
+                                  "judge" if isinstance(reward.get("judge"), dict) else None)
     return name if isinstance(name, str) else None
 
 
@@ -361,7 +370,8 @@ def rewards_of(env: EnvironmentSpec) -> tuple:
     if not env.rewards:                     # a catalog environment's default
         return catalog_rewards(env.name)
     offered = CATALOG[env.name].rewards if env.is_catalog else {}
-    return tuple(Reward(r.label, r.model, r.weight, model=True) if r.model is not None
+    return tuple(Reward(r.label, r.judge.url, r.weight, judge=r.judge.settings()) if r.judge is not None
+                 else Reward(r.label, r.model, r.weight, model=True) if r.model is not None
                  else Reward(r.label, offered.get(r.function, r.function), r.weight, group=r.group)
                  for r in env.rewards)
 

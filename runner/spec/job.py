@@ -26,6 +26,7 @@ from pydantic import (
 from grpo_run.runner.spec import hardware
 from grpo_run.runner.spec.hardware import Pricing, Resources, node_processes, positive_number
 from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
+from grpo_run.runner.spec.judge import judges_refused
 from grpo_run.runner.gpus import GPUS, canonical_name, spelled_like, suggestion
 from grpo_run.runner.spec.yamlfile import FileRefused, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
@@ -423,6 +424,9 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
         raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
                                   f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
                                   "groups of its own; raise promptsPerStep or give a number of processes"])
+    refused = judges_refused(job.environment, processes)    # the node's call: a stored job cannot allow itself
+    if refused:
+        raise JobError(job.name, refused)
     here = local or job
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(here), params=job.parameters, storage=storage_url,

@@ -9,7 +9,7 @@ is trainer.protocol; this is the supervisor's side of it:
     signals    STOP_SIGNAL at a notice (then a kill when the window runs out), CHECKPOINT_SIGNAL at a
                rebalance recommendation, once the trainer listens
     outcome    its exit status and its last words, read as one of done, stopped, deadline, disk
-               full, code error, crashed
+               full, code error, infrastructure, crashed
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.state.phases import Phase
-from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_STOPPED, EVENTS_FD_ENV,
-                                       PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL, WORLD_ENV, EvalBatch,
-                                       Evaluated, Failed, Final, HeldOut, PhaseStarted, Plan, Samples, Sealed, Started,
-                                       Step, Stopped, TrainerEvent, TrainerPhase, parse_event)
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
+                                       CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
+                                       WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
+                                       PhaseStarted, Plan, Samples, Sealed, Started, Step, Stopped, TrainerEvent,
+                                       TrainerPhase, parse_event)
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,8 @@ class LastWords:
 
 @dataclass(frozen=True)
 class Outcome:
-    how: Literal["done", "stopped", "deadline", "disk full", "code error", "crashed"]
-    message: str = ""         # disk full, code error, crashed: why
+    how: Literal["done", "stopped", "deadline", "disk full", "code error", "infrastructure", "crashed"]
+    message: str = ""         # disk full, code error, infrastructure, crashed: why
     step: int = 0             # deadline: the last completed step
 
 
@@ -126,7 +127,8 @@ class TrainerProcess:
         return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
-                    stop_by=books.stop_by(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict)
+                    stop_by=books.stop_by(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict,
+                    judge_calls=books.judge_calls())
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -192,6 +194,8 @@ class TrainerProcess:
                 books.record_eval(ev.kind, ev.result, self._fingerprints[ev.kind], no_signal=ev.noSignal)
             case HeldOut():
                 books.add_held_out(ev.step, ev.result)
+            case JudgeCalls():
+                books.note_judge_calls(ev.calls)
             case Started():
                 books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox)
             case Stopped():
@@ -237,5 +241,8 @@ class TrainerProcess:
             return Outcome("disk full", failed.message)
         if code == CHILD_CODE_ERROR:
             return Outcome("code error", failed.message if failed else "the reward function failed")
+        if code == CHILD_INFRA_FAILED:
+            return Outcome("infrastructure", failed.message if failed else
+                           "infrastructure failure: a service the run calls (a judge) did not answer")
         why = f"trainer exited with status {code}" if code >= 0 else f"trainer killed by {signal.Signals(-code).name}"
         return Outcome("crashed", why + (f" ({failed.message})" if failed else ""))

@@ -58,6 +58,8 @@ def job_status(record: Record) -> dict[str, Any]:
     ledger = values.LEDGER.get(record)
     if ledger:
         status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
+    if values.JUDGE_CALLS.get(record):
+        status["judgeCalls"] = values.JUDGE_CALLS.get(record)      # the LLM judges' answered calls, whole run
     if values.LAST_NOTICE.get(record):
         status["lastNotice"] = values.LAST_NOTICE.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},

@@ -26,12 +26,30 @@ from grpo_run.trainer.envs.codetasks import code_tasks
 from grpo_run.trainer.envs.tasks import Task
 
 @dataclass(frozen=True)
+class JudgeSettings:
+    """An LLM judge over HTTP (trainer.grader.judge): an OpenAI-compatible chat completions
+    endpoint, called from the trainer's process. Never the API key, only its variable's name."""
+    url: str                       # the API's base, e.g. https://api.openai.com/v1 (POST {url}/chat/completions)
+    model: str
+    prompt: str                    # {prompt} and {completion} are replaced
+    low: float                     # the reply's first number is clipped to [low, high]
+    high: float
+    timeout_s: float
+    retries: int                   # further tries of a call the server did not answer
+    max_calls: int | None = None   # answered calls the whole run may make (None: no limit)
+    max_tokens: int | None = None  # the reply's length limit (None: the server's default)
+    concurrency: int = 1           # calls in flight at once
+    api_key_env: str | None = None  # the node's environment variable holding the key (Authorization: Bearer)
+
+
+@dataclass(frozen=True)
 class Reward:
     name: str          # how metrics and the record name it
     ref: str           # "module:function" or "/path/file.py:function", run by the grader
     weight: float = 1.0
     group: bool = False  # scores a prompt's G completions together: fn(completions, task) -> G numbers
     model: bool = False  # ref is a reward model (a hub id or a folder), scored in the trainer's process
+    judge: JudgeSettings | None = None   # an LLM judge over HTTP, called from the trainer's process (ref: its url)
 
 
 @dataclass(frozen=True)

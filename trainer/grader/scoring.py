@@ -21,16 +21,21 @@ class Scorer:
     when a function fails on every try: never a score)."""
 
     def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), device: Any = "cpu",
-                 **grader_settings: Any) -> None:
-        """A reward model (Reward.model) is loaded here, on `device` (rewardmodel.RewardModel)."""
+                 judge_calls: Mapping[str, int] | None = None, **grader_settings: Any) -> None:
+        """A reward model (Reward.model) is loaded here, on `device` (rewardmodel.RewardModel); a
+        judge (Reward.judge) counts on from `judge_calls` (its name: the run's calls so far)."""
         names = [r.name for r in rewards]
         if not rewards or len(set(names)) != len(names):
             raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'})")
         self.rewards = tuple(rewards)
-        self._graders: list[Any] = []       # a Grader per function, a RewardModel per model
+        self._graders: list[Any] = []       # a Grader per function, a RewardModel per model, a Judge per judge
         try:
             for r in self.rewards:
-                if r.model:
+                if r.judge is not None:
+                    from grpo_run.trainer.grader.judge import Judge
+
+                    self._graders.append(Judge(r.name, r.judge, calls=(judge_calls or {}).get(r.name, 0)))
+                elif r.model:
                     from grpo_run.trainer.grader.rewardmodel import RewardModel
 
                     self._graders.append(RewardModel(r.ref, device))
@@ -58,8 +63,13 @@ class Scorer:
         """{reward name: one score per completion}, in the environment's order. `groups`: the sizes
         of the consecutive groups (a prompt's G completions) that group rewards see together
         (None: each completion alone)."""
-        return {r.name: g.score(completions, tasks) if r.model else g.score(completions, tasks, groups)
+        return {r.name: g.score(completions, tasks) if r.model or r.judge else g.score(completions, tasks, groups)
                 for r, g in zip(self.rewards, self._graders)}
+
+    @property
+    def judge_calls(self) -> dict[str, int]:
+        """{judge reward's name: the run's answered calls so far}; {} without judges."""
+        return {r.name: g.calls for r, g in zip(self.rewards, self._graders) if r.judge is not None}
 
     def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
         """The weighted sum per completion, summed in the environment's order (so it is the same
