@@ -130,14 +130,27 @@ def _raise_timeout(_signum: int, _frame: Any) -> None:
     raise RewardTimeout()
 
 
-def _call_with_alarm(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> Any:
+def _call_with_alarm(call: Callable[[], Any], timeout_s: float) -> Any:
     # Reinstalled every call: the previous call's user code may have replaced or ignored it.
     signal.signal(signal.SIGALRM, _raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return fn(completion, task)
+        return call()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _failed(error: BaseException) -> dict:
+    """The result frame of a call that raised: its time ran out, or the user's code failed
+    (SystemExit and KeyboardInterrupt too: all the user's failures)."""
+    if isinstance(error, RewardTimeout):
+        return {"kind": "timeout", "error": _where_interrupted(error)}
+    kind, text = _describe(error)
+    return {"kind": kind, "error": text}
+
+
+def _not_a_list(values: Any) -> bool:
+    return isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__")
 
 
 # Training data is float32: it holds integers exactly only up to 2**24 (about 1.7e7) and is inf
@@ -190,12 +203,9 @@ def _shown(value: Any) -> str:
 def score_one(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> dict:
     """One completion's result frame; never raises (a RewardTimeout included)."""
     try:
-        value = _call_with_alarm(fn, completion, task, timeout_s)
-    except RewardTimeout as error:
-        return {"kind": "timeout", "error": _where_interrupted(error)}
-    except BaseException as error:  # SystemExit and KeyboardInterrupt too: all the user's failures
-        kind, text = _describe(error)
-        return {"kind": kind, "error": text}
+        value = _call_with_alarm(lambda: fn(completion, task), timeout_s)
+    except BaseException as error:
+        return _failed(error)
     try:
         return {"ok": as_reward(value)}
     except (TypeError, ValueError) as error:
@@ -210,19 +220,11 @@ def score_batch(fn: Callable[..., Any], items: list, timeout_s: float) -> list[d
     failure; never raises. The call gets `timeout_s` for the whole batch (the parent waits that
     long for the first frame). A failure of the call is the first item's; a wrong length or a
     value that is not a finite number, that item's."""
-    signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        try:
-            values = fn(**batch_arguments(fn, items))
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except RewardTimeout as error:
-        return [{"kind": "timeout", "error": _where_interrupted(error)}]
+        values = _call_with_alarm(lambda: fn(**batch_arguments(fn, items)), timeout_s)
     except BaseException as error:  # the user's failures, all of them, as score_one
-        kind, text = _describe(error)
-        return [{"kind": kind, "error": text}]
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+        return [_failed(error)]
+    if _not_a_list(values):
         return [{"kind": "invalid", "error": f"returned {_shown(values)} ({type(values).__name__}); a batched reward "
                  f"(TRL's signature) returns a list with one number per completion ({len(items)} here)"}]
     if len(values) != len(items):
@@ -247,19 +249,11 @@ def score_group(fn: Callable[..., Any], items: list, timeout_s: float) -> list[d
     All of the group's frames are rewards, or there is one frame, the first item's, saying how the
     call failed (a wrong length, or a value that is not a finite number, fails the whole group):
     the parent retries a group whole."""
-    signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        try:
-            values = fn([completion for completion, _ in items], items[0][1])
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-    except RewardTimeout as error:
-        return [{"kind": "timeout", "error": _where_interrupted(error)}]
+        values = _call_with_alarm(lambda: fn([completion for completion, _ in items], items[0][1]), timeout_s)
     except BaseException as error:  # the user's failures, all of them, as score_one
-        kind, text = _describe(error)
-        return [{"kind": kind, "error": text}]
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or not hasattr(values, "__getitem__"):
+        return [_failed(error)]
+    if _not_a_list(values):
         return [{"kind": "invalid", "error": f"returned {_shown(values)} ({type(values).__name__}); a group reward "
                  f"returns a list with one number per completion of the group ({len(items)} here)"}]
     if len(values) != len(items):
