@@ -102,11 +102,29 @@ BASELINE_WARNING: Value[str] = Value("baselineWarning")   # the base model score
 LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot notice and how fast its step was durable
 # {judge reward: the run's answered calls}, every attempt's (a restarted trainer counts on from it)
 JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
+# {priced judge reward: the run's spend on its calls, USD}, likewise: part of the run's cost (spent_usd)
+JUDGE_USD: Value[dict[str, float]] = Value("judgeCostUSD", dict)
 # Evaluation batches a stopped attempt finished, kept for a resume to reuse.
 EVAL_BATCHES: dict[str, Value[SavedBatches]] = {kind: Value(f"evalBatches.{kind}") for kind in EVAL_KINDS}
 # The trackers' own continuity across attempts (runner.books.trackers).
 MLFLOW_RUN_ID: Value[str] = Value("tracking.mlflowRunId")
 WANDB_STEPS: Value[dict[str, int]] = Value("tracking.wandbSteps", dict)   # tag -> newest step written
+
+
+def gpu_usd(record: Record) -> float:
+    """Every attempt's GPU time at its rate, as the ledger has it."""
+    return sum(v["usd"] for v in LEDGER.get(record).values())
+
+
+def judges_usd(record: Record) -> float:
+    """The run's spend on its LLM judges' priced calls."""
+    return sum(JUDGE_USD.get(record).values())
+
+
+def spend_usd(record: Record) -> float:
+    """What the run has cost as the record has it: the GPU's time and the judges' calls."""
+    return gpu_usd(record) + judges_usd(record)
+
 
 # Written by earlier versions and never read: old records may still hold them.
 RETIRED = ("restartLimit", "baselineCache", "resumedFrom")

@@ -27,7 +27,7 @@ Events, in the order they happen (rank 0 reports all of them, other ranks only `
     HeldOut        the held-out evaluation every evalSteps, while training
     Sealed         a checkpoint sealed on the local disk (its manifest hashed once, trusted after)
     Final          the final weights sealed on the local disk
-    Stopped        stopped on request or at the plan's deadline, the last completed step sealed
+    Stopped        stopped on request or at the plan's budget, the last completed step sealed
     Failed         what went wrong, just before a CHILD_CODE_ERROR or CHILD_CRASHED exit
 """
 
@@ -70,7 +70,7 @@ CHECKPOINT_SIGNAL = signal.SIGUSR1
 
 CHILD_DONE = 0             # every phase the plan asked for is done; the final weights are sealed
 CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
-CHILD_STOPPED = 3          # stopped on request or at the plan's deadline, the last completed step sealed
+CHILD_STOPPED = 3          # stopped on request or at the plan's budget, the last completed step sealed
 CHILD_CODE_ERROR = 10      # the user's code or numbers: the reward function failed on every try, or a step's
                            # rewards, loss or gradient norm is not finite (trainer.NonFiniteStep): restarting
                            # replays the same step and cannot help; the job fails (never a preemption)
@@ -95,6 +95,23 @@ EvalKind = Literal["baseline", "final"]
 
 # --- the plan ------------------------------------------------------------------------------------
 
+class Budget(BaseModel):
+    """spec.maxCostUSD as what this attempt may still spend: the GPU's time at `usd_per_hour`
+    from `since`, and the priced calls of the run's LLM judges. `since` is a time.monotonic()
+    taken in the supervisor's process: CLOCK_MONOTONIC is one clock for the whole machine on Linux."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    usd_left: float                       # maxCostUSD less every earlier attempt's spend and what the stop costs
+    usd_per_hour: float | None = None     # the GPU's rate (None: GPU time is not charged)
+    since: float                          # when this attempt's GPU time started counting
+
+    def late(self, at: float, judges_usd: float = 0.0) -> bool:
+        """Whether the spend would pass the budget by time.monotonic() `at` with `judges_usd`
+        spent on judges in this attempt by then."""
+        gpu = max(0.0, at - self.since) * (self.usd_per_hour or 0.0) / 3600
+        return gpu + judges_usd > self.usd_left
+
+
 class Plan(BaseModel):
     """What the supervisor asks of one trainer process, everything resolved."""
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
@@ -108,14 +125,13 @@ class Plan(BaseModel):
     baseline: bool = True                 # evaluate the baseline (False: the supervisor has it)
     # batches an earlier attempt finished, by kind: {batch: {reward name: a score per task}}
     eval_done: dict[str, dict[int, dict[str, list[float]]]] = Field(default_factory=dict)
-    # time.monotonic() past which no step may end (the budget, as time). Computed in the
-    # supervisor's process: CLOCK_MONOTONIC is one clock for the whole machine on Linux.
-    stop_by: float | None = None
+    budget: Budget | None = None          # spec.maxCostUSD: no step or evaluation may end past it (None: no limit)
     run_id: str | None = None             # the run's identity, written into each checkpoint's manifest
     # every layer of the reward sandbox must be in force, or no reward function runs (the job
     # fails, saying which layer is missing and how to get it); False: run with what the node allows
     sandbox_strict: bool = False
     judge_calls: dict[str, int] = Field(default_factory=dict)   # {judge reward: the run's answered calls so far}
+    judge_usd: dict[str, float] = Field(default_factory=dict)   # {priced judge reward: the run's spend on it so far}
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -190,6 +206,7 @@ class Samples(_Event):
 class JudgeCalls(_Event):
     event: Literal["judgeCalls"] = "judgeCalls"
     calls: dict[str, int]                 # {judge reward: the run's answered calls so far (Plan.judge_calls + this process's)}
+    usd: dict[str, float] = Field(default_factory=dict)   # {priced judge reward: the run's spend so far (likewise)}
 
 
 class Step(_Event):
@@ -220,7 +237,7 @@ class Stopped(_Event):
     event: Literal["stopped"] = "stopped"
     step: int | None                      # the last completed step (None: stopped in the baseline evaluation)
     phase: TrainerPhase
-    reason: Literal["requested", "deadline"]   # STOP_SIGNAL, or the next step would end past Plan.stop_by
+    reason: Literal["requested", "deadline"]   # STOP_SIGNAL, or the next step would end past Plan.budget
 
 
 class Failed(_Event):

@@ -66,7 +66,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     trainer = None
     try:
         trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world,
-                              sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls)
+                              sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls,
+                              judge_usd=plan.judge_usd)
         checkpoints.attach(trainer)
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
@@ -99,8 +100,8 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
             events.emit(Final(step=step, path=str(final)))
         return Ending("done", step)
     finally:
-        if trainer is not None and trainer.scorer.judge_calls:   # a judge's calls count, even those before a failure
-            events.emit(JudgeCalls(calls=trainer.scorer.judge_calls))
+        if trainer is not None:           # a judge's calls count, even those before a failure
+            _report_judge_calls(events, trainer)
         _report_sealed(events, checkpoints, checkpoints.close())
         if trainer is not None:
             trainer.close()
@@ -113,29 +114,29 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
     p, world = plan.params, trainer.world
     bar = _Progress(p.maxSteps, start, progress and world.main, p.numIterations)
     step, last_seconds, eval_seconds = start, 0.0, 0.0
+    last_usd = eval_usd = 0.0                          # what the newest step's, evaluation's judge calls cost
     try:
         while step < p.maxSteps:
             # one decision for all processes (each its own answer when alone)
-            stop, late = world.agree(requests.stop.is_set(),
-                                     plan.stop_by is not None and time.monotonic() + last_seconds > plan.stop_by)
+            stop, late = world.agree(requests.stop.is_set(), _late(plan, trainer, last_seconds, last_usd))
             if stop:                                   # preemption: honoured here, between steps
                 return step, "requested"
             if late:
                 return step, "deadline"                # the next step would end past the budget
-            calls = trainer.scorer.judge_calls
+            calls, usd = trainer.scorer.judge_calls, _judges_usd(trainer)
             try:
                 metrics = trainer.train_step(step)     # sample a group, score, advantages, update
             except GenerationInterrupted:              # ... and between tokens: the step is abandoned
                 return step, "requested"
             step += 1
-            last_seconds = metrics["stepSeconds"]
+            last_seconds, last_usd = metrics["stepSeconds"], _judges_usd(trainer) - usd
             if trainer.samples:                        # before its Step: a recorded step has its samples
                 events.emit(Samples(kind="step", step=step, groups=trainer.samples))
                 checkpoints.add_samples(step, [g.model_dump() for g in trainer.samples])
             if calls:                                  # this step's answered calls of each judge
                 metrics["judgeCalls"] = {k: n - calls[k] for k, n in trainer.scorer.judge_calls.items()}
+            _report_judge_calls(events, trainer)      # before its Step: the step's costUSD counts its calls
             events.emit(Step(step=step, metrics=metrics))
-            _report_judge_calls(events, trainer)
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
             if step < p.maxSteps:
@@ -144,16 +145,16 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 checkpoints.save(step, force=asked)
             _report_sealed(events, checkpoints, checkpoints.sealed())
             if p.evalSteps and step % p.evalSteps == 0 and step < p.maxSteps:
-                late, = world.agree(plan.stop_by is not None and time.monotonic() + eval_seconds > plan.stop_by)
+                late, = world.agree(_late(plan, trainer, eval_seconds, eval_usd))
                 if late:
                     log.info("held-out evaluation after step %d skipped: it would end past the budget", step)
                     continue
-                t0 = time.monotonic()
+                t0, usd = time.monotonic(), _judges_usd(trainer)
                 try:                                   # the held-out curve while training
                     ev = trainer.evaluate(plan.env.eval_tasks)
                 except GenerationInterrupted:          # this step's evaluation is given up, not the step
                     return step, "requested"
-                eval_seconds = time.monotonic() - t0
+                eval_seconds, eval_usd = time.monotonic() - t0, _judges_usd(trainer) - usd
                 if ev.samples:
                     events.emit(Samples(kind="heldOut", step=step, groups=list(ev.samples)))
                 events.emit(HeldOut(step=step, result=ev.to_dict()))
@@ -199,9 +200,23 @@ def _stopped(events: Events, checkpoints: Checkpointer, step: int | None, phase:
     return Ending("stopped", step or 0)
 
 
+def _late(plan: Plan, trainer: GRPOTrainer, seconds: float, usd: float) -> bool:
+    """Whether a step or evaluation like the last one (`seconds` long, `usd` of judge calls) would
+    end past the budget: the GPU's time and this attempt's judge calls so far count against it."""
+    if plan.budget is None:
+        return False
+    spent = _judges_usd(trainer) - sum(plan.judge_usd.values())      # this attempt's (the plan counts earlier ones)
+    return plan.budget.late(time.monotonic() + seconds, spent + usd)
+
+
+def _judges_usd(trainer: GRPOTrainer) -> float:
+    """The run's spend on priced judge calls so far."""
+    return sum(trainer.scorer.judge_usd.values())
+
+
 def _report_judge_calls(events: Events, trainer: GRPOTrainer) -> None:
     if trainer.scorer.judge_calls:
-        events.emit(JudgeCalls(calls=trainer.scorer.judge_calls))
+        events.emit(JudgeCalls(calls=trainer.scorer.judge_calls, usd=trainer.scorer.judge_usd))
 
 
 def _report_sealed(events: Events, checkpoints: Checkpointer, steps: list[int]) -> None:

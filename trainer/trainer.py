@@ -88,7 +88,7 @@ class GRPOTrainer:
     def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
                  stop: threading.Event | None = None, device: torch.device | None = None,
                  model_name: str | None = None, world: World | None = None, sandbox_strict: bool = False,
-                 judge_calls: dict[str, int] | None = None) -> None:
+                 judge_calls: dict[str, int] | None = None, judge_usd: dict[str, float] | None = None) -> None:
         self.params = params
         self.env = env
         self.stop = stop or threading.Event()
@@ -124,7 +124,7 @@ class GRPOTrainer:
         self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.samples)
         # reward functions in sandboxed graders; a reward model (on this device, outside the optimizer) or judge here
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
-                             timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
+                             judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
                              retries=params.rewardRetries, strict=sandbox_strict)
 
     def close(self) -> None:

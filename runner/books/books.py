@@ -35,6 +35,7 @@ from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
+from grpo_run.trainer.protocol import Budget
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +298,8 @@ class Books:
     def spent_usd(self) -> float:
         return self.ledger.spent_usd()
 
-    def stop_by(self) -> float | None:
-        return self.ledger.stop_by()
+    def budget(self) -> Budget | None:
+        return self.ledger.budget()
 
     # --- what the trainer and the node report ---------------------------------------------------
 
@@ -322,9 +323,17 @@ class Books:
         """{judge reward: the run's answered calls so far}, for the next trainer to count on from."""
         return values.JUDGE_CALLS.get(self.record)
 
-    def note_judge_calls(self, calls: dict[str, int]) -> None:
-        """The trainer's running count of each judge's calls (the run's, not only its own)."""
-        values.JUDGE_CALLS.set(self.record, {**self.judge_calls(), **calls})
+    def judge_usd(self) -> dict[str, float]:
+        """{priced judge reward: the run's spend on its calls so far}, likewise."""
+        return values.JUDGE_USD.get(self.record)
+
+    def note_judge_calls(self, calls: dict[str, int], usd: dict[str, float]) -> None:
+        """The trainer's running count of each judge's calls and their price (the run's, not only
+        its own): the price goes in the cost ledger's total."""
+        with self.record.transaction():
+            values.JUDGE_CALLS.set(self.record, {**self.judge_calls(), **calls})
+            if usd:
+                values.JUDGE_USD.set(self.record, {**self.judge_usd(), **{k: round(v, 6) for k, v in usd.items()}})
         self.sync_soon()
 
     def record_notice(self, source: str, seconds: float, durable_step: int) -> None:

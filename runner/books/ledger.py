@@ -1,5 +1,6 @@
 """The cost ledger and the budget: every attempt's wall time at the GPU's rate, kept in the
-record (values.LEDGER), and spec.maxCostUSD turned into a time the trainer must stop by."""
+record (values.LEDGER), plus the priced calls of the run's LLM judges (values.JUDGE_USD, which
+the trainer reports); spec.maxCostUSD turned into what the trainer's next attempt may spend."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from typing import Any
 
 from grpo_run.state import values
 from grpo_run.state.record import Record
+from grpo_run.trainer.protocol import Budget
 
 CHECKPOINT_RESERVE_S = 5.0   # budget held back for the last checkpoint, its upload and the exit
 
 
 class Ledger:
-    """The spend of the job's attempts: earlier ones from the record, the running one live."""
+    """The spend of the job's attempts: earlier ones from the record, the running one live; the
+    judges' calls as the record has them."""
 
     def __init__(self, record: Record, *, usd_per_hour: float | None, max_cost_usd: float | None) -> None:
         self.record = record
@@ -27,7 +30,7 @@ class Ledger:
 
     def start(self, attempt: int) -> None:
         """Attempt `attempt` starts now; what earlier ones spent is counted once, here."""
-        self._earlier_usd = sum(v["usd"] for v in values.LEDGER.get(self.record).values())
+        self._earlier_usd = values.gpu_usd(self.record)
         self._t0 = time.monotonic()
         self.attempt = attempt
         self.running = True
@@ -56,17 +59,20 @@ class Ledger:
         return (time.monotonic() - self._t0) * (self.usd_per_hour or 0.0) / 3600
 
     def spent_usd(self) -> float:
-        """Every attempt's wall time at the GPU's rate: earlier attempts from the ledger, this one live."""
-        return self._earlier_usd + self.attempt_usd()
+        """Every attempt's wall time at the GPU's rate (earlier attempts from the ledger, this one
+        live) and the judges' priced calls so far."""
+        return self._earlier_usd + self.attempt_usd() + values.judges_usd(self.record)
 
-    def stop_by(self) -> float | None:
-        """maxCostUSD as a time: the time.monotonic() past which no training step may end, so the
-        spend (every attempt's wall time x the rate) stays within it. What the stop itself costs
-        — the last checkpoint, its upload, the exit — is held back (CHECKPOINT_RESERVE_S)."""
+    def budget(self) -> Budget | None:
+        """maxCostUSD as what the trainer starting now may spend: the limit less every earlier
+        attempt's spend and the judges' calls so far, less what the stop itself costs — the last
+        checkpoint, its upload, the exit: CHECKPOINT_RESERVE_S at the rate. None without a limit."""
         limit, rate = self.max_cost_usd, self.usd_per_hour
-        if not limit or not rate:
+        if not limit:
             return None
-        return self._t0 + (limit - self._earlier_usd) * 3600 / rate - CHECKPOINT_RESERVE_S
+        reserve = CHECKPOINT_RESERVE_S * (rate or 0.0) / 3600
+        return Budget(usd_left=limit - self._earlier_usd - values.judges_usd(self.record) - reserve, usd_per_hour=rate,
+                      since=self._t0)
 
 
 def _time(iso: str) -> float:

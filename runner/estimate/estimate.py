@@ -282,6 +282,12 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
                      "memory fits")
     else:
         out.update(_cost(job, card, step, work, gpus, notes))
+    judges = _judges(job, work, notes)
+    if judges:
+        out["judgeCalls"] = judges
+        priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
+        if priced and out["costToCompletionUSD"] is not None:
+            out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + sum(priced), 2)
     if work.unknown:
         notes.append(work.unknown)
     out["note"] = "; ".join(notes)
@@ -355,6 +361,30 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      f"{int(job.maxCostUSD / per_step) if per_step else p.maxSteps} of "
                      f"{p.maxSteps} steps: the run stops there (BudgetExceeded)")
     return fields
+
+
+def _judges(job: TrainingJob, work, notes: list[str]) -> dict[str, dict[str, Any]]:
+    """{judge reward: its calls to completion (one per completion sampled, one per held-out task
+    an evaluation scores) and their price when priced per call}, with a note each."""
+    p, found = job.parameters, {}
+    for r in getattr(job.environment, "rewards", None) or ():
+        if r.judge is None:
+            continue
+        trained = p.maxSteps * p.promptsPerStep * p.numGenerations
+        calls = None if work.eval_tasks is None else trained + work.evaluations * work.eval_tasks
+        per_token, per_call = r.judge.usdPerMillionTokens is not None, r.judge.usdPerCall
+        usd = None if calls is None or per_token or per_call is None else round(calls * per_call, 2)
+        found[r.label] = {"calls": calls, "usd": usd}
+        what = (f"judge {r.label!r}: {calls} calls to completion" if calls is not None else
+                f"judge {r.label!r}: {trained} calls in training, and one per held-out task an evaluation scores")
+        if per_token:
+            what += " (priced per token: their cost depends on the replies and is not in costToCompletionUSD)"
+        elif per_call is not None:
+            what += f" at ${per_call:g} a call" + (f": ${usd:.2f}, in costToCompletionUSD" if usd is not None else "")
+        else:
+            what += " (unpriced: not in the cost)"
+        notes.append(what)
+    return found
 
 
 def _runs(count: int) -> str:

@@ -32,6 +32,7 @@ def summary(name: str, est: dict[str, Any], *, job_file: str = "JOB.yaml", max_c
     if est.get("gpu") is None:
         lines.append(f"{name}: no spec.gpu, so no cost yet (set spec.gpu to a name such as H100, L4, A10G, or "
                      "describe your card with spec.pricing: {usdPerHour: ..., memoryGB: ...})")
+        lines += _judge_lines(est)
         lines.append(f"  memory      needs about {memory['neededGB']:.1f} GB on the GPU")
     else:
         lines += _cost_lines(name, est, max_cost_usd)
@@ -69,10 +70,22 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
                      "spec.pricing.bf16TFLOPS and memoryBandwidthGBps")
     if model and model.get("cardNote"):
         lines.append(f"  card        {model['cardNote']}")
+    lines += _judge_lines(est)
     if max_cost_usd is not None:
         enough = est["costToCompletionUSD"] <= max_cost_usd
         lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: "
                      + ("covers it" if enough else "the run stops there, before completion"))
+    return lines
+
+
+def _judge_lines(est: dict[str, Any]) -> list[str]:
+    """One line per LLM judge: its calls to completion and, priced per call, their cost."""
+    lines = []
+    for name, judge in (est.get("judgeCalls") or {}).items():
+        calls = f"{judge['calls']:,} calls" if judge["calls"] is not None else "calls not counted (held-out tasks unknown)"
+        cost = (f", ${judge['usd']:.2f} (in the total)" if judge["usd"] is not None else
+                ", not priced per call (see the note in -o yaml)")
+        lines.append(f"  judge       {name}: {calls}{cost}")
     return lines
 
 

@@ -3,7 +3,8 @@ completions endpoint) called from the trainer's process, and whether this node a
 
     rewards:
       - judge: {url: http://127.0.0.1:8000/v1, model: Qwen/Qwen3-8B, prompt: "Rate 0-10: {completion}",
-                apiKeyEnv: OPENAI_API_KEY, timeoutSeconds: 30, retries: 3, maxCalls: 20000}
+                apiKeyEnv: OPENAI_API_KEY, timeoutSeconds: 30, retries: 3, maxCalls: 20000,
+                usdPerMillionTokens: {input: 0.15, output: 0.60}}
         name: quality
         weight: 0.5
 
@@ -27,6 +28,12 @@ ALLOW_JUDGES_ENV = "GRPO_RUN_ALLOW_JUDGES"   # "1": this node lets a job's judge
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class TokenPrices(Strict):
+    """What the judge's API charges per million tokens, read from each reply's `usage`."""
+    input: float = Field(ge=0)          # prompt tokens
+    output: float = Field(ge=0)         # completion tokens
+
+
 class JudgeSpec(Strict):
     """The judge's endpoint, prompt, how its reply becomes a number, and its limits."""
     url: str = Field(min_length=1)      # the API's base, as OpenAI clients take it: https://HOST/v1
@@ -39,6 +46,10 @@ class JudgeSpec(Strict):
     maxCalls: int | None = Field(None, ge=1)   # answered calls the whole run may make
     maxTokens: int | None = Field(None, ge=1)  # the reply's length limit (unset: the server's default)
     concurrency: int = Field(1, ge=1, le=64)   # calls in flight at once (a step's completions, an evaluation batch)
+    # The calls' price, for the cost ledger and maxCostUSD (unset: the calls cost nothing there).
+    # Both may be given; they add up.
+    usdPerCall: float | None = Field(None, ge=0)          # an answered call's price
+    usdPerMillionTokens: TokenPrices | None = None        # what a metered API charges (the replies' usage)
 
     @field_validator("range", mode="before")
     @classmethod
@@ -82,7 +93,9 @@ class JudgeSpec(Strict):
         return JudgeSettings(url=self.url, model=self.model, prompt=self.prompt, low=self.range[0],
                              high=self.range[1], timeout_s=self.timeoutSeconds, retries=self.retries,
                              max_calls=self.maxCalls, max_tokens=self.maxTokens, api_key_env=self.apiKeyEnv,
-                             concurrency=self.concurrency)
+                             concurrency=self.concurrency, usd_per_call=self.usdPerCall,
+                             usd_per_mtok=(None if self.usdPerMillionTokens is None else
+                                           (self.usdPerMillionTokens.input, self.usdPerMillionTokens.output)))
 
 
 def judges_refused(env: Any, processes: int = 1) -> list[str]:

@@ -127,8 +127,9 @@ class TrainerProcess:
         return Plan(name=spec.name, model=spec.model, env=spec.env, params=params, model_name=spec.model_name,
                     keep_checkpoints=spec.keep_checkpoints, baseline=cached is None,
                     eval_done={kind: batches for kind, batches in done.items() if batches},
-                    stop_by=books.stop_by(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict,
-                    judge_calls=books.judge_calls())
+                    budget=books.budget(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict,
+                    judge_calls=books.judge_calls(),
+                    judge_usd=books.judge_usd())
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,7 @@ class TrainerProcess:
             case HeldOut():
                 books.add_held_out(ev.step, ev.result)
             case JudgeCalls():
-                books.note_judge_calls(ev.calls)
+                books.note_judge_calls(ev.calls, ev.usd)
             case Started():
                 books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox)
             case Stopped():

@@ -80,17 +80,21 @@ def view(record: Record) -> list[str]:
 
     # the spend
     ledger = values.LEDGER.get(record)
-    spent = sum(v["usd"] for v in ledger.values())
+    spent, judges = values.spend_usd(record), values.judges_usd(record)
     if running and steps and "costUSD" in steps[-1]:
         spent = max(spent, steps[-1]["costUSD"])
     usd_per_hour = (ledger.get(str(current["id"])) or {}).get("usdPerHour") if current else None
+    of_it = f", ${judges:.4f} of it judge calls" if judges else ""
     if usd_per_hour:
-        text = f"  spend ${spent:.4f} so far"
+        text = f"  spend ${spent:.4f} so far{of_it}"
         if phase not in TERMINAL and rate:
             left = _eta(total - step, rate, baseline_s, final) if phase == Phase.TRAINING else None
             if left is not None:
-                text += f"; projected ${spent + left * usd_per_hour / 3600:.4f} at completion"
+                text += f"; projected ${spent + left * usd_per_hour / 3600:.4f} at completion" + \
+                        (" (GPU time; judge calls to come not counted)" if judges else "")
         lines.append(text + f" (${usd_per_hour:g}/h)")
+    elif judges:
+        lines.append(f"  spend ${spent:.4f} so far{of_it}; no GPU rate (set spec.gpu or spec.pricing.usdPerHour)")
     else:
         lines.append("  spend: no rate (set spec.gpu or spec.pricing.usdPerHour)")
     return lines

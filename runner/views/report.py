@@ -36,6 +36,7 @@ def gather(record: Record) -> dict[str, Any]:
     return {"name": job["name"], "phase": str(job["phase"]), "spec": spec,
             "params": spec.get("parameters", {}), "steps": record.steps(logged=True),
             "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
+            "spendUSD": values.spend_usd(record), "judgeUSD": values.JUDGE_USD.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
             "heldOut": values.HELD_OUT.get(record), "samples": _samples(record)}
 
@@ -266,7 +267,7 @@ def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
     if run["baseline"] and run["final"]:
         parts.append(f"held-out reward {run['baseline']['meanReward']:.3f} before, "
                      f"{run['final']['meanReward']:.3f} after")
-    usd = sum(float(v.get("usd", 0.0)) for v in run["ledger"].values())
+    usd = run["spendUSD"]
     if usd:
         parts.append(f"${usd:.4f}")
     n = len(run["attempts"])
@@ -285,7 +286,7 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
     if picture:
         lines += [f"![{run['name']}]({picture})", ""]
     steps = run["steps"]
-    usd = sum(float(v.get("usd", 0.0)) for v in run["ledger"].values())
+    usd = run["spendUSD"]
     lines.append(f"- phase: **{run['phase']}**, step {steps[-1]['step'] if steps else 0} of "
                  f"{run['params'].get('maxSteps', '?')}")
     for kind in ("baseline", "final"):
@@ -295,7 +296,9 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
                          f"(solved {ev.get('solved', '?')}; computed {ev.get('runs', '?')} time(s))")
     if steps:
         lines.append(f"- train reward: first step {steps[0]['rewardMean']:.3f}, last step {steps[-1]['rewardMean']:.3f}")
-    lines.append(f"- spend: ${usd:.4f}" + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
+    judges = ", ".join(f"{name} ${v:.4f}" for name, v in run["judgeUSD"].items())
+    lines.append(f"- spend: ${usd:.4f}" + (f" (judge calls: {judges})" if judges else "")
+                 + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
     lines += ["", "| attempt | node | started | ended | why | steps | redone after | USD |",
               "|---|---|---|---|---|---|---|---|"]
     notes = [] if run["attempts"] else ["No attempt yet: no node has run the job."]

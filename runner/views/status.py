@@ -55,11 +55,12 @@ def job_status(record: Record) -> dict[str, Any]:
         times = sorted(s["stepSeconds"] for s in steps if "stepSeconds" in s)
         if times:
             status["medianStepSeconds"] = round(times[len(times) // 2], 4)
-    ledger = values.LEDGER.get(record)
-    if ledger:
-        status["costUSD"] = round(sum(v["usd"] for v in ledger.values()), 4)
+    if values.LEDGER.get(record) or values.JUDGE_USD.get(record):
+        status["costUSD"] = round(values.spend_usd(record), 4)      # the GPU's time and the judges' priced calls
     if values.JUDGE_CALLS.get(record):
         status["judgeCalls"] = values.JUDGE_CALLS.get(record)      # the LLM judges' answered calls, whole run
+    if values.JUDGE_USD.get(record):
+        status["judgeCostUSD"] = {k: round(v, 4) for k, v in values.JUDGE_USD.get(record).items()}
     if values.LAST_NOTICE.get(record):
         status["lastNotice"] = values.LAST_NOTICE.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},

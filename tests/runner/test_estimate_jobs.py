@@ -362,3 +362,33 @@ def test_the_dry_run_counts_a_reward_model_and_names_one_it_cannot_find(capsys, 
     assert rc == EXIT_USAGE
     assert "spec.environment.rewards[1].model: " in err and "grpo-run-tests/no-such-reward-model" in err
     assert "Traceback" not in err
+
+
+def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completion(tmp_path):
+    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    judge = {"url": "http://127.0.0.1:8000/v1", "model": "m", "prompt": "Rate {completion}"}
+    job["spec"]["environment"]["rewards"][1] = {"judge": {**judge, "usdPerCall": 0.001}, "name": "quality"}
+    plain = json.loads(json.dumps(job))
+    plain["spec"]["environment"]["rewards"] = plain["spec"]["environment"]["rewards"][:1]
+    judged, no_judge = estimate(parse_job(job)), estimate(parse_job(plain))
+    # 100 steps x 8 prompts x 8 completions, and 20 held-out tasks in each of the 2 evaluations
+    calls = 100 * 8 * 8 + 2 * 20
+    assert judged["evaluations"] == 2 and judged["judgeCalls"] == {"quality": {"calls": calls, "usd": 6.44}}
+    assert judged["costToCompletionUSD"] == pytest.approx(no_judge["costToCompletionUSD"] + 6.44)
+    assert f"judge 'quality': {calls} calls to completion at $0.001 a call: $6.44, in costToCompletionUSD" \
+        in judged["note"]
+    job["spec"]["environment"]["rewards"][1]["judge"] = {**judge, "usdPerMillionTokens": {"input": 1, "output": 2}}
+    per_token = estimate(parse_job(job))
+    assert per_token["judgeCalls"] == {"quality": {"calls": calls, "usd": None}}
+    assert per_token["costToCompletionUSD"] == no_judge["costToCompletionUSD"]
+    assert "priced per token: their cost depends on the replies and is not in costToCompletionUSD" in per_token["note"]
+
+
+def test_the_dry_run_says_a_judge_s_calls_and_their_cost(capsys, tmp_path):
+    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    job["spec"]["environment"]["rewards"][1] = {"name": "quality", "judge": {
+        "url": "http://127.0.0.1:8000/v1", "model": "m", "prompt": "Rate {completion}", "usdPerCall": 0.001}}
+    rc, out, err = dry_run(capsys, tmp_path, job)
+    assert rc == EXIT_OK, err
+    assert "  judge       quality: 6,440 calls, $6.44 (in the total)" in out
+

@@ -55,3 +55,18 @@ def test_a_run_without_a_rate_says_how_to_give_one_and_a_stopped_one_has_no_eta(
     assert head == "live  Preempted  attempt 1 on node-b"
     assert "steps/s" not in training and "ETA" not in training
     assert spend == "  spend: no rate (set spec.gpu or spec.pricing.usdPerHour)"
+
+
+def test_the_spend_counts_the_judges_priced_calls_with_or_without_a_gpu_rate(tmp_path):
+    with a_run_in_training(tmp_path) as record:
+        values.JUDGE_USD.set(record, {"quality": 0.012})
+        *_, spend = view(record)
+    # the newest step's costUSD ($0.005) was logged before these calls: the record's $0.012 is newer
+    assert spend.startswith("  spend $0.0120 so far, $0.0120 of it judge calls; projected $0.0570 at completion "
+                            "(GPU time; judge calls to come not counted)") or \
+        spend.startswith("  spend $0.0120 so far, $0.0120 of it judge calls; projected $0.0580")
+    with a_run_in_training(tmp_path / "no-rate", rate_usd=None) as record:
+        values.JUDGE_USD.set(record, {"quality": 0.012})
+        *_, spend = view(record)
+    assert spend == "  spend $0.0120 so far, $0.0120 of it judge calls; no GPU rate (set spec.gpu or " \
+                    "spec.pricing.usdPerHour)"

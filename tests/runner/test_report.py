@@ -172,7 +172,7 @@ def test_with_beta_the_update_panel_carries_the_kl_and_every_panel_has_its_serie
     run = {"name": "kl-job", "phase": "Training", "spec": {}, "params": {"beta": 0.04, "maxSteps": 100},
            "steps": steps, "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00", "ended": None,
                                          "reason": None, "notice": None, "from_step": 0, "to_step": None}],
-           "ledger": {"1": {"seconds": 0.0, "usd": 0.0, "usdPerHour": 3.6}}, "baseline": None, "final": None,
+           "ledger": {"1": {"seconds": 0.0, "usd": 0.0, "usdPerHour": 3.6}}, "spendUSD": 0.0, "judgeUSD": {}, "baseline": None, "final": None,
            "heldOut": [{"step": 20, "meanReward": 0.4}, {"step": 40, "meanReward": 0.5}]}
     drawn = render(run, tmp_path / "kl.png")
     assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
@@ -191,7 +191,7 @@ def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_seve
            "steps": synthetic_steps(), "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00",
                                                      "ended": "2026-12-01T12:01:00+00:00", "reason": "Succeeded",
                                                      "notice": None, "from_step": 0, "to_step": 59}],
-           "ledger": {"1": {"seconds": 60.0, "usd": 0.0, "usdPerHour": None}}, "baseline": None, "final": None,
+           "ledger": {"1": {"seconds": 60.0, "usd": 0.0, "usdPerHour": None}}, "spendUSD": 0.0, "judgeUSD": {}, "baseline": None, "final": None,
            "heldOut": []}
     drawn = render(run, tmp_path / "no-rate.png")
     assert drawn["panels"] == ["rewardMean", "solvedGroups", "noSignalGroups", "completionLength", "truncatedFraction",
@@ -210,7 +210,7 @@ def test_the_summary_puts_the_baseline_and_final_answers_side_by_side_and_the_ne
              "truncated": False}]}
 
     run = {"name": "job", "phase": "Succeeded", "params": {"maxSteps": 9}, "steps": [], "attempts": [],
-           "ledger": {}, "baseline": None, "final": None,
+           "ledger": {}, "spendUSD": 0.0, "judgeUSD": {}, "baseline": None, "final": None,
            "samples": {"baseline": [group(0, 0, "7", 0.0), group(0, 1, "", 0.0)],
                        "final": [group(9, 0, "1", 1.0), group(9, 1, "2|", 1.0)],
                        "step": [group(9, 0, "5", 1.0, 0.5)]}}

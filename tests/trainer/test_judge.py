@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, main
+from grpo_run.runner.exits import EXIT_BUDGET
 from grpo_run.trainer.envs.catalog import JudgeSettings
-from grpo_run.trainer.grader.judge import (REPLY_SHOWN, Judge, JudgeError, JudgeUnavailable, judge_message, quoted,
-                                           reply_number)
+from grpo_run.trainer.grader.judge import (REPLY_SHOWN, Judge, JudgeError, JudgeUnavailable, call_usd, judge_message,
+                                           quoted, reply_number)
 from grpo_run.trainer.model.tinymodel import build_tiny_model
 
 
@@ -132,7 +133,33 @@ def test_the_call_budget_is_checked_before_a_batch_and_a_missing_key_is_refused(
         Judge("quality", settings(server, api_key_env="JUDGE_TEST_KEY"))
 
 
-def write_job(folder: Path, server: Server, **judge) -> str:
+def test_a_judge_prices_its_calls_per_call_and_per_token_from_the_replies_usage(server):
+    priced = settings(server, usd_per_call=0.01, usd_per_mtok=(1e6, 2e6))     # $1 an input token, $2 an output one
+    judge = Judge("quality", priced, calls=1, usd=0.5)                         # 0.5: an earlier attempt's
+    tasks = [{"prompt": "1+2="}, {"prompt": "4+4="}]
+    judge.score(["3", "8"], tasks)
+    usage = []
+    for completion, task in zip(["3", "8"], tasks):                           # the same calls, asked directly
+        body = json.dumps({"model": str(server.folder), "temperature": 0, "max_tokens": 4, "messages": [
+            {"role": "user", "content": judge_message("{prompt}{completion}", task, completion)}]}).encode()
+        request = urllib.request.Request(server.url + "/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            usage.append(json.loads(response.read())["usage"])
+    assert all(u["prompt_tokens"] > 0 and u["completion_tokens"] > 0 for u in usage)
+    expected = 0.5 + 2 * 0.01 + sum(u["prompt_tokens"] + 2 * u["completion_tokens"] for u in usage)
+    assert judge.calls == 3 and judge.usd == pytest.approx(expected) and judge.priced
+    assert not Judge("free", settings(server)).priced
+
+    reply = {"choices": [{"message": {"content": "7"}}]}                      # a server that reports no usage
+    assert call_usd(settings(server, usd_per_call=0.25), reply) == 0.25
+    assert call_usd(priced, reply) is None
+    assert call_usd(priced, {**reply, "usage": {"prompt_tokens": 3, "completion_tokens": None}}) is None
+    assert call_usd(priced, {**reply, "usage": {"prompt_tokens": 3, "completion_tokens": 1}}) == pytest.approx(5.01)
+
+
+def write_job(folder: Path, server: Server, params: dict | None = None, max_cost_usd: float | None = None,
+              **judge) -> str:
     (folder / "train.jsonl").write_text("".join(f'{{"prompt": "{a}+{b}="}}\n' for a in range(4) for b in range(4)))
     (folder / "eval.jsonl").write_text('{"prompt": "7+8="}\n{"prompt": "9+9="}\n')
     spec = {"runtime": "grpo-lora", "model": "tiny:char",
@@ -141,7 +168,8 @@ def write_job(folder: Path, server: Server, **judge) -> str:
                                                    "prompt": "{prompt}{completion}", "maxTokens": 4,
                                                    "apiKeyEnv": "JUDGE_TEST_KEY", **judge}}]},
             "parameters": {"numGenerations": 2, "promptsPerStep": 2, "maxCompletionLength": 4, "maxSteps": 2,
-                           "saveSteps": 2, "learningRate": 0.002}}
+                           "saveSteps": 2, "learningRate": 0.002, **(params or {})},
+            **({"maxCostUSD": max_cost_usd} if max_cost_usd is not None else {})}
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob",
                                     "metadata": {"name": "judged"}, "spec": spec}))
@@ -207,6 +235,27 @@ def test_the_run_fails_when_its_call_budget_is_spent_and_a_resume_counts_on(tmp_
     status = status_of(capsys)
     assert status["baseline"]["runs"] == 1 and status["judgeCalls"] == {"judge": 2} and status["step"] == 0
     assert "maxCalls 5 reached: 2 calls made" in status["message"] and len(status["attempts"]) == 2
+
+
+def test_priced_judge_calls_are_the_run_s_cost_and_maxCostUSD_stops_the_run_before_they_pass_it(
+        tmp_path, server, capsys, monkeypatch):
+    monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("JUDGE_TEST_KEY", "not-a-real-key")
+    # no GPU rate: the judge's calls are the whole cost. The baseline's 2 calls ($0.02) and step 1's
+    # 4 ($0.06 in all) fit $0.07; step 2 would end at $0.10: the run stops after step 1.
+    job = write_job(tmp_path, server, params={"maxSteps": 4}, max_cost_usd=0.07, usdPerCall=0.01)
+    assert main(["apply", "-f", job]) == EXIT_BUDGET
+    status = status_of(capsys)
+    assert status["phase"] == "BudgetExceeded" and status["step"] == 1
+    assert status["judgeCalls"] == {"judge": 6} and status["judgeCostUSD"] == {"judge": 0.06}
+    assert status["costUSD"] == 0.06 and status["lastStep"]["costUSD"] == 0.06
+    assert "spent $0.0600 of maxCostUSD $0.07" in status["message"]
+    # applied again with a larger budget: the run goes on from step 1 and counts on from $0.06
+    assert main(["apply", "-f", write_job(tmp_path, server, params={"maxSteps": 4}, max_cost_usd=1.0,
+                                          usdPerCall=0.01)]) == EXIT_OK
+    status = status_of(capsys)
+    assert status["phase"] == "Succeeded" and status["step"] == 4 and status["baseline"]["runs"] == 1
+    assert status["judgeCalls"] == {"judge": 2 + 4 * 4 + 2} and status["costUSD"] == 0.2
 
 
 def test_the_baseline_fingerprint_covers_the_judge_but_not_its_key_or_limits(tmp_path, server):

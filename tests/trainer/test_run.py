@@ -47,10 +47,10 @@ def test_every_event_the_trainer_sends_reads_back_as_the_same_event():
 def test_a_plan_reads_back_as_the_plan_written():
     from grpo_run.trainer.config import GRPOParams
     from grpo_run.trainer.envs.catalog import catalog_environment
-    from grpo_run.trainer.protocol import Plan
+    from grpo_run.trainer.protocol import Budget, Plan
 
     env = catalog_environment("arithmetic", seed=0)
     plan = Plan(name="j", model="m", env=env, params=GRPOParams.model_validate({"stopStrings": ["\n"]}),
-                eval_done={"baseline": {0: {"correct": [1.0, 0.0]}}}, stop_by=12.5, run_id="r")
+                eval_done={"baseline": {0: {"correct": [1.0, 0.0]}}}, budget=Budget(usd_left=0.5, usd_per_hour=3.6, since=12.5), run_id="r", judge_usd={"j": 0.25})
     again = Plan.from_json(plan.to_json())
     assert again == plan and again.eval_done["baseline"][0] == {"correct": [1.0, 0.0]}

@@ -40,6 +40,8 @@ class JudgeSettings:
     max_tokens: int | None = None  # the reply's length limit (None: the server's default)
     concurrency: int = 1           # calls in flight at once
     api_key_env: str | None = None  # the node's environment variable holding the key (Authorization: Bearer)
+    usd_per_call: float | None = None  # the price of one answered call (None: not priced per call)
+    usd_per_mtok: tuple[float, float] | None = None   # (input, output) per million tokens, from each reply's usage
 
 
 @dataclass(frozen=True)

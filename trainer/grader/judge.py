@@ -2,13 +2,17 @@
 (`POST {url}/chat/completions`) from the trainer's process, never from user code (the reward
 sandbox stays closed), and the first number of the reply is the reward.
 
-    judge = Judge("quality", settings, calls=0)   # calls: what earlier attempts of the run made
+    judge = Judge("quality", settings, calls=0, usd=0.0)   # what earlier attempts of the run made and spent
     judge.score(completions, tasks)               # one answered call per completion, `concurrency` at a time
-    judge.calls                                   # the run's answered calls so far
+    judge.calls, judge.usd                        # the run's answered calls and their price so far
 
 The message is the job's prompt with `{prompt}` replaced by the task's prompt (chat messages:
 their contents, one per line) and `{completion}` by the completion; one user message, temperature
 0. The reward is the first number in the reply's text (7, -2, 8.5), clipped to [low, high].
+
+An answered call costs `usd_per_call` plus its reply's `usage` (prompt_tokens, completion_tokens)
+at `usd_per_mtok`; a judge priced per token whose server replies without usage cannot be priced,
+and fails the run (JudgeError) rather than count the call as free.
 
 A call the server does not answer (refused connection, timeout, HTTP 408, 429 or 5xx) is tried
 again, up to `retries` more times with exponential waits, then raises JudgeUnavailable: an
@@ -58,9 +62,9 @@ class Judge:
     """Owns the settings and the run's count of answered calls of one judge reward. Raises
     JudgeError when `api_key_env` names a variable this process does not have."""
 
-    def __init__(self, name: str, settings: JudgeSettings, *, calls: int = 0,
+    def __init__(self, name: str, settings: JudgeSettings, *, calls: int = 0, usd: float = 0.0,
                  sleep: Callable[[float], None] | None = None) -> None:
-        self.name, self.settings, self.calls = name, settings, calls
+        self.name, self.settings, self.calls, self.usd = name, settings, calls, usd
         self._sleep = sleep               # tenacity's own (time.sleep) when None; tests pass their own
         self._lock = threading.Lock()
         self._key = None
@@ -69,6 +73,11 @@ class Judge:
             if not self._key:
                 raise JudgeError(f"judge {name!r}: apiKeyEnv {settings.api_key_env} is not set in this node's "
                                  "environment: set it where grpo-run runs (the key never goes in the job)")
+
+    @property
+    def priced(self) -> bool:
+        """Whether its calls have a price (usd_per_call or usd_per_mtok set)."""
+        return self.settings.usd_per_call is not None or self.settings.usd_per_mtok is not None
 
     def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[float]:
         """One answered call per completion, `concurrency` at a time, the scores in the completions'
@@ -94,17 +103,21 @@ class Judge:
 
     def _score_one(self, completion: str, task: Mapping[str, Any], index: int, total: int) -> float:
         s = self.settings
-        text = self._ask(judge_message(s.prompt, task, completion))
+        reply = self._ask(judge_message(s.prompt, task, completion))
+        text = self._text(reply)
         with self._lock:                  # concurrent calls: one count
-            self.calls += 1
+            self.calls += 1               # answered: counted even when it cannot be priced (that fails the run)
+        usd = self._price(reply)
+        with self._lock:
+            self.usd += usd
         value = reply_number(text, s.low, s.high)
         if value is None:
             raise JudgeError(f"judge {self.name!r} ({s.model} at {s.url}) replied without a number on completion "
                              f"{index} of {total}: {self._quote(text)!r}; its prompt must ask for a number")
         return value
 
-    def _ask(self, message: str) -> str:
-        """The reply's text, the server asked up to 1 + retries times."""
+    def _ask(self, message: str) -> Any:
+        """The reply (parsed JSON), the server asked up to 1 + retries times."""
         s = self.settings
         body = json.dumps({"model": s.model, "messages": [{"role": "user", "content": message}],
                            "temperature": 0, **({"max_tokens": s.max_tokens} if s.max_tokens else {})}).encode()
@@ -119,11 +132,22 @@ class Judge:
             raise JudgeUnavailable(f"judge {self.name!r} ({s.model} at {s.url}) did not answer on all "
                                    f"{1 + s.retries} tries (retries={s.retries}, timeoutSeconds={s.timeout_s:g}): "
                                    f"{e.last_attempt.exception()}") from None
+        return reply
+
+    def _text(self, reply: Any) -> str:
         try:
             return str(reply["choices"][0]["message"]["content"] or "")
         except (KeyError, IndexError, TypeError):
-            raise JudgeError(f"judge {self.name!r}: {s.url} did not reply as an OpenAI-compatible chat completions "
-                             f"endpoint: {self._quote(json.dumps(reply))}") from None
+            raise JudgeError(f"judge {self.name!r}: {self.settings.url} did not reply as an OpenAI-compatible chat "
+                             f"completions endpoint: {self._quote(json.dumps(reply))}") from None
+
+    def _price(self, reply: Any) -> float:
+        usd = call_usd(self.settings, reply)
+        if usd is None:
+            raise JudgeError(f"judge {self.name!r}: {self.settings.url} replied without usage.prompt_tokens and "
+                             "usage.completion_tokens, so usdPerMillionTokens cannot price its calls: price them "
+                             "with usdPerCall instead")
+        return usd
 
     def _post(self, body: bytes, headers: dict[str, str]) -> Any:
         s = self.settings
@@ -159,6 +183,19 @@ def quoted(text: str, key: str | None) -> str:
     if key:
         text = text.replace(key, "[redacted apiKeyEnv]")
     return scrub(text)[:REPLY_SHOWN]
+
+
+def call_usd(settings: JudgeSettings, reply: Any) -> float | None:
+    """What one answered call cost: usd_per_call, plus the reply's usage (prompt_tokens,
+    completion_tokens) at usd_per_mtok; None when it is priced per token and the reply has no usage."""
+    usd = settings.usd_per_call or 0.0
+    if settings.usd_per_mtok is None:
+        return usd
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    tokens = [usage.get(k) if isinstance(usage, dict) else None for k in ("prompt_tokens", "completion_tokens")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in tokens):
+        return None
+    return usd + (tokens[0] * settings.usd_per_mtok[0] + tokens[1] * settings.usd_per_mtok[1]) / 1e6
 
 
 def judge_message(template: str, task: Mapping[str, Any], completion: str) -> str:

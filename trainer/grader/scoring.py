@@ -21,9 +21,11 @@ class Scorer:
     when a function fails on every try: never a score)."""
 
     def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), device: Any = "cpu",
-                 judge_calls: Mapping[str, int] | None = None, **grader_settings: Any) -> None:
+                 judge_calls: Mapping[str, int] | None = None, judge_usd: Mapping[str, float] | None = None,
+                 **grader_settings: Any) -> None:
         """A reward model (Reward.model) is loaded here, on `device` (rewardmodel.RewardModel); a
-        judge (Reward.judge) counts on from `judge_calls` (its name: the run's calls so far)."""
+        judge (Reward.judge) counts on from `judge_calls` and `judge_usd` (its name: the run's calls
+        and their price so far)."""
         names = [r.name for r in rewards]
         if not rewards or len(set(names)) != len(names):
             raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'})")
@@ -34,7 +36,8 @@ class Scorer:
                 if r.judge is not None:
                     from grpo_run.trainer.grader.judge import Judge
 
-                    self._graders.append(Judge(r.name, r.judge, calls=(judge_calls or {}).get(r.name, 0)))
+                    self._graders.append(Judge(r.name, r.judge, calls=(judge_calls or {}).get(r.name, 0),
+                                               usd=(judge_usd or {}).get(r.name, 0.0)))
                 elif r.model:
                     from grpo_run.trainer.grader.rewardmodel import RewardModel
 
@@ -70,6 +73,11 @@ class Scorer:
     def judge_calls(self) -> dict[str, int]:
         """{judge reward's name: the run's answered calls so far}; {} without judges."""
         return {r.name: g.calls for r, g in zip(self.rewards, self._graders) if r.judge is not None}
+
+    @property
+    def judge_usd(self) -> dict[str, float]:
+        """{priced judge reward's name: the run's spend on its calls so far}; {} without one."""
+        return {r.name: g.usd for r, g in zip(self.rewards, self._graders) if r.judge is not None and g.priced}
 
     def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
         """The weighted sum per completion, summed in the environment's order (so it is the same
