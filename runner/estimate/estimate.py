@@ -164,9 +164,14 @@ def reward_model_configs(job: TrainingJob) -> list[dict[str, Any]]:
             continue
         field = f"spec.environment.rewards[{i}].model"
         try:
-            configs.append(model_config(reward.model))
+            config = model_config(reward.model)
         except (LookupError, ValueError) as e:
             raise type(e)(f"{field}: {str(e).removeprefix('spec.model: ')}".replace("spec.model", field)) from None
+        outputs = config.get("num_labels", len(config.get("id2label") or {}) or 2)   # transformers' default: 2
+        if outputs != 1:
+            raise ValueError(f"{field}: {reward.model} has {outputs} outputs (num_labels); a reward model is a "
+                             "sequence classifier with one logit, the reward (num_labels: 1 in its config.json)")
+        configs.append(config)
     return configs
 
 

@@ -22,6 +22,8 @@ QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
 QWEN2_5_0_5B = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                 "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
                 "tie_word_embeddings": True}
+# ... and a reward model of Qwen2.5-0.5B's shape: a sequence classifier with one logit
+QWEN2_5_0_5B_RM = {**QWEN2_5_0_5B, "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "LABEL_0"}}
 QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936,
               "tie_word_embeddings": True}
@@ -318,7 +320,7 @@ def reward_model_job(tmp_path: Path, reward_model: str, gpu: str = "L40S"):
 
 
 def test_a_reward_model_s_weights_and_forward_are_in_the_memory_and_the_step_time(tmp_path):
-    with_rm = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    with_rm = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B_RM)))
     plain = json.loads(json.dumps(with_rm))
     plain["spec"]["environment"]["rewards"] = plain["spec"]["environment"]["rewards"][:1]
     rm, no_rm = estimate(parse_job(with_rm)), estimate(parse_job(plain))
@@ -353,7 +355,7 @@ def test_one_reward_model_forward_is_a_one_logit_pass_computed_by_hand():
 
 
 def test_the_dry_run_counts_a_reward_model_and_names_one_it_cannot_find(capsys, tmp_path, monkeypatch):
-    rc, out, err = dry_run(capsys, tmp_path, reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B))))
+    rc, out, err = dry_run(capsys, tmp_path, reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B_RM))))
     assert rc == EXIT_OK, err
     assert "the reward models' weights are 0.99 GB of it" in out
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -362,10 +364,15 @@ def test_the_dry_run_counts_a_reward_model_and_names_one_it_cannot_find(capsys, 
     assert rc == EXIT_USAGE
     assert "spec.environment.rewards[1].model: " in err and "grpo-run-tests/no-such-reward-model" in err
     assert "Traceback" not in err
+    # a causal LM's config (no one-logit head) is refused before a GPU is paid for
+    rc, out, err = dry_run(capsys, tmp_path, reward_model_job(tmp_path, str(model_folder(tmp_path, "lm", QWEN2_5_0_5B))))
+    assert rc == EXIT_USAGE and "Traceback" not in err
+    assert "spec.environment.rewards[1].model: " in err and "has 2 outputs (num_labels); a reward model is a " \
+        "sequence classifier with one logit" in err
 
 
 def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completion(tmp_path):
-    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B_RM)))
     judge = {"url": "http://127.0.0.1:8000/v1", "model": "m", "prompt": "Rate {completion}"}
     job["spec"]["environment"]["rewards"][1] = {"judge": {**judge, "usdPerCall": 0.001}, "name": "quality"}
     plain = json.loads(json.dumps(job))
@@ -385,7 +392,7 @@ def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completi
 
 
 def test_the_dry_run_says_a_judge_s_calls_and_their_cost(capsys, tmp_path):
-    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B)))
+    job = reward_model_job(tmp_path, str(model_folder(tmp_path, "rm", QWEN2_5_0_5B_RM)))
     job["spec"]["environment"]["rewards"][1] = {"name": "quality", "judge": {
         "url": "http://127.0.0.1:8000/v1", "model": "m", "prompt": "Rate {completion}", "usdPerCall": 0.001}}
     rc, out, err = dry_run(capsys, tmp_path, job)
