@@ -46,7 +46,10 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
       `f(completions: list[str], task: dict) -> list[float]`, called with a prompt's G
       completions; each one's mean is recorded under the function's name. Each is packaged
       with its source (grpo_run.package); one that cannot travel is refused here, before
-      anything is written.
+      anything is written. A reward model (a one-logit sequence classifier) as its hub id or
+      folder, alone or as `{"model": id, "weight": w, "name": n}`; an LLM judge as
+      `{"judge": {"url": ..., "model": ..., "prompt": ...}, "weight": w, "name": n}`: the job
+      file's `rewards` entries, checked as `apply` checks them (docs/job.md).
     tasks, eval_tasks: a list of dicts (each with a "prompt": text or chat messages, and the
       columns the rewards read), a datasets.Dataset, or a task file's path (.jsonl, .json, .csv,
       .parquet); give eval_tasks or held_out_fraction.
@@ -77,7 +80,11 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
     folder = home() / FOLDER / name
     folder.mkdir(parents=True, exist_ok=True)
     env: dict[str, Any] = {"name": name, "path": [str(folder)], "rewards": []}
-    for fn_name, source, weight, group in packaged:
+    for item in packaged:
+        if isinstance(item, dict):                  # a reward model or a judge: the job file's entry
+            env["rewards"].append(item)
+            continue
+        fn_name, source, weight, group = item
         path = folder / f"{fn_name}.py"
         _write_if_changed(path, source.encode())
         env["rewards"].append({"function": f"{path}:{fn_name}", "weight": weight, **({"group": True} if group else {})})
@@ -121,15 +128,18 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", lambda m: "_" + m.group(1).lower(), camel)
 
 
-def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool]]:
-    """(function name, its packaged module's source, weight, group) of each reward; raises JobError
-    for a reward that is not `f`, `(f, weight)` or `{"function": f, "weight": w, "group": True}`,
-    two of one name, or one that cannot travel."""
+def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
+    """(function name, its packaged module's source, weight, group) of each reward function, the
+    job file's entry of each reward model or judge; raises JobError for a reward that is none of
+    train()'s forms, two functions of one name, or one that cannot travel."""
     if not isinstance(rewards, list) or not rewards:
         raise JobError(f"{SOURCE}: rewards: give a list of functions, each f or (f, weight), e.g. rewards=[correct, "
                        f"(length_penalty, 0.1)] (got {type(rewards).__name__})")
     out, names = [], set()
     for i, item in enumerate(rewards):
+        if isinstance(item, (str, Path)) or isinstance(item, dict) and ("model" in item or "judge" in item):
+            out.append(_model_or_judge(item, i))
+            continue
         fn, weight = item if isinstance(item, tuple) and len(item) == 2 else (item, 1.0)
         group = False
         if isinstance(item, dict):
@@ -150,6 +160,21 @@ def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool]]:
         names.add(fn.__name__)
         out.append((fn.__name__, source, float(weight), group))
     return out
+
+
+def _model_or_judge(item: str | Path | dict[str, Any], i: int) -> dict[str, Any]:
+    """The job file's rewards entry for a reward model (its id or folder, or {"model", "weight",
+    "name"}) or a judge ({"judge", "weight", "name"}); a folder given as a relative path is made
+    absolute here (the job's files live elsewhere). The rest is checked as apply checks it."""
+    entry = {"model": str(item)} if isinstance(item, (str, Path)) else dict(item)
+    allowed = {"model", "judge", "weight", "name"}
+    if not set(entry) <= allowed:
+        raise JobError(f"{SOURCE}: rewards[{i}]: a reward model or judge takes {', '.join(sorted(allowed))} "
+                       f"(got {', '.join(sorted(set(entry) - allowed))})")
+    model = entry.get("model")
+    if isinstance(model, (str, Path)) and Path(model).expanduser().exists():
+        entry["model"] = str(Path(model).expanduser().resolve())
+    return entry
 
 
 def _task_file(tasks: Any, path: Path, field: str) -> str:

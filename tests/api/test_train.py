@@ -302,3 +302,28 @@ def test_tasks_as_a_dataset_or_chat_rows_are_written_as_parquet_the_trainer_read
         _task_file([{"prompt": "a", "n": 1}, {"prompt": "b", "n": "x"}], tmp_path / "mixed.parquet", "eval_tasks")
     with pytest.raises(grpo_run.JobError, match=r"tasks: give a list of dicts"):
         _task_file(["just a prompt"], tmp_path / "bad.parquet", "tasks")
+
+
+def test_a_reward_model_and_a_judge_are_given_as_the_job_file_gives_them(tmp_path, monkeypatch):
+    from tests.trainer.test_reward_model import build_reward_model
+
+    build_reward_model(tmp_path / "rm")              # a folder beside the script
+    monkeypatch.chdir(tmp_path)
+    tasks = [{"prompt": f"{a}+{b}=", "n": "1"} for a in range(3) for b in range(3)]
+    job = grpo_run.train(model="tiny:char", name="with-rm", tasks=tasks, held_out_fraction=0.3,
+                         rewards=[uses_its_module, {"model": "rm", "weight": 0.5, "name": "rm"}],
+                         num_generations=2, prompts_per_step=2, max_completion_length=4, max_steps=2, save_steps=2)
+    status = job.status()
+    assert status["phase"] == "Succeeded" and set(status["lastStep"]["rewards"]) == {"uses_its_module", "rm"}
+    # the folder, given relative to where the script runs, is the job's by its absolute path
+    assert job.doc()["spec"]["environment"]["rewards"][1] == {"model": str(tmp_path / "rm"), "weight": 0.5,
+                                                               "name": "rm"}
+    judge = {"url": "http://127.0.0.1:9/v1", "model": "m", "prompt": "Rate {completion}"}
+    monkeypatch.delenv("GRPO_RUN_ALLOW_JUDGES", raising=False)
+    with pytest.raises(grpo_run.JobError, match="this node does not allow LLM judges"):
+        grpo_run.train(model="tiny:char", name="judged", tasks=tasks, held_out_fraction=0.3,
+                       rewards=[uses_its_module, {"judge": judge, "name": "quality"}], max_steps=2)
+    with pytest.raises(grpo_run.JobError, match=r"rewards\[1\]: a reward model or judge takes judge, model, name, "
+                                                r"weight \(got group\)"):
+        grpo_run.train(model="tiny:char", name="judged", tasks=tasks, held_out_fraction=0.3,
+                       rewards=[uses_its_module, {"model": "rm", "group": True}], max_steps=2)
