@@ -21,6 +21,7 @@ import os
 import re
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,24 @@ RECORD_FILE = "state.db"     # the record's name, in a job's work folder and in 
 
 
 EVAL_KINDS = ("baseline", "final")
+BUSY_TIMEOUT_S = 30.0        # how long a connection waits for another's lock before it fails
+
+
+def _wal(conn: sqlite3.Connection) -> None:
+    """Switch the record to write-ahead logging (kept in the file: a no-op once done). Two
+    processes opening a new record at once (the supervisor creating it, `grpo-run get` reading
+    it) can each hold the read lock the switch must upgrade: SQLite then answers one of them
+    "database is locked" at once, without waiting (no busy handler can break a deadlock), so
+    that one lets go and asks again, for up to BUSY_TIMEOUT_S."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 class Record:
     """Owns one SQLite connection to the run's record; safe to share between threads."""
@@ -47,8 +66,8 @@ class Record:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._in_transaction = False     # guarded by _lock
-        conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30.0)
-        conn.execute("PRAGMA journal_mode=WAL")   # readers (grpo-run get) never block the writer
+        conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+        _wal(conn)                                # readers (grpo-run get) never block the writer
         conn.execute("PRAGMA synchronous=FULL")   # a committed transition survives power loss
         self._conn = conn
         self.db = sqlite_utils.Database(conn)

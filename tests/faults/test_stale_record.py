@@ -8,6 +8,8 @@ checkpoints are looked at too: each carries the metrics so far.)"""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 
 import pytest
@@ -59,13 +61,23 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
             return bool(record.attempts())
 
     wait_until("node A's attempt is in storage", a_is_training, a)
-    b = start_node(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, "--wait",
-                   GRPO_RUN_NOTICES="none", GRPO_RUN_WAIT_POLL_S="0.3")
+    # Node A's supervisor is paused (SIGSTOP; its lease stays fresh for its 60 s) until node B has
+    # read the record and been told the job is held: on a loaded machine A could otherwise finish
+    # its steps before B has started, and there would be no race to test.
+    b_log = tmp_path / "node-b.log"
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b = start_node(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, "--wait",
+                       GRPO_RUN_NOTICES="none", GRPO_RUN_WAIT_POLL_S="0.3", log=b_log)
+        wait_until("node B is told the job is held",
+                   lambda: b_log.exists() and "another node holds the job" in b_log.read_text(), b, timeout=45)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
     a_out, a_err = a.communicate(timeout=600)
-    b_out, b_err = b.communicate(timeout=600)
+    b.communicate(timeout=600)
+    b_said = b_log.read_text()
     assert a.returncode == 0, a_err[-3000:]
-    assert b.returncode == 0, b_err[-3000:]
-    assert "another node holds the job" in b_err, b_err[-3000:]     # it raced: read the record, was told held
+    assert b.returncode == 0, b_said[-3000:]
 
     with Record(tmp_path / "node-a" / "runs" / "resumable" / "state.db") as record:
         finished = history(record)                                # what node A left when it finished
@@ -81,6 +93,6 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
     assert [reason for _, reason, _, _ in finished["attempts"]] == ["Succeeded"]
     assert finished["ledger"]["1"]["usd"] > 0
     assert now == finished
-    assert "already succeeded" in b_out + b_err
+    assert "already succeeded" in b_said
     figures.add("trust", actor='ordinary failure', tried='resume --wait downloads the record, is told held, and resumes after the holder succeeded',
                 protection="decided from storage's record under the lease; generations on every upload", outcome='storage still Succeeded with every step, attempt and dollar', held=True)

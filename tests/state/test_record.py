@@ -309,3 +309,34 @@ def test_an_attempt_whose_last_steps_never_reached_storage_got_at_least_as_far_a
     record.end_attempt(first, "Crashed", "the node stopped without a word")
     record.start_attempt("node-b", from_step=4)
     assert [(a["from_step"], a["to_step"]) for a in record.attempts()] == [(0, 4), (4, None)]
+
+
+def _open_at_once(path, barrier, results):
+    barrier.wait()
+    try:
+        with Record(path) as record:
+            results.put(record.applied_migrations() == [name for name, _ in MIGRATIONS])
+    except Exception as e:                 # what the supervisor would have died of
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_processes_opening_a_new_record_at_once_all_open_it():
+    """The supervisor creating its record while `grpo-run get` (or a test) opens it: both switch it
+    to WAL, which SQLite can refuse one of them at once ("database is locked", no busy wait; seen
+    in a clean-clone run as a node that died starting). 3 processes on 20 new records: before
+    the fix about a third of such trials had one fail."""
+    import multiprocessing
+    import tempfile
+    from pathlib import Path
+
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as folder:
+        for trial in range(20):
+            barrier, results = ctx.Barrier(3), ctx.Queue()
+            procs = [ctx.Process(target=_open_at_once, args=(Path(folder) / str(trial) / "state.db", barrier, results))
+                     for _ in range(3)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(60)
+            assert [results.get(timeout=5) for _ in procs] == [True] * 3, f"trial {trial}"
