@@ -418,8 +418,9 @@ class Books:
             self.trackers.samples("baseline", 0, groups)
         wanted = min(sample_tasks, result.get("tasks", sample_tasks))
         if stored is not None and len(groups) < wanted:
-            log.info("the cached baseline kept the completions of %d held-out tasks, sampleEvalTasks asks for %d: "
-                     "the final evaluation's others have no baseline answer beside them", len(groups), wanted)
+            log.info("the cached baseline kept the completions of %d of the %d held-out tasks sampleEvalTasks now "
+                     "keeps: the final evaluation's others have no baseline answer beside them (the baseline is "
+                     "not run again for them)", len(groups), wanted)
         self.trackers.evaluation("baseline", 0, result)
         return result
 

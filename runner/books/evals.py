@@ -37,7 +37,8 @@ class Evals:
         if cached is None or cached.get("fingerprint") != fingerprint:
             try:
                 doc = json.loads(self.store.get_bytes(BASELINE))
-                cached = stored = doc if isinstance(doc, dict) else cached
+                if isinstance(doc, dict):
+                    cached = stored = doc
             except FileNotFoundError:
                 pass
         if cached is not None and cached.get("fingerprint") == fingerprint:

@@ -66,20 +66,33 @@ def baseline_ran(store: Store, work, groups: list[dict]) -> list[dict]:
 
 def test_a_baseline_reused_from_storage_s_cache_brings_back_the_samples_it_kept(tmp_path):
     store = Store(str(tmp_path / "store"))
-    ran = baseline_ran(store, tmp_path / "node-a", [answer(0, "2"), answer(1, "3"), answer(2, "5")])
-    assert len(ran) == 3
+    ran = baseline_ran(store, tmp_path / "node-a", [answer(0, "2"), answer(1, "3")])
+    assert len(ran) == 2
     b = books(store, tmp_path / "node-b")                      # a new record: only baseline.json to go on
     try:
         assert b.cached_baseline("fp", sample_tasks=8) == RESULT
         assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
     finally:
         b.close()
-    c = books(store, tmp_path / "node-c")                      # sampleEvalTasks now 2: the first two
+    c = books(store, tmp_path / "node-c")                      # sampleEvalTasks now 1: the first task's
     try:
-        assert c.cached_baseline("fp", sample_tasks=2) == RESULT
-        assert c.record.samples("baseline", c.record.sample_steps("baseline")) == ran[:2]
+        assert c.cached_baseline("fp", sample_tasks=1) == RESULT
+        assert c.record.samples("baseline", c.record.sample_steps("baseline")) == ran[:1]
     finally:
         c.close()
+
+
+def test_a_cached_baseline_that_kept_fewer_tasks_than_now_asked_gives_those_and_says_so(tmp_path, caplog):
+    store = Store(str(tmp_path / "store"))
+    ran = baseline_ran(store, tmp_path / "node-a", [answer(0, "2")])      # it ran with sampleEvalTasks 1
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("INFO", logger="grpo_run.runner.books.books"):
+            assert b.cached_baseline("fp", sample_tasks=8) == RESULT      # reused, not run again
+        assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
+        assert "kept the completions of 1 of the 2 held-out tasks sampleEvalTasks now keeps" in caplog.text
+    finally:
+        b.close()
 
 
 @pytest.mark.parametrize("samples", [None, "not a list", [{"item": 0}]], ids=["none", "garbled", "incomplete"])
