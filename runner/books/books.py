@@ -410,11 +410,27 @@ class Books:
 
     # --- evaluations (evals.py) -----------------------------------------------------------------
 
-    def cached_baseline(self, fingerprint: str) -> dict[str, Any] | None:
-        """The baseline computed earlier for this fingerprint, recorded as reused; None: compute it."""
-        result = self.evals.cached_baseline(fingerprint)
-        if result is not None:
-            self.trackers.evaluation("baseline", 0, result)
+    def cached_baseline(self, fingerprint: str, sample_tasks: int) -> dict[str, Any] | None:
+        """The baseline computed earlier for this fingerprint, recorded as reused; None: compute it.
+        Reused from storage's cache (the record was deleted), the samples it kept come back into
+        the record: those of the first `sample_tasks` held-out tasks (sampleEvalTasks now), or
+        fewer when the baseline kept fewer (it is not computed again for its samples)."""
+        with self.record.transaction():
+            cached = self.evals.cached_baseline(fingerprint)
+            if cached is None:
+                return None
+            result, stored = cached
+            groups = [g for g in stored or [] if g["item"] < sample_tasks]
+            if stored is not None:
+                self.samples.replace("baseline", 0, groups)
+        if groups:
+            self.trackers.samples("baseline", 0, groups)
+        wanted = min(sample_tasks, result.get("tasks", sample_tasks))
+        if stored is not None and len(groups) < wanted:
+            log.info("the cached baseline kept the completions of %d of the %d held-out tasks sampleEvalTasks now "
+                     "keeps: the final evaluation's others have no baseline answer beside them (the baseline is "
+                     "not run again for them)", len(groups), wanted)
+        self.trackers.evaluation("baseline", 0, result)
         return result
 
     def record_eval(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:

@@ -1,7 +1,7 @@
 """The held-out evaluations' books: the baseline cache (the record's, else `baseline.json` in the
-job's storage folder), the evaluation batches a stopped attempt finished, the held-out curve and
-the size of one evaluation. A result is reused only for the fingerprint it was computed for
-(runner.books.fingerprint)."""
+job's storage folder, with the samples the baseline kept), the evaluation batches a stopped
+attempt finished, the held-out curve and the size of one evaluation. A result is reused only for
+the fingerprint it was computed for (runner.books.fingerprint)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.state import values
 from grpo_run.state.record import Record
+from grpo_run.trainer.protocol import SampleGroup
 
 log = logging.getLogger(__name__)
 
@@ -26,22 +27,25 @@ class Evals:
         self.record = record
         self.store = store
 
-    def cached_baseline(self, fingerprint: str) -> dict[str, Any] | None:
+    def cached_baseline(self, fingerprint: str) -> tuple[dict[str, Any], list[dict[str, Any]] | None] | None:
         """The baseline computed earlier for this very fingerprint (the record's, else the one in
-        storage), recorded as reused; None when it must be computed (said why when a cache for
-        other settings was there)."""
+        storage), recorded as reused, with the samples to put back in the record: storage's
+        cache's ([] when it has none), None for the record's own (its samples are still there);
+        None when it must be computed (said why when a cache for other settings was there)."""
         cached = self.record.eval("baseline")
+        stored = None
         if cached is None or cached.get("fingerprint") != fingerprint:
             try:
                 doc = json.loads(self.store.get_bytes(BASELINE))
-                cached = doc if isinstance(doc, dict) else cached
+                if isinstance(doc, dict):
+                    cached = stored = doc
             except FileNotFoundError:
                 pass
         if cached is not None and cached.get("fingerprint") == fingerprint:
             result = {k: cached[k] for k in RESULT_KEYS if k in cached}
             self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
-            return result
+            return result, _stored_samples(stored) if stored is not None else None
         if cached is not None:
             log.warning("the cached baseline was computed for another model, environment, eval tasks or "
                         "generation settings; evaluating again")
@@ -56,9 +60,11 @@ class Evals:
             values.BASELINE_WARNING.set(self.record, warning)
 
     def cache_baseline(self, result: dict[str, Any], fingerprint: str) -> None:
-        """The baseline beside the record in storage, for a job submitted again after its record
-        was deleted."""
-        self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint}).encode())
+        """The baseline beside the record in storage, with the samples it kept (the record's), for
+        a job submitted again after its record was deleted."""
+        kept = [{k: v for k, v in g.items() if k != "step"}
+                for g in self.record.samples("baseline", self.record.sample_steps("baseline"))]
+        self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint, "samples": kept}).encode())
 
     def add_held_out(self, step: int, result: dict[str, Any]) -> None:
         """An evaluation on the held-out tasks after `step` (every evalSteps): the curve `get tj`
@@ -85,3 +91,14 @@ class Evals:
     def plan(self, tasks: int, batch_size: int) -> None:
         """How big one held-out evaluation is, for `get tj -w`'s evaluation bars."""
         values.EVAL_PLAN.set(self.record, {"tasks": tasks, "batches": -(-tasks // batch_size)})
+
+
+def _stored_samples(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The samples a cached baseline kept, each checked as the trainer's Samples event is; none
+    (said why) when they do not read as such. A cache written before it kept samples has none."""
+    try:
+        return [SampleGroup.model_validate(g).model_dump() for g in doc.get("samples", [])]
+    except (TypeError, ValueError) as e:      # pydantic's ValidationError is a ValueError
+        log.warning("the cached baseline's samples are unreadable (%s); the reused baseline has none",
+                    str(e).splitlines()[0])
+        return []

@@ -50,3 +50,12 @@ class SampleBooks:
             record.put_samples(kind, step, groups, whole=kind == "step")
             if kind in ("step", "heldOut"):
                 record.drop_samples(kind, steps_to_drop(record.sample_steps(kind), step))
+
+    def replace(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
+        """The one set of evaluation `kind` (baseline or final), all of it: `groups` at `step`,
+        nothing else (a cached baseline's samples put back). Raises ValueError for another kind."""
+        if kind not in ("baseline", "final"):
+            raise ValueError(f"only an evaluation's one set is replaced whole (got {kind!r})")
+        with self.record.transaction():
+            self.record.drop_samples(kind, self.record.sample_steps(kind))
+            self.record.put_samples(kind, step, groups, whole=True)

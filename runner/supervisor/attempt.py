@@ -117,7 +117,7 @@ class TrainerProcess:
         spec, books = self.spec, self.books
         fp = baseline_fingerprint(spec.model, spec.env, spec.params)
         self._fingerprints = {"baseline": fp, "final": final_fingerprint(fp, spec.manifest)}
-        cached = books.cached_baseline(fp)
+        cached = books.cached_baseline(fp, spec.params.sampleEvalTasks)
         done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
         params = spec.params
         books.plan_evaluations(len(spec.env.eval_tasks), params.evalBatchSize)

@@ -1,5 +1,7 @@
 """The run's books in storage: what a node lost at the worst moment leaves for the next one."""
 
+import json
+
 import pytest
 
 from grpo_run.checkpoint.storage.store import Store
@@ -36,8 +38,74 @@ def test_a_node_lost_between_its_baseline_and_the_cache_file_leaves_the_baseline
 
     b = books(store, tmp_path / "node-b")                      # a fresh node: the record from storage
     try:
-        assert b.cached_baseline("fp") == RESULT               # reused, not computed again
+        assert b.cached_baseline("fp", 8) == RESULT            # reused, not computed again
         assert b.record.eval("baseline")["runs"] == 1          # and the one computation still counted
+    finally:
+        b.close()
+
+
+def answer(item: int, text: str) -> dict:
+    """A held-out task's kept completion, as the trainer's Samples event carries it."""
+    return {"item": item, "prompt": f"{item}+1=", "solved": False, "completions": [
+        {"text": text, "rewards": {"score": 0.5}, "reward": 0.5, "advantage": None, "length": 3, "truncated": False}]}
+
+
+def baseline_ran(store: Store, work, groups: list[dict]) -> list[dict]:
+    """A node that computed the baseline (its samples reported before it) and whose record was
+    then deleted (the job to be submitted again): the samples as `grpo-run samples` read them."""
+    a = books(store, work)
+    try:
+        a.add_samples("baseline", 0, groups)
+        a.record_eval("baseline", RESULT, "fp", no_signal=False)
+        ran = a.record.samples("baseline", [0])
+    finally:
+        a.close()
+    store.delete("state.db")
+    return ran
+
+
+def test_a_baseline_reused_from_storage_s_cache_brings_back_the_samples_it_kept(tmp_path):
+    store = Store(str(tmp_path / "store"))
+    ran = baseline_ran(store, tmp_path / "node-a", [answer(0, "2"), answer(1, "3")])
+    assert len(ran) == 2
+    b = books(store, tmp_path / "node-b")                      # a new record: only baseline.json to go on
+    try:
+        assert b.cached_baseline("fp", sample_tasks=8) == RESULT
+        assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
+    finally:
+        b.close()
+    c = books(store, tmp_path / "node-c")                      # sampleEvalTasks now 1: the first task's
+    try:
+        assert c.cached_baseline("fp", sample_tasks=1) == RESULT
+        assert c.record.samples("baseline", c.record.sample_steps("baseline")) == ran[:1]
+    finally:
+        c.close()
+
+
+def test_a_cached_baseline_that_kept_fewer_tasks_than_now_asked_gives_those_and_says_so(tmp_path, caplog):
+    store = Store(str(tmp_path / "store"))
+    ran = baseline_ran(store, tmp_path / "node-a", [answer(0, "2")])      # it ran with sampleEvalTasks 1
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("INFO", logger="grpo_run.runner.books.books"):
+            assert b.cached_baseline("fp", sample_tasks=8) == RESULT      # reused, not run again
+        assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
+        assert "kept the completions of 1 of the 2 held-out tasks sampleEvalTasks now keeps" in caplog.text
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("samples", [None, "not a list", [{"item": 0}]], ids=["none", "garbled", "incomplete"])
+def test_a_cached_baseline_without_readable_samples_is_reused_without_them(tmp_path, samples):
+    """A cache written before baselines kept samples has none; one whose samples do not read is
+    still a baseline (its scores), reused with none."""
+    store = Store(str(tmp_path / "store"))
+    store.put_bytes(BASELINE, json.dumps({**RESULT, "fingerprint": "fp",
+                                          **({} if samples is None else {"samples": samples})}).encode())
+    b = books(store, tmp_path / "node-b")
+    try:
+        assert b.cached_baseline("fp", sample_tasks=8) == RESULT
+        assert b.record.sample_steps("baseline") == []
     finally:
         b.close()
 

@@ -136,6 +136,31 @@ def test_changed_eval_settings_invalidate_the_cached_baseline(tmp_path, s3_env):
     assert st["baseline"]["runs"] == 2 and st["baseline"]["source"] == "computed"
 
 
+def test_a_baseline_reused_from_the_cache_shows_the_samples_it_kept_when_it_ran(tmp_path):
+    """The job submitted again after its record was deleted reuses baseline.json; `grpo-run
+    samples --eval baseline` shows the completions the baseline wrote when it ran, and the final
+    evaluation's beside them."""
+    storage = tmp_path / "store"
+    job = write_job(tmp_path, str(storage), maxSteps=2)
+
+    def baseline(home: Path) -> list[dict]:
+        return json.loads(grpo_run(home, "samples", "resumable", "--storage", str(storage), "--eval", "baseline",
+                                   "-o", "json").stdout)
+
+    grpo_run(tmp_path / "node-a", "apply", "-f", str(job))
+    ran = baseline(tmp_path / "node-a")
+    assert [r["task"] for r in ran] == [1, 2, 3]              # 3 eval tasks, sampleEvalTasks 8
+    (storage / "resumable" / "state.db").unlink()              # the record deleted: the job starts over
+
+    grpo_run(tmp_path / "node-b", "apply", "-f", str(job))
+    st = status(tmp_path / "node-b", str(storage))
+    assert st["phase"] == "Succeeded" and st["baseline"]["source"] == "cache"
+    reused = baseline(tmp_path / "node-b")
+    assert [{k: r[k] for k in ("task", "prompt", "completion", "rewards")} for r in reused] == \
+        [{k: r[k] for k in ("task", "prompt", "completion", "rewards")} for r in ran]
+    assert all("final" in r for r in reused)                  # side by side with the final answers
+
+
 @pytest.mark.fault
 def test_a_run_killed_and_resumed_has_each_step_s_samples_once(tmp_path, s3_env):
     """Steps after the checkpoint are redone on the fresh node: their samples replace the killed

@@ -61,15 +61,30 @@ def test_a_groups_draws_do_not_depend_on_the_groups_sampled_beside_it(policy):
     assert not torch.equal(both.ids[:G, :width], alone.ids)          # another prompt, another stream
 
 
-def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str, method: str = "LoRA") -> tuple[dict, dict]:
-    out = str(tmp_path / f"p{processes}-{loss_type}-{method}")
+def _steps(tmp_path: Path, processes: int, reward: str, loss_type: str, method: str = "LoRA",
+           steps: int = 2) -> tuple[dict, dict]:
+    out = str(tmp_path / f"p{processes}-{loss_type}-{method}-{steps}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                    str(HERE / "dist_step.py"), reward, loss_type, out, method], check=True, env=env, timeout=240,
+                    str(HERE / "dist_step.py"), reward, loss_type, out, method, str(steps)], check=True, env=env, timeout=240,
                    capture_output=True)
     from safetensors.torch import load_file
 
     return load_file(out + ".safetensors"), json.loads(Path(out + ".json").read_text())
+
+
+def test_two_processes_keep_the_evaluation_samples_one_process_keeps(tmp_path):
+    """The held-out batches are dealt to the ranks (3 tasks a batch, 8 tasks: rank 0 computes
+    batches 0 and 2, rank 1 batch 1), the first 5 tasks' completions kept: rank 0 reports the same
+    tasks, once each, with the same completions and rewards as one process."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(completion, task):\n    return float(len(completion))\n")
+    _, one = _steps(tmp_path, 1, f"{reward}:score", "grpo", steps=0)
+    _, two = _steps(tmp_path, 2, f"{reward}:score", "grpo", steps=0)
+    assert [g["item"] for g in one["samples"]] == [0, 1, 2, 3, 4]
+    assert two["samples"] == one["samples"]
+    assert sorted(two["reported"], key=lambda g: g["item"]) == one["reported"] == one["samples"]
+    assert {len(g["completions"]) for g in two["samples"]} == {1}
 
 
 @pytest.mark.slow
