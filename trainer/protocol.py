@@ -177,8 +177,15 @@ class Evaluated(_Event):
     noSignal: bool                        # every held-out reward equal: GRPO's groups would all be identical
 
 
+# A kept prompt's or completion's text is at most SAMPLE_CHARS characters, and a note of how many
+# more there were (trainer.samples.capped); one longer did not come from a trainer (a cached
+# baseline's samples are read back from storage) and does not validate.
+SAMPLE_CHARS = 1000
+CappedText = Annotated[str, Field(max_length=SAMPLE_CHARS + 40)]
+
+
 class SampleCompletion(_Event):
-    text: str                             # capped (trainer.samples.MAX_CHARS)
+    text: CappedText                      # capped (trainer.samples.capped)
     rewards: dict[str, float]             # by reward name
     reward: float                         # the weighted sum
     advantage: float | None = None        # training steps only
@@ -188,7 +195,7 @@ class SampleCompletion(_Event):
 
 class SampleGroup(_Event):
     item: int                             # a step's group (0-based), or the held-out task's place among them
-    prompt: str                           # capped; chat messages as `role: content` lines
+    prompt: CappedText                    # capped; chat messages as `role: content` lines
     completions: list[SampleCompletion]   # a group's G; an evaluation's one per task
     solved: bool                          # every completion scored 1 on the first reward (an evaluation's "solved")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from grpo_run.trainer.model.prompts import Prompt
-from grpo_run.trainer.protocol import SampleCompletion, SampleGroup
+from grpo_run.trainer.protocol import SAMPLE_CHARS, SampleCompletion, SampleGroup
 
-MAX_CHARS = 1000      # per prompt and per completion, in the record
+MAX_CHARS = SAMPLE_CHARS      # per prompt and per completion, in the record
 
 
 def capped(text: str, limit: int = MAX_CHARS) -> str:

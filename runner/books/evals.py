@@ -41,6 +41,8 @@ class Evals:
                     cached = stored = doc
             except FileNotFoundError:
                 pass
+            except ValueError:                 # not JSON (UnicodeDecodeError is a ValueError too)
+                log.warning("storage's %s is not JSON: ignored; the baseline is evaluated again", BASELINE)
         if cached is not None and cached.get("fingerprint") == fingerprint:
             result = {k: cached[k] for k in RESULT_KEYS if k in cached}
             self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)

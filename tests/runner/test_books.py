@@ -95,7 +95,12 @@ def test_a_cached_baseline_that_kept_fewer_tasks_than_now_asked_gives_those_and_
         b.close()
 
 
-@pytest.mark.parametrize("samples", [None, "not a list", [{"item": 0}]], ids=["none", "garbled", "incomplete"])
+LONG = {"item": 0, "prompt": "1+1=", "solved": False, "completions": [
+    {"text": "2" * 5000, "rewards": {"correct": 0.0}, "reward": 0.0, "length": 5000, "truncated": False}]}
+
+
+@pytest.mark.parametrize("samples", [None, "not a list", [{"item": 0}], [LONG]],
+                         ids=["none", "garbled", "incomplete", "uncapped"])
 def test_a_cached_baseline_without_readable_samples_is_reused_without_them(tmp_path, samples):
     """A cache written before baselines kept samples has none; one whose samples do not read is
     still a baseline (its scores), reused with none."""
@@ -106,6 +111,18 @@ def test_a_cached_baseline_without_readable_samples_is_reused_without_them(tmp_p
     try:
         assert b.cached_baseline("fp", sample_tasks=8) == RESULT
         assert b.record.sample_steps("baseline") == []
+    finally:
+        b.close()
+
+
+def test_a_baseline_json_that_is_not_json_is_ignored_and_the_baseline_evaluated_again(tmp_path, caplog):
+    store = Store(str(tmp_path / "store"))
+    store.put_bytes(BASELINE, b"\xff{not json")
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("WARNING"):
+            assert b.cached_baseline("fp", sample_tasks=8) is None
+        assert "storage's baseline.json is not JSON: ignored; the baseline is evaluated again" in caplog.text
     finally:
         b.close()
 
