@@ -100,8 +100,10 @@ def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_t
     (tmp_path / "job.yaml").unlink()
     durable = durable_steps(s3_env)
     print("durable at the kill:", durable)
-    assert len(durable) >= 2 and durable[0] >= 2 * SAVE, durable
-    newest, before = durable[0], durable[1]
+    # Two are durable unless the uploader, busy on a loaded machine, let checkpoint 6 supersede 4
+    # (seen in a clean-clone run): then the one before the corrupt newest is the start itself.
+    assert durable, "no checkpoint was durable at the kill"
+    newest, before = durable[0], (durable[1] if len(durable) > 1 else None)
 
     folder = next(f for f in durable_folders(s3_env) if f.endswith(f"/{checkpoint_name(newest)}"))
     why = corrupt(s3_env.server.client(), s3_env.bucket, folder)
