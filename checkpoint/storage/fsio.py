@@ -32,7 +32,10 @@ def fsync_dir(path: Path) -> None:
 
 
 def temp_sibling(path: Path) -> Path:
-    return path.with_name(f"{TMP_MARKER}{path.name}.{uuid.uuid4().hex[:8]}")
+    """A fresh name beside `path` that holds nothing of `path`'s own name: a kill can leave it
+    behind, and readers that pick files by name (TensorBoard reads every file with "tfevents" in
+    it, in the folder a user points it at) must not take a half-written copy for the real one."""
+    return path.with_name(f"{TMP_MARKER}{uuid.uuid4().hex[:16]}")
 
 
 def atomic_write_bytes(dest: Path, data: bytes) -> None:

@@ -87,6 +87,38 @@ def test_a_file_url_store_writes_whole_files_and_leaves_no_temporaries(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["copy.bin"]
 
 
+def test_a_copy_killed_halfway_leaves_nothing_a_reader_takes_for_the_file(tmp_path):
+    """A node killed while it copies an event file into storage leaves its temporary there. Seen
+    in CI: TensorBoard, pointed at the job's storage folder, reads every name with "tfevents" in
+    it, and drew the killed node's steps a second time from the half-written copy."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.io_wrapper import IsTensorFlowEventsFile
+
+    source, root = tmp_path / "source", tmp_path / "bucket" / "tensorboard"
+    os.mkfifo(source)                                       # the copy waits here for the rest
+    dest = root / "events.out.tfevents.1764700000.node-b.4242.0.1a2b3c4d.attempt2"
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from grpo_run.checkpoint."
+                              "storage.fsio import atomic_copy; atomic_copy(*map(Path, sys.argv[1:]))", source, dest])
+    writer = os.open(source, os.O_RDWR)                     # never blocks, whatever the child does
+    try:
+        os.write(writer, b"half an event file")
+        deadline = time.monotonic() + 60
+        while not (root.exists() and any(root.iterdir())) and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        os.close(writer)
+    left = [p.name for p in root.iterdir()]
+    assert len(left) == 1 and not dest.exists(), left        # the kill left its temporary behind
+    assert IsTensorFlowEventsFile(str(dest)) and not IsTensorFlowEventsFile(str(root / left[0])), left
+    assert Store(str(tmp_path / "bucket")).list("tensorboard") == []
+
+
 def test_a_failed_download_leaves_the_local_file_untouched(tmp_path):
     local = tmp_path / "kept.bin"
     local.write_bytes(b"previous")
