@@ -71,6 +71,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
             "the last step, so a node lost on the way starts this job over from step 0 (only a spot notice "
             "saves one sooner); set saveSteps below maxSteps")
     _check_model(job, mode, found)
+    _check_folders(job, mode, found)
     _check_tasks(job, found)
     _check_rewards(job, found)
     _check_judges(job, mode, found)
@@ -193,6 +194,20 @@ def _check_model(job: TrainingJob, mode: Mode, found: Findings) -> None:
         model_shape(config)
     except ValueError as e:
         found.warnings.append(f"spec.model: the memory fit on spec.gpu is not checked: {_first_line(e)}")
+
+
+def _check_folders(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """A model given as a folder of this machine, for a job another node may run (--detach, or a
+    dry run of a job with storage): that node needs the folder at the same path, or the job fails
+    there on its first try (trainer.model.missing)."""
+    if mode == "apply" or (mode == "dry-run" and job.storage is None):
+        return
+    named = [("spec.model", job.model)] + [(f"spec.environment.rewards.{i}.model", r.model)
+                                          for i, r in enumerate(job.environment.rewards) if r.model]
+    for where, path in named:
+        if Path(path).is_dir():
+            found.notes.append(f"{where}: {path} is a folder on this machine: a node runs this job only if the "
+                               "same folder is at that path there (a hub id, or the folder in the node's image)")
 
 
 # --- the tasks --------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
 from grpo_run.trainer.logs import trainer_logging
+from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
                                        CHILD_INFRA_FAILED, CHILD_STOPPED,
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
@@ -74,8 +75,9 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
         log.error("infrastructure failure: %s", e)
         return CHILD_INFRA_FAILED
-    except (SandboxUnavailable, NonFiniteStep, JudgeError) as e:   # the node's sandbox, the job's numbers, the
-        # judge's refusal or budget: a restart cannot get the missing layer and replays the same step; each ends the job
+    except (SandboxUnavailable, NonFiniteStep, JudgeError, ModelMissing) as e:   # the node's sandbox, the job's
+        # numbers, the judge's refusal or budget, a model not there: a restart cannot get the missing layer or model
+        # and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e)
         return CHILD_CODE_ERROR

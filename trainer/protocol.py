@@ -72,8 +72,9 @@ CHILD_DONE = 0             # every phase the plan asked for is done; the final w
 CHILD_CRASHED = 1          # an unexpected exception: the supervisor restarts it (crash limit)
 CHILD_STOPPED = 3          # stopped on request or at the plan's budget, the last completed step sealed
 CHILD_CODE_ERROR = 10      # the user's code or numbers: the reward function failed on every try, or a step's
-                           # rewards, loss or gradient norm is not finite (trainer.NonFiniteStep): restarting
-                           # replays the same step and cannot help; the job fails (never a preemption)
+                           # rewards, loss or gradient norm is not finite (trainer.NonFiniteStep), or a model the
+                           # job names is not there (model.missing.ModelMissing): restarting replays the same step
+                           # or load and cannot help; the job fails (never a preemption)
 CHILD_INFRA_FAILED = 11    # a service outside the node (an LLM judge) did not answer past its own retries: the job
                            # fails as an infrastructure failure (never a score; `resume` tries again)
 

@@ -37,6 +37,7 @@ from grpo_run.trainer.distributed import World, shard_fsdp, unsharded, wrap_ddp
 from grpo_run.trainer.envs.catalog import Environment
 from grpo_run.trainer.envs.tasks import Task
 from grpo_run.trainer.grader.scoring import Scorer
+from grpo_run.trainer.model.missing import loading
 from grpo_run.trainer.model.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters)
 from grpo_run.trainer.model.prompts import Prompt, PromptEncoder
 from grpo_run.trainer.protocol import SampleGroup
@@ -96,8 +97,9 @@ class GRPOTrainer:
         self.cpu = CpuShare.from_environment()     # this node's threads, shared with its other trainers
         self.device = device or (self.world.device() if self.world.distributed else pick_device())
         self._ddp: torch.nn.Module | None = None   # the model under DDP, for the update (several processes)
-        self.tokenizer = load_tokenizer(model_path)
-        self.model = load_policy(model_path, params, self.device)
+        with loading("spec.model", model_path):        # not there: the job fails, no restarts
+            self.tokenizer = load_tokenizer(model_path)
+            self.model = load_policy(model_path, params, self.device)
         # several processes: LoRA/QLoRA adapters replicated under DDP, a full fine-tune sharded (FSDP)
         self.fsdp = self.world.distributed and params.method == "Full"
         if self.fsdp:

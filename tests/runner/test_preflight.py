@@ -320,8 +320,19 @@ def test_every_problem_is_reported_at_once(capsys, folder, no_aws):
 
     assert code == EXIT_USAGE
     assert "3 problems:" in err
-    assert [line.split(":")[0].strip() for line in err.splitlines()[1:]] == [
+    said = [line for line in err.splitlines() if not line.startswith("note: ")]
+    assert [line.split(":")[0].strip() for line in said[1:]] == [
         "spec.storage", "spec.environment.tasks", "spec.environment.reward"]
+
+
+def test_a_model_folder_is_noted_for_a_job_another_node_runs_and_not_for_this_machine(capsys, folder):
+    """A folder of this machine is on no node unless put there: said by --detach and by a dry run
+    of a job with storage; a dry run without storage (this machine runs it) says nothing."""
+    where = f"note: spec.model: {folder / 'model'} is a folder on this machine: a node runs this job only if"
+    assert where in dry_run(capsys, write_job(folder, storage=str(folder / "bucket")))[2]
+    assert where not in dry_run(capsys, write_job(folder))[2]
+    code, _, err = run(capsys, "apply", "-f", str(write_job(folder, storage=str(folder / "bucket"))), "--detach")
+    assert code == EXIT_OK and where in err
 
 
 # --- apply and --detach: the same checks, and the storage probe ------------------------------------

@@ -96,3 +96,46 @@ def test_the_baseline_fingerprint_covers_the_reward_models_weights(tmp_path):
     assert baseline_fingerprint("tiny:char", build_environment(job), job.parameters) == before
     build_reward_model(tmp_path / "rm", seed=1)
     assert baseline_fingerprint("tiny:char", build_environment(job), job.parameters) != before
+
+
+def test_a_node_without_the_reward_models_folder_fails_the_job_at_once_naming_it(tmp_path, capsys, monkeypatch):
+    """Submitted from a machine that has the folder, run by a node that has not: the job fails on
+    its first try with the reward model named and what to do, not restarted to the crash limit."""
+    import shutil
+
+    from grpo_run.runner.cli.commands import EXIT_FAILED
+
+    folder = build_reward_model(tmp_path / "rm")
+    path = Path(write_job(tmp_path, folder))
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["storage"] = str(tmp_path / "bucket")
+    path.write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    assert main(["apply", "-f", str(path), "--detach"]) == EXIT_OK
+    assert (f"note: spec.environment.rewards.1.model: {folder} is a folder on this machine: a node runs this job "
+            "only if the same folder is at that path there") in capsys.readouterr().err
+    shutil.rmtree(folder)                                  # the node has no such folder
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "node"))
+    assert main(["resume", "judged", "--storage", str(tmp_path / "bucket")]) == EXIT_FAILED
+    said = capsys.readouterr().err
+    assert main(["get", "tj", "judged", "-o", "json"]) == EXIT_OK
+    status = json.loads(capsys.readouterr().out)["status"]
+    why = f"reward model: {folder} is not a folder on this node, nor a hub id"
+    assert status["phase"] == "Failed" and why in status["message"], status
+    assert [a["reason"] for a in status["attempts"]] == ["Failed"], status["attempts"]
+    assert why in said and "Traceback" not in said
+
+
+def test_a_model_that_is_not_there_is_named_and_other_load_errors_pass_as_they_were(tmp_path):
+    from transformers import AutoTokenizer
+
+    from grpo_run.trainer.model.missing import ModelMissing, loading
+
+    gone = str(tmp_path / "gone")
+    with pytest.raises(ModelMissing, match=f"^spec.model: {gone} is not a folder on this node, nor a hub id"):
+        with loading("spec.model", gone):
+            AutoTokenizer.from_pretrained(gone)
+    with pytest.raises(OSError, match="^a disk error$") as raised:     # may pass: the trainer is restarted
+        with loading("spec.model", gone):
+            raise OSError("a disk error")
+    assert not isinstance(raised.value, ModelMissing)

@@ -16,11 +16,13 @@ import math
 from typing import Any, Mapping, Sequence
 
 from grpo_run.trainer.grader.grader import RewardFunctionError
+from grpo_run.trainer.model.missing import loading
 
 
 class RewardModel:
     """Owns one loaded reward model and its tokenizer. Raises ValueError when the model is not a
-    one-logit sequence classifier; what from_pretrained raises when it cannot be loaded."""
+    one-logit sequence classifier; ModelMissing when it is not there to load; what from_pretrained
+    raises for any other failure to load it."""
 
     def __init__(self, path: str, device: Any = "cpu") -> None:
         import torch
@@ -29,8 +31,9 @@ class RewardModel:
         self.path = path
         self.device = torch.device(device)
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=dtype).to(self.device)
+        with loading("reward model", path):
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=dtype).to(self.device)
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {path}: has {self.model.config.num_labels} outputs (num_labels); a reward "
                              "model has one logit, the reward (num_labels=1)")
