@@ -285,9 +285,11 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         notes.append("cost needs spec.gpu (one of " + ", ".join(GPUS) + ", or any card with spec.pricing "
                      "usdPerHour and memoryGB): set it to get costToCompletionUSD and firstHoldUSD, and whether "
                      "memory fits")
-    else:
-        out.update(_cost(job, card, step, work, gpus, notes))
-    judges = _judges(job, work, notes)
+    judge_notes: list[str] = []
+    judges = _judges(job, work, judge_notes)
+    if card is not None:
+        out.update(_cost(job, card, step, work, gpus, notes, judges))
+    notes += judge_notes
     if judges:
         out["judgeCalls"] = judges
         priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
@@ -299,8 +301,10 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     return out
 
 
-def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str]) -> dict[str, Any]:
-    """The cost and time fields of the estimate for `card`, and their notes."""
+def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str],
+          judges: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The cost and time fields of the estimate for `card`, and their notes; `judges` (_judges):
+    the calls priced per call count in whether and when maxCostUSD stops the run."""
     p, pricing = job.parameters, job.pricing
     timed = step_time(step, card)
     runs = measured_runs(card.name, job.model, p.maxCompletionLength)
@@ -360,11 +364,15 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU")
-    if job.maxCostUSD is not None and cost.cost_to_completion_usd > job.maxCostUSD:
-        per_step = cost.usd_per_step
+    per_call = sum(r.judge.usdPerCall for r in job.environment.rewards or () if r.judge is not None
+                   and r.judge.usdPerCall is not None and r.judge.usdPerMillionTokens is None)
+    judged = sum(j["usd"] for j in judges.values() if j["usd"] is not None)
+    if job.maxCostUSD is not None and cost.cost_to_completion_usd + judged > job.maxCostUSD:
+        per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations
         notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
-                     f"{int(job.maxCostUSD / per_step) if per_step else p.maxSteps} of "
-                     f"{p.maxSteps} steps: the run stops there (BudgetExceeded)")
+                     f"{min(int(job.maxCostUSD / per_step), p.maxSteps) if per_step else p.maxSteps} of "
+                     f"{p.maxSteps} steps" + (" (the GPU's time and the judges' calls)" if per_call else "")
+                     + ": the run stops there (BudgetExceeded)")
     return fields
 
 

@@ -5,6 +5,7 @@ describes, gets an estimate; the dry run answers in a few lines first."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -384,6 +385,13 @@ def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completi
     assert judged["costToCompletionUSD"] == pytest.approx(no_judge["costToCompletionUSD"] + 6.44)
     assert f"judge 'quality': {calls} calls to completion at $0.001 a call: $6.44, in costToCompletionUSD" \
         in judged["note"]
+    # a budget the GPU's time alone fits in, the calls not: the dry run says where the run stops, counting both
+    budget = round(no_judge["costToCompletionUSD"] + 3.0, 2)
+    capped = estimate(parse_job({**job, "spec": {**job["spec"], "maxCostUSD": budget}}))
+    per_step = no_judge["stepSeconds"] * no_judge["usdPerHour"] / 3600 + 8 * 8 * 0.001
+    said = re.search(rf"maxCostUSD {budget:g} is reached after about (\d+) of 100 steps \(the GPU's time and the "
+                     r"judges' calls\): the run stops there", capped["note"])
+    assert said and abs(int(said[1]) - budget / per_step) <= 1 and int(said[1]) < 100, capped["note"]
     job["spec"]["environment"]["rewards"][1]["judge"] = {**judge, "usdPerMillionTokens": {"input": 1, "output": 2}}
     per_token = estimate(parse_job(job))
     assert per_token["judgeCalls"] == {"quality": {"calls": calls, "usd": None}}
