@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.state import values
@@ -20,6 +22,28 @@ BASELINE = "baseline.json"
 RESULT_KEYS = ("meanReward", "rewards", "tasks", "solved", "batches", "reusedBatches")
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
                   "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
+
+
+class CachedResult(BaseModel):
+    """A baseline's result as a trainer reports it (trainer.metrics.EvalResult.to_dict): what
+    storage's baseline.json must read as before it is reused. Whoever can write the job's prefix is
+    not trusted (docs/security.md): a cache that does not read as one is evaluated again rather
+    than put into the record, the status and the report."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    meanReward: float
+    tasks: int = Field(ge=1)
+    solved: int = Field(ge=0)
+    batches: int = Field(1, ge=1)
+    reusedBatches: int = Field(0, ge=0)
+    rewards: dict[Annotated[str, StringConstraints(min_length=1, max_length=200)], float] | None = Field(
+        None, max_length=64)                     # each reward's mean, by name
+
+    @model_validator(mode="after")
+    def _counts(self) -> "CachedResult":
+        if self.solved > self.tasks or self.reusedBatches > self.batches:
+            raise ValueError("solved must be at most tasks, reusedBatches at most batches")
+        return self
 
 
 class Evals:
@@ -45,6 +69,15 @@ class Evals:
                 log.warning("storage's %s is not JSON: ignored; the baseline is evaluated again", BASELINE)
         if cached is not None and cached.get("fingerprint") == fingerprint:
             result = {k: cached[k] for k in RESULT_KEYS if k in cached}
+            if stored is not None:
+                try:
+                    result = CachedResult.model_validate(result).model_dump(exclude_unset=True)
+                except ValueError as e:             # pydantic's ValidationError is a ValueError
+                    problem = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+                    where = str(problem["loc"][0]) if problem["loc"] else "the document"  # a field, never a key
+                    log.warning("storage's %s does not read as a baseline (%s: %s): ignored; the baseline is "
+                                "evaluated again", BASELINE, where, problem["msg"])
+                    return None
             self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
             return result, _stored_samples(stored) if stored is not None else None

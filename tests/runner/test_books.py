@@ -8,7 +8,7 @@ from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.evals import BASELINE
 
-RESULT = {"meanReward": 0.25, "rewards": [0.0, 0.5], "tasks": 2, "solved": 0, "batches": 1, "reusedBatches": 0}
+RESULT = {"meanReward": 0.25, "rewards": {"correct": 0.25}, "tasks": 2, "solved": 0, "batches": 1, "reusedBatches": 0}
 
 
 def books(store: Store, work) -> Books:
@@ -123,6 +123,27 @@ def test_a_baseline_json_that_is_not_json_is_ignored_and_the_baseline_evaluated_
         with caplog.at_level("WARNING"):
             assert b.cached_baseline("fp", sample_tasks=8) is None
         assert "storage's baseline.json is not JSON: ignored; the baseline is evaluated again" in caplog.text
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("change, where", [
+    ({"meanReward": "high"}, "meanReward"), ({"meanReward": None}, "meanReward"), ({"tasks": -1}, "tasks"),
+    ({"solved": 3}, "the document"), ({"rewards": {"correct": [1e308] * 3}}, "rewards"),
+    ({"rewards": {"x" * 201: 0.5}}, "rewards"), ({"rewards": {f"r{i}": 0.0 for i in range(65)}}, "rewards"),
+    ({"batches": {"nested": "object"}}, "batches")])
+def test_a_cached_baseline_whose_scores_do_not_read_as_a_trainer_s_is_evaluated_again(tmp_path, caplog, change, where):
+    """Whoever can write the job's storage prefix is not trusted: scores that are not what a
+    trainer reports never reach the record, the status or the report (the fingerprint is no
+    secret: it is in the record beside it)."""
+    store = Store(str(tmp_path / "store"))
+    store.put_bytes(BASELINE, json.dumps({**RESULT, **change, "fingerprint": "fp"}).encode())
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("WARNING"):
+            assert b.cached_baseline("fp", sample_tasks=8) is None
+        assert b.record.eval("baseline") is None
+        assert f"storage's baseline.json does not read as a baseline ({where}: " in caplog.text, caplog.text
     finally:
         b.close()
 
