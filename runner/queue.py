@@ -10,6 +10,8 @@ anyone assigning jobs to nodes:
   person looks, then `grpo-run resume NAME` tries it again), BudgetExceeded (its maxCostUSD is
   spent: it continues only when its file is applied with a larger one). Pending, Preempted and a
   job left running by a node that died are served.
+- Not here: a job with an LLM judge on a node without GRPO_RUN_ALLOW_JUDGES=1 (runner.spec.judge):
+  said once, left Pending for a node that allows judges, not counted as failed.
 - Who trains a job: its lease (checkpoint.storage.lease), as for one job. A job whose lease is
   fresh is skipped, not waited for; two nodes that pick the same job at once are settled by the
   supervisor's own acquire (the loser is told "held" and goes on).
@@ -73,6 +75,7 @@ class Tally:
     """What this node did with the queue, for the closing line."""
     succeeded: list[str] = field(default_factory=list)
     unsuccessful: dict[str, str] = field(default_factory=dict)     # name -> how it ended
+    not_here: set[str] = field(default_factory=set)                # jobs with LLM judges this node does not allow
 
 
 class Queue:
@@ -175,17 +178,25 @@ class Queue:
         took it first or it went away."""
         from grpo_run.runner.jobs import find_job
         from grpo_run.runner.spec.job import JobError
+        from grpo_run.runner.spec.judge import judges_refused
 
-        self.say(f"queue {self.storage}: {name} ({phase}): starting it on this node")
         try:
             found = find_job(name, self.storage, stop=self.stop)
         except (JobError, ValueError) as e:          # a stored spec that no longer parses, a copied record
+            self.say(f"queue {self.storage}: {name} ({phase}): starting it on this node")
             self.warn("\n".join(printable(line) for line in str(e).split("\n")))
             self._did_not_succeed(name, "could not be read from storage")
             return True
         if found is None:
             return False
         job, store = found
+        refused = judges_refused(job.environment)
+        if refused:                                  # not this node's to train: one that allows judges serves it
+            self.tally.not_here.add(name)
+            self._once(name, "judges", f"{name}: {phase}; skipped: {printable(refused[0])}; a node that allows "
+                                       "them serves it")
+            return False
+        self.say(f"queue {self.storage}: {name} ({phase}): starting it on this node")
         before = _attempts(store)
         code = self.run(job, store)
         if code == EXIT_OK and _attempts(store) == before:   # it ended on another node before this one got its lease
@@ -229,6 +240,8 @@ class Queue:
                          + ", ".join(f"{name}: {how}" for name, how in t.unsuccessful.items()) + ")")
         if self._held:
             parts.append(f"held by other nodes: {', '.join(sorted(self._held))}")
+        if t.not_here:
+            parts.append(f"left for nodes that allow LLM judges: {', '.join(sorted(t.not_here))}")
         if code == EXIT_PREEMPTED:
             self.say(f"queue {self.storage}: stopped by a notice; no other job is started here. "
                      + "; ".join(parts))

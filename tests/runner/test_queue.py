@@ -348,3 +348,29 @@ def test_two_nodes_drain_three_jobs_each_trained_by_exactly_one(tmp_path, s3_env
     for node in nodes:                                      # and each says so in its closing line
         mine = sorted(name for name, by in trained_by.items() if by == [node])
         assert f"{len(mine)} succeeded here ({', '.join(mine)})" in ended[node][0], ended[node][0][-2000:]
+
+
+def test_a_judge_job_on_a_node_that_does_not_allow_judges_is_left_for_one_that_does(tmp_path, monkeypatch):
+    """Not this node's to train, not a failure: it stays Pending, said once, and the node's exit
+    status is its other jobs'; a node that allows judges serves it."""
+    from grpo_run.runner.spec.job import parse_job
+    from grpo_run.runner.submit import submit as submit_job
+
+    storage = tmp_path / "bucket"
+    submit(storage, "a-plain")
+    judge = {"url": "http://127.0.0.1:9/v1", "model": "m", "prompt": "Rate {completion}"}
+    doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "b-judged"},
+           "spec": {"model": "tiny:char", "storage": str(storage), "environment": {
+               "name": "arithmetic", "rewards": [{"judge": judge, "name": "quality"}]}}}
+    monkeypatch.delenv("GRPO_RUN_ALLOW_JUDGES", raising=False)
+    submit_job(parse_job(doc, source="b-judged"), f"{storage}/b-judged", holder="test-laptop")
+
+    node = Served(storage)
+    assert node.serve() == EXIT_OK
+    assert node.runs == ["a-plain"]
+    assert node.text.count("b-judged: Pending; skipped: spec.environment.rewards.0.judge: this node does not allow "
+                           "LLM judges") == 1
+    assert node.lines[-1].endswith("1 succeeded here (a-plain); left for nodes that allow LLM judges: b-judged")
+    monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    other = Served(storage)
+    assert other.serve() == EXIT_OK and "b-judged" in other.runs
