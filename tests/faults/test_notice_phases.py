@@ -23,6 +23,7 @@ import pytest
 
 from tests.faults.harness import NOTICE_WINDOW_S, SOURCES, marker, notice_source, start_node, wait_until
 from tests.campaign import full_campaign_only
+from tests.checkpoint.test_corrupt_resume import durable_steps
 from tests.runner.test_eval_preemption import EVAL_BATCH, EVAL_TASKS, finished_batches, write_eval_heavy_job
 from tests.runner.test_resume import exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
@@ -79,12 +80,15 @@ def test_a_notice_in_any_phase_from_any_source_preempts_inside_the_window_losing
             proc = start_node(node, "apply", "-f", str(job), fault=f"hold:{phase}@2", **env)
             wait_until(f"two {phase} batches", marker(node).exists, proc)
         elif phase == "restore":
-            # a node dies after checkpoint 4 is durable; a fresh one is resuming it when the notice comes
+            # a node dies after checkpoint 4 is durable (or only 2, when the uploader, behind on a
+            # loaded machine, let 6 supersede 4); a fresh one is restoring it when the notice comes
             killed = grpo_run(tmp_path / "node-0", "apply", "-f", str(write_job(tmp_path, storage)),
                               fault="upload@6", check=False)
             assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-            proc = start_node(node, "resume", "resumable", "--storage", storage, fault="hold:restore@4", **env)
-            wait_until("the restore of checkpoint 4", marker(node).exists, proc)
+            restored = durable_steps(s3_env)[0]
+            proc = start_node(node, "resume", "resumable", "--storage", storage, fault=f"hold:restore@{restored}",
+                              **env)
+            wait_until(f"the restore of checkpoint {restored}", marker(node).exists, proc)
         else:
             point = {"sampling": "sample", "backward": "backward", "upload": "upload"}[phase]
             # an upload holds while training goes on: a long run, so the notice finds it training
@@ -98,8 +102,8 @@ def test_a_notice_in_any_phase_from_any_source_preempts_inside_the_window_losing
     st = status(tmp_path / "node-x", storage)
     durable = st["checkpoints"]["latestDurable"] or 0
     # completed steps the notice cost: past the newest durable one (on a restore, the killed node
-    # before had steps of its own past checkpoint 4; those were the kill's, not the notice's)
-    lost = 4 - durable if phase == "restore" else st["step"] - durable
+    # before had steps of its own past the checkpoint restored; those were the kill's, not the notice's)
+    lost = restored - durable if phase == "restore" else st["step"] - durable
     notice = st["lastNotice"]
     figures.add("notice", source=source, phase=phase, exit_seconds=round(exited, 2),
                 notice_to_durable_seconds=notice["noticeToDurableSeconds"], steps_lost=lost,
