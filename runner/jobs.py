@@ -309,6 +309,10 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
         raise Refused(f"{job.name}: another node holds the job, so this node does not train it: "
                       f"{printable(result.message)}", EXIT_HELD)
     doc = job_doc(work / RECORD_FILE)
+    if result.already_succeeded:   # finished by another node while this one waited for its lease: said as above
+        print(f"{job.name}: already succeeded; nothing to do")
+        print(dump(doc, output), end="") if output else None
+        return EXIT_OK
     if result.exit_code == EXIT_OK and job.gpu:
         remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:

@@ -51,3 +51,4 @@ class SupervisorResult:
     notice: str | None = None   # the notice's source when one ended the run
     notice_to_durable_s: float | None = None
     durable_step: int | None = None
+    already_succeeded: bool = False   # storage's record, read under the lease, said Succeeded: nothing was run

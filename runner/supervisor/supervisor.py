@@ -110,7 +110,8 @@ class Supervisor:
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
                                tracking=self.spec.tracking, after_upload=self._check_cancel)
             if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
-                return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do")
+                return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do",
+                                        already_succeeded=True)
             self._check_cancel()          # asked before this node held it (`cancel` left the request: it always does)
             if self._cancel.is_set():
                 durable = [c["step"] for c in self.books.record.checkpoints() if c["durable"]]

@@ -138,3 +138,39 @@ def test_a_supervisor_that_finds_the_job_succeeded_once_it_holds_the_lease_runs_
     assert result.exit_code == EXIT_OK and "already succeeded" in result.message
     assert in_storage(store) == finished
     assert finished["phase"] == Phase.SUCCEEDED and finished["attempts"] == [("node-a", "Succeeded")]
+
+
+def test_resume_says_already_succeeded_when_the_job_finished_while_it_waited_for_the_lease(
+        tmp_path, monkeypatch, capsys):
+    """Its first look at storage saw the job running; the holder finished before the lease came
+    free: the node says what a node that looked later says, not the run's summary as if it ran."""
+    import threading
+
+    from grpo_run.runner import jobs
+    from grpo_run.runner.exits import EXIT_OK
+    from grpo_run.runner.home import job_store_url
+    from grpo_run.runner.envfiles import environment_uploads, with_file_hashes
+    from grpo_run.runner.spec.job import build_run_spec, load_job
+    from tests.runner.test_resume import write_job
+
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "node-b"))
+    monkeypatch.setenv("GRPO_RUN_NOTICES", "none")
+    job = with_file_hashes(load_job(write_job(tmp_path, str(tmp_path / "store"))))     # as apply reads it
+    url = job_store_url(str(tmp_path / "store"), job.name)
+    store = Store(url)
+    manifest = build_run_spec(job, url, local=job, uploads=environment_uploads(job)).manifest   # as node A's apply
+    other = Books(store, tmp_path / "node-a", name=job.name, manifest=manifest, usd_per_hour=36.0,
+                  max_cost_usd=None)
+    other.enter_phase(Phase.TRAINING)
+    other.start_attempt("node-a", from_step=0)
+    other.log_step(1, {"loss": 0.5, "identicalGroups": 0.0})
+    other.enter_phase(Phase.FINAL_EVAL)
+    other.finish(Phase.SUCCEEDED, "Succeeded", "done")
+    other.close()
+    finished = in_storage(store)
+    monkeypatch.setattr(jobs, "already_finished", lambda job, store: None)    # it looked while node A trained
+
+    assert jobs.run_job(job, output=None, stop=threading.Event(), store=store) == EXIT_OK
+    said = capsys.readouterr().out
+    assert said == f"{job.name}: already succeeded; nothing to do\n", said
+    assert in_storage(store) == finished
