@@ -56,7 +56,14 @@ def preempt_then_resume(tmp_path, storage, trigger, **env_extra):
     wait_until("the hold", held.exists, proc)
     noticed = time.monotonic()
     trigger(proc)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:          # seen once in a clean-clone run: say what the node was doing
+        proc.kill()
+        out, err = proc.communicate()
+        trainer_log = tmp_path / "node-a" / "runs" / "resumable" / "logs" / "trainer.log"
+        pytest.fail(f"the node did not exit within 60 s of the notice; its stderr ends:\n{err[-4000:]}\n"
+                    f"the trainer's log ends:\n{trainer_log.read_text()[-2000:] if trainer_log.exists() else '-'}")
     exited = time.monotonic() - noticed
     assert proc.returncode == 3, err[-3000:]
     st = status(tmp_path / "node-x", storage)
