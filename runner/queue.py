@@ -137,7 +137,9 @@ class Queue:
             if self.wait:
                 self._once("waiting", "", f"queue {self.storage}: waiting for jobs (`grpo-run apply -f JOB "
                                           f"--detach` with spec.storage {self.storage} submits one)")
-            if self.stop.wait(self.poll_s):          # a notice ends the wait at once
+            from grpo_run.runner.notices.monitor import wait_awake
+
+            if wait_awake(self.stop, self.poll_s):   # a notice ends the wait at once
                 return self._end(EXIT_PREEMPTED)
 
     def _pass(self) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 __all__ = ["CLOUDS", "DEFAULT_POLL_INTERVAL_S", "DEFAULT_REQUEST_TIMEOUT_S", "MAX_POLL_INTERVAL_S",
-           "Notice", "NoticeMonitor", "Watcher", "install_signal_handlers"]
+           "Notice", "NoticeMonitor", "Watcher", "install_signal_handlers", "wait_awake"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +194,23 @@ class NoticeMonitor:
 
 
 # --- signals ------------------------------------------------------------------------------------
+
+
+AWAKE_S = 0.5     # the longest the main thread sleeps at once while a notice may come by signal
+
+
+def wait_awake(event: threading.Event, timeout: float | None = None) -> bool:
+    """`event.wait(timeout)` in slices of AWAKE_S, for the main thread. The kernel may hand a
+    process's SIGTERM to any of its threads, and CPython then runs the Python handler only when
+    the main thread next runs Python: a main thread asleep on one long wait would sleep through
+    the notice (until the trainer ended, in a test that sends the signal to another thread)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = AWAKE_S if deadline is None else min(AWAKE_S, deadline - time.monotonic())
+        if left <= 0:
+            return event.is_set()
+        if event.wait(left):
+            return True
 
 
 def install_signal_handlers(

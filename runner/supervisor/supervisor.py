@@ -35,7 +35,7 @@ from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.supervisor.cancel import cancel_requested
-from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers
+from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers, wait_awake
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
@@ -84,7 +84,7 @@ class Supervisor:
         self.progress = progress
         self.preempt = preempt or threading.Event()   # the job's stop Event: its Store retries until it is set
         self.window = NoticeWindow(self.preempt, notice_window_s)
-        self._sleep = sleep or self.preempt.wait   # a backoff ends early on a notice
+        self._sleep = sleep or (lambda s: wait_awake(self.preempt, s))   # a backoff ends early on a notice
         self._wake = threading.Event()             # the trainer ended, or a notice came
         self._checkpoints = CheckpointRequest()    # rebalance recommendations, for whichever trainer listens
         self._cancel = threading.Event()           # `grpo-run cancel` asked: stop at the step boundary, end the job
@@ -211,7 +211,7 @@ class Supervisor:
                                                  checkpoints=self._checkpoints, wake=self._wake)
         trainer.start(start, progress=self.progress)
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
-            self._wake.wait()
+            wait_awake(self._wake)       # awake enough for a SIGTERM the kernel gave another thread
             self._wake.clear()
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)

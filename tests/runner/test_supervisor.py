@@ -201,3 +201,34 @@ def test_a_step_whose_numbers_are_not_finite_fails_the_job_once_and_keeps_the_go
     assert [c["step"] for c in ckpts] == [2]
     figures.add("trust", actor='reward author', tried='a reward that a weight carries past float32 (inf) at step 4',
                 protection='rewards, loss and gradient norm checked before the optimizer steps', outcome='job Failed once; steps 1-3 and checkpoint 2 kept', held=True)
+
+
+def test_a_sigterm_the_kernel_hands_to_another_thread_still_stops_the_node(tmp_path, s3_env):
+    """The kernel may deliver a process's SIGTERM to any of its threads; CPython then runs the
+    handler only once the main thread runs Python again. A main thread asleep on an Event without
+    a timeout would sleep through the notice until the trainer ended (seen: a clean-clone run whose
+    node kept training 60 s after its SIGTERM). Here the signal goes to one of the supervisor's
+    other threads on purpose (tgkill)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    tgkill = 234 if os.uname().machine == "x86_64" else 131          # aarch64's number otherwise
+
+    def takes_sigterm(tid: int) -> bool:          # as the kernel chooses: a thread that does not block it
+        status = Path(f"/proc/{proc_pid[0]}/task/{tid}/status").read_text()
+        blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+        return not blocked & (1 << (signal.SIGTERM - 1))
+
+    proc_pid = [0]
+
+    def to_another_thread(proc: subprocess.Popen) -> None:
+        proc_pid[0] = proc.pid
+        others = [t for t in sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
+                  if takes_sigterm(t)]
+        assert others, "the supervisor runs threads beside its main one that take SIGTERM"
+        name = Path(f"/proc/{proc.pid}/task/{others[-1]}/comm").read_text().strip()
+        print(f"\nSIGTERM to thread {others[-1]} ({name}) of {len(others) + 1}")
+        assert libc.syscall(tgkill, proc.pid, others[-1], signal.SIGTERM) == 0, ctypes.get_errno()
+
+    st = preempt_then_resume(tmp_path, s3_env.url, to_another_thread, GRPO_RUN_NOTICES="none")
+    assert st["lastNotice"]["source"] == "signal"
