@@ -12,7 +12,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -145,9 +145,10 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
                   "What a bucket writer, a reward function's author and ordinary failures (a node back with its "
                   "old disk, a name used again) tried, from docs/security.md's threat model; each case fails its "
                   "test when the protection it names is taken out.", ""]
-        lines += _table(["actor", "tried", "protection", "outcome", "held"],
-                        [[t["actor"], t["tried"], t["protection"], t["outcome"], "yes" if t["held"] else "NO"]
-                         for t in sorted(by["trust"], key=lambda t: (t["actor"], t["tried"]))])
+        cases = Counter((t["actor"], t["tried"], t["protection"], t["outcome"], "yes" if t["held"] else "NO")
+                        for t in by["trust"])               # one row per distinct case, with how many times
+        lines += _table(["actor", "tried", "protection", "outcome", "held", "times"],
+                        [[*case, str(n)] for case, n in sorted(cases.items())])
     lines += ["", "## The tests", "", "Each line above came from one of these (figures per test):", ""]
     for test in sorted({f["test"] for f in figures}):
         lines.append(f"- `{test}`")

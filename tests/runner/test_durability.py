@@ -148,6 +148,6 @@ def test_a_checkpoint_not_of_this_run_or_out_of_bounds_is_never_trained_from(tmp
     assert d.restore() == 10
     assert not checkpoint_dir(local, step).exists()
     assert [p.name.startswith(".set-aside-") for p in local.iterdir() if f"{step:08d}" in p.name] == [True]
-    figures.add("trust", actor="bucket writer", tried=f"plant a checkpoint that {says}",
+    figures.add("trust", actor="bucket writer", tried=f"plant a checkpoint: {says}",
                 protection="a checkpoint must name this run, be finite and be at most maxSteps",
                 outcome="skipped in storage, set aside on the node; resumed from the good one", held=True)
