@@ -47,6 +47,7 @@ from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavail
 from grpo_run.runner.text import error, printable
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.home import job_store_url
+from grpo_run.runner.notices.monitor import install_signal_handlers, wait_awake
 from grpo_run.state.phases import Phase
 
 # The phases a queue leaves alone, and what the node says about each (once per job).
@@ -99,8 +100,6 @@ class Queue:
     def serve(self) -> int:
         """Train every unfinished job under the prefix that no other node holds, one after
         another; with `wait`, then wait for more. Returns the exit status (module docstring)."""
-        from grpo_run.runner.notices.monitor import install_signal_handlers
-
         # Between jobs nothing else hears SIGTERM: it must stop the node, not kill it mid-write.
         # The supervisor installs its own while it runs a job and puts these back after.
         restore = install_signal_handlers(self.stop) \
@@ -137,8 +136,6 @@ class Queue:
             if self.wait:
                 self._once("waiting", "", f"queue {self.storage}: waiting for jobs (`grpo-run apply -f JOB "
                                           f"--detach` with spec.storage {self.storage} submits one)")
-            from grpo_run.runner.notices.monitor import wait_awake
-
             if wait_awake(self.stop, self.poll_s):   # a notice ends the wait at once
                 return self._end(EXIT_PREEMPTED)
 

@@ -9,7 +9,7 @@ import json
 import logging
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.state import values
@@ -72,8 +72,8 @@ class Evals:
             if stored is not None:
                 try:
                     result = CachedResult.model_validate(result).model_dump(exclude_unset=True)
-                except ValueError as e:             # pydantic's ValidationError is a ValueError
-                    problem = e.errors()[0] if hasattr(e, "errors") else {"loc": (), "msg": str(e)}
+                except ValidationError as e:
+                    problem = e.errors()[0]
                     where = str(problem["loc"][0]) if problem["loc"] else "the document"  # a field, never a key
                     log.warning("storage's %s does not read as a baseline (%s: %s): ignored; the baseline is "
                                 "evaluated again", BASELINE, where, problem["msg"])

@@ -287,12 +287,12 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
                      "memory fits")
     judge_notes: list[str] = []
     judges = _judges(job, work, judge_notes)
+    priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
     if card is not None:
-        out.update(_cost(job, card, step, work, gpus, notes, judges))
+        out.update(_cost(job, card, step, work, gpus, notes, judges_usd=sum(priced)))
     notes += judge_notes
     if judges:
         out["judgeCalls"] = judges
-        priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
         if priced and out["costToCompletionUSD"] is not None:
             out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + sum(priced), 2)
     if work.unknown:
@@ -301,10 +301,11 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     return out
 
 
-def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str],
-          judges: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The cost and time fields of the estimate for `card`, and their notes; `judges` (_judges):
-    the calls priced per call count in whether and when maxCostUSD stops the run."""
+def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str], *,
+          judges_usd: float) -> dict[str, Any]:
+    """The cost and time fields of the estimate for `card`, and their notes; `judges_usd`: the
+    judges' calls priced per call, to completion (_judges), which count in whether and when
+    maxCostUSD stops the run."""
     p, pricing = job.parameters, job.pricing
     timed = step_time(step, card)
     runs = measured_runs(card.name, job.model, p.maxCompletionLength)
@@ -364,10 +365,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU")
-    per_call = sum(r.judge.usdPerCall for r in job.environment.rewards or () if r.judge is not None
-                   and r.judge.usdPerCall is not None and r.judge.usdPerMillionTokens is None)
-    judged = sum(j["usd"] for j in judges.values() if j["usd"] is not None)
-    if job.maxCostUSD is not None and cost.cost_to_completion_usd + judged > job.maxCostUSD:
+    per_call = sum(_per_call(r.judge) or 0.0 for r in job.environment.rewards or () if r.judge is not None)
+    if job.maxCostUSD is not None and cost.cost_to_completion_usd + judges_usd > job.maxCostUSD:
         per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations
         notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
                      f"{min(int(job.maxCostUSD / per_step), p.maxSteps) if per_step else p.maxSteps} of "
@@ -385,8 +384,8 @@ def _judges(job: TrainingJob, work, notes: list[str]) -> dict[str, dict[str, Any
             continue
         trained = p.maxSteps * p.promptsPerStep * p.numGenerations
         calls = None if work.eval_tasks is None else trained + work.evaluations * work.eval_tasks
-        per_token, per_call = r.judge.usdPerMillionTokens is not None, r.judge.usdPerCall
-        usd = None if calls is None or per_token or per_call is None else round(calls * per_call, 2)
+        per_token, per_call = r.judge.usdPerMillionTokens is not None, _per_call(r.judge)
+        usd = None if calls is None or per_call is None else round(calls * per_call, 2)
         found[r.label] = {"calls": calls, "usd": usd}
         what = (f"judge {r.label!r}: {calls} calls to completion" if calls is not None else
                 f"judge {r.label!r}: {trained} calls in training, and one per held-out task an evaluation scores")
@@ -398,6 +397,11 @@ def _judges(job: TrainingJob, work, notes: list[str]) -> dict[str, dict[str, Any
             what += " (unpriced: not in the cost)"
         notes.append(what)
     return found
+
+
+def _per_call(judge) -> float | None:
+    """A judge's price per call when it is priced per call (not per token: that depends on the replies)."""
+    return judge.usdPerCall if judge.usdPerMillionTokens is None else None
 
 
 def _runs(count: int) -> str:

@@ -98,6 +98,8 @@ def test_a_copy_killed_halfway_leaves_nothing_a_reader_takes_for_the_file(tmp_pa
 
     from tensorboard.backend.event_processing.io_wrapper import IsTensorFlowEventsFile
 
+    from tests.faults.harness import wait_until
+
     source, root = tmp_path / "source", tmp_path / "bucket" / "tensorboard"
     os.mkfifo(source)                                       # the copy waits here for the rest
     dest = root / "events.out.tfevents.1764700000.node-b.4242.0.1a2b3c4d.attempt2"
@@ -106,9 +108,7 @@ def test_a_copy_killed_halfway_leaves_nothing_a_reader_takes_for_the_file(tmp_pa
     writer = os.open(source, os.O_RDWR)                     # never blocks, whatever the child does
     try:
         os.write(writer, b"half an event file")
-        deadline = time.monotonic() + 60
-        while not (root.exists() and any(root.iterdir())) and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until("the copy's temporary", lambda: root.exists() and any(root.iterdir()), child, timeout=60)
         child.send_signal(signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     finally:

@@ -214,17 +214,14 @@ def test_a_sigterm_the_kernel_hands_to_another_thread_still_stops_the_node(tmp_p
     libc = ctypes.CDLL(None, use_errno=True)
     tgkill = 234 if os.uname().machine == "x86_64" else 131          # aarch64's number otherwise
 
-    def takes_sigterm(tid: int) -> bool:          # as the kernel chooses: a thread that does not block it
-        status = Path(f"/proc/{proc_pid[0]}/task/{tid}/status").read_text()
+    def takes_sigterm(pid: int, tid: int) -> bool:     # as the kernel chooses: a thread that does not block it
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
         blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
         return not blocked & (1 << (signal.SIGTERM - 1))
 
-    proc_pid = [0]
-
     def to_another_thread(proc: subprocess.Popen) -> None:
-        proc_pid[0] = proc.pid
         others = [t for t in sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid)
-                  if takes_sigterm(t)]
+                  if takes_sigterm(proc.pid, t)]
         assert others, "the supervisor runs threads beside its main one that take SIGTERM"
         name = Path(f"/proc/{proc.pid}/task/{others[-1]}/comm").read_text().strip()
         print(f"\nSIGTERM to thread {others[-1]} ({name}) of {len(others) + 1}")
