@@ -156,6 +156,7 @@ class Checked:
     job: Any                           # its TrainingJob
     estimate: dict[str, Any] | None    # status.estimate (None when the model's config cannot be read here)
     refusal: str | None                # why it does not fit the GPU (apply refuses it; a dry run shows it)
+    sampler: dict[str, str] | None = None   # the engine that would sample it, and why (a dry run shows it)
 
     def dry_run_doc(self) -> dict[str, Any]:
         """The whole job with status.estimate, as `apply --dry-run -o yaml` prints it."""
@@ -163,6 +164,8 @@ class Checked:
         doc = self.job.to_dict()
         doc["status"] = {"phase": str(Phase.PENDING),
                          "estimate": {**est, "refusal": self.refusal} if self.refusal and est else est}
+        if self.sampler:
+            doc["status"]["sampler"] = self.sampler
         return doc
 
 
@@ -185,7 +188,7 @@ def check_job_file(file: str, *, dry_run: bool, detach: bool) -> Checked:
 def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
     """check_job_file for a TrainingJob already built (the Python API builds one from arguments)."""
     from grpo_run.runner.estimate.estimate import check_fits, estimate
-    from grpo_run.runner.preflight import check_before_apply
+    from grpo_run.runner.preflight import check_before_apply, sampler_choice
 
     check_before_apply(file, job, dry_run=dry_run, detach=detach)   # reward, tasks, storage, model: before any node
     try:
@@ -194,7 +197,14 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
         if dry_run:
             raise Refused(str(e), EXIT_USAGE) from None
         est = None                               # a real run may still fetch the model
-    return Checked(file, job, est, check_fits(est) if est else None)
+    sampler = None
+    if dry_run:
+        try:
+            choice = sampler_choice(job, here=job.storage is None)
+            sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
+        except (LookupError, ValueError):
+            pass                                 # refused above (ValueError) or said by the preflight
+    return Checked(file, job, est, check_fits(est) if est else None, sampler)
 
 
 def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event,

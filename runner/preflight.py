@@ -17,6 +17,9 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
                   the job's prefix
     the judges    an LLM judge needs GRPO_RUN_ALLOW_JUDGES=1 where the job runs (a note for a
                   dry run or --detach: another node may run it)
+    the sampler   `sampler: vllm` that cannot sample this job: vLLM missing here (apply), a method it
+                  is not handed (QLoRA), a head size vLLM's CPU attention lacks on a CPU
+                  (trainer.sampling.choice)
 and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
 checkpoint before the end). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
 """
@@ -75,7 +78,37 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_tasks(job, found)
     _check_rewards(job, found)
     _check_judges(job, mode, found)
+    _check_sampler(job, mode, found)
     return found
+
+
+def sampler_choice(job: TrainingJob, *, here: bool):
+    """The engine `job` samples with and why (trainer.sampling.choice.Choice): on this machine
+    (`here`: apply runs it here), or on a GPU node that has vLLM (a dry run or --detach: the node
+    decides at the job's first start). Raises ValueError for `sampler: vllm` that cannot be,
+    LookupError when the model's config cannot be read (said by _check_model)."""
+    from grpo_run.runner.estimate.estimate import model_config
+    from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
+
+    p = job.parameters
+    if here or p.sampler == "native":
+        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu())
+    refusal = vllm_refusal(p.method, model_config(job.model), gpu=True)
+    if refusal and p.sampler == "vllm":
+        raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
+    if refusal:
+        return Choice("native", f"auto: {refusal}")
+    return Choice("vllm", "auto: on a GPU node with grpo-run[vllm] installed (else native); the node "
+                          "decides at the job's first start and every attempt keeps it")
+
+
+def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    try:
+        sampler_choice(job, here=mode == "apply")
+    except ValueError as e:
+        found.problems.append(str(e))
+    except LookupError:
+        pass                        # the model's config: _check_model said it
 
 
 def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> None:

@@ -94,6 +94,9 @@ LEDGER: Value[dict[str, LedgerEntry]] = Value("ledger", dict)
 # Chosen by the run's first trainer and kept: another count or size would round differently.
 CPU_THREADS: Value[int] = Value("cpuThreads")
 MICRO_BATCH_SIZE: Value[int] = Value("microBatchSize")
+# The engine the run samples with: {engine, why} chosen at its first start (every attempt keeps it),
+# then {version, mode, startSeconds} as the newest trainer reported them; status.sampler
+SAMPLER: Value[dict] = Value("sampler")
 DEVICE: Value[str] = Value("device")                       # "cpu" or "cuda:<GPU name>": what the newest trainer ran on
 EVAL_PLAN: Value[EvalPlan] = Value("evalPlan")             # the size of one held-out evaluation, for `get tj -w`
 HELD_OUT: Value[list[HeldOutPoint]] = Value("heldOut", list)   # the curve every evalSteps, by step

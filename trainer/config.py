@@ -20,6 +20,8 @@ METHODS = ("LoRA", "QLoRA", "Full")
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 STD_CONVENTIONS = ("sample", "population")
 SCHEDULERS = ("constant", "linear", "cosine")
+SAMPLERS = ("native", "vllm", "auto")
+VLLM_MODES = ("colocate",)
 
 
 # Elements of one chunk of logits upcast to fp32 at a time by the selective log-softmax (256 MB);
@@ -89,6 +91,18 @@ class LoraParams(Strict):
         return self.alpha if self.alpha is not None else 2.0 * self.r
 
 
+class VllmParams(Strict):
+    """`spec.parameters.vllm`: the vLLM engine's settings (docs/sampling.md)."""
+    mode: Literal[VLLM_MODES] = "colocate"       # the engine in the trainer's process, on its GPU (TRL's default)
+    # the share of the GPU the engine's weights and KV cache may take (on a CPU: of the machine's
+    # memory, for its KV cache); TRL's colocate default
+    gpuMemoryUtilization: float = Field(0.3, gt=0, lt=1)
+    # truncated importance sampling: each token's loss weighted by min(p_trainer / p_engine, cap),
+    # correcting the engine's and the trainer's differing log-probabilities (TRL's
+    # vllm_importance_sampling_cap); 0 turns the correction off
+    importanceSamplingCap: float = Field(3.0, ge=0)
+
+
 class GRPOParams(Strict):
     """`spec.parameters`. Names are the YAML names (camelCase), as users write them."""
     numGenerations: int = Field(4, ge=2, json_schema_extra={"why": "GRPO needs a group to compare"})  # G
@@ -108,6 +122,8 @@ class GRPOParams(Strict):
     repetitionPenalty: float = Field(1.0, gt=0)  # > 1 discourages tokens already in the prompt or completion (HF's)
     stopStrings: tuple[str, ...] = ()            # a completion ends at the token that completes one (kept in the text)
     compileDecode: bool = False                  # decode step compiled with static shapes (CUDA graphs on a GPU)
+    sampler: Literal[SAMPLERS] = "auto"          # the engine that samples: native | vllm | auto (vLLM where it serves the job)
+    vllm: VllmParams = Field(default_factory=VllmParams, json_schema_extra={"like": "{gpuMemoryUtilization: 0.3}"})
     promptsPerStep: int = Field(8, ge=1)         # B, prompts per step (B x G completions)
     microBatchSize: int | None = Field(None, ge=1)  # completions per forward/backward (None: from the model and device)
     epsilon: float = Field(0.2, ge=0, le=1)      # PPO clip range

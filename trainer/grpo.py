@@ -102,6 +102,14 @@ def clipped_token_loss(logps: Tensor, old_logps: Tensor, advantages: Tensor, eps
     return loss, clipped < unclipped
 
 
+def truncated_is_weights(trainer_logps: Tensor, engine_logps: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling (TRL's vllm_importance_sampling_correction, token level): the
+    completions were drawn by an engine whose log-probabilities differ a little from the trainer's,
+    so each token's loss is weighted by min(p_trainer / p_engine, cap). [N, T] -> [N, T], no gradient.
+    E.g. trainer -1.0, engine -1.5: exp(0.5) = 1.65; with cap 1.2 the weight is 1.2."""
+    return torch.exp(trainer_logps.detach() - engine_logps).clamp(max=cap)                # [N, T]
+
+
 def reduce_loss(per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int, *,
                 completions: int | None = None, tokens: int | None = None) -> Tensor:
     """Per-token loss [N, T] and completion mask [N, T] -> scalar, named as in the literature.

@@ -67,7 +67,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
     try:
         trainer = GRPOTrainer(plan.model, plan.env, p, stop=requests.stop, model_name=plan.model_name, world=world,
                               sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls,
-                              judge_usd=plan.judge_usd)
+                              judge_usd=plan.judge_usd, work=work)
         checkpoints.attach(trainer)
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
@@ -81,7 +81,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         device = trainer.device
         events.emit(Started(step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
                             microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads,
-                            sandbox=trainer.scorer.sandbox_mode))
+                            sandbox=trainer.scorer.sandbox_mode, sampler=trainer.sampler_status))
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 

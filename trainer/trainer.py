@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +34,8 @@ import torch
 from grpo_run.trainer import grpo, samples
 from grpo_run.trainer.metrics import EvalResult, step_metrics
 from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.sampling.choice import choose
+from grpo_run.trainer.sampling.engines import NativeSampler, Sampler
 from grpo_run.trainer.config import GRPOParams, default_micro_batch
 from grpo_run.trainer.distributed import World, shard_fsdp, unsharded, wrap_ddp
 from grpo_run.trainer.envs.catalog import Environment
@@ -89,7 +93,8 @@ class GRPOTrainer:
     def __init__(self, model_path: str, env: Environment, params: GRPOParams, *,
                  stop: threading.Event | None = None, device: torch.device | None = None,
                  model_name: str | None = None, world: World | None = None, sandbox_strict: bool = False,
-                 judge_calls: dict[str, int] | None = None, judge_usd: dict[str, float] | None = None) -> None:
+                 judge_calls: dict[str, int] | None = None, judge_usd: dict[str, float] | None = None,
+                 work: Path | None = None) -> None:
         self.params = params
         self.env = env
         self.stop = stop or threading.Event()
@@ -128,8 +133,11 @@ class GRPOTrainer:
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
                              retries=params.rewardRetries, strict=sandbox_strict)
+        self._work = work
+        self.sampler: Sampler = self._start_sampler(model_path)
 
     def close(self) -> None:
+        self.sampler.close()
         self.scorer.close()
         if self.cpu is not None:
             self.cpu.close()
@@ -165,15 +173,45 @@ class GRPOTrainer:
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
-    def _generate(self, prompt_ids, prompt_mask, temperature: float, generator) -> sampler.Completions:
-        """Sample completions (ids, mask, truncated); a stop request between two tokens abandons
-        them (GenerationInterrupted)."""
+    def _start_sampler(self, model_path: str) -> Sampler:
+        """The engine that samples for this run: spec.parameters.sampler as the supervisor resolved
+        it (`auto` resolved here when the trainer runs on its own)."""
         p = self.params
-        return sampler.sample(self.model, prompt_ids, prompt_mask, max_new_tokens=p.maxCompletionLength,
-                           temperature=temperature, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
-                           generator=generator, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                           finished=self._stop_strings_check(), should_stop=lambda: self.stop.is_set(),
-                           compiled=p.compileDecode)
+        engine = p.sampler
+        if engine == "auto":
+            engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda").engine
+        if engine == "native":
+            return NativeSampler(self.device, lambda: dict(
+                model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
+                top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                finished=self._stop_strings_check(), compiled=p.compileDecode))
+        from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
+
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="grpo-run-vllm-"))
+        return VllmSampler(model_path, method=p.method, lora_rank=p.lora.r, dtype=compute_dtype(self.device),
+                           device=self.device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization,
+                           max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids,
+                           pad_id=self.tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP,
+                           repetition_penalty=p.repetitionPenalty, stop_strings=p.stopStrings, seed=p.seed,
+                           work=self._work)
+
+    @property
+    def sampler_status(self) -> dict[str, str | float]:
+        """The engine as `get tj` shows it (status.sampler): engine, version, mode, start-up seconds."""
+        s = self.sampler
+        if s.engine == "native":
+            return {"engine": "native"}
+        return {"engine": s.engine, "version": s.version, "mode": self.params.vllm.mode,
+                "startSeconds": round(s.start_seconds, 2)}
+
+    def _generate(self, prompt_ids, prompt_mask, temperature: float, seeds: Sequence[int] | None) -> sampler.Completions:
+        """Sample completions (ids, mask, truncated, entropy, the engine's log-probabilities) with
+        the run's engine; one seed per prompt's group, or one for all rows (None: unseeded, the
+        native decoder's greedy tests). A stop request between
+        two tokens (two engine steps) abandons them (GenerationInterrupted)."""
+        return self.sampler.sample(prompt_ids, prompt_mask, seeds, temperature=temperature,
+                                   should_stop=lambda: self.stop.is_set())
 
     def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """sampler.sample's `finished` for stopStrings (None without any): a running row is finished
@@ -216,15 +254,15 @@ class GRPOTrainer:
         stopped = False
         try:
             with self._whole_weights():          # FSDP: every rank gathers, whatever it computes
+                self.sampler.load_policy(self.model)      # the engine samples with the weights as they are
                 for i, start in enumerate(starts):
                     if i in done or i % world.size != world.rank:
                         continue
                     if self.stop.is_set():               # preemption honoured between evaluation batches
                         raise sampler.GenerationInterrupted()
                     chunk = list(tasks[start:start + p.evalBatchSize])
-                    gen = torch.Generator(device=self.device).manual_seed(step_seed(p.seed, -1 - i))
                     ids, mask = self._encode([t["prompt"] for t in chunk])
-                    comp, cmask, cut, _ = self._generate(ids, mask, p.evalTemperature, gen)
+                    comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, [step_seed(p.seed, -1 - i)])[:3]
                     texts = self._decode(comp, cmask)
                     computed[i] = self.scorer.score(texts, chunk)    # {reward: [scores]}
                     kept[i] = samples.eval_items(start, [t["prompt"] for t in chunk], texts, computed[i],
@@ -276,7 +314,7 @@ class GRPOTrainer:
         step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
         mine = world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
         tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]
-        gens = [torch.Generator(device=self.device).manual_seed(prompt_seed(p.seed, step, j)) for j in mine]
+        seeds = [prompt_seed(p.seed, step, j) for j in mine]                 # one per prompt's group
         group = [t for t in tasks for _ in range(p.numGenerations)]          # b*G, each prompt G times
 
         # sample a group
@@ -284,10 +322,12 @@ class GRPOTrainer:
         # of the temperature-scaled distribution, as in TRL)
         prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [b*G, P]
         interrupted = False
+        engine_logps = None
         try:
             with self._whole_weights():
-                comp_ids, comp_mask, truncated, entropy = self._generate(prompt_ids, prompt_mask, p.temperature,
-                                                                         gens)      # [b*G, T], [b*G, T], [b*G], [b*G]
+                self.sampler.load_policy(self.model)       # vLLM: the adapter (or weights) of the step before
+                comp_ids, comp_mask, truncated, entropy, engine_logps = self._generate(
+                    prompt_ids, prompt_mask, p.temperature, seeds)      # [b*G, T], [b*G, T], [b*G], [b*G], [b*G, T]
         except sampler.GenerationInterrupted:
             if not world.distributed:
                 raise
@@ -329,6 +369,13 @@ class GRPOTrainer:
                  for rows in grpo.micro_batches(learning, self.micro_batch_size)]
         refs = [self._reference_logprobs(*part[1:]) for part in parts] if p.beta > 0 else None
         olds: list[torch.Tensor | None] = [None] * len(parts)
+        # vLLM samples: each token's loss weighted by min(p_trainer / p_engine, cap) (truncated
+        # importance sampling), the engine's and the trainer's log-probabilities differing a little
+        cap = p.vllm.importanceSamplingCap if engine_logps is not None else 0.0
+        is_weights: list[torch.Tensor | None] = [None] * len(parts)
+        mismatch = [0.0, 0]                                        # sum |trainer - engine| over tokens, tokens
+        if hasattr(self.sampler, "sleep"):
+            self.sampler.sleep()                       # a GPU engine's KV cache is released for the update
         model = self._update_model()
         for _ in range(p.numIterations):
             # zeros, not None: with no completion to learn from, the optimizer still takes its step
@@ -345,7 +392,15 @@ class GRPOTrainer:
                         l_mask = loss_mask[sl, :c_mask.size(1)]                              # [m, T]
                         if olds[j] is None:
                             olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
+                            if engine_logps is not None:
+                                eng = engine_logps[sl, :c_mask.size(1)]                          # [m, T]
+                                mismatch[0] += float(((olds[j] - eng).abs() * c_mask).sum())
+                                mismatch[1] += int(c_mask.sum())
+                                if cap > 0:
+                                    is_weights[j] = grpo.truncated_is_weights(olds[j], eng, cap)
                         per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
+                        if is_weights[j] is not None:
+                            per_token = per_token * is_weights[j]
                         if refs is not None:
                             kl = grpo.k3_kl(logps, refs[j])
                             per_token = per_token + p.beta * kl
@@ -377,6 +432,9 @@ class GRPOTrainer:
                                primary=self.scorer.primary, iterations=p.numIterations)
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
+        if engine_logps is not None:
+            metrics.update(syncSeconds=self.sampler.sync_seconds,
+                           logprobMismatch=mismatch[0] / mismatch[1] if mismatch[1] else 0.0)
         if refs is None:
             metrics.pop("kl")
         return metrics

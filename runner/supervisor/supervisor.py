@@ -36,7 +36,7 @@ from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.supervisor.cancel import cancel_requested
 from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers, wait_awake
-from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
+from grpo_run.runner.supervisor.attempt import CheckpointRequest, SamplerUnavailable, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
@@ -209,7 +209,12 @@ class Supervisor:
         self.books.start_attempt(node_name(), from_step=start)
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
                                                  checkpoints=self._checkpoints, wake=self._wake)
-        trainer.start(start, progress=self.progress)
+        try:
+            trainer.start(start, progress=self.progress)
+        except SamplerUnavailable as e:
+            message = str(e)
+            self.books.finish(Phase.FAILED, "Failed", message)
+            return SupervisorResult(EXIT_FAILED, message)
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
             wait_awake(self._wake)       # awake enough for a SIGTERM the kernel gave another thread
             self._wake.clear()

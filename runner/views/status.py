@@ -51,6 +51,8 @@ def job_status(record: Record) -> dict[str, Any]:
                              "latestDurable": max(durable) if durable else None}
     if values.DEVICE.get(record):
         status["device"] = values.DEVICE.get(record)
+    if values.SAMPLER.get(record):
+        status["sampler"] = values.SAMPLER.get(record)       # {engine, why, version, mode, startSeconds}
     if steps:
         times = sorted(s["stepSeconds"] for s in steps if "stepSeconds" in s)
         if times:

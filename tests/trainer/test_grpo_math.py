@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_run.trainer.grpo import (clipped_token_loss, group_advantages, identical_group_fraction, k3_kl, reduce_loss,
-                                   solved_group_fraction, token_logprobs)
+                                   solved_group_fraction, token_logprobs, truncated_is_weights)
 
 SPEC_REWARDS = torch.tensor([1, 0, 0, 1, 1, 0, 0, 0], dtype=torch.float32)
 
@@ -106,3 +106,12 @@ def test_token_logprobs_scale_logits_by_the_sampling_temperature():
     at_2 = token_logprobs(logits, tokens, 2.0).item()
     assert at_1 == pytest.approx(math.log(math.exp(2) / (math.exp(2) + 1)))
     assert at_2 == pytest.approx(math.log(math.exp(1) / (math.exp(1) + 1)))
+
+
+def test_truncated_importance_weights_are_the_probability_ratio_capped():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
+    engine = torch.tensor([[-1.5, -2.0, -0.1]])
+    w = truncated_is_weights(trainer, engine, cap=1.2)
+    # exp(0.5) = 1.6487 capped at 1.2; exp(0) = 1; exp(-0.4) = 0.6703 (never raised to 1: only capped above)
+    assert torch.allclose(w, torch.tensor([[1.2, 1.0, math.exp(-0.4)]]))
+    assert truncated_is_weights(trainer.requires_grad_(), engine, cap=3.0).requires_grad is False

@@ -194,7 +194,7 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(reward_r
         assert [len(r) for r in rows] == [8, 8, 8]
         tr.model = emitting(rows, len(tok))
         ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated, _ = tr._generate(ids, mask, 0.0, None)
+        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)[:3]
         # "is 4" is completed inside " 42" (the whole token stays, as transformers' generate does);
         # "problem step" spans " problem" and " step"
         assert tr._decode(comp, cmask) == ["The answer is 42", "Solve the problem step", tok.decode(rows[2])]
@@ -215,7 +215,7 @@ def test_each_eos_id_of_the_generation_config_ends_a_completion(reward_ref):
         rows = [[the, endoftext, the, the], [the, answer, im_end, the], [the, answer, the, answer]]
         tr.model = emitting(rows, len(tok))
         ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated, _ = tr._generate(ids, mask, 0.0, None)
+        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)[:3]
         assert cmask.sum(1).tolist() == [2, 3, 8]     # the third never ends: cut at maxCompletionLength
         assert truncated.tolist() == [False, False, True]
         assert tr._decode(comp, cmask)[:2] == ["The", "The answer"]

@@ -45,16 +45,19 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(out: Path, *, seed: int = 0) -> Path:
-    """Build the tiny model and tokenizer into `out` (atomically: a half-built folder is never seen)."""
+def build_tiny_model(out: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
+    """Build the tiny model and tokenizer into `out` (atomically: a half-built folder is never seen).
+    `head_dim` 64 (2 heads of 64 over a hidden size of 128, 1 KV head) gives the same model in a
+    shape vLLM's CPU attention serves (it has no kernel for 16): the sampling-engine tests'."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     out = Path(out)
     tok = build_tokenizer()
     config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+        vocab_size=len(tok), hidden_size=64 if head_dim == 16 else 2 * head_dim, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4 if head_dim == 16 else 2,
+        num_key_value_heads=2 if head_dim == 16 else 1, head_dim=head_dim, max_position_embeddings=128,
         initializer_range=0.1, tie_word_embeddings=True, rms_norm_eps=1e-6,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
         layer_types=["full_attention"] * 2,

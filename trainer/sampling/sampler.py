@@ -22,6 +22,8 @@ class Completions(NamedTuple):
     truncated: Tensor    # [N] bool: cut at max_new_tokens without an EOS or a stop string
     entropy: Tensor      # [N] float: summed over each completion's tokens, the entropy (nats) of the
                          # distribution its token was drawn from (after the filters); 0 when greedy
+    logprobs: Tensor | None = None   # [N, T] the engine's log-probability of each sampled token (vLLM's;
+                                     # None from the native decoder, whose are the trainer's own)
 
 
 @torch.no_grad()

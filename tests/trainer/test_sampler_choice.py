@@ -1,0 +1,101 @@
+"""Which engine samples a run (spec.parameters.sampler), decided once and kept."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_run.runner.supervisor import attempt
+from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.sampling import choice
+from grpo_run.trainer.sampling.choice import choose
+
+QWEN3_0_6B = {"hidden_size": 1024, "num_attention_heads": 16, "head_dim": 128}
+DEMO = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}
+
+
+@pytest.fixture
+def with_vllm(monkeypatch):
+    monkeypatch.setattr(choice, "vllm_version", lambda: "0.32.0")
+
+
+@pytest.fixture
+def without_vllm(monkeypatch):
+    monkeypatch.setattr(choice, "vllm_version", lambda: None)
+
+
+def test_auto_takes_vllm_where_it_serves_the_model(with_vllm):
+    c = choose("auto", "LoRA", lambda: QWEN3_0_6B, gpu=False)
+    assert c.engine == "vllm" and c.version == "0.32.0"
+
+
+def test_auto_falls_back_to_native_saying_why(without_vllm):
+    assert "not installed" in choose("auto", "LoRA", lambda: QWEN3_0_6B, gpu=True).why
+
+
+def test_a_head_size_the_cpu_attention_lacks_is_native_on_a_cpu_and_vllm_on_a_gpu(with_vllm):
+    on_cpu = choose("auto", "LoRA", lambda: DEMO, gpu=False)
+    assert on_cpu.engine == "native" and "head_dim is 16" in on_cpu.why
+    assert choose("auto", "LoRA", lambda: DEMO, gpu=True).engine == "vllm"
+
+
+def test_sampler_vllm_that_cannot_be_is_an_error_naming_the_field_and_the_fix(with_vllm):
+    with pytest.raises(ValueError, match=r"spec.parameters.sampler: vllm cannot sample this job: method QLoRA.*sampler: native"):
+        choose("vllm", "QLoRA", lambda: QWEN3_0_6B, gpu=True)
+
+
+def test_native_never_reads_the_model(with_vllm):
+    def unread():
+        raise AssertionError("read")
+    assert choose("native", "LoRA", unread, gpu=True).engine == "native"
+
+
+def test_a_model_config_that_cannot_be_read_makes_auto_native(with_vllm):
+    def missing():
+        raise LookupError("no config.json")
+    c = choose("auto", "LoRA", missing, gpu=True)
+    assert c.engine == "native" and "no config.json" in c.why
+
+
+def test_vllm_settings_outside_their_range_name_the_field():
+
+    for bad, field in (({"gpuMemoryUtilization": 1.5}, "gpuMemoryUtilization"), ({"gpuMemoryUtilization": 0}, "gpuMemoryUtilization"),
+                       ({"mode": "server"}, "mode"), ({"importanceSamplingCap": -1}, "importanceSamplingCap")):
+        with pytest.raises(Exception) as e:
+            GRPOParams(vllm=bad)
+        assert field in str(e.value)
+
+
+class _Books:
+    def __init__(self, chosen):
+        self.chosen, self.recorded = chosen, None
+
+    def sampler(self):
+        return self.chosen
+
+    def choose_sampler(self, engine, why):
+        self.recorded = (engine, why)
+
+
+def _process(books, params):
+    spec = SimpleNamespace(params=params, model="unused")
+    return attempt.TrainerProcess(spec, "/nonexistent", books, None, checkpoints=None, wake=threading.Event())
+
+
+def test_a_run_that_chose_vllm_is_refused_on_a_node_without_it_never_switched(monkeypatch):
+    monkeypatch.setattr(attempt, "vllm_version", lambda: None)
+    books = _Books("vllm")
+    with pytest.raises(attempt.SamplerUnavailable, match="this node has no vLLM: install grpo-run\\[vllm\\]"):
+        _process(books, GRPOParams(sampler="auto"))._sampler()
+    assert books.recorded is None
+
+
+def test_the_first_start_records_the_choice_and_later_ones_keep_it(monkeypatch):
+    monkeypatch.setattr(attempt, "vllm_version", lambda: "0.32.0")
+    books = _Books(None)
+    assert _process(books, GRPOParams(sampler="native"))._sampler() == "native"
+    assert books.recorded == ("native", "spec.parameters.sampler: native")
+    kept = _Books("native")        # chosen before: auto is not asked again, whatever this node has
+    assert _process(kept, GRPOParams(sampler="auto"))._sampler() == "native" and kept.recorded is None

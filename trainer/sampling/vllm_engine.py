@@ -1,0 +1,174 @@
+"""vLLM as the sampler, colocated with the trainer (TRL's default mode): one engine in this very
+process, over the same base weights the trainer loaded.
+
+- The policy reaches the engine before every sampling without merging the base: a LoRA adapter is
+  written as PEFT files into a folder of the work folder and loaded in place (LoRARequest with
+  load_inplace); a full fine-tune's weights are loaded into the engine's model (load_weights).
+  `sync_seconds` is the newest sync's cost, a step metric.
+- Seeds: every request carries its own, derived from its block's seed (a prompt's group, or an
+  evaluation batch) and its place in it, so a resumed step draws the same tokens as the first try
+  on the same hardware, whatever else is in the batch.
+- A stop request (a notice) is honoured between two engine steps: every request is aborted, not
+  waited for, and GenerationInterrupted raised.
+- Log-probabilities: the engine's of each sampled token after temperature ("processed_logprobs"),
+  for the trainer's truncated importance sampling (trainer.grpo.truncated_is_weights).
+- On a GPU the engine's memory is bounded by gpuMemoryUtilization and its KV cache released while
+  the trainer updates (sleep mode, level 1); on a CPU gpuMemoryUtilization is the share of the
+  machine's memory its KV cache takes, and there is no sleep mode.
+
+vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine process to outlive the trainer,
+the abort is immediate, and the weights are loaded without crossing a process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from grpo_run.trainer.sampling.sampler import Completions, GenerationInterrupted
+
+log = logging.getLogger(__name__)
+
+
+def request_seed(block_seed: int, index: int) -> int:
+    """The seed of the request at `index` (0-based) in a block seeded `block_seed`: distinct per
+    completion, reproducible, and within vLLM's (a signed 64-bit) range."""
+    return (block_seed * 1_000_037 + index * 15_485_863 + 3) % (2**63 - 1)
+
+
+class VllmSampler:
+    """A vLLM engine sampling for one trainer process."""
+    engine = "vllm"
+
+    def __init__(self, model_path: str, *, method: str, lora_rank: int, dtype: torch.dtype, device: torch.device,
+                 gpu_memory_utilization: float, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
+                 top_k: int, top_p: float, repetition_penalty: float, stop_strings: Sequence[str], seed: int,
+                 work: Path) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # before vllm is imported: the engine in-process
+        threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        import vllm
+        from vllm import LLM
+
+        self.version = vllm.__version__
+        self.method, self.pad_id, self.max_new_tokens = method, pad_id, max_new_tokens
+        self.eos_ids, self.stop_strings = list(eos_ids), list(stop_strings)
+        self.top_k, self.top_p, self.repetition_penalty = top_k, top_p, repetition_penalty
+        self.gpu = device.type == "cuda"
+        self.folder = Path(work) / "vllm-adapter"
+        lora = method == "LoRA"
+        self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_lora=lora,
+                       max_lora_rank=max(8, lora_rank) if lora else 16, max_loras=1,
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.gpu,
+                       enforce_eager=not self.gpu, enable_prefix_caching=True)
+        # vLLM's CPU worker lowers torch's threads for serving; the trainer's arithmetic keeps its count
+        torch.set_num_threads(threads)
+        self.start_seconds = time.perf_counter() - t0
+        self.sync_seconds = 0.0
+        self._lora = None
+        self._asleep = False
+        self._requests = 0
+        log.info("vLLM %s started in %.1f s (%s)", self.version, self.start_seconds, "GPU" if self.gpu else "CPU")
+
+    # --- the policy's weights --------------------------------------------------------------------
+
+    def load_policy(self, model: torch.nn.Module) -> None:
+        t0 = time.perf_counter()
+        self._wake()
+        if self.method == "LoRA":
+            self._load_adapter(model)
+        else:
+            self._load_weights(model)
+        self.sync_seconds = time.perf_counter() - t0
+
+    def _load_adapter(self, model) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self.folder.exists():
+            shutil.rmtree(self.folder)
+        model.save_pretrained(str(self.folder))      # adapter_config.json and adapter_model.safetensors only
+        self._lora = LoRARequest("policy", 1, str(self.folder), load_inplace=True)
+
+    def _load_weights(self, model) -> None:
+        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        self.llm.llm_engine.apply_model(lambda m: m.load_weights(iter(weights)))
+        self.llm.llm_engine.reset_prefix_cache()     # cached KV blocks were computed by the old weights
+
+    def sleep(self) -> None:
+        """Release the KV cache for the update (a GPU's; a CPU engine has no sleep mode)."""
+        if self.gpu and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # --- sampling --------------------------------------------------------------------------------
+
+    def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, seeds: Sequence[int], *, temperature: float,
+               should_stop: Callable[[], bool]) -> Completions:
+        from vllm import SamplingParams
+
+        self._wake()
+        n, device = prompt_ids.size(0), prompt_ids.device
+        block = n // len(seeds)
+        engine = self.llm.llm_engine
+        ids: dict[str, int] = {}
+        for row in range(n):
+            prompt = prompt_ids[row][prompt_mask[row].bool()].tolist()
+            params = SamplingParams(
+                n=1, temperature=temperature, top_k=self.top_k if self.top_k > 0 else -1, top_p=self.top_p,
+                repetition_penalty=self.repetition_penalty, max_tokens=self.max_new_tokens,
+                seed=request_seed(seeds[row // block], row % block), logprobs=0,
+                stop_token_ids=self.eos_ids, stop=self.stop_strings or None, include_stop_str_in_output=True,
+                skip_special_tokens=True)
+            request = f"r{self._requests}"
+            self._requests += 1
+            ids[request] = row
+            engine.add_request(request, {"prompt_token_ids": prompt}, params, lora_request=self._lora)
+        outputs: dict[int, object] = {}
+        while engine.has_unfinished_requests():
+            if should_stop():                         # a notice: abort, never wait for the requests
+                engine.abort_request(list(ids))
+                raise GenerationInterrupted()
+            for out in engine.step():
+                if out.finished:
+                    outputs[ids[out.request_id]] = out.outputs[0]
+        return self._completions([outputs[row] for row in range(n)], device)
+
+    def _completions(self, outs: list, device: torch.device) -> Completions:
+        width = max(1, max(len(o.token_ids) for o in outs))
+        n = len(outs)
+        tokens = torch.full((n, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(n, width, dtype=torch.long)
+        logps = torch.zeros(n, width, dtype=torch.float32)
+        truncated = torch.zeros(n, dtype=torch.bool)
+        for i, o in enumerate(outs):
+            k = len(o.token_ids)
+            tokens[i, :k] = torch.tensor(list(o.token_ids), dtype=torch.long)
+            mask[i, :k] = 1
+            if o.logprobs:
+                logps[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+            truncated[i] = o.finish_reason == "length"
+        # -sum log p(sampled token) is an unbiased estimate of the summed entropy the native decoder
+        # computes exactly; 0 when greedy (no log-probabilities to estimate with)
+        entropy = -(logps * mask).sum(1)
+        return Completions(tokens.to(device), mask.to(device), truncated.to(device), entropy.to(device),
+                           logps.to(device))
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            del llm
+        if self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
