@@ -13,6 +13,10 @@ assumes). Nothing is downloaded. It writes one JSON file with:
   time against the estimate's (`grpo-run apply --dry-run` for the same job on this card);
 - decoders: completion tokens/s of one step's sampling with the default decoder, with
   compileDecode (its first call compiles and is not timed) and with transformers' generate;
+- vllm: the same LoRA job sampled by vLLM (colocated, in the trainer's process): seconds per
+  step and completion tokens/s beside the native decoder's (`vllmOverNative`), the engine's
+  start-up and per-step adapter sync, and the figures against the anchors (ANCHORS: the reference
+  job's 0.45 s/step on an H100, vLLM's 8,588 tokens/s for Qwen3-0.6B);
 - qlora: two steps with a 4-bit base (where bitsandbytes has a kernel; skipped on a CPU).
 Each part runs only while the time budget (--budget-s, default 420 s) lasts; a skipped part
 says why. The card is found from torch's device name; --gpu names it when that fails.
@@ -39,8 +43,12 @@ sys.path.insert(0, str(REPO))
 QWEN3_0_6B = dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
                   rope_theta=1_000_000, rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.02)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16)
+# head_dim 64: the smallest shape vLLM's CPU attention serves, so --tiny runs the vllm part too
+TINY = dict(hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=64)
+# What the GPU figures are compared with: SPEC §3's reference job on an H100 SXM (seconds per step),
+# and vLLM's published throughput for Qwen3-0.6B on one H100 (completion tokens per second).
+ANCHORS = {"referenceStepSecondsH100": 0.45, "vllmTokensPerSecondQwen3_0_6B_H100": 8588}
 FULL_RUN = {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 256, "steps": 4}
 TINY_RUN = {"numGenerations": 2, "promptsPerStep": 2, "maxCompletionLength": 8, "steps": 2}
 
@@ -85,7 +93,7 @@ def write_job(folder: Path, model: Path, gpu: str, memory_gb: float | None, run:
                         "tasks": str(folder / "tasks.jsonl"), "evalTasks": str(folder / "eval.jsonl")},
         "parameters": {"numGenerations": run["numGenerations"], "promptsPerStep": run["promptsPerStep"],
                        "maxCompletionLength": run["maxCompletionLength"], "maxSteps": 1000, "lora": {"r": 8},
-                       "method": "LoRA", "beta": 0.0, "learningRate": 1e-4, "seed": 0,
+                       "method": "LoRA", "beta": 0.0, "learningRate": 1e-4, "seed": 0, "sampler": "native",
                        "chatTemplateKwargs": {"enable_thinking": False}}}
     if memory_gb is not None:                       # a card the table does not list: time, not money
         spec["pricing"] = {"usdPerHour": 1.0, "memoryGB": memory_gb}
@@ -173,6 +181,36 @@ def decoder_rates(trainer, compiled: bool, budget: Budget) -> dict[str, Any]:
     return out
 
 
+def vllm_steps(job, run: dict[str, int], cuda: bool, budget: Budget, native: dict[str, Any]) -> dict[str, Any]:
+    """The LoRA job again, sampled by vLLM colocated; beside the native decoder's figures and the anchors."""
+    from grpo_run.trainer.sampling.choice import vllm_version
+
+    if vllm_version() is None:
+        return {"skipped": "vLLM is not installed (pip install 'grpo-run[vllm]')"}
+    if budget.left() < 120:
+        return {"skipped": "time budget spent"}
+    settings = {"gpuMemoryUtilization": 0.5 if cuda else 0.05}
+    vjob = job.model_copy(update={"parameters": job.parameters.model_copy(
+        update={"sampler": "vllm", "vllm": job.parameters.vllm.model_copy(update=settings)})})
+    t0 = time.perf_counter()
+    out, trainer = train_steps(vjob, run["steps"], cuda)
+    try:
+        out["engine"] = trainer.sampler_status
+        out["startSeconds"] = round(trainer.sampler.start_seconds, 2)
+        out["setupSeconds"] = round(time.perf_counter() - t0 - sum(s["stepSeconds"] for s in out["perStep"]), 2)
+        out["syncSeconds"] = round(trainer.sampler.sync_seconds, 4)
+    finally:
+        trainer.close()
+    out["vllmOverNative"] = {"stepSeconds": round(out["stepSeconds"] / native["stepSeconds"], 3),
+                             "completionTokensPerSecond": round(out["completionTokensPerSecond"]
+                                                                / native["completionTokensPerSecond"], 3)}
+    out["anchors"] = {**ANCHORS,
+                      "stepOverReference": round(out["stepSeconds"] / ANCHORS["referenceStepSecondsH100"], 3),
+                      "tokensPerSecondOverPublished": round(out["completionTokensPerSecond"]
+                                                            / ANCHORS["vllmTokensPerSecondQwen3_0_6B_H100"], 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the JSON file to write")
@@ -254,6 +292,8 @@ def check(work: Path, gpu: str, memory_gb: float | None, run: dict[str, int], ar
         gc.collect()                                 # the LoRA model's memory, before QLoRA's peak
         if cuda:
             torch.cuda.empty_cache()
+
+    report["vllm"] = vllm_steps(job, run, cuda, budget, lora)
 
     try:
         check_qlora(device)

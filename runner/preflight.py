@@ -91,8 +91,9 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
 
     p = job.parameters
-    if here or p.sampler == "native":
-        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu())
+    server = p.vllm.mode == "server"
+    if here or p.sampler == "native" or server:
+        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server)
     refusal = vllm_refusal(p.method, model_config(job.model), gpu=True)
     if refusal and p.sampler == "vllm":
         raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
@@ -104,11 +105,35 @@ def sampler_choice(job: TrainingJob, *, here: bool):
 
 def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
-        sampler_choice(job, here=mode == "apply")
+        choice = sampler_choice(job, here=mode == "apply")
     except ValueError as e:
         found.problems.append(str(e))
+        return
     except LookupError:
-        pass                        # the model's config: _check_model said it
+        return                      # the model's config: _check_model said it
+    vllm = job.parameters.vllm
+    if choice.engine == "vllm" and vllm.mode == "server":
+        problem = _server_problem(vllm.server, job.model)
+        if problem and mode == "apply":
+            found.problems.append(problem)
+        elif problem:               # the nodes may reach what this machine does not
+            found.notes.append(f"{problem} (from this machine; the nodes must reach it)")
+
+
+def _server_problem(url: str, model: str) -> str | None:
+    """Why the vLLM server at `url` does not answer its /health (None when it does)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+            health = json.loads(reply.read())
+        if health.get("engine") != "vllm":
+            return f"spec.parameters.vllm.server: {url} answered, but not as `grpo-run vllm-server`"
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return (f"spec.parameters.vllm.server: no vLLM server answers at {url} ({getattr(e, 'reason', e)}): start "
+                f"one there with `grpo-run vllm-server --model {model}` (docs/sampling.md)")
 
 
 def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> None:

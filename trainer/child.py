@@ -26,6 +26,7 @@ from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
+from grpo_run.trainer.sampling.vllm_server import EngineRefused, EngineUnavailable
 from grpo_run.trainer.logs import trainer_logging
 from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
@@ -71,11 +72,15 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
         log.error("reward function failed: %s", e)
         return CHILD_CODE_ERROR
+    except EngineUnavailable as e:                     # the vLLM server: the attempt ends, restarted as a crash
+        events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
+        log.error("infrastructure failure: %s", e)
+        return CHILD_CRASHED
     except JudgeUnavailable as e:                      # past the judge's own retries: reported, never a score
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
         log.error("infrastructure failure: %s", e)
         return CHILD_INFRA_FAILED
-    except (SandboxUnavailable, NonFiniteStep, JudgeError, ModelMissing) as e:   # the node's sandbox, the job's
+    except (SandboxUnavailable, NonFiniteStep, JudgeError, ModelMissing, EngineRefused) as e:   # the node's sandbox, the job's
         # numbers, the judge's refusal or budget, a model not there: a restart cannot get the missing layer or model
         # and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))

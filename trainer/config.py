@@ -13,7 +13,7 @@ import typing
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 METHODS = ("LoRA", "QLoRA", "Full")
@@ -21,7 +21,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 STD_CONVENTIONS = ("sample", "population")
 SCHEDULERS = ("constant", "linear", "cosine")
 SAMPLERS = ("native", "vllm", "auto")
-VLLM_MODES = ("colocate",)
+VLLM_MODES = ("colocate", "server")
 
 
 # Elements of one chunk of logits upcast to fp32 at a time by the selective log-softmax (256 MB);
@@ -93,7 +93,11 @@ class LoraParams(Strict):
 
 class VllmParams(Strict):
     """`spec.parameters.vllm`: the vLLM engine's settings (docs/sampling.md)."""
-    mode: Literal[VLLM_MODES] = "colocate"       # the engine in the trainer's process, on its GPU (TRL's default)
+    # colocate: the engine in the trainer's process, on its GPU (TRL's default); server: a
+    # `grpo-run vllm-server` on another GPU or node, at `server`
+    mode: Literal[VLLM_MODES] = "colocate"
+    server: str | None = None                    # mode server: the server's address, http://HOST:PORT
+    serverTimeoutSeconds: float = Field(600.0, gt=0)   # one call to the server (a step's sampling) at most
     # the share of the GPU the engine's weights and KV cache may take (on a CPU: of the machine's
     # memory, for its KV cache); TRL's colocate default
     gpuMemoryUtilization: float = Field(0.3, gt=0, lt=1)
@@ -101,6 +105,29 @@ class VllmParams(Strict):
     # correcting the engine's and the trainer's differing log-probabilities (TRL's
     # vllm_importance_sampling_cap); 0 turns the correction off
     importanceSamplingCap: float = Field(3.0, ge=0)
+
+    @field_validator("server")
+    @classmethod
+    def _server(cls, v: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise problem(f"must be the server's address, http://HOST:PORT, as `grpo-run vllm-server` prints it "
+                          f"(got {fmt(v)})")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _server_for_mode(self) -> "VllmParams":
+        if self.mode == "server" and self.server is None:
+            raise problems_at("VllmParams", [(("server",), "required with mode: server: the address "
+                                              "`grpo-run vllm-server` prints (http://HOST:PORT)")])
+        if self.mode == "colocate" and self.server is not None:
+            raise problems_at("VllmParams", [(("mode",), "is colocate, and server is given: set mode: server to "
+                                              "sample on that server, or remove server")])
+        return self
 
 
 class GRPOParams(Strict):

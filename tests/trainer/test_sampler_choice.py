@@ -99,3 +99,18 @@ def test_the_first_start_records_the_choice_and_later_ones_keep_it(monkeypatch):
     assert books.recorded == ("native", "spec.parameters.sampler: native")
     kept = _Books("native")        # chosen before: auto is not asked again, whatever this node has
     assert _process(kept, GRPOParams(sampler="auto"))._sampler() == "native" and kept.recorded is None
+
+
+def test_server_mode_needs_no_vllm_here_and_still_refuses_what_it_cannot_sample(without_vllm):
+    c = choose("auto", "LoRA", lambda: DEMO, gpu=False, server=True)
+    assert c.engine == "vllm" and "server" in c.why            # the demo's head size: the server's GPU serves it
+    with pytest.raises(ValueError, match="method QLoRA"):
+        choose("vllm", "QLoRA", lambda: DEMO, gpu=False, server=True)
+
+
+def test_server_settings_name_the_field_and_the_fix():
+    for bad, text in (({"mode": "server"}, "vllm.server"), ({"server": "http://127.0.0.1:8000"}, "vllm.mode"),
+                      ({"mode": "server", "server": "127.0.0.1:8000"}, "http://HOST:PORT")):
+        with pytest.raises(Exception) as e:
+            GRPOParams(vllm=bad)
+        assert text in str(e.value)

@@ -52,13 +52,22 @@ def vllm_refusal(method: str, config: dict, gpu: bool) -> str | None:
     return None
 
 
-def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool) -> Choice:
+def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, server: bool = False) -> Choice:
     """`spec.parameters.sampler` resolved for a run: native as asked; vllm as asked (ValueError,
     naming the field and the fix, when it cannot be); auto: vllm where it is installed and serves
     the model and method, else native, with the reason either way. `config()`: the model's
-    config.json (read only when vLLM is installed)."""
+    config.json (read only when vLLM is installed). `server`: vllm.mode is server, so vLLM runs
+    elsewhere and need not be installed here (the trainer checks the server when it starts)."""
     if asked == "native":
         return Choice("native", "spec.parameters.sampler: native")
+    if server:
+        refusal = vllm_refusal(method, {}, gpu=True)
+        if refusal and asked == "vllm":
+            raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
+        if refusal:
+            return Choice("native", f"auto: {refusal}")
+        return Choice("vllm", f"{'auto' if asked == 'auto' else 'spec.parameters.sampler: vllm'}: the vLLM server "
+                              "at spec.parameters.vllm.server")
     version = vllm_version()
     if version is None:
         refusal = ("vLLM is not installed on this machine (pip install 'grpo-run[vllm]' on a GPU node, "

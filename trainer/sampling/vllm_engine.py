@@ -26,8 +26,9 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -35,6 +36,47 @@ from torch import Tensor
 from grpo_run.trainer.sampling.sampler import Completions, GenerationInterrupted
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """What every request of one sampling call is drawn with (vLLM's SamplingParams, less the seed)."""
+    temperature: float
+    max_tokens: int
+    top_k: int = 0                  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+    stop: tuple[str, ...] | list[str] = ()
+
+
+class Drawn(NamedTuple):
+    """One completion as the engine drew it."""
+    token_ids: list[int]
+    logprobs: list[float]           # the engine's, of each drawn token (empty when greedy gives none)
+    truncated: bool                 # cut at max_tokens
+
+
+def completions(outs: Sequence[Drawn], pad_id: int, device: torch.device) -> Completions:
+    """The trainer's Completions from the engine's draws: right-padded ids, mask, truncated,
+    entropy (estimated) and the engine's log-probabilities."""
+    width = max(1, max(len(o.token_ids) for o in outs))
+    n = len(outs)
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    logps = torch.zeros(n, width, dtype=torch.float32)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    for i, o in enumerate(outs):
+        k = len(o.token_ids)
+        tokens[i, :k] = torch.tensor(o.token_ids, dtype=torch.long)
+        mask[i, :k] = 1
+        if o.logprobs:
+            logps[i, :k] = torch.tensor(o.logprobs, dtype=torch.float32)
+        truncated[i] = o.truncated
+    # -sum log p(sampled token) is an unbiased estimate of the summed entropy the native decoder
+    # computes exactly; 0 when greedy (no log-probabilities to estimate with)
+    entropy = -(logps * mask).sum(1)
+    return Completions(tokens.to(device), mask.to(device), truncated.to(device), entropy.to(device), logps.to(device))
 
 
 def request_seed(block_seed: int, index: int) -> int:
@@ -48,9 +90,12 @@ class VllmSampler:
     engine = "vllm"
 
     def __init__(self, model_path: str, *, method: str, lora_rank: int, dtype: torch.dtype, device: torch.device,
-                 gpu_memory_utilization: float, max_new_tokens: int, eos_ids: Sequence[int], pad_id: int,
-                 top_k: int, top_p: float, repetition_penalty: float, stop_strings: Sequence[str], seed: int,
-                 work: Path) -> None:
+                 gpu_memory_utilization: float, work: Path, seed: int = 0, max_new_tokens: int = 0,
+                 eos_ids: Sequence[int] = (), pad_id: int = 0, top_k: int = 0, top_p: float = 1.0,
+                 repetition_penalty: float = 1.0, stop_strings: Sequence[str] = ()) -> None:
+        """The engine over `model_path`'s base weights, for `method` (LoRA: adapters up to rank
+        `lora_rank`; Full: weights loaded into it). The sampling settings are `sample`'s (a
+        server's `generate` takes its own with each call)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # before vllm is imported: the engine in-process
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
@@ -90,15 +135,23 @@ class VllmSampler:
         self.sync_seconds = time.perf_counter() - t0
 
     def _load_adapter(self, model) -> None:
-        from vllm.lora.request import LoRARequest
-
         if self.folder.exists():
             shutil.rmtree(self.folder)
         model.save_pretrained(str(self.folder))      # adapter_config.json and adapter_model.safetensors only
-        self._lora = LoRARequest("policy", 1, str(self.folder), load_inplace=True)
+        self.use_adapter_folder(self.folder)
+
+    def use_adapter_folder(self, folder: Path) -> None:
+        """Sample with the PEFT adapter in `folder` from now on (loaded again even under the same name)."""
+        from vllm.lora.request import LoRARequest
+
+        self._lora = LoRARequest("policy", 1, str(folder), load_inplace=True)
 
     def _load_weights(self, model) -> None:
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        self.load_weights([(name, p.detach()) for name, p in model.state_dict().items()])
+
+    def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:
+        """A full fine-tune's weights (Hugging Face names) into the engine's model."""
+        self._wake()
         self.llm.llm_engine.apply_model(lambda m: m.load_weights(iter(weights)))
         self.llm.llm_engine.reset_prefix_cache()     # cached KV blocks were computed by the old weights
 
@@ -117,54 +170,46 @@ class VllmSampler:
 
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, seeds: Sequence[int], *, temperature: float,
                should_stop: Callable[[], bool]) -> Completions:
+        prompts = [prompt_ids[row][prompt_mask[row].bool()].tolist() for row in range(prompt_ids.size(0))]
+        settings = SampleSettings(temperature=temperature, max_tokens=self.max_new_tokens, top_k=self.top_k,
+                                  top_p=self.top_p, repetition_penalty=self.repetition_penalty,
+                                  stop_token_ids=self.eos_ids, stop=self.stop_strings)
+        outs = self.generate(prompts, seeds, settings, should_stop)
+        return completions(outs, self.pad_id, prompt_ids.device)
+
+    def generate(self, prompts: list[list[int]], seeds: Sequence[int], settings: "SampleSettings",
+                 should_stop: Callable[[], bool]) -> list[Drawn]:
+        """One completion per prompt (token ids); `seeds` one per equal consecutive block of
+        prompts. Raises GenerationInterrupted, every request aborted, when `should_stop()` turns true."""
         from vllm import SamplingParams
 
         self._wake()
-        n, device = prompt_ids.size(0), prompt_ids.device
+        n = len(prompts)
         block = n // len(seeds)
         engine = self.llm.llm_engine
         ids: dict[str, int] = {}
-        for row in range(n):
-            prompt = prompt_ids[row][prompt_mask[row].bool()].tolist()
+        for row, prompt in enumerate(prompts):
             params = SamplingParams(
-                n=1, temperature=temperature, top_k=self.top_k if self.top_k > 0 else -1, top_p=self.top_p,
-                repetition_penalty=self.repetition_penalty, max_tokens=self.max_new_tokens,
+                n=1, temperature=settings.temperature, top_k=settings.top_k if settings.top_k > 0 else -1,
+                top_p=settings.top_p, repetition_penalty=settings.repetition_penalty, max_tokens=settings.max_tokens,
                 seed=request_seed(seeds[row // block], row % block), logprobs=0,
-                stop_token_ids=self.eos_ids, stop=self.stop_strings or None, include_stop_str_in_output=True,
-                skip_special_tokens=True)
+                stop_token_ids=list(settings.stop_token_ids), stop=list(settings.stop) or None,
+                include_stop_str_in_output=True, skip_special_tokens=True)
             request = f"r{self._requests}"
             self._requests += 1
             ids[request] = row
             engine.add_request(request, {"prompt_token_ids": prompt}, params, lora_request=self._lora)
-        outputs: dict[int, object] = {}
+        outputs: dict[int, Drawn] = {}
         while engine.has_unfinished_requests():
             if should_stop():                         # a notice: abort, never wait for the requests
                 engine.abort_request(list(ids))
                 raise GenerationInterrupted()
             for out in engine.step():
                 if out.finished:
-                    outputs[ids[out.request_id]] = out.outputs[0]
-        return self._completions([outputs[row] for row in range(n)], device)
-
-    def _completions(self, outs: list, device: torch.device) -> Completions:
-        width = max(1, max(len(o.token_ids) for o in outs))
-        n = len(outs)
-        tokens = torch.full((n, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(n, width, dtype=torch.long)
-        logps = torch.zeros(n, width, dtype=torch.float32)
-        truncated = torch.zeros(n, dtype=torch.bool)
-        for i, o in enumerate(outs):
-            k = len(o.token_ids)
-            tokens[i, :k] = torch.tensor(list(o.token_ids), dtype=torch.long)
-            mask[i, :k] = 1
-            if o.logprobs:
-                logps[i, :k] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
-            truncated[i] = o.finish_reason == "length"
-        # -sum log p(sampled token) is an unbiased estimate of the summed entropy the native decoder
-        # computes exactly; 0 when greedy (no log-probabilities to estimate with)
-        entropy = -(logps * mask).sum(1)
-        return Completions(tokens.to(device), mask.to(device), truncated.to(device), entropy.to(device),
-                           logps.to(device))
+                    o = out.outputs[0]
+                    logps = [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if o.logprobs else []
+                    outputs[ids[out.request_id]] = Drawn(list(o.token_ids), logps, o.finish_reason == "length")
+        return [outputs[row] for row in range(n)]
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
