@@ -88,13 +88,16 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     decides at the job's first start). Raises ValueError for `sampler: vllm` that cannot be,
     LookupError when the model's config cannot be read (said by _check_model)."""
     from grpo_run.runner.estimate.estimate import model_config
+    from grpo_run.runner.spec.job import node_processes
     from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
 
     p = job.parameters
     server = p.vllm.mode == "server"
+    processes = node_processes(job.resources)
     if here or p.sampler == "native" or server:
-        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server)
-    refusal = vllm_refusal(p.method, model_config(job.model), gpu=True)
+        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server,
+                      processes=processes)
+    refusal = vllm_refusal(p.method, model_config(job.model), gpu=True, processes=processes)
     if refusal and p.sampler == "vllm":
         raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
     if refusal:

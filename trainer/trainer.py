@@ -183,7 +183,7 @@ class GRPOTrainer:
         engine = p.sampler
         if engine == "auto":
             engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda",
-                            server=p.vllm.mode == "server").engine
+                            server=p.vllm.mode == "server", processes=self.world.size).engine
         if engine == "native":
             return NativeSampler(self.device, lambda: dict(
                 model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,

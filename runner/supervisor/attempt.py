@@ -146,7 +146,8 @@ class TrainerProcess:
         if chosen is None:
             try:
                 choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
-                                        node_has_gpu(), server=params.vllm.mode == "server")
+                                        node_has_gpu(), server=params.vllm.mode == "server",
+                                        processes=self.spec.processes)
             except ValueError as e:
                 raise SamplerUnavailable(str(e)) from None
             self.books.choose_sampler(choice.engine, choice.why)

