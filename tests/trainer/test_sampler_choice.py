@@ -80,7 +80,7 @@ class _Books:
 
 
 def _process(books, params):
-    spec = SimpleNamespace(params=params, model="unused")
+    spec = SimpleNamespace(params=params, model="unused", processes=1)
     return attempt.TrainerProcess(spec, "/nonexistent", books, None, checkpoints=None, wake=threading.Event())
 
 
@@ -114,3 +114,10 @@ def test_server_settings_name_the_field_and_the_fix():
         with pytest.raises(Exception) as e:
             GRPOParams(vllm=bad)
         assert text in str(e.value)
+
+
+def test_several_trainer_processes_sample_natively_with_the_reason(with_vllm):
+    c = choose("auto", "LoRA", lambda: QWEN3_0_6B, gpu=True, processes=4)
+    assert c.engine == "native" and "4 trainer processes" in c.why
+    with pytest.raises(ValueError, match="spec.resources.processes: 1"):
+        choose("vllm", "LoRA", lambda: QWEN3_0_6B, gpu=True, processes=2)
