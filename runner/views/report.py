@@ -38,7 +38,8 @@ def gather(record: Record) -> dict[str, Any]:
             "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
             "spendUSD": values.spend_usd(record), "judgeUSD": values.JUDGE_USD.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
-            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record)}
+            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record),
+            "sampler": values.SAMPLER.get(record) or {}}
 
 
 def _samples(record: Record) -> dict[str, list[dict[str, Any]]]:
@@ -296,6 +297,9 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
                          f"(solved {ev.get('solved', '?')}; computed {ev.get('runs', '?')} time(s))")
     if steps:
         lines.append(f"- train reward: first step {steps[0]['rewardMean']:.3f}, last step {steps[-1]['rewardMean']:.3f}")
+    engine = run.get("sampler") or {}
+    if engine.get("engine"):
+        lines.append(f"- sampled with: {_engine(engine, steps)}")
     judges = ", ".join(f"{name} ${v:.4f}" for name, v in run["judgeUSD"].items())
     lines.append(f"- spend: ${usd:.4f}" + (f" (judge calls: {judges})" if judges else "")
                  + ("" if usd else " (no rate: set spec.gpu or spec.pricing.usdPerHour)"))
@@ -317,6 +321,20 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
         lines += [""] + notes
     lines += _samples_md(run.get("samples") or {})
     return "\n".join(lines) + "\n"
+
+
+def _engine(engine: dict[str, Any], steps: list[dict[str, Any]]) -> str:
+    """The engine line: which, its version and mode, its start-up, and the newest step's sync and mismatch."""
+    if engine["engine"] == "native":
+        return "native decoder"
+    text = f"vLLM {engine.get('version', '')} ({engine.get('mode', 'colocate')})".replace("  ", " ")
+    if engine.get("startSeconds") is not None:
+        text += f", started in {engine['startSeconds']:.1f} s"
+    last = steps[-1] if steps else {}
+    if "syncSeconds" in last:
+        text += f"; newest step: adapter sync {last['syncSeconds'] * 1000:.0f} ms, log-prob mismatch " \
+                f"{last.get('logprobMismatch', 0.0):.1e}"
+    return text
 
 
 def _samples_md(samples: dict[str, list[dict[str, Any]]]) -> list[str]:

@@ -54,11 +54,11 @@ def doc(home: Path, storage: Path | None = None) -> dict:
 def uninterrupted(tmp_path_factory, tiny64):
     folder = tmp_path_factory.mktemp("vllm-reference")
     grpo_run(folder / "home", "apply", "-f", str(write_job(folder, tiny64)))
-    return doc(folder / "home"), exported_bytes(folder / "home", None, folder / "export")
+    return doc(folder / "home"), exported_bytes(folder / "home", None, folder / "export"), folder / "home"
 
 
-def test_a_job_with_sampler_vllm_trains_on_the_engine_and_get_tj_says_which(uninterrupted):
-    job, adapter = uninterrupted
+def test_a_job_with_sampler_vllm_trains_on_the_engine_and_get_tj_and_the_report_say_which(uninterrupted, tmp_path):
+    job, adapter, home = uninterrupted
     status = job["status"]
     assert status["phase"] == "Succeeded" and status["step"] == STEPS
     assert status["sampler"]["engine"] == "vllm"
@@ -67,6 +67,10 @@ def test_a_job_with_sampler_vllm_trains_on_the_engine_and_get_tj_says_which(unin
     last = status["lastStep"]
     assert last["syncSeconds"] > 0 and 0 <= last["logprobMismatch"] < 1e-3
     assert "adapter_model.safetensors" in adapter
+    grpo_run(home, "report", "resumable", "--out", str(tmp_path / "report.png"))
+    line = [x for x in (tmp_path / "report.md").read_text().splitlines() if x.startswith("- sampled with:")]
+    assert line and line[0].startswith(f"- sampled with: vLLM {status['sampler']['version']} (colocate), started in ")
+    assert "adapter sync" in line[0] and "log-prob mismatch" in line[0]
 
 
 def test_a_vllm_run_killed_mid_sampling_resumes_on_a_fresh_node_byte_identical(tmp_path, tiny64, uninterrupted):
