@@ -189,7 +189,7 @@ def vllm_steps(job, run: dict[str, int], cuda: bool, budget: Budget, native: dic
         return {"skipped": "vLLM is not installed (pip install 'grpo-run[vllm]')"}
     if budget.left() < 120:
         return {"skipped": "time budget spent"}
-    settings = {"gpuMemoryUtilization": 0.5 if cuda else 0.05}
+    settings = {"gpuMemoryUtilization": 0.5 if cuda else 0.1}
     vjob = job.model_copy(update={"parameters": job.parameters.model_copy(
         update={"sampler": "vllm", "vllm": job.parameters.vllm.model_copy(update=settings)})})
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def run(engine: str, model: Path, reward: str, args) -> dict:
 
     params = GRPOParams(numGenerations=args.generations, promptsPerStep=args.prompts,
                         maxCompletionLength=args.tokens, maxSteps=args.steps, learningRate=1e-3, seed=0,
-                        sampler=engine, vllm={"gpuMemoryUtilization": 0.05})
+                        sampler=engine, vllm={"gpuMemoryUtilization": 0.1})
     arith = catalog_environment("arithmetic", seed=0, n_eval=8)
     env = user_environment(name="length", reward_ref=reward, tasks=list(arith.train_tasks),
                            eval_tasks=list(arith.eval_tasks))

@@ -36,7 +36,7 @@ def write_job(folder: Path, model: Path, storage: Path | None = None, **params) 
                             "evalTasks": "eval.jsonl"},
             "parameters": {"numGenerations": 4, "promptsPerStep": 2, "maxCompletionLength": 6, "maxSteps": STEPS,
                            "saveSteps": SAVE, "learningRate": 0.01, "sampler": "vllm",
-                           "vllm": {"gpuMemoryUtilization": 0.03}, **params}}
+                           "vllm": {"gpuMemoryUtilization": 0.1}, **params}}
     if storage:
         spec["storage"] = str(storage)
     path = folder / "job.yaml"

@@ -28,7 +28,7 @@ STEPS = 16
 
 def start_server(model: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "vllm-server", "--model", str(model),
-                             "--port", str(port), "--gpu-memory-utilization", "0.05", "--max-lora-rank", "8"], cwd=REPO,
+                             "--port", str(port), "--gpu-memory-utilization", "0.1", "--max-lora-rank", "8"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     seen = []
     for line in proc.stdout:                         # vLLM's log, then our line once it answers

@@ -3,6 +3,7 @@ shape its CPU attention serves (head_dim 64). One engine for the module (it take
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 from pathlib import Path
 
@@ -32,10 +33,12 @@ def trainer(tiny64, tmp_path_factory):
     env = user_environment(name="length", reward_ref=f"{folder / 'length.py'}:score", tasks=list(arith.train_tasks),
                            eval_tasks=list(arith.eval_tasks))
     params = GRPOParams(numGenerations=4, promptsPerStep=2, maxCompletionLength=8, maxSteps=4, evalTasks=6,
-                        learningRate=2e-3, seed=0, sampler="vllm", vllm={"gpuMemoryUtilization": 0.03})
+                        learningRate=2e-3, seed=0, sampler="vllm", vllm={"gpuMemoryUtilization": 0.1})
     tr = GRPOTrainer(str(tiny64), env, params, work=folder)
     yield tr
     tr.close()
+    del tr
+    gc.collect()                      # the engine's memory, before another engine starts in this process
 
 
 def prompts(tr, n: int = 8):
@@ -118,31 +121,3 @@ def test_a_step_on_vllm_learns_and_logs_the_sync_and_the_log_prob_mismatch(train
         assert 0 < m["syncSeconds"] < 30
         # the same weights in float32 on both sides: the engine and the trainer agree closely
         assert 0 <= m["logprobMismatch"] < 1e-3
-
-
-def test_a_full_fine_tune_s_weights_reach_the_engine_every_sync(tiny64, tmp_path):
-    (tmp_path / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
-    arith = catalog_environment("arithmetic", seed=0, n_eval=6)
-    env = user_environment(name="length", reward_ref=f"{tmp_path / 'length.py'}:score", tasks=list(arith.train_tasks),
-                           eval_tasks=list(arith.eval_tasks))
-    params = GRPOParams(numGenerations=4, promptsPerStep=2, maxCompletionLength=8, maxSteps=4, evalTasks=6,
-                        method="Full", learningRate=2e-3, seed=0, sampler="vllm", vllm={"gpuMemoryUtilization": 0.03})
-    tr = GRPOTrainer(str(tiny64), env, params, work=tmp_path)
-    try:
-        ids, mask = prompts(tr, 4)
-        tr.sampler.load_policy(tr.model)
-        before = tr.sampler.sample(ids, mask, [5], temperature=1.0, should_stop=lambda: False)
-        with torch.no_grad():                       # weights far from the base's
-            gen = torch.Generator().manual_seed(4)
-            for p in tr.model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-        tr.sampler.load_policy(tr.model)
-        out = tr.sampler.sample(ids, mask, [5], temperature=1.0, should_stop=lambda: False)
-        with torch.no_grad():
-            policy = grpo.completion_logprobs(tr.model, ids, mask, out.ids, out.mask, 1.0)
-        m = out.mask.bool()
-        assert (policy[m] - out.logprobs[m]).abs().max() < 1e-3
-        assert not torch.equal(before.logprobs, out.logprobs)
-        assert tr.sampler_status["engine"] == "vllm"
-    finally:
-        tr.close()

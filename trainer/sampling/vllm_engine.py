@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from grpo_run.trainer.sampling.sampler import Completions, GenerationInterrupted
+from grpo_run.trainer.sampling.vllm_server import EngineRefused
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,21 @@ class VllmSampler:
         self.gpu = device.type == "cuda"
         self.folder = Path(work) / "vllm-adapter"
         lora = method == "LoRA"
-        self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
-                       gpu_memory_utilization=gpu_memory_utilization, enable_lora=lora,
-                       max_lora_rank=max(8, lora_rank) if lora else 16, max_loras=1,
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.gpu,
-                       enforce_eager=not self.gpu, enable_prefix_caching=True)
+        try:
+            self.llm = LLM(model=model_path, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                           gpu_memory_utilization=gpu_memory_utilization, enable_lora=lora,
+                           max_lora_rank=max(8, lora_rank) if lora else 16, max_loras=1,
+                           logprobs_mode="processed_logprobs", enable_sleep_mode=self.gpu,
+                           enforce_eager=not self.gpu, enable_prefix_caching=True)
+        except ValueError as e:           # vLLM's own word on memory and on models it cannot serve
+            if "memory" not in str(e).lower():
+                raise EngineRefused(f"spec.parameters.sampler: vLLM cannot serve spec.model here ({e}); use "
+                                    f"sampler: native") from None
+            where = "the GPU's memory" if self.gpu else \
+                "the machine's memory, and on a CPU it must hold this whole trainer process besides the KV cache"
+            raise EngineRefused(f"spec.parameters.vllm.gpuMemoryUtilization: {gpu_memory_utilization}: vLLM could "
+                                f"not start with it ({e}); it is the share of {where}: raise it, or use "
+                                f"sampler: native") from None
         # vLLM's CPU worker lowers torch's threads for serving; the trainer's arithmetic keeps its count
         torch.set_num_threads(threads)
         self.start_seconds = time.perf_counter() - t0
