@@ -9,6 +9,7 @@ context); `check_files` False (a resume on a fresh node) leaves files that may b
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,9 @@ class EnvironmentSpec(Strict):
             named = {loc for loc, _ in found}          # what was written in the wrong place: said once
             also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
             raise problems_at("EnvironmentSpec", found, also=also)
+        found = _path_problems(env.path, info) if given.get("path") else []
+        if found:
+            raise problems_at("EnvironmentSpec", found)
         if not env.is_catalog and not env.path:
             return env.model_copy(update={"path": (str(base_folder(info)),)})
         return env
@@ -260,6 +264,30 @@ class EnvironmentSpec(Strict):
         if self.path:
             out["path"] = list(self.path)
         return out
+
+
+def _path_problems(folders: tuple[str, ...], info: ValidationInfo) -> list[tuple[tuple[str, ...], str]]:
+    """A job file's `path` (import folders for its rewards) must lie in the job's own folder and be
+    no folder of the node's that a reward is kept from (trainer.grader.reach): the reward would read
+    it. Not checked for a job read back from storage (check_files off): `resume` gives a reward
+    only its stored files' folder (runner.envfiles)."""
+    from grpo_run.trainer.grader.reach import node_places, why_not
+
+    if not checks_files(info):
+        return []
+    base, places = os.path.realpath(base_folder(info)), node_places()
+    found: list[tuple[tuple[str, ...], str]] = []
+    for i, folder in enumerate(folders):
+        real = os.path.realpath(folder)
+        why = why_not(real, places)
+        if not (real == base or real.startswith(base.rstrip(os.sep) + os.sep)):
+            found.append((("path", i), f"{folder} is outside the job's folder {base}: a reward may import only from "
+                          "the job's own folder (other folders of this machine stay out of its reach); move the "
+                          "modules next to the job file"))
+        elif why:
+            found.append((("path", i), f"{folder} cannot be given to a reward to read: {why}; put the job file and its "
+                          "modules in a folder of their own"))
+    return found
 
 
 def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
+from grpo_run.trainer.grader.reach import node_places, why_not
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, memory_hint, section
 from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
 from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
@@ -157,7 +158,7 @@ class Grader:
         self.memory_mb = memory_mb
         self.retries = retries
         self._ref = _resolve_ref(reward_ref)
-        self._search_path = [os.path.abspath(p) for p in search_path]
+        self._search_path, self._reward_folder = self._reach([os.path.abspath(p) for p in search_path])
         self._network = network
         self._filesystem_setting = filesystem
         self._signals = signals
@@ -291,6 +292,7 @@ class Grader:
             {
                 "ref": self._ref,
                 "search_path": self._search_path,
+                "reward_folder": self._reward_folder,
                 "timeout_s": self.timeout_s,
                 "memory_mb": self.memory_mb,
                 "network": self._network,
@@ -337,6 +339,27 @@ class Grader:
         worker.release()
         raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
                                   kind=kind, summary=summary if isinstance(summary, str) and kind != "crashed" else None)
+
+    def _reach(self, search_path: list[str]) -> tuple[list[str], bool]:
+        """The search path the reward may be given to read, and whether its file's folder too
+        (`reach`: never the node's home, temporary or GRPO_RUN_HOME folders, nor secrets); what is
+        left out is said once."""
+        places = node_places()
+        kept, dropped = [], []
+        for folder in search_path:
+            why = why_not(folder, places)
+            (dropped.append(f"{folder} ({why})") if why else kept.append(folder))
+        target = self._ref.rpartition(":")[0]
+        folder_ok = True
+        if target.endswith(".py") or os.sep in target:
+            why = why_not(os.path.dirname(target), places)
+            folder_ok = why is None
+            if why:
+                dropped.append(f"{os.path.dirname(target)} ({why}; the reward gets its own file alone)")
+        if dropped:
+            log.warning("reward function %r is not given these folders to read: %s; put what it needs next to its "
+                        "file, in a folder of the job's own", self.reward_ref, "; ".join(dropped))
+        return kept, folder_ok
 
     def _note_sandbox(self, mode: dict[str, str], why: dict[str, str]) -> None:
         """Keep the worker's sandbox mode; warn once when a layer is not in force, and when a

@@ -35,6 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
+from grpo_run.trainer.grader.reach import SCRATCH_PREFIX, node_places
 from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
@@ -86,19 +87,20 @@ class WorkerProcess:
     @classmethod
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
         """Start `python -m grpo_run.trainer.grader.worker` with `settings` (ref, search_path,
-        timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch directory, the
-        folders it may never be given (the home folder: `protected`) and the pipes' and the crash
-        log's file descriptors."""
+        reward_folder, timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch
+        directory, the node's folders no installation folder may hold (`protected`: `reach`) and
+        the pipes' and the crash log's file descriptors."""
         request_r, request_w = os.pipe()
         response_r, response_w = os.pipe()
         output_r, output_w = os.pipe()
         # faulthandler in the worker writes fatal-signal stack dumps here; anonymous, so nothing
         # to clean up on disk.
         crash_file = tempfile.TemporaryFile()
-        scratch = tempfile.mkdtemp(prefix="grpo-grader-")
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+        places = node_places()
         config = dict(
             settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
-            protected=[os.path.realpath(os.path.expanduser("~"))],
+            protected=[places.home, *places.temp, *places.secrets],
         )
         try:
             proc = subprocess.Popen(

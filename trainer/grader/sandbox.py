@@ -12,8 +12,9 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
   * seccomp ("on" | "off"): no socket() or connect() at all, datagram socketpairs, io_uring or
     reading other processes (`seccomp`): pathname unix sockets on the host and 169.254.169.254 stay
     out of reach even where no namespace could be made;
-  * filesystem ("landlock" | "python"): reads only of the reward's own folder (or its file alone,
-    when that folder holds the home folder), the Python installation, the system's programs and
+  * filesystem ("landlock" | "python"): reads only of the reward's own folder and search path, as
+    far as the parent grants them (`reach`: never the home folder, its hidden folders, /tmp,
+    GRPO_RUN_HOME or mounted secrets; else the reward's file alone), the Python installation, the system's programs and
     libraries, a few harmless files of /etc, /dev/null and /dev/urandom, /proc/self and the scratch
     directory; writes only inside the scratch directory (made by the parent, removed with the
     worker; the worker's cwd, $TMPDIR and $HOME) and to /dev/null; programs run only from those
@@ -90,13 +91,14 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[str],
-                   protected: Sequence[str]) -> list[tuple[str, int]]:
+                   protected: Sequence[str], reward_folder: bool = True) -> list[tuple[str, int]]:
     """(path, Landlock rights) of everything the reward function may read (and run, and in the
     scratch directory change). Computed from this interpreter's sys.path before the reward's folders
     are added: the installation, the grpo_run package (an editable install's source folder too; the
-    catalog's rewards are ours). A folder that is / or holds one of `protected` (the node's home
-    folder) is never granted: a reward file there gets a rule for itself alone, a search_path entry
-    none."""
+    catalog's rewards are ours); an installation folder that is / or holds one of `protected` (the
+    node's home and temporary folders) is never granted. Which of the reward's own folders it may
+    have is the parent's decision (`reach`): `search_path` holds only those, and without
+    `reward_folder` a reward file gets a rule for itself alone."""
     import grpo_run.trainer  # already imported: this module is part of it
 
     def broad(folder: str) -> bool:
@@ -111,7 +113,7 @@ def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[
     rules += [(os.devnull, landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE), (scratch, landlock.ALL)]
     if reward_file is not None:
         folder = os.path.dirname(reward_file)
-        rules.append((reward_file, landlock.READ_FILE) if broad(folder) else (folder, landlock.RUN))
+        rules.append((folder, landlock.RUN) if reward_folder and not broad(folder) else (reward_file, landlock.READ_FILE))
     rules += [(os.path.realpath(p), landlock.RUN) for p in search_path if not broad(os.path.realpath(p))]
     return rules
 
@@ -340,7 +342,7 @@ _seccomp_on = False
 
 def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str, scratch: str,
                   reward_file: str | None, search_path: Sequence[str], protected: Sequence[str],
-                  launcher_closes: tuple[int, ...]) -> tuple[dict[str, str], dict[str, str]]:
+                  reward_folder: bool, launcher_closes: tuple[int, ...]) -> tuple[dict[str, str], dict[str, str]]:
     """Confine this process; returns what is in force, for the sandbox frame: the mode
     {"network": "netns"|"python", "filesystem": "landlock"|"python", "signals": "landlock"|"pidns"|
     "none", "seccomp": "on"|"off"} and {layer: why it is not in force (or in part), in words}.
@@ -362,7 +364,7 @@ def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str
             why["signals"] = f"{proc_why}: the worker kills every process of its namespace after each item"
     if not net:
         why["network"] = ns_why or "network='python' was asked for"
-    rules = readable_rules(scratch, reward_file, search_path, protected)
+    rules = readable_rules(scratch, reward_file, search_path, protected, reward_folder)
     scoped = False
     if version:
         try:

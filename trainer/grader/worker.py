@@ -253,6 +253,7 @@ def main(argv: list[str]) -> int:
             memory_mb=config["memory_mb"], network=config["network"], filesystem=config["filesystem"],
             signals=config["signals"], scratch=config["scratch"], reward_file=_reward_file(config["ref"]),
             search_path=config["search_path"], protected=config["protected"],
+            reward_folder=config.get("reward_folder", True),
             launcher_closes=(request_fd, response_fd, config["crash_fd"]),
         )
         missing = _missing(config, mode)
