@@ -390,9 +390,12 @@ class Grader:
             waiting = set(pending)
             request["groups"] = [size for start, size in self._groups.items() if start in waiting]
         try:
-            worker.send(request)
+            worker.send(request, time.monotonic() + self.timeout_s + self._kill_grace_s)
         except WorkerGone:
             pass  # it died while idle or mid-request; reading reports how
+        except WorkerOverdue:    # it stopped reading requests: its reward code holds the worker
+            outcomes[pending[0]] = self._restart_after(worker, "hung")
+            return outcomes
         for i in pending:
             try:
                 frame = worker.read(time.monotonic() + self.timeout_s + self._kill_grace_s)

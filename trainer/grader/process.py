@@ -6,7 +6,7 @@ moves frames. The code running inside the worker is `trainer.grader_worker` (the
 described there); the frame format is defined there once and imported here.
 
     worker = WorkerProcess.spawn(settings)          # `python -m trainer.grader_worker SETTINGS`
-    worker.send({"items": [...]})                   # WorkerGone if it is dead
+    worker.send({"items": [...]}, deadline)         # WorkerGone if it is dead, WorkerOverdue past it
     frame = worker.read(deadline)                   # WorkerGone on EOF, WorkerOverdue past it
     worker.release()                                # SIGKILL, reap, close everything
 
@@ -122,6 +122,7 @@ class WorkerProcess:
         # Only the child keeps these ends, so its death shows up here as EOF.
         for fd in (request_r, response_w, output_w):
             os.close(fd)
+        os.set_blocking(request_w, False)      # send() waits with a deadline, never in write()
         return cls(proc, request_w, response_r, crash_file, _OutputRelay(output_r, proc.pid), scratch)
 
     @property
@@ -132,13 +133,24 @@ class WorkerProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode
 
-    def send(self, message: dict) -> None:
-        """One frame to the worker; raises WorkerGone when it is no longer reading."""
+    def send(self, message: dict, deadline: float) -> None:
+        """One frame to the worker; raises WorkerGone when it is no longer reading, WorkerOverdue
+        when it has not taken the whole frame by `deadline` (a time.monotonic() value), as a read
+        does: a reward function that stops reading (and shrinks the pipe) must not block us."""
         payload = json.dumps(message).encode()
         data = memoryview(_HEADER.pack(len(payload)) + payload)
+        poller = select.poll()
+        poller.register(self._request_fd, select.POLLOUT)
         try:
             while data:
-                data = data[os.write(self._request_fd, data) :]
+                try:
+                    data = data[os.write(self._request_fd, data) :]   # non-blocking: what fits now
+                    continue
+                except BlockingIOError:
+                    pass
+                remaining_ms = (deadline - time.monotonic()) * 1000
+                if remaining_ms <= 0 or not poller.poll(remaining_ms):
+                    raise WorkerOverdue()
         except (BrokenPipeError, OSError) as error:
             raise WorkerGone() from error
 
