@@ -15,6 +15,8 @@ restarts — and runs the job as attempts, one trainer process each (attempt.py)
         -> STOP_SIGNAL, as for a notice but without its hurry; the last completed step made durable
         -> the job is recorded as Cancelled; the supervisor exits with EXIT_CANCELLED
     trainer crash -> restart with backoff, counted by kind, each kind with its own limit
+    trainer silent past its watchdog's bound (watchdog.py) -> killed, recorded as a hang, restarted
+        as a crash
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.supervisor.cancel import cancel_requested
-from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers, wait_awake
+from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
+from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
 from grpo_run.state.phases import Phase
 
@@ -211,13 +214,29 @@ class Supervisor:
                                                  checkpoints=self._checkpoints, wake=self._wake)
         trainer.start(start, progress=self.progress)
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
-            wait_awake(self._wake)       # awake enough for a SIGTERM the kernel gave another thread
+            wait_awake(self._wake, AWAKE_S)  # awake enough for a SIGTERM the kernel gave another thread
             self._wake.clear()
+            silent = trainer.watchdog.overdue()
+            if silent is not None and not trainer.done.is_set():
+                return self._hung(trainer, silent)
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)
         if self._cancel.is_set():         # stop at the last completed step (killed if it will not)
             trainer.stop(self.notice_window_s)
         return self._ended(trainer)
+
+    def _hung(self, trainer: TrainerProcess, silent: float) -> SupervisorResult:
+        """The trainer went `silent` seconds without an event, past its watchdog's bound: killed
+        with what it started, the attempt recorded Crashed, restarted under the crash limit."""
+        message = (f"hung: the trainer reported nothing for {silent:.0f} s (no step, no evaluation batch, no "
+                   f"checkpoint; the bound is {trainer.watchdog.bound_s:.0f} s, from rewardTimeoutSeconds and the "
+                   f"step time, or {HANG_ENV}); it was killed, and the next attempt continues from step "
+                   f"{self.durability.durable}")
+        log.error("%s", message)
+        trainer.kill_session()
+        trainer.done.wait()
+        self.books.end_attempt("Crashed", message)
+        raise _Restart("crashes", message)
 
     def _ended(self, trainer: TrainerProcess) -> SupervisorResult:
         """The trainer exited on its own: done, stopped at the deadline, or failed."""
