@@ -223,7 +223,9 @@ def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_
 def test_the_trainers_proc_environ_and_root_only_files_cannot_be_read(rewards_file, node, figures):
     with grader_for(rewards_file, "reads_with_a_program") as program:
         paths = [f"/proc/{os.getpid()}/environ", "/etc/shadow"]
-        assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [0.0, 0.0]
+        # in a PID namespace of its own the trainer has no pid at all: not found, or else refused
+        not_there = 2.0 if program.sandbox_limits.get("contained") else 0.0
+        assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [not_there, 0.0]
     with grader_for(rewards_file, "reads") as grader:
         assert failure_of(grader, [{"expect": SECRET}]).kind == "refused"  # /proc/<its parent>/environ
     reward_author(figures, "read the trainer's /proc/PID/environ and /etc/shadow", "Landlock", "refused")
@@ -322,7 +324,7 @@ def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, no
                      {"target": "supervisor", "pid": supervisor.pid, "with": how}]
             parent, trainer, supervised = grader.score(["x"] * 3, tasks)
         assert (trainer, supervised) == (0.0, 0.0)
-        assert parent == (-1.0 if grader.sandbox_mode["signals"] == "pidns" else 0.0)
+        assert parent == (-1.0 if grader.sandbox_limits.get("contained") else 0.0)    # outside its PID namespace
         assert supervisor.poll() is None and got == []
         reward_author(figures, f"SIGTERM the trainer and the supervisor with {how} (signals: {signals})",
                       f"{grader.sandbox_mode['signals']} (a PID namespace or Landlock's scope)", "no signal arrived")

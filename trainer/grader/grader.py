@@ -173,6 +173,7 @@ class Grader:
         self._closed = False
         self._worker: WorkerProcess | None = None
         self._mode: dict[str, str] = {}
+        self._limits: dict[str, str] = {}
         self._why: dict[str, str] = {}
         # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
         self._worker = self._start_worker()
@@ -190,6 +191,14 @@ class Grader:
         A layer's second value (or "none", "off") means it is not in force; `sandbox_gaps` says why.
         The live worker's; a restarted worker that differs is warned about."""
         return dict(self._mode)
+
+    @property
+    def sandbox_limits(self) -> dict[str, str]:
+        """What bounds the reward's whole process tree, in words (the worker's own report):
+        {"contained": how every process it starts ends with the worker, "processes": the cap on
+        how many at once, "scratch": its scratch folder's size, "file size": RLIMIT_FSIZE}; "" where
+        nothing holds on this node."""
+        return dict(self._limits)
 
     @property
     def sandbox_gaps(self) -> dict[str, str]:
@@ -295,6 +304,7 @@ class Grader:
                 "reward_folder": self._reward_folder,
                 "timeout_s": self.timeout_s,
                 "memory_mb": self.memory_mb,
+                "scratch_mb": self.memory_mb,     # a tmpfs: memory too, so the same budget
                 "network": self._network,
                 "filesystem": self._filesystem_setting,
                 "signals": self._signals,
@@ -309,6 +319,9 @@ class Grader:
                 if not is_sandbox_frame(hello):
                     raise WorkerGone()
                 self._note_sandbox(hello["mode"], hello["why"])
+                limits = hello.get("limits")
+                self._limits = {k: v for k, v in limits.items() if isinstance(k, str) and isinstance(v, str)} \
+                    if isinstance(limits, dict) else {}
                 if hello["missing"]:
                     worker.release()
                     raise SandboxUnavailable.of(self.reward_ref, hello["mode"], hello["why"], hello["missing"],

@@ -101,6 +101,9 @@ class WorkerProcess:
         config = dict(
             settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
             protected=[places.home, *places.temp, *places.secrets],
+            # die with us: only when started from our main thread (the death signal follows the
+            # thread that forked, and a pool's thread may end while the worker is still wanted)
+            parent=os.getpid() if threading.current_thread() is threading.main_thread() else 0,
         )
         try:
             proc = subprocess.Popen(
@@ -241,7 +244,16 @@ class WorkerProcess:
 
     def release(self) -> None:
         """kill(), then pass on the rest of its output, close the crash log and remove its scratch
-        directory. Idempotent."""
+        directory. Idempotent. A worker still there first sees its request pipe close and gets
+        _EXIT_WAIT_S to end what its reward started (where it has no PID namespace, its own cleanup
+        is what reaches a process that left its group)."""
+        if self._proc.poll() is None and self._request_fd >= 0:
+            os.close(self._request_fd)
+            self._request_fd = -1
+            try:
+                self._proc.wait(timeout=_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         self._output.close(_OUTPUT_DRAIN_S)
         self._crash_file.close()
