@@ -401,7 +401,7 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
 def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
     """An LLM judge needs its node's allow (runner.spec.judge): refused here when this machine
     is the node (apply), a note when another node will run it (a dry run, --detach)."""
-    from grpo_run.runner.spec.judge import ALLOW_JUDGES_ENV, judges_refused
+    from grpo_run.runner.spec.judge import ALLOW_JUDGES_ENV, JUDGE_KEYS_ENV, judges_refused
 
     refused = judges_refused(job.environment)
     if mode == "apply":
@@ -409,7 +409,8 @@ def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
     elif refused:
         i = next(i for i, r in enumerate(job.environment.rewards) if r.judge is not None)
         found.notes.append(f"spec.environment.rewards.{i}.judge: the node that runs this job needs "
-                           f"{ALLOW_JUDGES_ENV}=1 in its environment to call the judge (this machine does not have it)")
+                           f"{ALLOW_JUDGES_ENV}=1 in its environment, and the judge's apiKeyEnv in its "
+                           f"{JUDGE_KEYS_ENV}, to call the judge (this machine does not have it)")
 
 
 def _reward_fix(summary: str, ref: str) -> str:

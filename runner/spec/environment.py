@@ -51,10 +51,30 @@ def _ref(ref: str, info: ValidationInfo) -> str:
     path = Path(resolve_path(module, base_folder(info)))
     if checks_files(info) and not path.is_file():
         raise problem(f"no such file {path} (got {ref!r})")
+    _no_link_out(module, path, info)
     return f"{path}:{func}"
 
 
-def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str:
+def _no_link_out(value: str, resolved: Path, info: ValidationInfo, label: str = "") -> None:
+    """Refuse a path that lies in the job's folder as written but leads out of it through a
+    symbolic link: `apply` uploads what it names, and a bundle someone else wrote could link
+    `extra.json` to the user's ~/.config/gcloud credentials. A path written outside the job's
+    folder is what it says, and stays allowed."""
+    if not checks_files(info):
+        return
+    base = os.path.realpath(base_folder(info))
+    written = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    if _within(written, base) and not _within(os.path.realpath(resolved), base):
+        raise problem(f"{label}{value} is a symbolic link to {os.path.realpath(resolved)}, outside the job's folder {base}: "
+                      "apply uploads the files a job names, so it follows no link out of the job's folder; copy the "
+                      "file into the job's folder")
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False, label: str = "") -> str:
     """A data file or folder, resolved against the job file and checked; with `hub_ok`, a name
     that is not a path here (a data set name such as openai/gsm8k) is kept as it is."""
     looks_like_path = value.startswith(("/", "./", "../", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES
@@ -63,6 +83,7 @@ def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str
         return value
     if checks_files(info) and not Path(path).exists():
         raise problem(f"no such file {path} (got {value!r})")
+    _no_link_out(value, Path(path), info, label)
     return path
 
 
@@ -203,7 +224,7 @@ class EnvironmentSpec(Strict):
             return None
         if "train" not in files:
             raise problem(f"needs a train file: {{train: train.parquet, test: test.parquet}} (got {fmt(files)})")
-        return {split: _data_path(path, info) for split, path in files.items()}
+        return {split: _data_path(path, info, label=f"{split}: ") for split, path in files.items()}
 
     @field_validator("path")
     @classmethod

@@ -25,10 +25,10 @@ def job_file(folder: Path, **environment) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "rewards.py").write_text("def leak(completion, task):\n    raise RuntimeError(open(task['path']).read())\n")
     (folder / "tasks.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    env = {"name": "mine", "reward": "rewards.py:leak", "tasks": "tasks.jsonl", "heldOutFraction": 0.5, **environment}
     doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "reach"},
            "spec": {"runtime": "grpo-lora", "model": "tiny:char",
-                    "environment": {"name": "mine", "reward": "rewards.py:leak", "tasks": "tasks.jsonl",
-                                    "heldOutFraction": 0.5, **environment},
+                    "environment": {k: v for k, v in env.items() if v is not None},
                     "parameters": {"rewardTimeoutSeconds": 2}}}
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -82,3 +82,72 @@ def test_resume_gives_the_reward_its_stored_folder_only_whatever_the_stored_path
 
     local = localize_environment(stored, store, tmp_path / "node" / "runs" / "reach")
     assert local.environment.path == (str(tmp_path / "node" / "runs" / "reach" / "environment" / "reward"),)
+
+
+# what apply uploads (review N9) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", ["tasks", "dataFiles", "reward"])
+def test_apply_follows_no_symbolic_link_out_of_the_job_folder(tmp_path, field, figures):
+    """The review's repro: a bundle's `extra.json -> ~/adc.json` would be uploaded to the bucket."""
+    adc = tmp_path / "home" / "adc.json"
+    adc.parent.mkdir()
+    adc.write_text(json.dumps({"client_id": "x", "refresh_token": SECRET}))
+    folder = tmp_path / "bundle"
+    job = job_file(folder)
+    link = folder / ("leak.py" if field == "reward" else "extra.json")
+    link.symlink_to(adc)
+    doc = yaml.safe_load(job.read_text())
+    env = doc["spec"]["environment"]
+    if field == "tasks":
+        env.update(tasks="extra.json", columns={"prompt": "client_id"})
+    elif field == "dataFiles":
+        del env["tasks"]
+        env.update(dataFiles={"train": "tasks.jsonl", "extra": "extra.json"}, columns={"prompt": "client_id"})
+    else:
+        env["reward"] = "leak.py:leak"
+    job.write_text(yaml.safe_dump(doc))
+    where = {"tasks": "tasks", "dataFiles": "dataFiles: extra", "reward": "reward"}[field]
+    with pytest.raises(JobError, match=rf"spec.environment.{where}: .* is a symbolic link to {adc}, outside the job's "
+                                       "folder"):
+        load_job(job)
+    figures.add("trust", actor="bundle author", tried=f"a {field} symlink to ~/adc.json in the job's folder",
+                protection="apply follows no link out of the job folder", outcome="refused, nothing uploaded", held=True)
+
+
+def test_a_link_inside_the_job_folder_and_a_path_written_outside_it_are_kept(tmp_path):
+    outside = tmp_path / "data" / "train.jsonl"
+    outside.parent.mkdir()
+    outside.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    job = job_file(tmp_path / "job", tasks=str(outside))
+    (tmp_path / "job" / "same.jsonl").symlink_to(tmp_path / "job" / "tasks.jsonl")
+    assert load_job(job).environment.tasks == str(outside)
+    job = job_file(tmp_path / "job", tasks="same.jsonl")
+    assert load_job(job).environment.tasks == str((tmp_path / "job" / "tasks.jsonl").resolve())
+
+
+# the judge's key (review N10) -------------------------------------------------------------------
+
+
+def judged(tmp_path: Path, key: str) -> Path:
+    return job_file(tmp_path / "judged", rewards=[{"function": "rewards.py:leak"},
+                                                  {"judge": {"url": "http://127.0.0.1:9/v1", "model": "m",
+                                                             "prompt": "Rate {completion}", "apiKeyEnv": key}}],
+                    reward=None)
+
+
+def test_a_judge_sends_as_its_key_only_a_variable_the_node_lists(tmp_path, monkeypatch, figures):
+    from grpo_run.runner.spec.judge import judges_refused
+
+    monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.delenv("GRPO_RUN_JUDGE_KEYS", raising=False)
+    stored = load_job(judged(tmp_path, "AWS_SECRET_ACCESS_KEY"))
+    (refusal,) = judges_refused(stored.environment)
+    assert refusal.startswith("spec.environment.rewards.1.judge.apiKeyEnv: this node does not let a judge send its "
+                              "variable AWS_SECRET_ACCESS_KEY (it lets: none): add AWS_SECRET_ACCESS_KEY to "
+                              "GRPO_RUN_JUDGE_KEYS")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "OPENAI_API_KEY, JUDGE_KEY")
+    assert judges_refused(stored.environment)[0].split(" (it lets: ")[1].startswith("JUDGE_KEY, OPENAI_API_KEY)")
+    assert judges_refused(load_job(judged(tmp_path, "JUDGE_KEY")).environment) == []
+    figures.add("trust", actor="bucket writer", tried="a stored judge with apiKeyEnv AWS_SECRET_ACCESS_KEY",
+                protection="GRPO_RUN_JUDGE_KEYS, the node's list", outcome="refused before the lease", held=True)
