@@ -377,10 +377,12 @@ def _gsm8k_rows(path: str, where: str) -> list[str]:
 
 def _check_rewards(job: TrainingJob, found: Findings) -> None:
     """Each of the job's own reward functions loaded by the grader's sandboxed worker, as the
-    trainer's Scorer will load it (same search path, memory limit and sandbox layers; best
-    effort on this machine, whatever the node's spec.sandbox). The product's catalog rewards are
-    not loaded: they ship with grpo-run."""
-    from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
+    trainer's Scorer will load it (same search path and memory limit), with every layer of the
+    sandbox in force (strict): a dry run or a submission must not run a bundle's code on this
+    machine with less. Where this machine lacks a layer the reward is not loaded here, and a note
+    says so (the node loads it in its own sandbox when the job starts). The product's catalog
+    rewards are not loaded: they ship with grpo-run."""
+    from grpo_run.trainer.grader.grader import Grader, RewardFunctionError, SandboxUnavailable
 
     env, p = job.environment, job.parameters
     if env.reward is not None:
@@ -393,8 +395,12 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
         try:
             with _quiet_grader():
                 Grader(ref, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
-                       memory_mb=p.rewardMemoryMB, retries=0).close()
-        except RewardFunctionError as e:    # strict is off: no SandboxUnavailable, whatever this machine lacks
+                       memory_mb=p.rewardMemoryMB, retries=0, strict=True).close()
+        except SandboxUnavailable as e:     # before any of the reward's code ran
+            found.notes.append(f"{where}: not loaded on this machine, which cannot sandbox it fully (missing: "
+                               f"{', '.join(e.missing)}); the node loads it in its sandbox when the job starts")
+            return
+        except RewardFunctionError as e:
             found.problems.append(f"{where}: {_reward_fix(e.summary, ref)}")
 
 

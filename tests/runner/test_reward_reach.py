@@ -151,3 +151,34 @@ def test_a_judge_sends_as_its_key_only_a_variable_the_node_lists(tmp_path, monke
     assert judges_refused(load_job(judged(tmp_path, "JUDGE_KEY")).environment) == []
     figures.add("trust", actor="bucket writer", tried="a stored judge with apiKeyEnv AWS_SECRET_ACCESS_KEY",
                 protection="GRPO_RUN_JUDGE_KEYS, the node's list", outcome="refused before the lease", held=True)
+
+
+# a dry run on a machine without every layer (review N11) ----------------------------------------
+
+
+def test_a_dry_run_on_a_machine_without_every_layer_of_the_sandbox_never_imports_the_reward(tmp_path, figures):
+    """A bundle's top-level code must not run on the submitting machine with less than the full
+    sandbox: here a process that cannot make namespaces, as in a container under Docker's profile."""
+    import subprocess
+    import sys
+
+    from tests.nonamespaces import without_namespaces
+    from tests.runner.test_resume import REPO
+
+    job = job_file(tmp_path / "bundle")
+    (tmp_path / "bundle" / "rewards.py").write_text("print('IMPORTED ON THE SUBMITTING MACHINE', flush=True)\n"
+                                                    "def leak(completion, task):\n    return 0.0\n")
+    program = without_namespaces('''
+        import sys
+        from grpo_run.runner.cli.commands import main
+        sys.exit(main(["apply", "--dry-run", "-f", sys.argv[1]]))
+    ''')
+    done = subprocess.run([sys.executable, "-c", program, str(job)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "IMPORTED" not in done.stdout + done.stderr
+    assert ("spec.environment.reward: not loaded on this machine, which cannot sandbox it fully (missing: network"
+            in done.stdout + done.stderr)
+    figures.add("trust", actor="bundle author", tried="run top-level code at `apply --dry-run` on a machine "
+                "without namespaces", protection="the preflight loads rewards only in the strict sandbox",
+                outcome="not imported, said in a note", held=True)
