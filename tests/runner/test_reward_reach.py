@@ -6,6 +6,7 @@ tests/trainer/test_sandbox_secrets.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,50 @@ def test_a_dry_run_on_a_machine_without_every_layer_of_the_sandbox_never_imports
     figures.add("trust", actor="bundle author", tried="run top-level code at `apply --dry-run` on a machine "
                 "without namespaces", protection="the preflight loads rewards only in the strict sandbox",
                 outcome="not imported, said in a note", held=True)
+
+
+# the node's Hugging Face token on resume (review N5) ----------------------------------------------
+
+
+def stored_job_naming(tmp_path: Path, model: str) -> "TrainingJob":  # noqa: F821
+    doc = yaml.safe_load(job_file(tmp_path / "hub").read_text())
+    doc["spec"]["model"] = model
+    return parse_job(doc, base=Path("/"), check_files=False)
+
+
+def headers_sent() -> dict:
+    from huggingface_hub.utils import build_hf_headers
+
+    return build_hf_headers()
+
+
+@pytest.mark.parametrize("allow", [None, "someone/*", "*"])
+def test_a_resumed_job_fetches_hub_ids_with_the_nodes_token_only_where_the_node_allows_them(tmp_path, monkeypatch,
+                                                                                            allow, figures):
+    from grpo_run.runner import jobs
+
+    monkeypatch.setenv("HF_TOKEN", "hf_FAKE_NODE_TOKEN_123456")
+    if allow is None:
+        monkeypatch.delenv("GRPO_RUN_HUB_ALLOW", raising=False)
+    else:
+        monkeypatch.setenv("GRPO_RUN_HUB_ALLOW", allow)
+    stored = stored_job_naming(tmp_path, "someone/private-model")
+    seen = {}
+
+    def run(job, **kwargs):            # what the resumed run (the CLI's work, the trainer it starts) holds
+        seen.update(env=os.environ.get("HF_TOKEN"), sent=headers_sent().get("authorization"))
+        return 0
+
+    monkeypatch.setattr(jobs, "_run_job", run)
+    assert jobs.run_job(stored, output=None, stop=None, trust_urls=False) == 0
+    withheld = allow is None
+    assert seen == ({"env": None, "sent": None} if withheld else
+                    {"env": "hf_FAKE_NODE_TOKEN_123456", "sent": "Bearer hf_FAKE_NODE_TOKEN_123456"})
+    assert os.environ["HF_TOKEN"] == "hf_FAKE_NODE_TOKEN_123456"          # the node's own, after the run
+    assert headers_sent().get("authorization") == "Bearer hf_FAKE_NODE_TOKEN_123456"
+    assert jobs.run_job(stored, output=None, stop=None, trust_urls=None) == 0     # applied here: the operator's own
+    assert seen["env"] == "hf_FAKE_NODE_TOKEN_123456"
+    if withheld:
+        figures.add("trust", actor="bucket writer", tried="a stored `model: someone/private-model` on resume",
+                    protection="the node's HF token only for ids in GRPO_RUN_HUB_ALLOW", outcome="fetched without it",
+                    held=True)
