@@ -55,6 +55,9 @@ DEFAULT_NOTICE_WINDOW_S = 25.0
 # process that fakes notices (SIGTERM from something on the node) would otherwise have a
 # restarting Job or unit boot paid GPUs forever. `grpo-run resume` after the failure tries again.
 PREEMPTED_WITHOUT_PROGRESS = 5
+# How long past maxCostUSD a trainer that has not stopped by itself (its own check runs between
+# steps) may go before the supervisor stops it.
+BUDGET_GRACE_S = 30.0
 
 
 def node_name() -> str:
@@ -213,17 +216,34 @@ class Supervisor:
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
                                                  checkpoints=self._checkpoints, wake=self._wake)
         trainer.start(start, progress=self.progress)
+        budget = self.books.budget()
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
             wait_awake(self._wake, AWAKE_S)  # awake enough for a SIGTERM the kernel gave another thread
             self._wake.clear()
             silent = trainer.watchdog.overdue()
             if silent is not None and not trainer.done.is_set():
                 return self._hung(trainer, silent)
+            # the trainer stops itself before a step would pass maxCostUSD; one that has not, well
+            # past it (held by its reward, say), is stopped here
+            if budget is not None and budget.late(time.monotonic() - BUDGET_GRACE_S) and not trainer.done.is_set():
+                return self._over_budget(trainer)
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)
         if self._cancel.is_set():         # stop at the last completed step (killed if it will not)
             trainer.stop(self.notice_window_s)
         return self._ended(trainer)
+
+    def _over_budget(self, trainer: TrainerProcess) -> SupervisorResult:
+        """The trainer ran BUDGET_GRACE_S past maxCostUSD without stopping itself: stopped at its
+        last completed step (killed if not gone within the notice window), the job BudgetExceeded."""
+        log.error("the trainer is %.0f s past maxCostUSD and has not stopped by itself: stopping it", BUDGET_GRACE_S)
+        trainer.stop(self.notice_window_s)
+        step = self.durability.wait()
+        message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}: the trainer went "
+                   f"{BUDGET_GRACE_S:.0f} s past it without stopping itself, so the supervisor stopped it after step "
+                   f"{step}, durable (resume with a larger budget)")
+        self.books.finish(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
+        return SupervisorResult(EXIT_BUDGET, message, durable_step=step)
 
     def _hung(self, trainer: TrainerProcess, silent: float) -> SupervisorResult:
         """The trainer went `silent` seconds without an event, past its watchdog's bound: killed

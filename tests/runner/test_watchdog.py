@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from grpo_run.runner.supervisor.watchdog import HANG_FLOOR_S, HANG_STEP_FACTOR, Watchdog, configured_bound_s
 from grpo_run.trainer.config import GRPOParams
@@ -66,3 +67,30 @@ def test_a_bound_that_is_no_number_is_said_and_the_derived_one_holds(caplog):
     assert configured_bound_s({"GRPO_RUN_HANG_SECONDS": "soon"}) is None
     assert "GRPO_RUN_HANG_SECONDS='soon' is not a number of seconds > 0" in caplog.text
     assert configured_bound_s({"GRPO_RUN_HANG_SECONDS": "90"}) == 90.0
+
+
+def test_a_trainer_held_past_max_cost_is_stopped_by_the_supervisor(tmp_path, figures):
+    """Its own budget check runs between steps: a trainer held inside a step (by its reward, say)
+    never reaches it. The watchdog's bound is set long here, so the budget alone ends it."""
+    from grpo_run.state.record import Record
+
+    job = write_job(tmp_path, maxSteps=100000, saveSteps=1)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"].update(maxCostUSD=6.0, pricing={"usdPerHour": 360.0})      # $0.10 a second: 60 s, past the
+    # model's load and the baseline on a busy machine, so the trainer reaches its first step
+    job.write_text(yaml.safe_dump(doc))
+    home = tmp_path / "home"
+    env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_HANG_SECONDS": "600",
+           **fault_env("hold:backward@1", tmp_path / "held")}             # held in its first step, for 300 s
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=200)
+    took = time.monotonic() - started
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    with Record(home / "runs" / "resumable" / "state.db") as record:
+        (attempt,) = record.attempts()
+    assert attempt["reason"] == "BudgetExceeded" and "so the supervisor stopped it after step" in attempt["message"]
+    assert (tmp_path / "held").exists()
+    assert took < 150, took
+    figures.add("trust", actor="reward author", tried="hold the trainer inside a step past maxCostUSD",
+                protection="the supervisor's own budget check", outcome=f"BudgetExceeded in {took:.0f} s", held=True)
