@@ -27,8 +27,9 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
     semaphores, files in /dev/shm), hence multiprocessing.Queue and ProcessPoolExecutor, and
     Manager (a unix socket); Process and Pipe work;
   * signals ("landlock" | "pidns" | "none"): Landlock's scope (ABI 6, Linux 6.12) keeps the reward
-    from signalling any process outside its sandbox; on older kernels the worker is pid 1 of its
-    own PID namespace (`namespaces`), where no process of the node has a pid;
+    from signalling any process outside its sandbox; and wherever one can be made (on older kernels
+    it is the signal layer itself) the worker is pid 1 of its own PID namespace (`namespaces`),
+    where no process of the node has a pid;
   * processes: os.fork() is refused (a forked copy of the worker would carry on in its serve
     loop); multiprocessing's fork start method is let through, as its children always exit. A
     copy forked below Python (ctypes, C code) that returns into the worker's serve loop exits
