@@ -69,6 +69,8 @@ def test_a_bound_that_is_no_number_is_said_and_the_derived_one_holds(caplog):
     assert configured_bound_s({"GRPO_RUN_HANG_SECONDS": "90"}) == 90.0
 
 
+@pytest.mark.slow
+@pytest.mark.alone      # the budget is charged by the second: another test's processes would inflate it
 def test_a_trainer_held_past_max_cost_is_stopped_by_the_supervisor(tmp_path, figures):
     """Its own budget check runs between steps: a trainer held inside a step (by its reward, say)
     never reaches it. The watchdog's bound is set long here, so the budget alone ends it."""
