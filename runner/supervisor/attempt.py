@@ -109,7 +109,8 @@ class TrainerProcess:
         self._proc: subprocess.Popen | None = None
         self._listens = False
         functions = sum(1 for r in spec.env.rewards if not r.model and r.judge is None)
-        self.watchdog = Watchdog(spec.params, functions, fixed_s=configured_bound_s())   # silence -> a hang
+        judges = [r.judge for r in spec.env.rewards if r.judge is not None]
+        self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}
 
     def start(self, step: int, *, progress: bool) -> None:

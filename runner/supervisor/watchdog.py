@@ -13,7 +13,8 @@ The bound is the longest of:
   * HANG_FLOOR_S (10 min): a step of a large model, a checkpoint's upload;
   * what one step's or one evaluation batch's rewards may legitimately take: every completion,
     every reward function, each up to rewardTimeoutSeconds plus the grader's kill grace, on every
-    try (1 + the grader's retries);
+    try (1 + the grader's retries), and every LLM judge's calls (its timeoutSeconds on each of
+    its tries, `concurrency` at once);
   * HANG_STEP_FACTOR times the longest wait between two events so far in this attempt.
 GRPO_RUN_HANG_SECONDS on the node sets it instead (a number of seconds).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 from grpo_run.trainer.config import GRPOParams
 
@@ -37,10 +38,13 @@ _GRADER_GRACE_S = 2.0 + 2.0
 _GRADER_TRIES = 3
 
 
-def reward_bound_s(params: GRPOParams, functions: int) -> float:
-    """What one step's (or one evaluation batch's) reward calls may take at most, in seconds."""
+def reward_bound_s(params: GRPOParams, functions: int, judges: Sequence[Any] = ()) -> float:
+    """What one step's (or one evaluation batch's) reward calls may take at most, in seconds: every
+    function's every completion on every try, and every judge's calls (each up to its timeout on
+    each try, `concurrency` at once)."""
     items = max(params.promptsPerStep * params.numGenerations, params.evalBatchSize)
-    return items * max(functions, 1) * (params.rewardTimeoutSeconds + _GRADER_GRACE_S) * _GRADER_TRIES
+    bound = items * max(functions, 1) * (params.rewardTimeoutSeconds + _GRADER_GRACE_S) * _GRADER_TRIES
+    return bound + sum(items * j.timeout_s * (j.retries + 1) / max(j.concurrency, 1) for j in judges)
 
 
 def configured_bound_s(environ: dict[str, str] | None = None) -> float | None:
@@ -65,9 +69,9 @@ class Watchdog:
     """The time since a trainer's last event, against the bound. `seen()` at each event; `overdue()`
     says, once the first event came, how long it has been silent past the bound (None while not)."""
 
-    def __init__(self, params: GRPOParams, functions: int, *, fixed_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._floor = max(HANG_FLOOR_S, reward_bound_s(params, functions))
+    def __init__(self, params: GRPOParams, functions: int, *, judges: Sequence[Any] = (),
+                 fixed_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._floor = max(HANG_FLOOR_S, reward_bound_s(params, functions, judges))
         self._fixed = fixed_s
         self._clock = clock
         self._last: float | None = None
