@@ -10,7 +10,8 @@ absolute paths are the submitting machine's, and on the resuming node they could
 (`/proc/self/environ`, `~/.aws/credentials`). So a resume never opens those paths and never
 uploads a file: it fetches the stored copies into the work folder, checks each against the
 recorded sha256 (a copy that differs is refused: the run would train on another reward or other
-tasks than the ones applied), and the job points there.
+tasks than the ones applied), and the job points there. The stored `environment.path` is never
+used: a reward imports from its own stored folder (and the installation) only.
 
 Not copied: a reward given as `package.module:function` (install it on the node; deploy does
 that), a data set name (`datasets` fetches it again) and a `save_to_disk` folder (put it on the
@@ -115,8 +116,8 @@ def localize_environment(job: TrainingJob, store: Store, work: Path) -> Training
             raise LookupError(f"spec.environment.{field}: the folder {folder} is not on this node, and folders are "
                               "not copied to storage: put it on the node, or give its data as files")
     files = _files(env)
-    if not files:
-        return job
+    if not files:       # the stored `path` names folders of the machine that applied it: never this node's
+        return job.model_copy(update={"environment": env.model_copy(update={"path": ()})}) if env.path else job
     keys = {field: _key(field, path) for field, path in files.items()}    # all checked before any fetch
     fetched: dict[str, str] = {}
     for field, path in files.items():
@@ -151,6 +152,8 @@ def localize_environment(job: TrainingJob, store: Store, work: Path) -> Training
     if env.rewards:
         update["rewards"] = tuple(r.model_copy(update={"function": moved(r.function, f"rewards.{i}")})
                                   for i, r in enumerate(env.rewards))
-    folders = tuple(str(Path(fetched[k]).parent) for k in fetched if k == "reward" or k.startswith("rewards."))
-    update["path"] = tuple(env.path) + folders
+    # The reward imports from its own stored folder only: the stored `path` is whatever the bucket
+    # says (`~/.aws`, GRPO_RUN_HOME/runs), and named the applying machine's folders anyway.
+    update["path"] = tuple(dict.fromkeys(str(Path(fetched[k]).parent) for k in fetched
+                                         if k == "reward" or k.startswith("rewards.")))
     return job.model_copy(update={"environment": env.model_copy(update=update)})

@@ -10,6 +10,8 @@ what a run tells as it goes (the summary, a submission's lines) is printed here,
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import sqlite3
 import sys
@@ -294,6 +296,17 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     draws its progress bar on stderr (None: when stderr is a terminal, or GRPO_RUN_PROGRESS=1).
     Returns the exit status; raises Refused for a failure before or around the run (storage, a
     full disk, another node's lease)."""
+    from grpo_run.runner.hubtoken import token_for_stored
+
+    # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
+    with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
+        return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
+                        progress=progress)
+
+
+def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
+             trust_urls: bool | None, progress: bool | None) -> int:
+    """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.envfiles import environment_uploads, localize_environment
     from grpo_run.runner.spec.job import build_run_spec

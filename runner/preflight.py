@@ -438,10 +438,12 @@ def _gsm8k_rows(path: str, where: str) -> list[str]:
 
 def _check_rewards(job: TrainingJob, found: Findings) -> None:
     """Each of the job's own reward functions loaded by the grader's sandboxed worker, as the
-    trainer's Scorer will load it (same search path, memory limit and sandbox layers; best
-    effort on this machine, whatever the node's spec.sandbox). The product's catalog rewards are
-    not loaded: they ship with grpo-run."""
-    from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
+    trainer's Scorer will load it (same search path and memory limit), with every layer of the
+    sandbox in force (strict): a dry run or a submission must not run a bundle's code on this
+    machine with less. Where this machine lacks a layer the reward is not loaded here, and a note
+    says so (the node loads it in its own sandbox when the job starts). The product's catalog
+    rewards are not loaded: they ship with grpo-run."""
+    from grpo_run.trainer.grader.grader import Grader, RewardFunctionError, SandboxUnavailable
 
     env, p = job.environment, job.parameters
     if env.reward is not None:
@@ -454,15 +456,19 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
         try:
             with _quiet_grader():
                 Grader(ref, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
-                       memory_mb=p.rewardMemoryMB, retries=0).close()
-        except RewardFunctionError as e:    # strict is off: no SandboxUnavailable, whatever this machine lacks
+                       memory_mb=p.rewardMemoryMB, retries=0, strict=True).close()
+        except SandboxUnavailable as e:     # before any of the reward's code ran
+            found.notes.append(f"{where}: not loaded on this machine, which cannot sandbox it fully (missing: "
+                               f"{', '.join(e.missing)}); the node loads it in its sandbox when the job starts")
+            return
+        except RewardFunctionError as e:
             found.problems.append(f"{where}: {_reward_fix(e.summary, ref)}")
 
 
 def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
     """An LLM judge needs its node's allow (runner.spec.judge): refused here when this machine
     is the node (apply), a note when another node will run it (a dry run, --detach)."""
-    from grpo_run.runner.spec.judge import ALLOW_JUDGES_ENV, judges_refused
+    from grpo_run.runner.spec.judge import ALLOW_JUDGES_ENV, JUDGE_KEYS_ENV, judges_refused
 
     refused = judges_refused(job.environment)
     if mode == "apply":
@@ -470,7 +476,8 @@ def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
     elif refused:
         i = next(i for i, r in enumerate(job.environment.rewards) if r.judge is not None)
         found.notes.append(f"spec.environment.rewards.{i}.judge: the node that runs this job needs "
-                           f"{ALLOW_JUDGES_ENV}=1 in its environment to call the judge (this machine does not have it)")
+                           f"{ALLOW_JUDGES_ENV}=1 in its environment, and the judge's apiKeyEnv in its "
+                           f"{JUDGE_KEYS_ENV}, to call the judge (this machine does not have it)")
 
 
 def _reward_fix(summary: str, ref: str) -> str:

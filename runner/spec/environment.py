@@ -9,6 +9,7 @@ context); `check_files` False (a resume on a fresh node) leaves files that may b
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,30 @@ def _ref(ref: str, info: ValidationInfo) -> str:
     path = Path(resolve_path(module, base_folder(info)))
     if checks_files(info) and not path.is_file():
         raise problem(f"no such file {path} (got {ref!r})")
+    _no_link_out(module, path, info)
     return f"{path}:{func}"
 
 
-def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str:
+def _no_link_out(value: str, resolved: Path, info: ValidationInfo, label: str = "") -> None:
+    """Refuse a path that lies in the job's folder as written but leads out of it through a
+    symbolic link: `apply` uploads what it names, and a bundle someone else wrote could link
+    `extra.json` to the user's ~/.config/gcloud credentials. A path written outside the job's
+    folder is what it says, and stays allowed."""
+    if not checks_files(info):
+        return
+    base = os.path.realpath(base_folder(info))
+    written = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    if _within(written, base) and not _within(os.path.realpath(resolved), base):
+        raise problem(f"{label}{value} is a symbolic link to {os.path.realpath(resolved)}, outside the job's folder {base}: "
+                      "apply uploads the files a job names, so it follows no link out of the job's folder; copy the "
+                      "file into the job's folder")
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False, label: str = "") -> str:
     """A data file or folder, resolved against the job file and checked; with `hub_ok`, a name
     that is not a path here (a data set name such as openai/gsm8k) is kept as it is."""
     looks_like_path = value.startswith(("/", "./", "../", "~")) or Path(value).suffix.lower() in DATA_SUFFIXES
@@ -62,6 +83,7 @@ def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False) -> str
         return value
     if checks_files(info) and not Path(path).exists():
         raise problem(f"no such file {path} (got {value!r})")
+    _no_link_out(value, Path(path), info, label)
     return path
 
 
@@ -202,7 +224,7 @@ class EnvironmentSpec(Strict):
             return None
         if "train" not in files:
             raise problem(f"needs a train file: {{train: train.parquet, test: test.parquet}} (got {fmt(files)})")
-        return {split: _data_path(path, info) for split, path in files.items()}
+        return {split: _data_path(path, info, label=f"{split}: ") for split, path in files.items()}
 
     @field_validator("path")
     @classmethod
@@ -230,6 +252,9 @@ class EnvironmentSpec(Strict):
             named = {loc for loc, _ in found}          # what was written in the wrong place: said once
             also = [e for e in error.errors() if tuple(e["loc"][:1]) not in named] if error else []
             raise problems_at("EnvironmentSpec", found, also=also)
+        found = _path_problems(env.path, info) if given.get("path") else []
+        if found:
+            raise problems_at("EnvironmentSpec", found)
         if not env.is_catalog and not env.path:
             return env.model_copy(update={"path": (str(base_folder(info)),)})
         return env
@@ -260,6 +285,30 @@ class EnvironmentSpec(Strict):
         if self.path:
             out["path"] = list(self.path)
         return out
+
+
+def _path_problems(folders: tuple[str, ...], info: ValidationInfo) -> list[tuple[tuple[str, ...], str]]:
+    """A job file's `path` (import folders for its rewards) must lie in the job's own folder and be
+    no folder of the node's that a reward is kept from (trainer.grader.reach): the reward would read
+    it. Not checked for a job read back from storage (check_files off): `resume` gives a reward
+    only its stored files' folder (runner.envfiles)."""
+    from grpo_run.trainer.grader.reach import node_places, why_not
+
+    if not checks_files(info):
+        return []
+    base, places = os.path.realpath(base_folder(info)), node_places()
+    found: list[tuple[tuple[str, ...], str]] = []
+    for i, folder in enumerate(folders):
+        real = os.path.realpath(folder)
+        why = why_not(real, places)
+        if not (real == base or real.startswith(base.rstrip(os.sep) + os.sep)):
+            found.append((("path", i), f"{folder} is outside the job's folder {base}: a reward may import only from "
+                          "the job's own folder (other folders of this machine stay out of its reach); move the "
+                          "modules next to the job file"))
+        elif why:
+            found.append((("path", i), f"{folder} cannot be given to a reward to read: {why}; put the job file and its "
+                          "modules in a folder of their own"))
+    return found
 
 
 def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], str]]:

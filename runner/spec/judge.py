@@ -9,7 +9,8 @@ completions endpoint) called from the trainer's process, and whether this node a
         weight: 0.5
 
 A judge makes the trainer talk to the network, so a node runs it only with ALLOW_JUDGES_ENV=1
-in its own environment; a job cannot allow itself (on `resume` the job comes from storage).
+in its own environment, and sends as its key only a variable the node lists in JUDGE_KEYS_ENV; a
+job cannot allow itself (on `resume` the job comes from storage).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from grpo_run.trainer.config import Strict, fmt, problem
 from grpo_run.trainer.envs.catalog import JudgeSettings
 
 ALLOW_JUDGES_ENV = "GRPO_RUN_ALLOW_JUDGES"   # "1": this node lets a job's judges reach their URLs
+# NAME,NAME: the node's variables a judge may send as its key (apiKeyEnv); none unless listed, for a
+# stored spec (resume) chooses apiKeyEnv too, and could name AWS_SECRET_ACCESS_KEY or HF_TOKEN
+JUDGE_KEYS_ENV = "GRPO_RUN_JUDGE_KEYS"
+
+
+def allowed_judge_keys() -> set[str]:
+    return {name.strip() for name in os.environ.get(JUDGE_KEYS_ENV, "").split(",") if name.strip()}
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -100,7 +108,8 @@ class JudgeSpec(Strict):
 
 def judges_refused(env: Any, processes: int = 1) -> list[str]:
     """Why this node will not run the job's judges ([] when it will): it must allow them
-    (ALLOW_JUDGES_ENV=1), and a judge's call budget is counted by one trainer process."""
+    (ALLOW_JUDGES_ENV=1) and each apiKeyEnv (JUDGE_KEYS_ENV), and a judge's call budget is counted
+    by one trainer process."""
     judged = [i for i, r in enumerate(getattr(env, "rewards", ())) if r.judge is not None]
     if not judged:
         return []
@@ -109,6 +118,13 @@ def judges_refused(env: Any, processes: int = 1) -> list[str]:
     if os.environ.get(ALLOW_JUDGES_ENV) != "1":
         found.append(f"{where}: this node does not allow LLM judges (the trainer would call "
                      f"{env.rewards[judged[0]].judge.url}): set {ALLOW_JUDGES_ENV}=1 where grpo-run runs to allow it")
+    allowed = allowed_judge_keys()
+    for i in judged:
+        name = env.rewards[i].judge.apiKeyEnv
+        if name is not None and name not in allowed:
+            found.append(f"spec.environment.rewards.{i}.judge.apiKeyEnv: this node does not let a judge send its variable "
+                         f"{name} (it lets: {', '.join(sorted(allowed)) or 'none'}): add {name} to {JUDGE_KEYS_ENV} "
+                         f"(NAME,NAME) where grpo-run runs, and give that variable only the judge's key")
     if processes > 1:
         found.append(f"{where}: a judge runs with one trainer process (got resources.processes {processes}): "
                      "its call budget is counted there")

@@ -35,6 +35,7 @@ from grpo_run.runner.supervisor.diskfull import unless_disk_full
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
+from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s
 from grpo_run.state.phases import Phase
 from grpo_run.runner.estimate.estimate import model_config
 from grpo_run.trainer.sampling.choice import choose as choose_sampler, node_has_gpu, vllm_version
@@ -113,6 +114,9 @@ class TrainerProcess:
         self._wake = wake                 # the supervisor's: set with `done`
         self._proc: subprocess.Popen | None = None
         self._listens = False
+        functions = sum(1 for r in spec.env.rewards if not r.model and r.judge is None)
+        judges = [r.judge for r in spec.env.rewards if r.judge is not None]
+        self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}
 
     def start(self, step: int, *, progress: bool) -> None:
@@ -193,6 +197,7 @@ class TrainerProcess:
         """The trainer's events, one JSON line each, until it exits (its end of the pipe closes)."""
         with os.fdopen(fd, "r") as lines:
             for line in lines:
+                self.watchdog.seen()
                 try:
                     with unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
                         self._on_event(parse_event(line))
@@ -255,6 +260,16 @@ class TrainerProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+    def kill_session(self) -> None:
+        """kill(), and every process of the trainer's own process group (its ranks, what it started
+        there): for a trainer that went silent, which may be anywhere in its work."""
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)    # its own session: the group is its pid
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.kill()
 
     # --- how it ended ----------------------------------------------------------------------------
 

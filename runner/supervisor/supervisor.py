@@ -15,6 +15,8 @@ restarts — and runs the job as attempts, one trainer process each (attempt.py)
         -> STOP_SIGNAL, as for a notice but without its hurry; the last completed step made durable
         -> the job is recorded as Cancelled; the supervisor exits with EXIT_CANCELLED
     trainer crash -> restart with backoff, counted by kind, each kind with its own limit
+    trainer silent past its watchdog's bound (watchdog.py) -> killed, recorded as a hang, restarted
+        as a crash
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.supervisor.cancel import cancel_requested
-from grpo_run.runner.notices.monitor import NoticeMonitor, Watcher, install_signal_handlers, wait_awake
+from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, SamplerUnavailable, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
+from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
 from grpo_run.state.phases import Phase
 
@@ -52,6 +55,9 @@ DEFAULT_NOTICE_WINDOW_S = 25.0
 # process that fakes notices (SIGTERM from something on the node) would otherwise have a
 # restarting Job or unit boot paid GPUs forever. `grpo-run resume` after the failure tries again.
 PREEMPTED_WITHOUT_PROGRESS = 5
+# How long past maxCostUSD a trainer that has not stopped by itself (its own check runs between
+# steps) may go before the supervisor stops it.
+BUDGET_GRACE_S = 30.0
 
 
 def node_name() -> str:
@@ -215,14 +221,47 @@ class Supervisor:
             message = str(e)
             self.books.finish(Phase.FAILED, "Failed", message)
             return SupervisorResult(EXIT_FAILED, message)
+        budget = self.books.budget()
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
-            wait_awake(self._wake)       # awake enough for a SIGTERM the kernel gave another thread
+            wait_awake(self._wake, AWAKE_S)  # awake enough for a SIGTERM the kernel gave another thread
             self._wake.clear()
+            silent = trainer.watchdog.overdue()
+            if silent is not None and not trainer.done.is_set():
+                return self._hung(trainer, silent)
+            # the trainer stops itself before a step would pass maxCostUSD; one that has not, well
+            # past it (held by its reward, say), is stopped here
+            if budget is not None and budget.late(time.monotonic() - BUDGET_GRACE_S) and not trainer.done.is_set():
+                return self._over_budget(trainer)
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)
         if self._cancel.is_set():         # stop at the last completed step (killed if it will not)
             trainer.stop(self.notice_window_s)
         return self._ended(trainer)
+
+    def _over_budget(self, trainer: TrainerProcess) -> SupervisorResult:
+        """The trainer ran BUDGET_GRACE_S past maxCostUSD without stopping itself: stopped at its
+        last completed step (killed if not gone within the notice window), the job BudgetExceeded."""
+        log.error("the trainer is %.0f s past maxCostUSD and has not stopped by itself: stopping it", BUDGET_GRACE_S)
+        trainer.stop(self.notice_window_s)
+        step = self.durability.wait()
+        message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}: the trainer went "
+                   f"{BUDGET_GRACE_S:.0f} s past it without stopping itself, so the supervisor stopped it after step "
+                   f"{step}, durable (resume with a larger budget)")
+        self.books.finish(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
+        return SupervisorResult(EXIT_BUDGET, message, durable_step=step)
+
+    def _hung(self, trainer: TrainerProcess, silent: float) -> SupervisorResult:
+        """The trainer went `silent` seconds without an event, past its watchdog's bound: killed
+        with what it started, the attempt recorded Crashed, restarted under the crash limit."""
+        message = (f"hung: the trainer reported nothing for {silent:.0f} s (no step, no evaluation batch, no "
+                   f"checkpoint; the bound is {trainer.watchdog.bound_s:.0f} s, from rewardTimeoutSeconds and the "
+                   f"step time, or {HANG_ENV}); it was killed, and the next attempt continues from step "
+                   f"{self.durability.durable}")
+        log.error("%s", message)
+        trainer.kill_session()
+        trainer.done.wait()
+        self.books.end_attempt("Crashed", message)
+        raise _Restart("crashes", message)
 
     def _ended(self, trainer: TrainerProcess) -> SupervisorResult:
         """The trainer exited on its own: done, stopped at the deadline, or failed."""

@@ -238,10 +238,10 @@ def ended_within(pid: int, timeout_s: float) -> bool:
 
 def seen_from_here(grader: Grader, pid: int) -> int | None:
     """Process `pid` as the reward function saw it, as this process sees it: the same, unless the
-    worker is pid 1 of a PID namespace of its own (signals "pidns": kernels before 6.12). Then the
+    worker is pid 1 of a PID namespace of its own (wherever one can be made). Then the
     process of that namespace whose pid there is `pid`, or None when there is none: not even the
     namespace, once its pid 1 is gone and the kernel killed every process in it."""
-    if grader.sandbox_mode["signals"] != "pidns":
+    if grader.sandbox_mode["signals"] != "pidns" and not grader.sandbox_limits.get("contained"):
         return pid
     launcher = grader.worker_pid  # the worker's launcher, outside the namespace
     try:
@@ -577,8 +577,11 @@ def test_a_reward_function_writes_in_its_scratch_directory_which_goes_with_the_w
     with grader_for(rewards_file, "writes_where_it_may") as grader:
         assert grader.score(["x"], [{}]) == [1.0]  # $TMPDIR is its working directory
         (scratch,) = scratch_parent.iterdir()
-        assert (scratch / "relative.txt").read_text() == "in the working directory"
-        assert (scratch / "folder" / "inside").is_dir()
+        if grader.sandbox_limits.get("scratch"):       # a tmpfs in the worker's own mount namespace
+            assert list(scratch.iterdir()) == []        # nothing of it on the node's disk
+        else:
+            assert (scratch / "relative.txt").read_text() == "in the working directory"
+            assert (scratch / "folder" / "inside").is_dir()
     assert list(scratch_parent.iterdir()) == []
 
 

@@ -190,6 +190,7 @@ def test_a_job_with_a_judge_trains_counts_its_calls_and_needs_the_node_to_allow_
     assert "set GRPO_RUN_ALLOW_JUDGES=1 where grpo-run runs" in capsys.readouterr().err
 
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "JUDGE_TEST_KEY")   # the node lets the judge send it
     assert main(["apply", "-f", job]) == EXIT_OK
     status = status_of(capsys)
     assert status["phase"] == "Succeeded" and status["step"] == 2
@@ -209,6 +210,7 @@ def test_a_job_with_a_judge_trains_counts_its_calls_and_needs_the_node_to_allow_
 def test_a_judge_that_does_not_answer_fails_the_run_as_infrastructure_never_a_zero(tmp_path, server, capsys,
                                                                                   monkeypatch):
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "JUDGE_TEST_KEY")   # the node lets the judge send it
     monkeypatch.setenv("JUDGE_TEST_KEY", "not-a-real-key")
     job = write_job(tmp_path, server, timeoutSeconds=0.5, retries=1)
     server.proc.send_signal(signal.SIGSTOP)
@@ -225,6 +227,7 @@ def test_a_judge_that_does_not_answer_fails_the_run_as_infrastructure_never_a_ze
 
 def test_the_run_fails_when_its_call_budget_is_spent_and_a_resume_counts_on(tmp_path, server, capsys, monkeypatch):
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "JUDGE_TEST_KEY")   # the node lets the judge send it
     monkeypatch.setenv("JUDGE_TEST_KEY", "not-a-real-key")
     assert main(["apply", "-f", write_job(tmp_path, server, maxCalls=5)]) != EXIT_OK
     status = status_of(capsys)
@@ -240,6 +243,7 @@ def test_the_run_fails_when_its_call_budget_is_spent_and_a_resume_counts_on(tmp_
 def test_priced_judge_calls_are_the_run_s_cost_and_maxCostUSD_stops_the_run_before_they_pass_it(
         tmp_path, server, capsys, monkeypatch):
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "JUDGE_TEST_KEY")   # the node lets the judge send it
     monkeypatch.setenv("JUDGE_TEST_KEY", "not-a-real-key")
     # no GPU rate: the judge's calls are the whole cost. The baseline's 2 calls ($0.02) and step 1's
     # 4 ($0.06 in all) fit $0.07; step 2 would end at $0.10: the run stops after step 1.
@@ -282,10 +286,14 @@ def test_the_preflight_refuses_a_judge_here_unless_allowed_and_notes_it_for_anot
     monkeypatch.delenv("GRPO_RUN_ALLOW_JUDGES", raising=False)
     assert [p for p in preflight(job, mode="apply").problems if "judge" in p] == [
         f"spec.environment.rewards.0.judge: this node does not allow LLM judges (the trainer would call {server.url}): "
-        "set GRPO_RUN_ALLOW_JUDGES=1 where grpo-run runs to allow it"]
+        "set GRPO_RUN_ALLOW_JUDGES=1 where grpo-run runs to allow it",
+        "spec.environment.rewards.0.judge.apiKeyEnv: this node does not let a judge send its variable JUDGE_TEST_KEY "
+        "(it lets: none): add JUDGE_TEST_KEY to GRPO_RUN_JUDGE_KEYS (NAME,NAME) where grpo-run runs, and give that "
+        "variable only the judge's key"]
     assert any("the node that runs this job needs GRPO_RUN_ALLOW_JUDGES=1" in n
                for n in preflight(job, mode="dry-run").notes)
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
+    monkeypatch.setenv("GRPO_RUN_JUDGE_KEYS", "JUDGE_TEST_KEY")   # the node lets the judge send it
     found = preflight(job, mode="apply")
     assert not [p for p in found.problems if "judge" in p] and not [n for n in found.notes if "judge" in n]
 

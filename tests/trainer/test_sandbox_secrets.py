@@ -21,6 +21,7 @@ import pytest
 from grpo_run.trainer.envs.catalog import Reward
 from grpo_run.trainer.grader import landlock
 from grpo_run.trainer.grader.grader import MAX_ABS_REWARD, Grader, RewardFunctionError
+from grpo_run.trainer.grader.reach import node_places, why_not
 from grpo_run.trainer.grader.redact import StreamScrubber, cap, scrub
 from grpo_run.trainer.grader.scoring import Scorer
 from tests.nonamespaces import without_namespaces
@@ -222,7 +223,9 @@ def test_the_nodes_credential_files_and_the_eval_answers_cannot_be_read(rewards_
 def test_the_trainers_proc_environ_and_root_only_files_cannot_be_read(rewards_file, node, figures):
     with grader_for(rewards_file, "reads_with_a_program") as program:
         paths = [f"/proc/{os.getpid()}/environ", "/etc/shadow"]
-        assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [0.0, 0.0]
+        # in a PID namespace of its own the trainer has no pid at all: not found, or else refused
+        not_there = 2.0 if program.sandbox_limits.get("contained") else 0.0
+        assert program.score(["x"] * 2, [{"path": p} for p in paths]) == [not_there, 0.0]
     with grader_for(rewards_file, "reads") as grader:
         assert failure_of(grader, [{"expect": SECRET}]).kind == "refused"  # /proc/<its parent>/environ
     reward_author(figures, "read the trainer's /proc/PID/environ and /etc/shadow", "Landlock", "refused")
@@ -321,7 +324,7 @@ def test_the_reward_cannot_signal_the_trainer_or_the_supervisor(rewards_file, no
                      {"target": "supervisor", "pid": supervisor.pid, "with": how}]
             parent, trainer, supervised = grader.score(["x"] * 3, tasks)
         assert (trainer, supervised) == (0.0, 0.0)
-        assert parent == (-1.0 if grader.sandbox_mode["signals"] == "pidns" else 0.0)
+        assert parent == (-1.0 if grader.sandbox_limits.get("contained") else 0.0)    # outside its PID namespace
         assert supervisor.poll() is None and got == []
         reward_author(figures, f"SIGTERM the trainer and the supervisor with {how} (signals: {signals})",
                       f"{grader.sandbox_mode['signals']} (a PID namespace or Landlock's scope)", "no signal arrived")
@@ -448,3 +451,81 @@ def test_strict_refuses_a_node_without_namespaces_naming_the_fix_and_never_runs_
 def test_strict_cannot_be_combined_with_a_layer_turned_off(rewards_file):
     with pytest.raises(ValueError, match="strict: cannot be combined with network='python'"):
         grader_for(rewards_file, "returns", network="python", strict=True)
+
+
+# what a job may name for the reward to read (environment.path) ---------------------------------
+
+
+@pytest.mark.parametrize("given", ["~/.aws", "GRPO_RUN_HOME/runs"])
+def test_a_search_path_naming_the_nodes_folders_gives_the_reward_none_of_them(rewards_file, node, tmp_path,
+                                                                            monkeypatch, given, figures):
+    """What a job file's or a stored spec's `environment.path` once opened (review N2): the
+    folder is left out of the reward's reach, and its files stay unread."""
+    runs = tmp_path / "grpo-home" / "runs"
+    (runs / "other-job").mkdir(parents=True)
+    (runs / "other-job" / "plan.json").write_text(json.dumps({"evalAnswers": [SECRET]}))
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "grpo-home"))
+    folder = {"~/.aws": node["aws"].parent, "GRPO_RUN_HOME/runs": runs}[given]
+    secret = {"~/.aws": node["aws"], "GRPO_RUN_HOME/runs": runs / "other-job" / "plan.json"}[given]
+    task = {"path": str(secret), "expect": SECRET}
+    with grader_for(rewards_file, "reads_with_a_program", search_path=[str(folder)]) as program:
+        assert program.score(["x"], [task]) == [0.0]
+    with grader_for(rewards_file, "reads", search_path=[str(folder)]) as grader:
+        error = failure_of(grader, [task])
+    assert error.kind == "refused" and "was refused" in str(error) and SECRET not in str(error)
+    reward_author(figures, f"read {given} through environment.path", "the grader never grants the node's folders",
+                  "refused, from Python and from `cat`")
+
+
+def test_a_reward_file_in_tmp_is_given_its_own_file_not_tmp(figures):
+    """A job file in /tmp once opened all of /tmp (its folder was the default search path). The
+    node's home folder is its own here, not one under /tmp (which would keep /tmp out anyway)."""
+    import uuid
+
+    assert not os.path.realpath(os.path.expanduser("~")).startswith("/tmp/")
+
+    stem = f"/tmp/grpo-test-reach-{uuid.uuid4().hex}"
+    module, other = Path(f"{stem}.py"), Path(f"{stem}-plan.json")
+    module.write_text("def reward(completion, task):\n    return float(len(open(task['path']).read()))\n")
+    other.write_text(json.dumps({"evalAnswers": [SECRET]}))
+    try:
+        with Grader(f"{module}:reward", search_path=["/tmp"], strict=True, retries=0) as grader:
+            assert grader.score(["x"], [{"path": str(module)}]) == [float(len(module.read_text()))]
+            with pytest.raises(RewardFunctionError, match="was refused") as raised:
+                grader.score(["x"], [{"path": str(other)}])
+        assert SECRET not in str(raised.value)
+    finally:
+        module.unlink()
+        other.unlink()
+    reward_author(figures, "read /tmp from a job file in /tmp", "its own file alone", "refused")
+
+
+def test_the_nodes_secret_places_are_never_granted_and_the_jobs_stored_files_are(tmp_path):
+    """The mounted service-account tokens (not mounted on this machine, so by the rule itself), the
+    shared temporary folders, another worker's scratch; a resumed job's own stored files are."""
+    places = node_places({"HOME": str(tmp_path / "home"), "GRPO_RUN_HOME": str(tmp_path / "grpo")})
+    assert "secrets" in why_not("/var/run/secrets/kubernetes.io/serviceaccount", places)
+    assert "holds" in why_not("/var", places) and "holds" in why_not("/tmp", places)
+    assert "scratch" in why_not("/tmp/grpo-grader-abc123", places)
+    assert "hidden" in why_not(str(tmp_path / "home" / ".config" / "gcloud"), places)
+    assert "GRPO_RUN_HOME" in why_not(str(tmp_path / "grpo" / "runs" / "other"), places)
+    assert why_not(str(tmp_path / "grpo" / "runs" / "job" / "environment" / "reward"), places) is None
+    assert why_not(str(tmp_path / "home" / "projects" / "job"), places) is None
+
+
+def test_a_credential_files_secret_in_a_reward_functions_error_comes_back_redacted(rewards_file, node, monkeypatch,
+                                                                                   capfd, figures):
+    """A secret only in a file (none of the trainer's variables holds it), as a reward that got
+    hold of it would raise or print it."""
+    file_only = "FAKE-FILE-ONLY-SECRET-0987654321"
+    node["aws"].write_text(f"[default]\naws_access_key_id = AKIAFAKE\naws_secret_access_key = {file_only}\n")
+    adc = node["home"] / ".config" / "gcloud" / "application_default_credentials.json"
+    adc.parent.mkdir(parents=True)
+    adc.write_text(json.dumps({"type": "authorized_user", "client_id": "x.apps", "refresh_token": "1//FAKE-REFRESH-77"}))
+    with grader_for(rewards_file, "raises_the_secret") as grader:
+        message = str(failure_of(grader, [{"secret": f"{file_only} and 1//FAKE-REFRESH-77"}]))
+    err = capfd.readouterr().err
+    assert file_only not in message and file_only not in err and "FAKE-REFRESH-77" not in message
+    assert f"[redacted {node['aws']}] and [redacted {adc}]" in message
+    reward_author(figures, "raise the text of ~/.aws/credentials", "credential files' secrets scrubbed too",
+                  f"[redacted {'~/.aws/credentials'}]")

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
+from grpo_run.trainer.grader.reach import node_places, why_not
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, memory_hint, section
 from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
 from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
@@ -157,7 +158,7 @@ class Grader:
         self.memory_mb = memory_mb
         self.retries = retries
         self._ref = _resolve_ref(reward_ref)
-        self._search_path = [os.path.abspath(p) for p in search_path]
+        self._search_path, self._reward_folder = self._reach([os.path.abspath(p) for p in search_path])
         self._network = network
         self._filesystem_setting = filesystem
         self._signals = signals
@@ -172,6 +173,7 @@ class Grader:
         self._closed = False
         self._worker: WorkerProcess | None = None
         self._mode: dict[str, str] = {}
+        self._limits: dict[str, str] = {}
         self._why: dict[str, str] = {}
         # Started now so that a bad ref fails before any GPU time is spent, not at the first step.
         self._worker = self._start_worker()
@@ -189,6 +191,14 @@ class Grader:
         A layer's second value (or "none", "off") means it is not in force; `sandbox_gaps` says why.
         The live worker's; a restarted worker that differs is warned about."""
         return dict(self._mode)
+
+    @property
+    def sandbox_limits(self) -> dict[str, str]:
+        """What bounds the reward's whole process tree, in words (the worker's own report):
+        {"contained": how every process it starts ends with the worker, "processes": the cap on
+        how many at once, "scratch": its scratch folder's size, "file size": RLIMIT_FSIZE}; "" where
+        nothing holds on this node."""
+        return dict(self._limits)
 
     @property
     def sandbox_gaps(self) -> dict[str, str]:
@@ -291,8 +301,10 @@ class Grader:
             {
                 "ref": self._ref,
                 "search_path": self._search_path,
+                "reward_folder": self._reward_folder,
                 "timeout_s": self.timeout_s,
                 "memory_mb": self.memory_mb,
+                "scratch_mb": self.memory_mb,     # a tmpfs: memory too, so the same budget
                 "network": self._network,
                 "filesystem": self._filesystem_setting,
                 "signals": self._signals,
@@ -307,6 +319,9 @@ class Grader:
                 if not is_sandbox_frame(hello):
                     raise WorkerGone()
                 self._note_sandbox(hello["mode"], hello["why"])
+                limits = hello.get("limits")
+                self._limits = {k: v for k, v in limits.items() if isinstance(k, str) and isinstance(v, str)} \
+                    if isinstance(limits, dict) else {}
                 if hello["missing"]:
                     worker.release()
                     raise SandboxUnavailable.of(self.reward_ref, hello["mode"], hello["why"], hello["missing"],
@@ -338,6 +353,27 @@ class Grader:
         raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
                                   kind=kind, summary=summary if isinstance(summary, str) and kind != "crashed" else None)
 
+    def _reach(self, search_path: list[str]) -> tuple[list[str], bool]:
+        """The search path the reward may be given to read, and whether its file's folder too
+        (`reach`: never the node's home, temporary or GRPO_RUN_HOME folders, nor secrets); what is
+        left out is said once."""
+        places = node_places()
+        kept, dropped = [], []
+        for folder in search_path:
+            why = why_not(folder, places)
+            (dropped.append(f"{folder} ({why})") if why else kept.append(folder))
+        target = self._ref.rpartition(":")[0]
+        folder_ok = True
+        if target.endswith(".py") or os.sep in target:
+            why = why_not(os.path.dirname(target), places)
+            folder_ok = why is None
+            if why:
+                dropped.append(f"{os.path.dirname(target)} ({why}; the reward gets its own file alone)")
+        if dropped:
+            log.warning("reward function %r is not given these folders to read: %s; put what it needs next to its "
+                        "file, in a folder of the job's own", self.reward_ref, "; ".join(dropped))
+        return kept, folder_ok
+
     def _note_sandbox(self, mode: dict[str, str], why: dict[str, str]) -> None:
         """Keep the worker's sandbox mode; warn once when a layer is not in force, and when a
         restarted worker's differs."""
@@ -367,9 +403,12 @@ class Grader:
             waiting = set(pending)
             request["groups"] = [size for start, size in self._groups.items() if start in waiting]
         try:
-            worker.send(request)
+            worker.send(request, time.monotonic() + self.timeout_s + self._kill_grace_s)
         except WorkerGone:
             pass  # it died while idle or mid-request; reading reports how
+        except WorkerOverdue:    # it stopped reading requests: its reward code holds the worker
+            outcomes[pending[0]] = self._restart_after(worker, "hung")
+            return outcomes
         for i in pending:
             try:
                 frame = worker.read(time.monotonic() + self.timeout_s + self._kill_grace_s)

@@ -30,11 +30,13 @@ _CLONE_NEWPID = 0x20000000
 _CLONE_NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
 _PR_SET_PDEATHSIG = 1
+_PID_MAX_MIN = 301   # the kernel's floor for a namespace's pid_max (RESERVED_PIDS + 1)
 # The launcher passes these on to the worker; the trainer stops a hung worker with SIGABRT (for
 # faulthandler's dump), and SIGKILLs the whole process group, which holds both.
 _RELAYED = (signal.SIGABRT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 foreign_proc = False  # in a PID namespace whose /proc could not be mounted: /proc's pids are the host's
+in_user_namespace = False  # unshare() made a user namespace: RLIMIT_NPROC counts only its processes
 
 
 def _libc() -> Any:
@@ -57,6 +59,8 @@ def unshare(network: bool, pid: bool) -> tuple[bool, bool, str]:
         flags = (_CLONE_NEWNET if net else 0) | (_CLONE_NEWPID | _CLONE_NEWNS if pid_ns else 0)
         uid, gid = os.geteuid(), os.getegid()
         if libc.unshare(_CLONE_NEWUSER | flags) == 0:
+            global in_user_namespace
+            in_user_namespace = True
             try:
                 for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
                     with open(f"/proc/self/{name}", "w") as f:
@@ -97,6 +101,25 @@ def enter_pid_namespace(launcher_closes: tuple[int, ...]) -> str:
         foreign_proc = True
         return f"mounting a /proc for the PID namespace failed ({os.strerror(ctypes.get_errno())})"
     _launch(child, launcher_closes)
+
+
+def contain(scratch: str, scratch_mb: int, max_processes: int) -> dict[str, str]:
+    """As pid 1 of our own PID and mount namespaces: a tmpfs of `scratch_mb` MiB over the scratch
+    folder (what the reward writes there counts against it, and is gone with the namespace), and
+    the namespace's pid_max (Linux 6.14+) so that it holds fewer than `max_processes` processes at
+    once. {"scratch": ..., "processes": ...}: what holds, in words ("" where it could not be)."""
+    held = {"scratch": "", "processes": ""}
+    libc = _libc()
+    options = f"size={scratch_mb}m,mode=0700".encode()
+    if libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", ctypes.c_ulong(_MS_NOSUID | _MS_NODEV), options) == 0:
+        held["scratch"] = f"tmpfs of {scratch_mb} MiB"
+    try:
+        with open("/proc/sys/kernel/pid_max", "w") as f:
+            f.write(str(max(_PID_MAX_MIN, max_processes)))
+        held["processes"] = f"pid_max {max(_PID_MAX_MIN, max_processes)} in its PID namespace"
+    except OSError:
+        pass        # before Linux 6.14 pid_max is the host's alone
+    return held
 
 
 def _launch(child: int, closes: tuple[int, ...]) -> None:

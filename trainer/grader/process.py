@@ -6,7 +6,7 @@ moves frames. The code running inside the worker is `trainer.grader_worker` (the
 described there); the frame format is defined there once and imported here.
 
     worker = WorkerProcess.spawn(settings)          # `python -m trainer.grader_worker SETTINGS`
-    worker.send({"items": [...]})                   # WorkerGone if it is dead
+    worker.send({"items": [...]}, deadline)         # WorkerGone if it is dead, WorkerOverdue past it
     frame = worker.read(deadline)                   # WorkerGone on EOF, WorkerOverdue past it
     worker.release()                                # SIGKILL, reap, close everything
 
@@ -35,6 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
+from grpo_run.trainer.grader.reach import SCRATCH_PREFIX, node_places
 from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
@@ -86,19 +87,23 @@ class WorkerProcess:
     @classmethod
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
         """Start `python -m grpo_run.trainer.grader.worker` with `settings` (ref, search_path,
-        timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch directory, the
-        folders it may never be given (the home folder: `protected`) and the pipes' and the crash
-        log's file descriptors."""
+        reward_folder, timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch
+        directory, the node's folders no installation folder may hold (`protected`: `reach`) and
+        the pipes' and the crash log's file descriptors."""
         request_r, request_w = os.pipe()
         response_r, response_w = os.pipe()
         output_r, output_w = os.pipe()
         # faulthandler in the worker writes fatal-signal stack dumps here; anonymous, so nothing
         # to clean up on disk.
         crash_file = tempfile.TemporaryFile()
-        scratch = tempfile.mkdtemp(prefix="grpo-grader-")
+        scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+        places = node_places()
         config = dict(
             settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
-            protected=[os.path.realpath(os.path.expanduser("~"))],
+            protected=[places.home, *places.temp, *places.secrets],
+            # die with us: only when started from our main thread (the death signal follows the
+            # thread that forked, and a pool's thread may end while the worker is still wanted)
+            parent=os.getpid() if threading.current_thread() is threading.main_thread() else 0,
         )
         try:
             proc = subprocess.Popen(
@@ -120,6 +125,7 @@ class WorkerProcess:
         # Only the child keeps these ends, so its death shows up here as EOF.
         for fd in (request_r, response_w, output_w):
             os.close(fd)
+        os.set_blocking(request_w, False)      # send() waits with a deadline, never in write()
         return cls(proc, request_w, response_r, crash_file, _OutputRelay(output_r, proc.pid), scratch)
 
     @property
@@ -130,13 +136,24 @@ class WorkerProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode
 
-    def send(self, message: dict) -> None:
-        """One frame to the worker; raises WorkerGone when it is no longer reading."""
+    def send(self, message: dict, deadline: float) -> None:
+        """One frame to the worker; raises WorkerGone when it is no longer reading, WorkerOverdue
+        when it has not taken the whole frame by `deadline` (a time.monotonic() value), as a read
+        does: a reward function that stops reading (and shrinks the pipe) must not block us."""
         payload = json.dumps(message).encode()
         data = memoryview(_HEADER.pack(len(payload)) + payload)
+        poller = select.poll()
+        poller.register(self._request_fd, select.POLLOUT)
         try:
             while data:
-                data = data[os.write(self._request_fd, data) :]
+                try:
+                    data = data[os.write(self._request_fd, data) :]   # non-blocking: what fits now
+                    continue
+                except BlockingIOError:
+                    pass
+                remaining_ms = (deadline - time.monotonic()) * 1000
+                if remaining_ms <= 0 or not poller.poll(remaining_ms):
+                    raise WorkerOverdue()
         except (BrokenPipeError, OSError) as error:
             raise WorkerGone() from error
 
@@ -227,7 +244,16 @@ class WorkerProcess:
 
     def release(self) -> None:
         """kill(), then pass on the rest of its output, close the crash log and remove its scratch
-        directory. Idempotent."""
+        directory. Idempotent. A worker still there first sees its request pipe close and gets
+        _EXIT_WAIT_S to end what its reward started (where it has no PID namespace, its own cleanup
+        is what reaches a process that left its group)."""
+        if self._proc.poll() is None and self._request_fd >= 0:
+            os.close(self._request_fd)
+            self._request_fd = -1
+            try:
+                self._proc.wait(timeout=_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         self._output.close(_OUTPUT_DRAIN_S)
         self._crash_file.close()

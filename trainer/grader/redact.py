@@ -5,20 +5,29 @@ message and traceback, what it prints, faulthandler's crash dumps. That text goe
 RewardFunctionError, which the trainer puts into its failed event, the supervisor into the run's
 record, and the record goes up to the bucket; and into the logs. So, in the parent:
   * every value (8 characters or more) of the trainer's secret-looking environment variables
-    (`secret_names`) is replaced by `[redacted NAME]`;
+    (`secret_names`) is replaced by `[redacted $NAME]`;
+  * so is every secret found in the node's credential files (`file_secrets`): the AWS shared
+    credentials and config files, the Hugging Face token files, Google's application-default
+    and GOOGLE_APPLICATION_CREDENTIALS files, ~/.netrc and ~/.git-credentials, the web-identity
+    token files a role names (AWS_WEB_IDENTITY_TOKEN_FILE, AZURE_FEDERATED_TOKEN_FILE) and the
+    mounted service-account tokens (/var/run/secrets/**/token): replaced by `[redacted FILE]`;
   * the text is cut to _MAX_TEXT_CHARS (its head and its tail, saying how much went).
 
 This is a second line. The worker starts without these variables and cannot read the files or
 processes that hold them (`sandbox`); a reward function that gets hold of a secret some other way
-can encode it past any scrubbing. Scrubbing catches the honest leak: a library's error message that
-quotes a token, an environment dump in a crash report.
+can encode it past any scrubbing. Scrubbing catches the honest leak (a library's error message that
+quotes a token, an environment dump in a crash report) and the plain copy of a file the sandbox
+should have kept out of reach. Other files (a job's plan with its evaluation answers) are not
+scrubbed: the sandbox alone keeps them out of reach (`reach`).
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import re
-from typing import Mapping
+from typing import Iterator, Mapping
 
 # A traceback of a dozen frames, or a chained one of two: enough to find the bug, small enough for
 # a phase message in the record and one log line.
@@ -29,19 +38,116 @@ _SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|^AWS_|^H
 
 
 def secret_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
-    """(name, value) of the secret-looking variables in `environ` (default os.environ) whose value
-    is long enough to scrub, longest value first (so a secret that contains another goes whole)."""
+    """(label, value) of the secrets to scrub, longest value first (so a secret that contains
+    another goes whole): the secret-looking variables of `environ` (default os.environ) whose value
+    is long enough, labelled $NAME, and the secrets in the node's credential files
+    (`file_secrets`), labelled by the file."""
     env = os.environ if environ is None else environ
-    found = [(name, value) for name, value in env.items()
+    found = [(f"${name}", value) for name, value in env.items()
              if _SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_CHARS]
-    return sorted(found, key=lambda item: (-len(item[1]), item[0]))
+    found += file_secrets(env)
+    return sorted(set(found), key=lambda item: (-len(item[1]), item[0]))
+
+
+def credential_files(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Where this node keeps credentials in files, as the tools that write them look for them."""
+    env = os.environ if environ is None else environ
+    home = env.get("HOME") or os.path.expanduser("~")
+    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"), "huggingface")
+    gcloud = env.get("CLOUDSDK_CONFIG") or os.path.join(home, ".config", "gcloud")
+    paths = [
+        env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+        env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+        env.get("HF_TOKEN_PATH") or os.path.join(hf_home, "token"),
+        os.path.join(hf_home, "stored_tokens"),
+        os.path.join(gcloud, "application_default_credentials.json"),
+        os.path.join(gcloud, "credentials.db"),
+        os.path.join(home, ".netrc"),
+        os.path.join(home, ".git-credentials"),
+        *(env.get(name, "") for name in ("GOOGLE_APPLICATION_CREDENTIALS", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                                         "AZURE_FEDERATED_TOKEN_FILE", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE")),
+        *glob.glob("/var/run/secrets/**/token", recursive=True),
+        *glob.glob("/run/secrets/**/token", recursive=True),
+    ]
+    return list(dict.fromkeys(p for p in paths if p))
+
+
+_MAX_CREDENTIAL_FILE_BYTES = 1 << 20
+_file_cache: dict[tuple, list[tuple[str, str]]] = {}
+
+
+def file_secrets(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """(file, secret) for every secret in the node's credential files (`credential_files`): a JSON
+    file's secret-looking fields, an INI or netrc file's secret-looking values, a token file's whole
+    text. Read again only when a file changed (its size or time)."""
+    stamp = []
+    for path in credential_files(environ):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if st.st_size <= _MAX_CREDENTIAL_FILE_BYTES and os.path.isfile(path):
+            stamp.append((path, st.st_mtime_ns, st.st_size))
+    key = tuple(stamp)
+    if key not in _file_cache:
+        found = []
+        for path, _, _ in stamp:
+            try:
+                with open(path, "rb") as f:
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            found += [(path, value) for value in _secrets_in(text) if len(value) >= _MIN_SECRET_CHARS]
+        _file_cache.clear()
+        _file_cache[key] = found
+    return _file_cache[key]
+
+
+_ASSIGNMENT = re.compile(r"^\s*([\w.-]+)\s*[=:]\s*(.+?)\s*$")
+_JSON_SECRET = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+
+
+def _secrets_in(text: str) -> Iterator[str]:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if data is not None:
+        yield from _json_secrets(data, "")
+        return
+    lines = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(("#", ";", "["))]
+    if len(lines) == 1 and len(lines[0].split()) == 1 and not _ASSIGNMENT.match(lines[0]):
+        yield lines[0].strip()                  # a token file: the whole of it
+        return
+    for line in lines:
+        match = _ASSIGNMENT.match(line)
+        if match and _SECRET_NAME.search(match.group(1)):
+            yield match.group(2).strip("'\"")
+        words = line.split()
+        for word, value in zip(words, words[1:]):      # netrc: machine M login L password P
+            if word == "password":
+                yield value
+        if "://" in line and "@" in line:               # git-credentials: https://user:token@host
+            yield line.split("://", 1)[1].rsplit("@", 1)[0].split(":", 1)[-1]
+
+
+def _json_secrets(data: object, key: str) -> Iterator[str]:
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from _json_secrets(v, str(k))
+    elif isinstance(data, list):
+        for v in data:
+            yield from _json_secrets(v, key)
+    elif isinstance(data, str) and _JSON_SECRET.search(key):
+        yield data
+        yield from (line for line in data.splitlines() if len(line) >= _MIN_SECRET_CHARS)   # a PEM key's lines
 
 
 def scrub(text: str, environ: Mapping[str, str] | None = None) -> str:
-    """`text` with every secret value replaced by `[redacted NAME]`."""
-    for name, value in secret_names(environ):
+    """`text` with every secret value replaced by `[redacted LABEL]`."""
+    for label, value in secret_names(environ):
         if value in text:
-            text = text.replace(value, f"[redacted ${name}]")
+            text = text.replace(value, f"[redacted {label}]")
     return text
 
 
@@ -65,8 +171,8 @@ class StreamScrubber:
     last newline, up to one byte less than the longest secret. Whole lines pass at once."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
-        self._secrets = [(value.encode(errors="surrogateescape"), f"[redacted ${name}]".encode())
-                         for name, value in secret_names(environ)]
+        self._secrets = [(value.encode(errors="surrogateescape"), f"[redacted {label}]".encode())
+                         for label, value in secret_names(environ)]
         self._hold = max((len(value) for value, _ in self._secrets), default=1) - 1
         self._multiline = any(b"\n" in value for value, _ in self._secrets)  # then lines do not bound them
         self._buffer = b""

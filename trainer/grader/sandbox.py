@@ -12,8 +12,9 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
   * seccomp ("on" | "off"): no socket() or connect() at all, datagram socketpairs, io_uring or
     reading other processes (`seccomp`): pathname unix sockets on the host and 169.254.169.254 stay
     out of reach even where no namespace could be made;
-  * filesystem ("landlock" | "python"): reads only of the reward's own folder (or its file alone,
-    when that folder holds the home folder), the Python installation, the system's programs and
+  * filesystem ("landlock" | "python"): reads only of the reward's own folder and search path, as
+    far as the parent grants them (`reach`: never the home folder, its hidden folders, /tmp,
+    GRPO_RUN_HOME or mounted secrets; else the reward's file alone), the Python installation, the system's programs and
     libraries, a few harmless files of /etc, /dev/null and /dev/urandom, /proc/self and the scratch
     directory; writes only inside the scratch directory (made by the parent, removed with the
     worker; the worker's cwd, $TMPDIR and $HOME) and to /dev/null; programs run only from those
@@ -26,8 +27,9 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
     semaphores, files in /dev/shm), hence multiprocessing.Queue and ProcessPoolExecutor, and
     Manager (a unix socket); Process and Pipe work;
   * signals ("landlock" | "pidns" | "none"): Landlock's scope (ABI 6, Linux 6.12) keeps the reward
-    from signalling any process outside its sandbox; on older kernels the worker is pid 1 of its
-    own PID namespace (`namespaces`), where no process of the node has a pid;
+    from signalling any process outside its sandbox; and wherever one can be made (on older kernels
+    it is the signal layer itself) the worker is pid 1 of its own PID namespace (`namespaces`),
+    where no process of the node has a pid;
   * processes: os.fork() is refused (a forked copy of the worker would carry on in its serve
     loop); multiprocessing's fork start method is let through, as its children always exit. A
     copy forked below Python (ctypes, C code) that returns into the worker's serve loop exits
@@ -35,7 +37,13 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
     grandchildren included, are killed (`_end_leftover_processes`) before the item's answer is
     sent. Those started while the module was imported are its helpers (a REPL, a server) and live
     as long as the worker;
-  * memory: RLIMIT_AS, so allocations past the limit raise MemoryError;
+  * limits on the whole tree (`namespaces.contain`, reported as the sandbox frame's "limits"): the
+    worker is pid 1 of a PID namespace wherever one can be made, so every process the reward
+    starts, in a session of its own or not, dies with it; at most MAX_PROCESSES at once (the
+    namespace's pid_max, Linux 6.14+; RLIMIT_NPROC in its user namespace for a user other than
+    root); the scratch directory a tmpfs of scratch_mb; RLIMIT_FSIZE of scratch_mb on every file;
+  * memory: RLIMIT_AS per process, so allocations past the limit raise MemoryError (the tree as a
+    whole is not bounded: no cgroup);
   * time (armed by the worker, not here): SIGALRM per completion raises `RewardTimeout` inside the
     user's code. Code that never returns to the interpreter (stuck in C, or ignoring SIGALRM) is
     the parent's job: it sends SIGABRT, which faulthandler turns into a dump of where the code was
@@ -58,6 +66,9 @@ from typing import Any, Sequence
 from grpo_run.trainer.grader import landlock, namespaces, seccomp
 
 _PR_SET_CHILD_SUBREAPER = 36
+# At most this many processes at once in the reward's PID namespace (its pid_max, Linux 6.14+) or,
+# for a user other than root, in its user namespace (RLIMIT_NPROC): a fork bomb stops there.
+MAX_PROCESSES = 301
 _MAX_KILL_ROUNDS = 100  # each round kills the children orphaned by the previous one
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # What the interpreter and the programs a reward runs need besides the Python installation: the
@@ -90,13 +101,14 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[str],
-                   protected: Sequence[str]) -> list[tuple[str, int]]:
+                   protected: Sequence[str], reward_folder: bool = True) -> list[tuple[str, int]]:
     """(path, Landlock rights) of everything the reward function may read (and run, and in the
     scratch directory change). Computed from this interpreter's sys.path before the reward's folders
     are added: the installation, the grpo_run package (an editable install's source folder too; the
-    catalog's rewards are ours). A folder that is / or holds one of `protected` (the node's home
-    folder) is never granted: a reward file there gets a rule for itself alone, a search_path entry
-    none."""
+    catalog's rewards are ours); an installation folder that is / or holds one of `protected` (the
+    node's home and temporary folders) is never granted. Which of the reward's own folders it may
+    have is the parent's decision (`reach`): `search_path` holds only those, and without
+    `reward_folder` a reward file gets a rule for itself alone."""
     import grpo_run.trainer  # already imported: this module is part of it
 
     def broad(folder: str) -> bool:
@@ -111,7 +123,7 @@ def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[
     rules += [(os.devnull, landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE), (scratch, landlock.ALL)]
     if reward_file is not None:
         folder = os.path.dirname(reward_file)
-        rules.append((reward_file, landlock.READ_FILE) if broad(folder) else (folder, landlock.RUN))
+        rules.append((folder, landlock.RUN) if reward_folder and not broad(folder) else (reward_file, landlock.READ_FILE))
     rules += [(os.path.realpath(p), landlock.RUN) for p in search_path if not broad(os.path.realpath(p))]
     return rules
 
@@ -340,10 +352,13 @@ _seccomp_on = False
 
 def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str, scratch: str,
                   reward_file: str | None, search_path: Sequence[str], protected: Sequence[str],
-                  launcher_closes: tuple[int, ...]) -> tuple[dict[str, str], dict[str, str]]:
+                  reward_folder: bool, launcher_closes: tuple[int, ...], scratch_mb: int = 1024,
+                  max_processes: int = MAX_PROCESSES) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Confine this process; returns what is in force, for the sandbox frame: the mode
     {"network": "netns"|"python", "filesystem": "landlock"|"python", "signals": "landlock"|"pidns"|
-    "none", "seccomp": "on"|"off"} and {layer: why it is not in force (or in part), in words}.
+    "none", "seccomp": "on"|"off"}, {layer: why it is not in force (or in part), in words} and the
+    limits on the reward's whole process tree, in words ({"contained": how every process it starts
+    ends with the worker, "processes": ..., "scratch": ..., "file size": ...}; "" where none holds).
 
     network, filesystem, signals: "auto" takes the strongest the kernel allows; "python" (network,
     filesystem) or a named mechanism ("pidns") asks for that one. Whether a layer must be in force
@@ -355,14 +370,26 @@ def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str
     version, no_landlock = (0, "filesystem='python' was asked for") if filesystem == "python" else landlock.abi()
     scope = version >= landlock.SCOPE_ABI and signals != "pidns"
     # Namespaces first: joining a user namespace writes /proc/self/uid_map, which Landlock forbids.
-    net, pid, ns_why = namespaces.unshare(network != "python", signals == "pidns" or (signals == "auto" and not scope))
+    # A PID namespace wherever one can be made, with Landlock's scope too: when its pid 1 (the
+    # worker) dies, the kernel kills every process in it, setsid()'d or not.
+    net, pid, ns_why = namespaces.unshare(network != "python", True)
+    limits = {"contained": "", "processes": "", "scratch": "", "file size": ""}
     if pid:
         proc_why = namespaces.enter_pid_namespace(launcher_closes)
         if proc_why:
             why["signals"] = f"{proc_why}: the worker kills every process of its namespace after each item"
+        limits["contained"] = "a PID namespace: every process the reward starts dies with the worker"
+        limits.update(namespaces.contain(scratch, scratch_mb, max_processes))
+    if namespaces.in_user_namespace and os.geteuid() != 0:   # root's processes are never counted
+        resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+        limits["processes"] = limits["processes"] or f"RLIMIT_NPROC {max_processes} in its user namespace"
+    file_limit = scratch_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)      # a write past it fails with EFBIG instead of killing
+    limits["file size"] = f"RLIMIT_FSIZE {scratch_mb} MiB"
     if not net:
         why["network"] = ns_why or "network='python' was asked for"
-    rules = readable_rules(scratch, reward_file, search_path, protected)
+    rules = readable_rules(scratch, reward_file, search_path, protected, reward_folder)
     scoped = False
     if version:
         try:
@@ -402,4 +429,4 @@ def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str
         "signals": "landlock" if scoped else "pidns" if pid else "none",
         "seccomp": "on" if _seccomp_on else "off",
     }
-    return mode, why
+    return mode, why, limits

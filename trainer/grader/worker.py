@@ -235,9 +235,26 @@ def _missing(config: dict, mode: dict[str, str]) -> list[str]:
     return missing
 
 
+def _die_with(parent: int) -> None:
+    """SIGKILL when the trainer's thread that started us (its main thread) ends: a trainer killed
+    with SIGKILL (a hang, a lost lease) must not leave its worker, and the reward's processes in the
+    worker's PID namespace, behind. Exits at once if it has already ended."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                                                ctypes.c_ulong(0), ctypes.c_ulong(0))  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
     request_fd, response_fd = config["request_fd"], config["response_fd"]
+    if config.get("parent"):
+        _die_with(config["parent"])
     # User prints (Python or C level) go to one pipe, fds 1 and 2 alike, which the parent reads;
     # one Python stream for both keeps their lines in order.
     os.dup2(2, 1)
@@ -249,16 +266,17 @@ def main(argv: list[str]) -> int:
     # here; the parent reads it back into the error it reports.
     faulthandler.enable(file=config["crash_fd"], all_threads=True)
     try:
-        mode, why = apply_sandbox(
+        mode, why, limits = apply_sandbox(
             memory_mb=config["memory_mb"], network=config["network"], filesystem=config["filesystem"],
             signals=config["signals"], scratch=config["scratch"], reward_file=_reward_file(config["ref"]),
             search_path=config["search_path"], protected=config["protected"],
+            reward_folder=config.get("reward_folder", True), scratch_mb=config.get("scratch_mb", 1024),
             launcher_closes=(request_fd, response_fd, config["crash_fd"]),
         )
         missing = _missing(config, mode)
         # Sent before any of the reward's code runs, so this frame alone is the worker's own word:
         # the reward's module could write a forged one later.
-        write_frame(response_fd, {"type": "sandbox", "mode": mode, "why": why, "missing": missing})
+        write_frame(response_fd, {"type": "sandbox", "mode": mode, "why": why, "missing": missing, "limits": limits})
         if missing:
             return 1  # never import the reward with a layer missing that had to be in force
         fn = load_reward_fn(config["ref"], config["search_path"])
