@@ -63,7 +63,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only), `image` (the build context of the container image for
+    list and delete under the job's prefix only, never a write under its _dist/, the wheel nodes install), `image` (the build context of the container image for
     `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch). With --all, the
     k8s Job or SkyPilot task serves every job under --storage (N of them drain a sweep); a SkyPilot task
     ends when there is nothing to do unless --wait.

@@ -74,6 +74,9 @@ def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_fill
     # the node installs this grpo-run's wheel, which deploy has put where the script fetches it from
     assert f'WHEEL_URL="{s3_env.url}/{wheel.wheel_key}"' in script
     assert f'CONSTRAINTS_URL="{s3_env.url}/{wheel.constraints_key}"' in script
+    # and the full sha256 of both: a node installs those bytes or nothing
+    assert f'WHEEL_SHA256="{wheel.sha256}"' in script and len(wheel.sha256) == 64
+    assert f'CONSTRAINTS_SHA256="{wheel.constraints_sha256}"' in script
     stored = s3_env.server.client().get_object(Bucket=s3_env.bucket, Key=f"run/{wheel.constraints_key}")
     assert stored["Body"].read() == wheel.constraints
     assert "@" not in "".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
@@ -110,14 +113,30 @@ def test_a_job_without_storage_cannot_be_deployed(tmp_path, capsys):
 
 def test_the_iam_policy_reaches_the_jobs_prefix_only():
     policy = json.loads(iam_policy("s3://my-bucket/grpo/runs"))
-    listing, objects = policy["Statement"]
+    listing, objects, dist = policy["Statement"]
     assert listing["Action"] == "s3:ListBucket" and listing["Resource"] == "arn:aws:s3:::my-bucket"
     assert listing["Condition"] == {"StringLike": {"s3:prefix": ["grpo/runs", "grpo/runs/*"]}}
     assert objects["Resource"] == "arn:aws:s3:::my-bucket/grpo/runs/*"
     assert set(objects["Action"]) == {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"}
-    assert all(s["Effect"] == "Allow" and "*" not in s["Action"] for s in policy["Statement"])
+    assert all(s["Effect"] == "Allow" and "*" not in s["Action"] for s in (listing, objects))
     with pytest.raises(ValueError, match="s3://bucket/prefix"):
         iam_policy("/local/folder")
+
+
+@pytest.mark.trust
+@pytest.mark.parametrize("storage, dist", [("s3://my-bucket/grpo/runs", "arn:aws:s3:::my-bucket/grpo/runs/_dist/*"),
+                                           ("s3://my-bucket", "arn:aws:s3:::my-bucket/_dist/*")])
+def test_the_iam_policy_never_lets_a_node_write_the_wheel_nodes_install(storage, dist):
+    """The wheel and constraints under _dist/ are what every new node installs as root: the node role
+    reads them but can neither replace nor delete them (an explicit Deny, which no Allow overrides),
+    for every write action the role is otherwise allowed."""
+    policy = json.loads(iam_policy(storage))
+    denied = [s for s in policy["Statement"] if s["Effect"] == "Deny"]
+    assert [s["Resource"] for s in denied] == [dist]
+    allowed = {a for s in policy["Statement"] if s["Effect"] == "Allow"
+               for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    writes = allowed - {"s3:GetObject", "s3:ListBucket"}
+    assert writes and writes <= set(denied[0]["Action"])
 
 
 def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved(capsys):
