@@ -98,6 +98,27 @@ def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, c
     assert "_dist/" in install_sh(doc)                 # the install step, kept through the job file's rewrite
 
 
+def test_a_job_file_with_local_files_is_refused_for_cloud_init_and_nothing_is_uploaded(tmp_path, capsys):
+    """The user-data carries the job file alone: its reward and task files would not be on the node,
+    whose submit at boot would fail while `resume --wait` holds a paid GPU. Refused (exit 2) with
+    the two commands that work, before anything goes into storage."""
+    from tests.runner.test_resume import write_job
+
+    storage = tmp_path / "bucket"
+    job = write_job(tmp_path, str(storage))
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "-f", str(job)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert ("names files of this machine (spec.environment.tasks: train.jsonl, spec.environment.evalTasks: "
+            "eval.jsonl, spec.environment.reward: length.py)") in err
+    assert f"grpo-run apply -f {job} --detach" in err
+    assert f"grpo-run deploy cloud-init --storage {storage} --job resumable" in err
+    assert not storage.exists()                         # no wheel put anywhere
+    # the way out works: submitted, the job prints by name
+    assert main(["apply", "-f", str(job), "--detach"]) == EXIT_OK
+    assert "GRPO_RUN_JOB=resumable\n" in printed(capsys, "cloud-init", "--storage", str(storage), "--job", "resumable")
+
+
 def test_cloud_inits_schema_catches_a_broken_user_data(wheel):
     broken = cloud_init(NodeSettings(storage="s3://b/p", wheel=wheel)).replace("package_update: true", "package_update: sometimes")
     assert any("package_update" in e for e in cloud_config_errors(broken))
