@@ -126,6 +126,11 @@ class CarryOver:
     micro_batch_size: int | None
 
 
+# How close_dangling_attempts ends an attempt whose node went away without a word (SIGKILL, the
+# OOM killer, a hang someone stopped, a spot reclaim with no notice): lost_without_progress
+# counts these.
+NODE_LOST = "the node stopped without a word (killed or lost)"
+
 class Books:
     """Owns the job's Record on this node, its uploads, the ledger and the evaluations' books."""
 
@@ -265,7 +270,22 @@ class Books:
             if a["ended"] is None:
                 with self.record.transaction():
                     self.ledger.charge_lost(a)
-                    self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
+                    self.record.end_attempt(a["id"], "Crashed", NODE_LOST)
+
+    def lost_without_progress(self) -> tuple[int, int]:
+        """(how many, from which step): the newest attempts, in a row, whose node was lost (closed
+        by close_dangling_attempts) and that all started from the same checkpoint, so none of them
+        made a step durable. Any other ending (a notice, a failure, a trainer crash the supervisor
+        saw) or a restart from a newer checkpoint ends the run."""
+        count, start = 0, None
+        for a in reversed(self.record.attempts()):
+            if a["reason"] != "Crashed" or a["message"] != NODE_LOST:
+                break
+            if start is not None and (a["from_step"] or 0) != start:
+                break
+            start = a["from_step"] or 0
+            count += 1
+        return count, start or 0
 
     def preempted_without_progress(self) -> int:
         """How many of the newest attempts, in a row, ended Preempted without completing a step."""

@@ -52,6 +52,13 @@ DEFAULT_NOTICE_WINDOW_S = 25.0
 # process that fakes notices (SIGTERM from something on the node) would otherwise have a
 # restarting Job or unit boot paid GPUs forever. `grpo-run resume` after the failure tries again.
 PREEMPTED_WITHOUT_PROGRESS = 5
+# Attempts in a row whose node was lost without a word (SIGKILL, the OOM killer, a hang that
+# someone or something ended) all from the same checkpoint, before the job fails instead: a job
+# that takes its node down (a reward that exhausts memory, a step that hangs) would otherwise be
+# picked up again by every replacement node, and a queue node, which serves jobs in name order,
+# would never reach the jobs behind it. Spot reclaims come with a notice (Preempted); three
+# silent losses from one checkpoint are the job's doing far more often than the market's.
+LOST_WITHOUT_PROGRESS = 3
 
 
 def node_name() -> str:
@@ -146,6 +153,9 @@ class Supervisor:
                 stuck = self.books.preempted_without_progress()
                 if stuck >= PREEMPTED_WITHOUT_PROGRESS:
                     return self._fail_stuck(stuck)
+                lost, step = self.books.lost_without_progress()
+                if lost >= LOST_WITHOUT_PROGRESS:
+                    return self._fail_poison(lost, step)
                 return self._attempts(monitor)
         finally:
             restore()
@@ -160,6 +170,19 @@ class Supervisor:
                    f"that sends the supervisor SIGTERM looks the same (see the attempts: grpo-run get tj "
                    f"{self.spec.name} -o yaml); `grpo-run resume {self.spec.name}` tries again")
         self.books.start_attempt(node_name(), from_step=self.books.record.attempts()[-1]["to_step"] or 0)
+        self.books.finish(Phase.FAILED, "Failed", message)
+        return SupervisorResult(EXIT_FAILED, message)
+
+    def _fail_poison(self, lost: int, step: int) -> SupervisorResult:
+        """The job's newest attempts all lost their node before making a step durable, each from
+        the checkpoint at `step`: fail it with the reason (an attempt on this node, ended Failed, so
+        that a `resume` afterwards counts afresh), and the node (or its queue) moves on."""
+        message = (f"the last {lost} attempts each lost their node without a word (killed, out of memory, or hung "
+                   f"until stopped), all from step {step} with no newer checkpoint, so this node does not start "
+                   f"another: the job itself most likely takes the node down (a reward's memory or processes, a "
+                   f"step that hangs); see the attempts (grpo-run get tj {self.spec.name} -o yaml) and the "
+                   f"node's kernel log (OOM kills), fix it, then `grpo-run resume {self.spec.name}` tries again")
+        self.books.start_attempt(node_name(), from_step=step)
         self.books.finish(Phase.FAILED, "Failed", message)
         return SupervisorResult(EXIT_FAILED, message)
 
