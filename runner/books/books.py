@@ -159,6 +159,7 @@ class Books:
         self.samples = SampleBooks(self.record)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
+        self._first_step_due = False  # the attempt's first step is uploaded at once (log_step)
         self._queued: Future | None = None
         self._durable_waits = False  # a durable checkpoint's record upload was put off (DURABLE_SYNC_S)
         self.tracking = tracking     # spec.tracking as this node writes it (not the stored spec's: runner.storedjob)
@@ -274,12 +275,13 @@ class Books:
 
     def lost_without_progress(self) -> tuple[int, int]:
         """(how many, from which step): the newest attempts, in a row, whose node was lost (closed
-        by close_dangling_attempts) and that all started from the same checkpoint, so none of them
-        made a step durable. Any other ending (a notice, a failure, a trainer crash the supervisor
-        saw) or a restart from a newer checkpoint ends the run."""
+        by close_dangling_attempts) before storage heard of a completed step of theirs (an
+        attempt's first step is uploaded at once: log_step), all from the same checkpoint. Any
+        other ending (a notice, a failure, a trainer crash the supervisor saw) or an attempt that
+        completed a step ends the run."""
         count, start = 0, None
         for a in reversed(self.record.attempts()):
-            if a["reason"] != "Crashed" or a["message"] != NODE_LOST:
+            if a["reason"] != "Crashed" or a["message"] != NODE_LOST or (a["to_step"] or 0) > (a["from_step"] or 0):
                 break
             if start is not None and (a["from_step"] or 0) != start:
                 break
@@ -307,6 +309,7 @@ class Books:
                                           attempt=attempt, record=self.record)
         self.ledger.write()
         self.sync(wait=True)
+        self._first_step_due = True
         return attempt
 
     def end_attempt(self, reason: str, message: str = "", notice: str | None = None) -> None:
@@ -368,7 +371,11 @@ class Books:
         metrics = {**metrics, "costUSD": round(self.spent_usd(), 6)}
         self.record.log_step(step, metrics)
         self.trackers.step(step, metrics)
-        self.sync_soon()
+        if self._first_step_due:     # storage hears at once that this attempt made progress: a node lost
+            self._first_step_due = False     # later is not counted as lost without it (lost_without_progress)
+            self.sync()
+        else:
+            self.sync_soon()
 
     def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
         """What the model wrote (runner.books.samples); uploaded with the record, and to the trackers."""

@@ -53,12 +53,13 @@ DEFAULT_NOTICE_WINDOW_S = 25.0
 # restarting Job or unit boot paid GPUs forever. `grpo-run resume` after the failure tries again.
 PREEMPTED_WITHOUT_PROGRESS = 5
 # Attempts in a row whose node was lost without a word (SIGKILL, the OOM killer, a hang that
-# someone or something ended) all from the same checkpoint, before the job fails instead: a job
-# that takes its node down (a reward that exhausts memory, a step that hangs) would otherwise be
-# picked up again by every replacement node, and a queue node, which serves jobs in name order,
-# would never reach the jobs behind it. Spot reclaims come with a notice (Preempted); three
-# silent losses from one checkpoint are the job's doing far more often than the market's.
-LOST_WITHOUT_PROGRESS = 3
+# someone or something ended) before completing a step, before the job fails instead: a job that
+# takes its node down (a reward that exhausts memory, a baseline or first step that hangs) would
+# otherwise be picked up again by every replacement node, and a queue node, which serves jobs in
+# name order, would never reach the jobs behind it. Spot reclaims come with a notice (Preempted).
+# 5, as for Preempted: a node lost in its first minutes five times running is the job's doing far
+# more often than the market's (the kill campaign's random SIGKILLs land that early one time in ten).
+LOST_WITHOUT_PROGRESS = 5
 
 
 def node_name() -> str:
@@ -174,11 +175,11 @@ class Supervisor:
         return SupervisorResult(EXIT_FAILED, message)
 
     def _fail_poison(self, lost: int, step: int) -> SupervisorResult:
-        """The job's newest attempts all lost their node before making a step durable, each from
-        the checkpoint at `step`: fail it with the reason (an attempt on this node, ended Failed, so
+        """The job's newest attempts all lost their node before completing a step, each from the
+        checkpoint at `step`: fail it with the reason (an attempt on this node, ended Failed, so
         that a `resume` afterwards counts afresh), and the node (or its queue) moves on."""
         message = (f"the last {lost} attempts each lost their node without a word (killed, out of memory, or hung "
-                   f"until stopped), all from step {step} with no newer checkpoint, so this node does not start "
+                   f"until stopped), all from step {step} before completing a step, so this node does not start "
                    f"another: the job itself most likely takes the node down (a reward's memory or processes, a "
                    f"step that hangs); see the attempts (grpo-run get tj {self.spec.name} -o yaml) and the "
                    f"node's kernel log (OOM kills), fix it, then `grpo-run resume {self.spec.name}` tries again")

@@ -382,8 +382,8 @@ def test_a_job_that_keeps_killing_its_node_is_failed_with_the_reason_and_the_job
     """A poison job: every node that picks it dies without a word (here SIGKILL of the whole node
     during its baseline, as the OOM killer or a hang's kill would), before any checkpoint. Queue
     nodes serve jobs in name order, so each replacement would pick it again and the job behind it
-    would never run. After LOST_WITHOUT_PROGRESS such attempts from one checkpoint the next node
-    fails it, naming why, and trains the next job."""
+    would never run. After LOST_WITHOUT_PROGRESS such attempts without a completed step the next
+    node fails it, naming why, and trains the next job."""
     from grpo_run.runner.supervisor.supervisor import LOST_WITHOUT_PROGRESS
     from tests.faults.harness import fault_env
 
@@ -424,5 +424,5 @@ def test_a_job_that_keeps_killing_its_node_is_failed_with_the_reason_and_the_job
     assert poison["phase"] == "Failed" and poison["step"] == 0
     assert [a["reason"] for a in poison["attempts"]] == ["Crashed"] * LOST_WITHOUT_PROGRESS + ["Failed"]
     assert (f"the last {LOST_WITHOUT_PROGRESS} attempts each lost their node without a word (killed, out of memory, "
-            f"or hung until stopped), all from step 0") in poison["attempts"][-1]["message"]
+            f"or hung until stopped), all from step 0 before completing a step") in poison["attempts"][-1]["message"]
     assert "Traceback" not in served.stderr
