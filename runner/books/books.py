@@ -33,7 +33,7 @@ from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.samples import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
-from grpo_run.state.phases import Phase
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, Phase
 from grpo_run.state.record import RECORD_FILE, Record
 from grpo_run.trainer.protocol import Budget
 
@@ -252,6 +252,22 @@ class Books:
             if self.ledger.running:
                 self.end_attempt(reason, message, notice)
             self.record.set_phase(phase, message)
+        self.sync(wait=True)
+
+    def abandon(self, message: str) -> None:
+        """The record cannot go where the run went (InvalidTransition): this process's attempt
+        ends Failed with `message` (also one a `finish` that raised left open: its transaction was
+        rolled back), and the job moves to Failed where its phase allows (a Succeeded or Cancelled
+        job keeps its phase); returns once storage has the record."""
+        with self.record.transaction():
+            attempt = self.ledger.attempt
+            if attempt is not None and any(a["id"] == attempt and a["ended"] is None for a in self.record.attempts()):
+                self.ledger.write()
+                self.record.end_attempt(attempt, "Failed", message)
+            current = self.record.job()["phase"]
+            if current == Phase.FAILED or Phase.FAILED in ALLOWED_TRANSITIONS[current]:
+                self.record.set_phase(Phase.FAILED, message)
+        self.ledger.running = False
         self.sync(wait=True)
 
     def succeeded(self) -> bool:

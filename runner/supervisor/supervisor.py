@@ -41,7 +41,7 @@ from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
 from grpo_run.runner.supervisor.window import NoticeWindow
-from grpo_run.state.phases import Phase
+from grpo_run.state.phases import InvalidTransition, Phase
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,10 @@ class Supervisor:
                 lost, step = self.books.lost_without_progress()
                 if lost >= LOST_WITHOUT_PROGRESS:
                     return self._fail_poison(lost, step)
-                return self._attempts(monitor)
+                try:
+                    return self._attempts(monitor)
+                except InvalidTransition as e:
+                    return self._fail_inconsistent(e)
         finally:
             restore()
             if self._trainer is not None:
@@ -172,6 +175,18 @@ class Supervisor:
                    f"{self.spec.name} -o yaml); `grpo-run resume {self.spec.name}` tries again")
         self.books.start_attempt(node_name(), from_step=self.books.record.attempts()[-1]["to_step"] or 0)
         self.books.finish(Phase.FAILED, "Failed", message)
+        return SupervisorResult(EXIT_FAILED, message)
+
+    def _fail_inconsistent(self, e: InvalidTransition) -> SupervisorResult:
+        """The record cannot move where the run is (e.g. Pending -> Succeeded: a record replayed or
+        edited in storage while a checkpoint says the run got further). The attempt ends Failed
+        with the reason, and the job too where its phase allows that; never a traceback."""
+        message = (f"the job's record and the run disagree ({e}): the record or a checkpoint in storage was changed "
+                   f"by hand or replayed, so this attempt is ended; see `grpo-run get tj {self.spec.name} -o yaml`")
+        log.error("%s", message)
+        if self._trainer is not None:
+            self._trainer.kill()
+        self.books.abandon(message)
         return SupervisorResult(EXIT_FAILED, message)
 
     def _fail_poison(self, lost: int, step: int) -> SupervisorResult:
