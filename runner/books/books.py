@@ -70,6 +70,16 @@ def fetch_record(store: Store, work: Path) -> Path | None:
         if fetched is not None and stored is not None and mine == stored:
             fetched.unlink()
             return local
+        if fetched is not None and _older_copy_of_the_same_job(fetched, stored, local, mine):
+            # Storage's copy is an older upload of this very job than one this node made or took:
+            # generations only grow, so it was put back (a replay, a restore from a backup). The
+            # newer one this node knows is the record, and goes back into storage (under the lease).
+            log.warning("storage's record of this job is upload %s, older than upload %s, which this node "
+                        "already had: it was replaced by an older copy (replayed or restored); keeping this "
+                        "node's and putting it back into storage", _number(stored), _number(mine))
+            fetched.unlink()
+            store.put_file(local, RECORD_FILE)
+            return local
         aside = work / f".set-aside-{RECORD_FILE}-{uuid.uuid4().hex[:8]}"
         os.replace(local, aside)
         for journal in ("-wal", "-shm"):    # an old copy's journal must never meet the new copy
@@ -83,6 +93,23 @@ def fetch_record(store: Store, work: Path) -> Path | None:
         return None
     os.replace(fetched, local)
     return local
+
+
+def _older_copy_of_the_same_job(fetched: Path, stored: values.Generation | None, local: Path,
+                                mine: values.Generation | None) -> bool:
+    """Whether storage's copy (`fetched`, upload `stored`) is an older upload of the same job as this
+    node's (`local`, upload `mine`): same name and creation time (a job deleted and submitted
+    again under its name is created anew: its record is storage's), lower upload number."""
+    if mine is None:
+        return False
+    if stored is not None and stored["number"] >= mine["number"]:
+        return False
+    try:
+        with Record(fetched) as theirs, Record(local) as ours:
+            a, b = theirs.job(), ours.job()
+    except (sqlite3.DatabaseError, ValueError):
+        return False
+    return a is not None and b is not None and (a["name"], a["created"]) == (b["name"], b["created"])
 
 
 @contextmanager

@@ -174,3 +174,29 @@ def test_a_phase_the_record_cannot_move_to_ends_the_attempt_failed_with_the_reas
     assert attempt["reason"] == "Failed" and attempt["ended"] is not None and "disagree" in attempt["message"]
     assert books.record.job()["phase"] == "Failed"
     books.close()
+
+
+def test_an_older_record_put_back_into_storage_is_refused_by_a_node_that_knew_a_newer_one(tmp_path):
+    """N6: a finished job's record replaced in storage by its Pending copy from the submit (a
+    replay). The node that ran it knows a newer upload of the same job: it keeps that one, puts it
+    back, and the job stays Succeeded with its history, for this node and for a fresh one after it.
+    (A node that never saw the job cannot tell: docs/security.md says so.)"""
+    import shutil
+
+    job = write_job(tmp_path)
+    store, record = tmp_path / "store", tmp_path / "store" / "guarded" / RECORD_FILE
+    assert grpo_run(tmp_path, "apply", "-f", str(job), "--detach").returncode == 0
+    shutil.copyfile(record, tmp_path / "pending.db")              # what a bucket writer kept
+    done = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store))
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished = stored(tmp_path)
+    assert finished["phase"] == "Succeeded"
+
+    shutil.copyfile(tmp_path / "pending.db", record)             # the replay
+    again = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "older than upload" in again.stderr and "keeping this node's and putting it back" in again.stderr
+    assert "already succeeded; nothing to do" in again.stderr + again.stdout
+    assert stored(tmp_path)["attempts"] == finished["attempts"]  # its history, not a new run's
+    fresh = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store), GRPO_RUN_HOME=str(tmp_path / "node-b"))
+    assert fresh.returncode == 0 and "already succeeded; nothing to do" in fresh.stderr + fresh.stdout
