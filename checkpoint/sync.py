@@ -58,6 +58,8 @@ class RestoreStopped(StorageUnavailable):
 
 
 Accept = Callable[[Manifest], "str | None"]    # why a checkpoint is not to be used; None: it is
+# ... and, given its verified folder, why its contents are not (a file that contradicts the manifest)
+Inspect = Callable[[Path, Manifest], "str | None"]
 
 CHECKPOINTS = "checkpoints"          # the runs' checkpoints, one folder per run under it
 FINAL = "final"                      # the runs' final weights, likewise
@@ -82,7 +84,7 @@ def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
 
 
 def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, accept: Accept | None = None,
-                   stop: threading.Event | None = None, verify_local: bool = False
+                   stop: threading.Event | None = None, verify_local: bool = False, inspect: Inspect | None = None
                    ) -> tuple[int, Path, Manifest, bool] | None:
     """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
     durable). A sealed local one at least as new as the newest in storage is used (durable False
@@ -96,7 +98,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
     verify, are set aside (renamed `.set-aside-*`, not deleted) so that nothing loads them.
     `verify_local`: verify the local one even when storage has it too (a trainer crashed: it may
     have failed to load a checkpoint damaged on this disk, which storage's copy replaces).
-    `stop`: as download_latest's."""
+    `stop`: as download_latest's. `inspect(folder, manifest)`: why a verified checkpoint's
+    contents are not to be continued from (None: they are); refused like one that does not verify."""
     durable, partial = _remote_checkpoints(store, prefix)
 
     def why_not(found: tuple[int, Path, Manifest]) -> str | None:
@@ -107,6 +110,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
                 verify(found[1])
             except CheckpointInvalid as exc:
                 return f"it does not verify ({exc.reason}): damaged on this node's disk"
+        if inspect is not None and (why := inspect(found[1], found[2])) is not None:
+            return why
         return None
 
     local = newest_sealed(root)
@@ -119,7 +124,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
         step, folder, manifest = local
         return step, folder, manifest, step in durable
     got = download_latest(store, root, prefix, listed=(durable, partial), accept=accept, stop=stop,
-                          above=local[0] if local is not None else -1)
+                          above=local[0] if local is not None else -1, inspect=inspect)
     if got is not None:
         return got[0], got[1], read_manifest(got[1]), True
     if local is not None:
@@ -130,7 +135,8 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
 
 def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
                     listed: tuple[set[int], set[int]] | None = None, accept: Accept | None = None,
-                    stop: threading.Event | None = None, above: int = -1) -> tuple[int, Path] | None:
+                    stop: threading.Event | None = None, above: int = -1,
+                    inspect: Inspect | None = None) -> tuple[int, Path] | None:
     """Fetch the newest remote checkpoint that downloads and verifies into `dest_root`.
 
     Returns (step, folder) with folder `dest_root/ckpt-<step>`, or None if no remote checkpoint
@@ -143,7 +149,9 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
     checkpoint it refuses is skipped with its reason. `stop` (a preemption): checked before every
     file, so a notice ends a long restore between two files with RestoreStopped; what came down
     so far is removed. `above`: only steps past it are looked at (a local checkpoint of that step
-    is the fallback: a refused newer one must not send the run back past it).
+    is the fallback: a refused newer one must not send the run back past it). `inspect`: as
+    restore_latest's, asked of each checkpoint once it verifies; one it refuses is skipped (and
+    what came down removed) like a corrupt one.
     """
     dest_root = Path(dest_root)
     durable, partial = listed if listed is not None else _remote_checkpoints(store, prefix)
@@ -171,6 +179,9 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
 
         final = dest_root / name
         if _matches_local(final, manifest):
+            if inspect is not None and (why := inspect(final, manifest)) is not None:
+                log.warning("skipping remote checkpoint %s: %s", where, why)
+                continue
             return step, final
 
         partial = dest_root / f".partial-{name}-{uuid.uuid4().hex[:8]}"
@@ -182,6 +193,8 @@ def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", 
                 store.get_file(f"{prefix}/{name}/{entry.path}", partial / entry.path)
             atomic_write_bytes(partial / MANIFEST_NAME, raw)
             verify(partial)
+            if inspect is not None and (why := inspect(partial, manifest)) is not None:
+                raise CheckpointInvalid(why)
         except FileNotFoundError as exc:
             remove_tree(partial)
             log.warning("skipping remote checkpoint %s: partial upload (%s)", where, exc)

@@ -5,6 +5,10 @@
 # machine, and the constraints it was tested with, into the job's storage (_dist/VERSION-DIGEST/);
 # this script fetches both with the node's own credentials (its instance role, or the keys of an
 # S3-compatible store) and installs them, torch from PyTorch's index for the node's accelerator.
+# Storage is not trusted for what it holds: this script carries the full sha256 of both files and
+# refuses (exit 1, before pip runs at all) a wheel or constraints file with any other bytes, and
+# constraints with any line but `name==version` (no pip option such as --extra-index-url, -e or
+# -r comes from the bucket). The index options below are this script's own.
 # Run by cloud-init as root (deploy/cloud-init.yaml), by SkyPilot's setup as its user, and by the
 # image's Dockerfile (grpo-run deploy image); idempotent.
 # What a fresh Ubuntu node has is enough: python3 with venv (cloud-init installs python3-venv).
@@ -12,6 +16,8 @@
 # Every @...@ placeholder is filled in by the generator (grpo-run deploy):
 #   @GRPO_RUN_WHEEL_URL@        the wheel in storage, s3://bucket/prefix/_dist/.../grpo_run-*.whl
 #   @GRPO_RUN_CONSTRAINTS_URL@  its constraints.txt, next to it
+#   @GRPO_RUN_WHEEL_SHA256@     the full sha256 of the wheel's bytes: nothing else is installed
+#   @GRPO_RUN_CONSTRAINTS_SHA256@  the full sha256 of constraints.txt
 #   @GRPO_RUN_FETCHER@          boto3, pinned as in those constraints: what fetches them from S3
 #   @GRPO_RUN_TORCH_INDEX@      PyTorch's wheel index for the node's GPU
 # The environment gives the store's settings: AWS_ENDPOINT_URL, AWS_DEFAULT_REGION (/etc/grpo-run/env).
@@ -20,6 +26,8 @@ set -euo pipefail
 PREFIX=/opt/grpo-run
 WHEEL_URL="@GRPO_RUN_WHEEL_URL@"
 CONSTRAINTS_URL="@GRPO_RUN_CONSTRAINTS_URL@"
+WHEEL_SHA256="@GRPO_RUN_WHEEL_SHA256@"
+CONSTRAINTS_SHA256="@GRPO_RUN_CONSTRAINTS_SHA256@"
 FETCHER="@GRPO_RUN_FETCHER@"
 TORCH_INDEX="@GRPO_RUN_TORCH_INDEX@"
 
@@ -31,12 +39,17 @@ constraints="$PREFIX/dist/constraints.txt"
 case "$WHEEL_URL" in
   s3://*) "$py" -m pip install -q "$FETCHER" ;;     # the fetcher; the install below pins its dependencies
 esac
-# Fetch both (a missing key fails here, naming it: never an install without the pins).
-"$py" - "$WHEEL_URL" "$wheel" "$CONSTRAINTS_URL" "$constraints" <<'PYTHON'
-import shutil, sys
+# Fetch both (a missing key fails here, naming it: never an install without the pins), and keep
+# each only if its bytes are the ones this script names.
+rm -f "$wheel" "$constraints"
+"$py" -I - "$WHEEL_URL" "$wheel" "$WHEEL_SHA256" "$CONSTRAINTS_URL" "$constraints" "$CONSTRAINTS_SHA256" <<'PYTHON'
+import hashlib, os, re, shutil, sys
 from urllib.parse import unquote, urlparse
 
-for url, dest in zip(sys.argv[1::2], sys.argv[2::2]):
+# a constraints line: a distribution pinned to one version (an environment marker allowed), or a comment
+PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]*\])?==[A-Za-z0-9.+!_-]+(\s*;[^#]*)?(\s+#.*)?")
+
+for url, dest, want in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
     where = urlparse(url)
     if where.scheme == "s3":
         import boto3, botocore.exceptions
@@ -47,6 +60,22 @@ for url, dest in zip(sys.argv[1::2], sys.argv[2::2]):
                      f"`grpo-run apply --detach` or run `grpo-run deploy` again (both put the wheel there)")
     else:                                         # a folder every node mounts (file:// or a path)
         shutil.copyfile(unquote(where.path) if where.scheme == "file" else url, dest + ".part")
+    h = hashlib.sha256()
+    with open(dest + ".part", "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    if h.hexdigest() != want:
+        os.unlink(dest + ".part")
+        sys.exit(f"grpo-run install: refused {url}: its sha256 is {h.hexdigest()}, not {want} as the launch file "
+                 f"says; someone changed it in storage after `grpo-run deploy`: nothing was installed. Run "
+                 f"`grpo-run deploy` again from the machine that submitted the job (it puts its own wheel back), "
+                 f"and check who can write {url.rsplit('/', 2)[0]}/")
+    if dest.endswith(".txt"):
+        for n, line in enumerate(open(dest + ".part", encoding="utf-8"), 1):
+            if line.strip() and not line.lstrip().startswith("#") and not PIN.fullmatch(line.strip()):
+                os.unlink(dest + ".part")
+                sys.exit(f"grpo-run install: refused {url}: line {n} is not `name==version` "
+                         f"({line.strip()[:80]!r}); a pip option from storage is never used")
     shutil.move(dest + ".part", dest)
 PYTHON
 # torch first, the build for this node's accelerator at the version the user ran (its pin).

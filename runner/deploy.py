@@ -3,7 +3,7 @@
 The templates are the files in deploy/ (the boot unit, the cloud-init user-data, the node's
 install script); this module fills their @PLACEHOLDERS@ from the command line, so nobody edits
 them by hand, and writes the IAM policy a node needs: read, write, list and delete under the
-job's storage prefix, nothing else.
+job's storage prefix, nothing else, and never a write under its _dist/ (the wheel nodes install).
 
 Nodes install the wheel of the grpo-run that generated their files, from the job's storage
 (runner/wheel.py puts it there); no repository is named unless the user gives one (--repo).
@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
 from grpo_run.runner.gpus import ALIASES
-from grpo_run.runner.wheel import Wheel
+from grpo_run.runner.wheel import DIST_PREFIX, Wheel
 
 DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
 UNIT = "grpo-run-resume.service"
@@ -39,7 +39,7 @@ TORCH_INDEXES = {
     "cpu": "https://download.pytorch.org/whl/cpu",
 }
 
-_PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+_PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,14 @@ def install_script(s: NodeSettings) -> str:
 
 
 def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str) -> str:
-    """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path)."""
+    """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path), refusing any
+    bytes but `wheel.sha256` and `wheel.constraints_sha256`."""
     boto3 = re.search(r"(?m)^boto3==\S+$", wheel.constraints.decode())
+    if len(wheel.sha256) != 64 or len(wheel.constraints_sha256) != 64:
+        raise ValueError(f"the wheel {wheel.path.name} has no sha256 to pin: a node would install whatever storage holds")
     values = {"GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[torch], "GRPO_RUN_WHEEL_URL": wheel_url,
-              "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3"}
+              "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3",
+              "GRPO_RUN_WHEEL_SHA256": wheel.sha256, "GRPO_RUN_CONSTRAINTS_SHA256": wheel.constraints_sha256}
     return _fill(INSTALL, values).replace(INSTALL_PREFIX, prefix)
 
 
@@ -165,7 +169,9 @@ def cloud_init(s: NodeSettings) -> str:
 def iam_policy(storage: str) -> str:
     """The AWS IAM policy a node needs for the jobs under `storage` (s3://bucket/prefix): list the
     prefix; get, put and delete its objects (the lease's conditional writes are puts); abort its
-    multipart uploads. Nothing outside the prefix, no bucket-level changes."""
+    multipart uploads; but never write or delete under PREFIX/_dist/ (the wheel and constraints
+    nodes install: only the submitting user's own credentials put them there). Nothing outside
+    the prefix, no bucket-level changes."""
     url = urlparse(storage)
     if url.scheme != "s3" or not url.netloc:
         raise ValueError(f"--storage {storage!r}: an IAM policy is for s3://bucket/prefix storage")
@@ -175,11 +181,17 @@ def iam_policy(storage: str) -> str:
                      "Resource": f"arn:aws:s3:::{bucket}"}
     if prefix:
         listing["Condition"] = {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
+    dist = f"arn:aws:s3:::{bucket}/{prefix}/{DIST_PREFIX}/*" if prefix else f"arn:aws:s3:::{bucket}/{DIST_PREFIX}/*"
     policy = {"Version": "2012-10-17", "Statement": [
         listing,
         {"Sid": "ReadWriteTheJobsObjects", "Effect": "Allow",
          "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
          "Resource": objects},
+        # The wheel every new node installs as root: a node (or a reward that took one over) must
+        # not be able to swap it for the next nodes. An explicit Deny wins over any Allow.
+        {"Sid": "NeverWriteTheNodesWheel", "Effect": "Deny",
+         "Action": ["s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"],
+         "Resource": dist},
     ]}
     return json.dumps(policy, indent=2) + "\n"
 

@@ -59,6 +59,13 @@ def _files(env: EnvironmentSpec) -> dict[str, str]:
     return files
 
 
+def local_files(env: EnvironmentSpec) -> dict[str, str]:
+    """{field: path} of every file and save_to_disk folder of this machine the environment needs
+    (a job file read here, its paths resolved): what a node handed only the job file lacks. `apply
+    --detach` uploads the files (checked by hash); folders are never copied."""
+    return {**_files(env), **_folders(env)}
+
+
 def _key(field: str, path: str) -> str:
     """Where a file lives in the job's storage folder, and under the work folder on a node.
     Raises ValueError for a field or file name that would step outside its folder there (a

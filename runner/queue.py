@@ -9,7 +9,9 @@ anyone assigning jobs to nodes:
 - Skipped, by the phase storage's record says: Succeeded (done), Failed (it would fail again: a
   person looks, then `grpo-run resume NAME` tries it again), BudgetExceeded (its maxCostUSD is
   spent: it continues only when its file is applied with a larger one). Pending, Preempted and a
-  job left running by a node that died are served.
+  job left running by a node that died are served; one whose last 5 attempts each lost their node
+  before completing a step (it takes nodes down: memory, a hang) is failed by the supervisor
+  with that reason instead of run again (LOST_WITHOUT_PROGRESS), so the jobs behind it run.
 - Not here: a job with an LLM judge on a node without GRPO_RUN_ALLOW_JUDGES=1 (runner.spec.judge):
   said once, left Pending for a node that allows judges, not counted as failed.
 - Who trains a job: its lease (checkpoint.storage.lease), as for one job. A job whose lease is

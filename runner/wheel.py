@@ -22,6 +22,11 @@ Keys are content-addressed: `_dist/VERSION-DIGEST/` where DIGEST hashes every fi
 the same files), so the same installed code always lands under the same key and two versions, or
 two builds of one version with different code, never mix. `_dist`: a job's name cannot begin with
 '_', so no job's folder is ever this one.
+
+A key is not a promise about what is stored under it: whoever can write the bucket can put other
+bytes there. So the launch files carry the full sha256 of the exact wheel and constraints bytes
+(Wheel.sha256, Wheel.constraints_sha256) and the node refuses anything else before pip runs
+(deploy/install-node.sh); `publish` makes those the bytes in storage (see there).
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ class Wheel:
     constraints: bytes = field(repr=False)   # constraints.txt for the node's pip: the tested pins, torch's version too
     version: str
     digest: str               # of the wheel's files and the constraints (16 hex)
+    sha256: str = ""          # of the .whl's bytes, in full: what a node accepts (publish may adopt storage's)
+    constraints_sha256: str = ""   # of `constraints`, in full
+
+    def __post_init__(self) -> None:
+        if not self.constraints_sha256:
+            object.__setattr__(self, "constraints_sha256", hashlib.sha256(self.constraints).hexdigest())
+        if not self.sha256 and self.path.is_file():
+            object.__setattr__(self, "sha256", _file_sha256(self.path))
 
     @property
     def folder(self) -> str:
@@ -128,19 +141,64 @@ def node_constraints() -> bytes:
     return text.encode()
 
 
-def publish(wheel: Wheel, storage: str) -> None:
-    """Put the wheel and its constraints under `storage` (the jobs' storage URL), each only when its
-    key is absent: a key names its content (Wheel.folder), so an object there is already these bytes.
-    The constraints go last, and the install step fetches both, so a half-published folder fails
-    the node's install with the missing key named instead of installing without pins.
+def publish(wheel: Wheel, storage: str) -> Wheel:
+    """Put the wheel and its constraints under `storage` (the jobs' storage URL) and return the
+    Wheel whose sha256 names the wheel bytes now stored there, for the launch files to carry.
+
+    A key names its files (Wheel.folder), not its bytes: another build of the same files (another
+    machine's setuptools, a node's rebuild from RECORD) zips them differently. So a wheel already
+    under the key is read back: the same bytes, or a zip of exactly this wheel's files (every name
+    and content but RECORD's, no name twice), is kept, and the returned sha256 is its own, so
+    launch files made before and after name one object and a node from an older launch template
+    still installs. Anything else there (a swapped wheel, other constraints) is replaced by these
+    bytes. The constraints go last, and the install step fetches both, so a half-published folder
+    fails the node's install with the missing key named instead of installing without pins.
     Raises StorageConfigError / StorageUnavailable."""
+    from dataclasses import replace
+
     from grpo_run.checkpoint.storage.store import Store
 
     store = Store(storage)
+    sha256 = wheel.sha256
     if not store.exists(wheel.wheel_key):
         store.put_file(wheel.path, wheel.wheel_key)
-    if not store.exists(wheel.constraints_key):
+    else:
+        stored = store.get_bytes(wheel.wheel_key)
+        if hashlib.sha256(stored).hexdigest() != wheel.sha256:
+            if _same_files(stored, wheel.path):
+                sha256 = hashlib.sha256(stored).hexdigest()      # another build of these files: keep it
+            else:
+                store.put_file(wheel.path, wheel.wheel_key)      # not this wheel: replaced
+    if not store.exists(wheel.constraints_key) or store.get_bytes(wheel.constraints_key) != wheel.constraints:
         store.put_bytes(wheel.constraints_key, wheel.constraints)
+    return replace(wheel, sha256=sha256)
+
+
+def _same_files(stored: bytes, ours: Path) -> bool:
+    """Whether the zip `stored` holds exactly the files of the wheel at `ours` (names and bytes;
+    RECORD aside, which only restates them), each name once. False for anything not a zip."""
+    def files(zf: zipfile.ZipFile) -> dict[str, bytes] | None:
+        names = [n for n in zf.namelist() if not n.endswith(".dist-info/RECORD")]
+        if len(names) != len(set(names)):
+            return None
+        return {n: hashlib.sha256(zf.read(n)).digest() for n in names}
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(stored)) as theirs, zipfile.ZipFile(ours) as mine:
+            mine_files = files(mine)
+            if sum(i.file_size for i in theirs.infolist()) > 4 * sum(i.file_size for i in mine.infolist()) + (1 << 20):
+                return False                # not ours, and not worth inflating
+            return mine_files is not None and files(theirs) == mine_files
+    except (zipfile.BadZipFile, OSError, ValueError, RuntimeError, NotImplementedError, EOFError):
+        return False
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # --- building ------------------------------------------------------------------------------------
@@ -261,6 +319,4 @@ def ship(storage: str) -> Wheel:
     only names it then) and publish it under `storage`. Raises WheelError, StorageConfigError,
     StorageUnavailable."""
     with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
-        wheel = build_wheel(Path(tmp))
-        publish(wheel, storage)
-    return wheel
+        return publish(build_wheel(Path(tmp)), storage)

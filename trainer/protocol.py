@@ -51,6 +51,9 @@ PLAN_FILE = "plan.json"
 CHECKPOINTS_DIR = "checkpoints"             # the supervisor restores into it, the trainer resumes from and seals into it
 # In every checkpoint: each step's metrics so far ([{"step": n, **metrics}], oldest first), the
 # record's steps for a restore to fill in when a node was lost before its record reached storage.
+# The trainer's own state in a checkpoint (optimizer's layout, scheduler, RNG, and the number of
+# completed steps it resumes after): the supervisor checks that step against the manifest's.
+TRAINER_STATE = "trainer_state.json"
 STEP_METRICS = "metrics.json"
 # ... and the samples of its newest CHECKPOINT_SAMPLE_STEPS steps ({step: [group, ...]}), which the
 # restore fills in likewise for the steps it fills in (the steps a lost record upload left out).

@@ -33,7 +33,7 @@ from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.samples import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
-from grpo_run.state.phases import Phase
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, Phase
 from grpo_run.state.record import RECORD_FILE, Record
 from grpo_run.trainer.protocol import Budget
 
@@ -70,6 +70,16 @@ def fetch_record(store: Store, work: Path) -> Path | None:
         if fetched is not None and stored is not None and mine == stored:
             fetched.unlink()
             return local
+        if fetched is not None and _older_copy_of_the_same_job(fetched, stored, local, mine):
+            # Storage's copy is an older upload of this very job than one this node made or took:
+            # generations only grow, so it was put back (a replay, a restore from a backup). The
+            # newer one this node knows is the record, and goes back into storage (under the lease).
+            log.warning("storage's record of this job is upload %s, older than upload %s, which this node "
+                        "already had: it was replaced by an older copy (replayed or restored); keeping this "
+                        "node's and putting it back into storage", _number(stored), _number(mine))
+            fetched.unlink()
+            store.put_file(local, RECORD_FILE)
+            return local
         aside = work / f".set-aside-{RECORD_FILE}-{uuid.uuid4().hex[:8]}"
         os.replace(local, aside)
         for journal in ("-wal", "-shm"):    # an old copy's journal must never meet the new copy
@@ -83,6 +93,23 @@ def fetch_record(store: Store, work: Path) -> Path | None:
         return None
     os.replace(fetched, local)
     return local
+
+
+def _older_copy_of_the_same_job(fetched: Path, stored: values.Generation | None, local: Path,
+                                mine: values.Generation | None) -> bool:
+    """Whether storage's copy (`fetched`, upload `stored`) is an older upload of the same job as this
+    node's (`local`, upload `mine`): same name and creation time (a job deleted and submitted
+    again under its name is created anew: its record is storage's), lower upload number."""
+    if mine is None:
+        return False
+    if stored is not None and stored["number"] >= mine["number"]:
+        return False
+    try:
+        with Record(fetched) as theirs, Record(local) as ours:
+            a, b = theirs.job(), ours.job()
+    except (sqlite3.DatabaseError, ValueError):
+        return False
+    return a is not None and b is not None and (a["name"], a["created"]) == (b["name"], b["created"])
 
 
 @contextmanager
@@ -126,6 +153,11 @@ class CarryOver:
     micro_batch_size: int | None
 
 
+# How close_dangling_attempts ends an attempt whose node went away without a word (SIGKILL, the
+# OOM killer, a hang someone stopped, a spot reclaim with no notice): lost_without_progress
+# counts these.
+NODE_LOST = "the node stopped without a word (killed or lost)"
+
 class Books:
     """Owns the job's Record on this node, its uploads, the ledger and the evaluations' books."""
 
@@ -154,6 +186,7 @@ class Books:
         self.samples = SampleBooks(self.record)
         self._sync_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="record-sync")
         self._last_sync = 0.0
+        self._first_step_due = False  # the attempt's first step is uploaded at once (log_step)
         self._queued: Future | None = None
         self._durable_waits = False  # a durable checkpoint's record upload was put off (DURABLE_SYNC_S)
         self.tracking = tracking     # spec.tracking as this node writes it (not the stored spec's: runner.storedjob)
@@ -248,6 +281,22 @@ class Books:
             self.record.set_phase(phase, message)
         self.sync(wait=True)
 
+    def abandon(self, message: str) -> None:
+        """The record cannot go where the run went (InvalidTransition): this process's attempt
+        ends Failed with `message` (also one a `finish` that raised left open: its transaction was
+        rolled back), and the job moves to Failed where its phase allows (a Succeeded or Cancelled
+        job keeps its phase); returns once storage has the record."""
+        with self.record.transaction():
+            attempt = self.ledger.attempt
+            if attempt is not None and any(a["id"] == attempt and a["ended"] is None for a in self.record.attempts()):
+                self.ledger.write()
+                self.record.end_attempt(attempt, "Failed", message)
+            current = self.record.job()["phase"]
+            if current == Phase.FAILED or Phase.FAILED in ALLOWED_TRANSITIONS[current]:
+                self.record.set_phase(Phase.FAILED, message)
+        self.ledger.running = False
+        self.sync(wait=True)
+
     def succeeded(self) -> bool:
         """The record (storage's, fetched under the lease) says the job succeeded: nothing to run."""
         return self.record.job()["phase"] == Phase.SUCCEEDED
@@ -265,7 +314,23 @@ class Books:
             if a["ended"] is None:
                 with self.record.transaction():
                     self.ledger.charge_lost(a)
-                    self.record.end_attempt(a["id"], "Crashed", "the node stopped without a word (killed or lost)")
+                    self.record.end_attempt(a["id"], "Crashed", NODE_LOST)
+
+    def lost_without_progress(self) -> tuple[int, int]:
+        """(how many, from which step): the newest attempts, in a row, whose node was lost (closed
+        by close_dangling_attempts) before storage heard of a completed step of theirs (an
+        attempt's first step is uploaded at once: log_step), all from the same checkpoint. Any
+        other ending (a notice, a failure, a trainer crash the supervisor saw) or an attempt that
+        completed a step ends the run."""
+        count, start = 0, None
+        for a in reversed(self.record.attempts()):
+            if a["reason"] != "Crashed" or a["message"] != NODE_LOST or (a["to_step"] or 0) > (a["from_step"] or 0):
+                break
+            if start is not None and (a["from_step"] or 0) != start:
+                break
+            start = a["from_step"] or 0
+            count += 1
+        return count, start or 0
 
     def preempted_without_progress(self) -> int:
         """How many of the newest attempts, in a row, ended Preempted without completing a step."""
@@ -287,6 +352,7 @@ class Books:
                                           attempt=attempt, record=self.record)
         self.ledger.write()
         self.sync(wait=True)
+        self._first_step_due = True
         return attempt
 
     def end_attempt(self, reason: str, message: str = "", notice: str | None = None) -> None:
@@ -359,7 +425,11 @@ class Books:
         metrics = {**metrics, "costUSD": round(self.spent_usd(), 6)}
         self.record.log_step(step, metrics)
         self.trackers.step(step, metrics)
-        self.sync_soon()
+        if self._first_step_due:     # storage hears at once that this attempt made progress: a node lost
+            self._first_step_due = False     # later is not counted as lost without it (lost_without_progress)
+            self.sync()
+        else:
+            self.sync_soon()
 
     def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
         """What the model wrote (runner.books.samples); uploaded with the record, and to the trackers."""

@@ -94,11 +94,25 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
         return e.exit_code
 
 
+WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
+HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
+# ... and for how long, in all, before the node gives up: a node booted for a job that is never
+# submitted (a launch file whose submit failed) or that a live node keeps, idles on a paid GPU.
+# 30 min: well past a lost node's lease (60 s) and the boot-time submit (seconds), short against
+# a day of idle GPU.
+WAIT_LIMIT_S = 1800.0
+WAIT_LIMIT_ENV = "GRPO_RUN_WAIT_LIMIT_S"
+
+
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
 @click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end; "
                                            "with --all, wait for new jobs instead of ending")
+@click.option("--wait-limit", metavar="SECONDS", type=click.FloatRange(min=0), default=None,
+              help=f"with --wait (one job): give up after this long without starting the job (never submitted, or "
+                   f"held by another node), exit 2 or 5, so the node stops instead of idling on a paid GPU; 0 waits "
+                   f"forever (default: ${WAIT_LIMIT_ENV} or {WAIT_LIMIT_S:.0f} s)")
 @click.option("--all", "all_jobs", is_flag=True,
               help="serve the queue: train every unfinished job under --storage that no other node holds, one after "
                    "another; exit 0 when none is left and every job run here succeeded, 1 when one did not")
@@ -106,8 +120,8 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
               help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
-def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool, trust_stored_urls: bool,
-               output: str | None) -> int:
+def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: float | None, all_jobs: bool,
+               trust_stored_urls: bool, output: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
     A job submitted with `apply --detach` and not yet started starts here.
@@ -120,6 +134,10 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool
     job's own storage, stays), and spec.notices.*MetadataURL give way to GRPO_RUN_*_METADATA_URL (or
     the clouds' own addresses). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
     node's environment) uses the stored ones: only for storage that no one else can write.
+
+    --wait is bounded: a node that has not started the job after --wait-limit seconds (default
+    30 min) exits 2 when it was never submitted, 5 when another node still holds it, so a node
+    booted for a job that never comes ends (its pod or task ends; a plain instance's unit stops).
 
     With --all the node serves a queue: every job under --storage (each `apply --detach` of a job
     with that spec.storage) that is not Succeeded, Failed or BudgetExceeded and that no other node
@@ -144,9 +162,16 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool
     trust_urls = trust_stored_urls or trusts_stored_urls()
     if all_jobs:
         return _serve_queue(name, storage, wait=wait, output=output, stop=stop, trust_urls=trust_urls)
+    try:
+        limit = wait_limit if wait_limit is not None else float(os.environ.get(WAIT_LIMIT_ENV, WAIT_LIMIT_S))
+    except ValueError:
+        _error(f"{WAIT_LIMIT_ENV}={os.environ.get(WAIT_LIMIT_ENV)!r}: expected seconds (a number; 0 waits forever)")
+        return EXIT_USAGE
+    give_up = time.monotonic() + limit if limit > 0 else float("inf")
     told = False
-    while True:     # --wait: until the job is submitted, and while another node holds it
+    while True:     # --wait: until the job is submitted, and while another node holds it (at most `limit` s)
         missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
+        down = False
         try:
             found = _find_job(name, storage, stop=stop)     # read again after each wait: the holder may change it
         except StorageConfigError as e:
@@ -157,6 +182,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool
                 _error(str(e))
                 return EXIT_FAILED
             found, missing = None, str(e)               # a node's network may come up late
+            down = True
         except (JobError, ValueError) as e:            # several jobs; a spec that no longer parses
             print("\n".join(printable(line) for line in str(e).split("\n")), file=sys.stderr)   # from storage
             return EXIT_USAGE
@@ -165,20 +191,30 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, all_jobs: bool
             code = _run(job, output=output, storage=storage, store=store, stop=stop, trust_urls=trust_urls)
             if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
                 return code
-            time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)))
+            if time.monotonic() >= give_up:
+                _error(f"{job.name}: another node still holds it after {limit:g} s of waiting (--wait-limit); "
+                       f"this node stops: `grpo-run get tj {job.name} --storage {storage}` shows who runs it")
+                return EXIT_HELD
+            time.sleep(min(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)), max(0.0, give_up - time.monotonic())))
             continue
         if not wait:
             _error(f"{missing}; submit it first (grpo-run apply -f JOB --detach, with spec.storage {storage}), "
                    f"or wait for it with --wait")
             return EXIT_USAGE
+        if time.monotonic() >= give_up:
+            if down:
+                _error(f"{missing}: still after {limit:g} s of waiting (--wait-limit); this node stops rather than idle")
+                return EXIT_FAILED
+            _error(f"{missing} after {limit:g} s of waiting (--wait-limit); this node stops rather than idle: "
+                   f"submit it (grpo-run apply -f JOB --detach, with spec.storage {storage}), then start a node")
+            return EXIT_USAGE
         if not told:
-            print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it", file=sys.stderr, flush=True)
+            until = f" (at most {limit:g} s, --wait-limit)" if limit > 0 else ""
+            print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it{until}", file=sys.stderr, flush=True)
             told = True
-        time.sleep(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)))
+        time.sleep(min(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)), max(0.0, give_up - time.monotonic())))
 
 
-WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
-HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
 
 
 def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | None, stop: threading.Event,

@@ -63,7 +63,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only), `image` (the build context of the container image for
+    list and delete under the job's prefix only, never a write under its _dist/, the wheel nodes install), `image` (the build context of the container image for
     `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch). With --all, the
     k8s Job or SkyPilot task serves every job under --storage (N of them drain a sweep); a SkyPilot task
     ends when there is nothing to do unless --wait.
@@ -102,6 +102,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         job_text = Path(file).read_text()
+        if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
+            return EXIT_USAGE
     if kind == "image":                     # a build context: the image has no storage or job in it
         return deploy_image(out_dir, torch_build)
     if all_jobs:
@@ -161,6 +163,26 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     print(cloud_init(settings), end="")
     return EXIT_OK
+
+
+def refuse_local_files(file: str, spec, storage: str) -> bool:
+    """Whether the job file names files or folders of this machine (a reward .py, task files, a
+    save_to_disk folder); if so, say so and what to do instead (one line on stderr). The user-data
+    carries the job file alone: a node would boot, fail the job's submit, and wait for a job that
+    never comes on a paid GPU. `apply --detach` from here uploads the files, checked by hash."""
+    from grpo_run.runner.envfiles import local_files
+
+    lacking = local_files(spec.environment)
+    if not lacking:
+        return False
+    named = ", ".join(f"spec.environment.{field}: {Path(path).name}" for field, path in lacking.items())
+    _error(f"{file} names files of this machine ({named}), and the user-data carries the job file alone: a node "
+           f"could not submit it. Submit it from here first, which uploads them checked by hash: "
+           f"grpo-run apply -f {file} --detach; then print the user-data for the submitted job: "
+           f"grpo-run deploy cloud-init --storage {storage} --job {spec.name}"
+           + ("; a save_to_disk folder is never uploaded: give its data as files, or put it on the node"
+              if any(not Path(p).suffix for p in lacking.values()) else ""))
+    return True
 
 
 def deploy_image(out: str | None, torch: str) -> int:

@@ -36,7 +36,7 @@ from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s
-from grpo_run.state.phases import Phase
+from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.estimate import model_config
 from grpo_run.trainer.sampling.choice import choose as choose_sampler, node_has_gpu, vllm_version
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
@@ -97,8 +97,8 @@ class LastWords:
 
 @dataclass(frozen=True)
 class Outcome:
-    how: Literal["done", "stopped", "deadline", "disk full", "code error", "infrastructure", "crashed"]
-    message: str = ""         # disk full, code error, infrastructure, crashed: why
+    how: Literal["done", "stopped", "deadline", "disk full", "code error", "infrastructure", "crashed", "broken"]
+    message: str = ""         # disk full, code error, infrastructure, crashed, broken: why
     step: int = 0             # deadline: the last completed step
 
 
@@ -111,6 +111,10 @@ class TrainerProcess:
         self.checkpoints = checkpoints
         self.done = threading.Event()     # it exited and every event it sent is handled
         self.last_words = LastWords()
+        # A phase the record cannot move to (InvalidTransition): the trainer and the record disagree
+        # on where the run is (a tampered record or checkpoint); the attempt ends, nothing more of
+        # this trainer is recorded.
+        self.broken: str | None = None
         self._wake = wake                 # the supervisor's: set with `done`
         self._proc: subprocess.Popen | None = None
         self._listens = False
@@ -198,9 +202,15 @@ class TrainerProcess:
         with os.fdopen(fd, "r") as lines:
             for line in lines:
                 self.watchdog.seen()
+                if self.broken is not None:
+                    continue                  # read to the end (the trainer is being killed), record nothing
                 try:
                     with unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
                         self._on_event(parse_event(line))
+                except InvalidTransition as e:
+                    self.broken = str(e)
+                    log.error("the trainer reported a phase the record cannot move to (%s): ending this attempt", e)
+                    self.kill()
                 except (StorageUnavailable, StorageConfigError, LeaseLost) as e:   # said where it is handled
                     log.error("could not store what the trainer reported (%s): %s", line.strip()[:80], e)
                 except Exception:   # a bad line or a record error must not stop the reading
@@ -276,6 +286,10 @@ class TrainerProcess:
     def outcome(self) -> Outcome:
         """How it ended, from its exit status and its last words."""
         code, stopped, failed = self._proc.returncode, self.last_words.stopped, self.last_words.failed
+        if self.broken is not None:          # whatever it did after that is not trusted
+            return Outcome("broken", f"the trainer and the job's record disagree on where the run is ({self.broken}): "
+                                     f"the record or a checkpoint in storage was changed by hand or replayed; this "
+                                     f"attempt is ended and nothing after that event recorded")
         if code == CHILD_DONE:
             return Outcome("done")
         if code == CHILD_STOPPED:

@@ -23,7 +23,11 @@ from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Upload
                                       run_prefix)
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
-from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS, STEP_SAMPLES
+from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS, STEP_SAMPLES, TRAINER_STATE
+
+# trainer_state.json holds the optimizer's layout, the scheduler and the RNG's small parts: kB to
+# a few MB for the biggest optimizers; anything past this is not a trainer's and is not parsed.
+MAX_TRAINER_STATE_BYTES = 64 << 20
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +61,10 @@ class Durability:
         self._reported = set()
         try:
             got = restore_latest(self.store, self.local, self.prefix, accept=self.why_not_ours, stop=self.stop,
-                                 verify_local=verify_local)
+                                 verify_local=verify_local, inspect=self.why_not_its_step)
             if got is None:       # a run begun before run prefixes: its checkpoints lie under checkpoints/ itself
-                flat = download_latest(self.store, self.local, CHECKPOINTS, accept=self.why_not_ours, stop=self.stop)
+                flat = download_latest(self.store, self.local, CHECKPOINTS, accept=self.why_not_ours, stop=self.stop,
+                                       inspect=self.why_not_its_step)
                 got = None if flat is None else (*flat, read_manifest(flat[1]), True)
         except RestoreStopped as stopped:    # not fetched, but durable in storage: what a resume continues from
             self._note([stopped.step])
@@ -88,6 +93,26 @@ class Durability:
                     f"{self.job} writes one (a damaged or planted manifest)")
         if manifest.meta.get(FINITE_META) is False:
             return "its weights are not finite numbers (NaN or infinite): nothing is trained from them"
+        return None
+
+    @staticmethod
+    def why_not_its_step(folder: Path, manifest: Manifest) -> str | None:
+        """Why a verified checkpoint's trainer state is not the manifest's step (None: it is).
+        The manifest's step is what the maxSteps bound and `durable` judge, while the trainer
+        resumes after the step its trainer_state.json says: a planted one could skip training and
+        make its weights final. Such a checkpoint is refused as a corrupt one."""
+        path = folder / TRAINER_STATE
+        try:
+            if path.stat().st_size > MAX_TRAINER_STATE_BYTES:
+                return f"its {TRAINER_STATE} is {path.stat().st_size} bytes (a trainer writes far less)"
+            step = json.loads(path.read_bytes()).get("step")
+        except FileNotFoundError:
+            return f"it has no {TRAINER_STATE}: no trainer can resume from it"
+        except (OSError, ValueError, AttributeError) as e:
+            return f"its {TRAINER_STATE} does not read as a trainer's ({type(e).__name__})"
+        if type(step) is not int or step != manifest.step:
+            return (f"its {TRAINER_STATE} says step {str(step)[:40]}, its manifest step {manifest.step}: the trainer "
+                    f"would resume after another step than the one checked (a damaged or planted checkpoint)")
         return None
 
     def _whose(self, manifest: Manifest) -> str | None:

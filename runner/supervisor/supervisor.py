@@ -44,7 +44,7 @@ from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
 from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
-from grpo_run.state.phases import Phase
+from grpo_run.state.phases import InvalidTransition, Phase
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,14 @@ PREEMPTED_WITHOUT_PROGRESS = 5
 # How long past maxCostUSD a trainer that has not stopped by itself (its own check runs between
 # steps) may go before the supervisor stops it.
 BUDGET_GRACE_S = 30.0
+# Attempts in a row whose node was lost without a word (SIGKILL, the OOM killer, a hang that
+# someone or something ended) before completing a step, before the job fails instead: a job that
+# takes its node down (a reward that exhausts memory, a baseline or first step that hangs) would
+# otherwise be picked up again by every replacement node, and a queue node, which serves jobs in
+# name order, would never reach the jobs behind it. Spot reclaims come with a notice (Preempted).
+# 5, as for Preempted: a node lost in its first minutes five times running is the job's doing far
+# more often than the market's (the kill campaign's random SIGKILLs land that early one time in ten).
+LOST_WITHOUT_PROGRESS = 5
 
 
 def node_name() -> str:
@@ -152,7 +160,13 @@ class Supervisor:
                 stuck = self.books.preempted_without_progress()
                 if stuck >= PREEMPTED_WITHOUT_PROGRESS:
                     return self._fail_stuck(stuck)
-                return self._attempts(monitor)
+                lost, step = self.books.lost_without_progress()
+                if lost >= LOST_WITHOUT_PROGRESS:
+                    return self._fail_poison(lost, step)
+                try:
+                    return self._attempts(monitor)
+                except InvalidTransition as e:
+                    return self._fail_inconsistent(e)
         finally:
             restore()
             if self._trainer is not None:
@@ -166,6 +180,31 @@ class Supervisor:
                    f"that sends the supervisor SIGTERM looks the same (see the attempts: grpo-run get tj "
                    f"{self.spec.name} -o yaml); `grpo-run resume {self.spec.name}` tries again")
         self.books.start_attempt(node_name(), from_step=self.books.record.attempts()[-1]["to_step"] or 0)
+        self.books.finish(Phase.FAILED, "Failed", message)
+        return SupervisorResult(EXIT_FAILED, message)
+
+    def _fail_inconsistent(self, e: InvalidTransition) -> SupervisorResult:
+        """The record cannot move where the run is (e.g. Pending -> Succeeded: a record replayed or
+        edited in storage while a checkpoint says the run got further). The attempt ends Failed
+        with the reason, and the job too where its phase allows that; never a traceback."""
+        message = (f"the job's record and the run disagree ({e}): the record or a checkpoint in storage was changed "
+                   f"by hand or replayed, so this attempt is ended; see `grpo-run get tj {self.spec.name} -o yaml`")
+        log.error("%s", message)
+        if self._trainer is not None:
+            self._trainer.kill()
+        self.books.abandon(message)
+        return SupervisorResult(EXIT_FAILED, message)
+
+    def _fail_poison(self, lost: int, step: int) -> SupervisorResult:
+        """The job's newest attempts all lost their node before completing a step, each from the
+        checkpoint at `step`: fail it with the reason (an attempt on this node, ended Failed, so
+        that a `resume` afterwards counts afresh), and the node (or its queue) moves on."""
+        message = (f"the last {lost} attempts each lost their node without a word (killed, out of memory, or hung "
+                   f"until stopped), all from step {step} before completing a step, so this node does not start "
+                   f"another: the job itself most likely takes the node down (a reward's memory or processes, a "
+                   f"step that hangs); see the attempts (grpo-run get tj {self.spec.name} -o yaml) and the "
+                   f"node's kernel log (OOM kills), fix it, then `grpo-run resume {self.spec.name}` tries again")
+        self.books.start_attempt(node_name(), from_step=step)
         self.books.finish(Phase.FAILED, "Failed", message)
         return SupervisorResult(EXIT_FAILED, message)
 

@@ -11,6 +11,8 @@ stderr with the reason, resume from the one before it, and finish the job.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 from pathlib import Path
 
@@ -69,6 +71,23 @@ def delete_a_listed_file(client, bucket: str, ckpt: str) -> str:
     return "partial upload"
 
 
+def plant_a_trainer_step_past_the_manifests(client, bucket: str, ckpt: str) -> str:
+    """A bucket writer's checkpoint (N7): its trainer_state.json says a step far past maxSteps and
+    the manifest's sha256 and size are updated to match, so every file verifies; the manifest's own
+    step stays within maxSteps. Loaded, the trainer would skip to the final evaluation and make these
+    weights final."""
+    key = f"{ckpt}/trainer_state.json"
+    state = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    state["step"] = 1_000_000
+    data = json.dumps(state).encode()
+    client.put_object(Bucket=bucket, Key=key, Body=data)
+    manifest = json.loads(client.get_object(Bucket=bucket, Key=f"{ckpt}/manifest.json")["Body"].read())
+    (entry,) = [f for f in manifest["files"] if f["path"] == "trainer_state.json"]
+    entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    client.put_object(Bucket=bucket, Key=f"{ckpt}/manifest.json", Body=json.dumps(manifest).encode())
+    return "its trainer_state.json says step 1000000, its manifest step"
+
+
 def resumed_from(s3_env, tmp_path: Path) -> int | None:
     """The checkpoint the newest attempt that resumed one started from, as the job's record in the
     bucket has it (None: every attempt started from the beginning)."""
@@ -91,6 +110,7 @@ SAMPLED = "CI resumes past flipped adapter bytes and a manifest naming a missing
     pytest.param(delete_manifest, id="deleted-manifest", marks=full_campaign_only(SAMPLED)),
     pytest.param(truncate_optimizer, id="truncated-optimizer", marks=full_campaign_only(SAMPLED)),
     pytest.param(delete_a_listed_file, id="manifest-names-a-missing-file", marks=pytest.mark.slow),
+    pytest.param(plant_a_trainer_step_past_the_manifests, id="trainer-step-not-the-manifests", marks=pytest.mark.trust),
 ])
 def test_a_corrupt_newest_checkpoint_is_skipped_named_and_the_run_resumes_from_the_one_before(
         tmp_path, s3_env, uninterrupted, figures, corrupt):

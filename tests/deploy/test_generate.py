@@ -74,6 +74,9 @@ def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_fill
     # the node installs this grpo-run's wheel, which deploy has put where the script fetches it from
     assert f'WHEEL_URL="{s3_env.url}/{wheel.wheel_key}"' in script
     assert f'CONSTRAINTS_URL="{s3_env.url}/{wheel.constraints_key}"' in script
+    # and the full sha256 of both: a node installs those bytes or nothing
+    assert f'WHEEL_SHA256="{wheel.sha256}"' in script and len(wheel.sha256) == 64
+    assert f'CONSTRAINTS_SHA256="{wheel.constraints_sha256}"' in script
     stored = s3_env.server.client().get_object(Bucket=s3_env.bucket, Key=f"run/{wheel.constraints_key}")
     assert stored["Body"].read() == wheel.constraints
     assert "@" not in "".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
@@ -95,6 +98,27 @@ def test_a_job_file_goes_into_the_user_data_and_is_submitted_at_boot(tmp_path, c
     assert "_dist/" in install_sh(doc)                 # the install step, kept through the job file's rewrite
 
 
+def test_a_job_file_with_local_files_is_refused_for_cloud_init_and_nothing_is_uploaded(tmp_path, capsys):
+    """The user-data carries the job file alone: its reward and task files would not be on the node,
+    whose submit at boot would fail while `resume --wait` holds a paid GPU. Refused (exit 2) with
+    the two commands that work, before anything goes into storage."""
+    from tests.runner.test_resume import write_job
+
+    storage = tmp_path / "bucket"
+    job = write_job(tmp_path, str(storage))
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "-f", str(job)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert ("names files of this machine (spec.environment.tasks: train.jsonl, spec.environment.evalTasks: "
+            "eval.jsonl, spec.environment.reward: length.py)") in err
+    assert f"grpo-run apply -f {job} --detach" in err
+    assert f"grpo-run deploy cloud-init --storage {storage} --job resumable" in err
+    assert not storage.exists()                         # no wheel put anywhere
+    # the way out works: submitted, the job prints by name
+    assert main(["apply", "-f", str(job), "--detach"]) == EXIT_OK
+    assert "GRPO_RUN_JOB=resumable\n" in printed(capsys, "cloud-init", "--storage", str(storage), "--job", "resumable")
+
+
 def test_cloud_inits_schema_catches_a_broken_user_data(wheel):
     broken = cloud_init(NodeSettings(storage="s3://b/p", wheel=wheel)).replace("package_update: true", "package_update: sometimes")
     assert any("package_update" in e for e in cloud_config_errors(broken))
@@ -110,14 +134,30 @@ def test_a_job_without_storage_cannot_be_deployed(tmp_path, capsys):
 
 def test_the_iam_policy_reaches_the_jobs_prefix_only():
     policy = json.loads(iam_policy("s3://my-bucket/grpo/runs"))
-    listing, objects = policy["Statement"]
+    listing, objects, dist = policy["Statement"]
     assert listing["Action"] == "s3:ListBucket" and listing["Resource"] == "arn:aws:s3:::my-bucket"
     assert listing["Condition"] == {"StringLike": {"s3:prefix": ["grpo/runs", "grpo/runs/*"]}}
     assert objects["Resource"] == "arn:aws:s3:::my-bucket/grpo/runs/*"
     assert set(objects["Action"]) == {"s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"}
-    assert all(s["Effect"] == "Allow" and "*" not in s["Action"] for s in policy["Statement"])
+    assert all(s["Effect"] == "Allow" and "*" not in s["Action"] for s in (listing, objects))
     with pytest.raises(ValueError, match="s3://bucket/prefix"):
         iam_policy("/local/folder")
+
+
+@pytest.mark.trust
+@pytest.mark.parametrize("storage, dist", [("s3://my-bucket/grpo/runs", "arn:aws:s3:::my-bucket/grpo/runs/_dist/*"),
+                                           ("s3://my-bucket", "arn:aws:s3:::my-bucket/_dist/*")])
+def test_the_iam_policy_never_lets_a_node_write_the_wheel_nodes_install(storage, dist):
+    """The wheel and constraints under _dist/ are what every new node installs as root: the node role
+    reads them but can neither replace nor delete them (an explicit Deny, which no Allow overrides),
+    for every write action the role is otherwise allowed."""
+    policy = json.loads(iam_policy(storage))
+    denied = [s for s in policy["Statement"] if s["Effect"] == "Deny"]
+    assert [s["Resource"] for s in denied] == [dist]
+    allowed = {a for s in policy["Statement"] if s["Effect"] == "Allow"
+               for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])}
+    writes = allowed - {"s3:GetObject", "s3:ListBucket"}
+    assert writes and writes <= set(denied[0]["Action"])
 
 
 def test_the_unit_is_the_repositorys_own_with_the_install_folder_moved(capsys):

@@ -3,6 +3,8 @@ runs with (spec.sandbox, the node's GRPO_RUN_SANDBOX), recorded per attempt; and
 attempts keep ending Preempted without a step, failed instead of booted again."""
 
 import json
+import signal
+import sqlite3
 import os
 import subprocess
 import sys
@@ -130,3 +132,71 @@ def test_attempts_that_keep_ending_preempted_without_a_step_fail_the_job_until_r
                 "the first step (a restarting Job would boot GPUs forever)",
                 protection=f"fail after {PREEMPTED_WITHOUT_PROGRESS} Preempted attempts without progress",
                 outcome="job Failed, no trainer started; a resume by hand trains", held=True)
+
+
+def test_a_phase_the_record_cannot_move_to_ends_the_attempt_failed_with_the_reason_and_no_traceback(tmp_path, caplog):
+    """N8: a trainer that reports a phase the record cannot move to (Pending -> FinalEval: a
+    record replayed or edited in storage under a run that got further) is killed at that event,
+    nothing more of it is recorded, and the attempt ends Failed with the reason, the record
+    consistent (no attempt left open) and no traceback anywhere, as the supervisor ends it."""
+    import logging
+    import threading
+
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner.books.books import Books
+    from grpo_run.runner.supervisor.attempt import CheckpointRequest, TrainerProcess
+    from grpo_run.trainer.protocol import PhaseStarted, Step, TrainerPhase
+
+    store = Store(str(tmp_path / "store"))
+    books = Books(store, tmp_path / "node", name="guarded", manifest={"kind": "TrainingJob",
+                  "metadata": {"name": "guarded"}}, usd_per_hour=None, max_cost_usd=None)
+    books.start_attempt("node", from_step=0)
+    trainer = TrainerProcess(None, tmp_path / "node", books, None, checkpoints=CheckpointRequest(),
+                             wake=threading.Event())
+    trainer._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # a live trainer
+    read_fd, write_fd = os.pipe()
+    lines = [PhaseStarted(phase=TrainerPhase.FINAL_EVAL), Step(step=5, metrics={"loss": 0.0})]
+    os.write(write_fd, "".join(e.model_dump_json() + "\n" for e in lines).encode())
+    os.close(write_fd)
+    with caplog.at_level(logging.INFO):
+        trainer._read_events(read_fd)
+    assert trainer._proc.returncode == -signal.SIGKILL                        # killed at the event
+    out = trainer.outcome()
+    assert out.how == "broken"
+    assert "disagree on where the run is (job 'guarded': Pending -> FinalEval is not allowed" in out.message
+    assert books.record.steps() == []                                         # nothing after it recorded
+    assert not any(r.exc_info for r in caplog.records)                        # no traceback in the log
+
+    # the supervisor then ends the attempt as it ends any other failure; where even Failed is not a
+    # phase the record may take, Books.abandon still closes the attempt
+    books.abandon(out.message)
+    (attempt,) = books.record.attempts()
+    assert attempt["reason"] == "Failed" and attempt["ended"] is not None and "disagree" in attempt["message"]
+    assert books.record.job()["phase"] == "Failed"
+    books.close()
+
+
+def test_an_older_record_put_back_into_storage_is_refused_by_a_node_that_knew_a_newer_one(tmp_path):
+    """N6: a finished job's record replaced in storage by its Pending copy from the submit (a
+    replay). The node that ran it knows a newer upload of the same job: it keeps that one, puts it
+    back, and the job stays Succeeded with its history, for this node and for a fresh one after it.
+    (A node that never saw the job cannot tell: docs/security.md says so.)"""
+    import shutil
+
+    job = write_job(tmp_path)
+    store, record = tmp_path / "store", tmp_path / "store" / "guarded" / RECORD_FILE
+    assert grpo_run(tmp_path, "apply", "-f", str(job), "--detach").returncode == 0
+    shutil.copyfile(record, tmp_path / "pending.db")              # what a bucket writer kept
+    done = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store))
+    assert done.returncode == 0, done.stderr[-3000:]
+    finished = stored(tmp_path)
+    assert finished["phase"] == "Succeeded"
+
+    shutil.copyfile(tmp_path / "pending.db", record)             # the replay
+    again = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "older than upload" in again.stderr and "keeping this node's and putting it back" in again.stderr
+    assert "already succeeded; nothing to do" in again.stderr + again.stdout
+    assert stored(tmp_path)["attempts"] == finished["attempts"]  # its history, not a new run's
+    fresh = grpo_run(tmp_path, "resume", "guarded", "--storage", str(store), GRPO_RUN_HOME=str(tmp_path / "node-b"))
+    assert fresh.returncode == 0 and "already succeeded; nothing to do" in fresh.stderr + fresh.stdout

@@ -203,3 +203,27 @@ def test_nothing_outside_the_books_writes_the_record():
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writes
              and "record" in ast.unparse(node.func.value).lower()]
     assert not found, "\n".join(found)
+
+
+def test_an_attempts_first_step_reaches_storage_at_once_so_a_node_lost_after_it_is_not_counted_as_poison(tmp_path):
+    """A job is failed as one that takes its nodes down only after attempts that were lost before
+    completing a step (runner.supervisor LOST_WITHOUT_PROGRESS): a node lost right after its
+    first step must not look like one, although the record's regular upload (RECORD_SYNC_S) had
+    not come yet."""
+    store = Store(str(tmp_path / "store"))
+    for n in range(2):                                       # two nodes lost before their first step
+        node = books(store, tmp_path / f"node-{n}")
+        node.close_dangling_attempts()
+        node.start_attempt(f"node-{n}", from_step=0)
+        node.close()                                         # SIGKILL: no word, nothing more uploaded
+    third = books(store, tmp_path / "node-2")
+    third.close_dangling_attempts()
+    assert third.lost_without_progress() == (2, 0)
+    third.start_attempt("node-2", from_step=0)
+    third.log_step(1, {"loss": 0.0})                          # then lost right after its first step
+    third.close()
+    fourth = books(store, tmp_path / "node-3")
+    fourth.close_dangling_attempts()
+    assert [a["to_step"] for a in fourth.record.attempts()] == [0, 0, 1]
+    assert fourth.lost_without_progress() == (0, 0)          # progress: the count starts over
+    fourth.close()

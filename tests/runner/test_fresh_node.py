@@ -9,6 +9,7 @@ baseline computed once."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
@@ -16,12 +17,15 @@ import sqlite3
 import subprocess
 import sys
 import time
+import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from grpo_run.runner.deploy import systemd_unit
+from grpo_run.runner.deploy import NodeSettings, cloud_init, systemd_unit
+from grpo_run.runner.wheel import build_wheel, publish
 from tests.runner.test_resume import STEPS, exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 ENV_FILE = "/etc/grpo-run/env"
@@ -57,6 +61,83 @@ def install_for_real(user_data: str, prefix: Path) -> subprocess.CompletedProces
     env = {"PATH": os.environ["PATH"], "HOME": str(prefix), "LANG": "C.UTF-8", "PIP_NO_INDEX": "1",
            **env_file(user_data), **{k: os.environ[k] for k in AWS_KEYS}}
     return subprocess.run(["bash", str(script)], env=env, cwd=prefix, capture_output=True, text=True, timeout=600)
+
+
+def deployed_user_data(tmp_path: Path, s3_env, prefix: Path) -> str:
+    """`grpo-run deploy cloud-init` as a user runs it on a laptop: it puts this grpo-run's wheel
+    into the bucket and prints the user-data that installs it into `prefix`."""
+    laptop = tmp_path / "laptop"
+    laptop.mkdir(exist_ok=True)
+    user = {**os.environ, "GRPO_RUN_HOME": str(laptop / "home")}
+    deployed = subprocess.run([str(Path(sys.executable).parent / "grpo-run"), "deploy", "cloud-init", "--storage",
+                               s3_env.url, "--job", "resumable", "--endpoint", s3_env.server.endpoint_url, "--region",
+                               "us-east-1", "--torch", "cpu", "--prefix", str(prefix)],
+                              cwd=laptop, env=user, capture_output=True, text=True)
+    assert deployed.returncode == 0, deployed.stderr
+    return deployed.stdout
+
+
+def url_in(user_data: str, name: str) -> tuple[str, str]:
+    """(bucket, key) of the WHEEL_URL or CONSTRAINTS_URL the install step fetches."""
+    (url,) = {line.split('"')[1] for line in written(user_data, INSTALL_SH).splitlines() if line.startswith(f"{name}=")}
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def installed_anything(prefix: Path) -> list[str]:
+    """What pip put into the node's venv: grpo-run's files or dist-info, or any .pth of a wheel."""
+    site = next((prefix / ".venv" / "lib").glob("python*/site-packages"))
+    return sorted(p.name for p in site.iterdir() if p.name.startswith("grpo_run") or
+                  (p.suffix == ".pth" and p.name != "_deps_from_the_test_venv.pth"))
+
+
+@pytest.mark.trust
+def test_a_wheel_swapped_in_storage_is_refused_by_the_node_before_pip_runs(tmp_path, s3_env):
+    prefix = tmp_path / "opt-grpo-run"
+    user_data = deployed_user_data(tmp_path, s3_env, prefix)
+    client = s3_env.server.client()
+    bucket, key = url_in(user_data, "WHEEL_URL")
+    # a bucket writer's wheel: the same package plus a .pth that runs as root at the node's next python start
+    marker = tmp_path / "owned"
+    original = tmp_path / "original.whl"
+    original.write_bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    swapped = tmp_path / "swapped.whl"
+    with zipfile.ZipFile(original) as zf, zipfile.ZipFile(swapped, "w") as out:
+        for info in zf.infolist():
+            out.writestr(info, zf.read(info))
+        out.writestr("zzz_owned.pth", f"import pathlib; pathlib.Path({str(marker)!r}).write_text('root')\n")
+    client.put_object(Bucket=bucket, Key=key, Body=swapped.read_bytes())
+
+    installed = install_for_real(user_data, prefix)
+    assert installed.returncode != 0
+    want = hashlib.sha256(original.read_bytes()).hexdigest()
+    got = hashlib.sha256(swapped.read_bytes()).hexdigest()
+    assert f"refused s3://{bucket}/{key}: its sha256 is {got}, not {want}" in installed.stderr
+    assert installed_anything(prefix) == [] and not marker.exists()
+    assert not (prefix / "dist" / original.name).exists()             # the refused file is not kept either
+    # `grpo-run deploy` again puts this grpo-run's own wheel back, and names the same bytes
+    again = deployed_user_data(tmp_path, s3_env, prefix)
+    assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == original.read_bytes()
+    assert f'WHEEL_SHA256="{want}"' in written(again, INSTALL_SH)
+
+
+@pytest.mark.trust
+def test_constraints_that_carry_a_pip_option_are_refused_by_the_node(tmp_path, s3_env):
+    """Even with the launch file's own hash (a constraints file the generator was given), a line
+    that is a pip option (--extra-index-url, -e, -r) never reaches pip."""
+    wheel = build_wheel(tmp_path / "wheel")
+    pinned = wheel.constraints + b"--extra-index-url http://127.0.0.1:9/simple\n"
+    evil = publish(replace(wheel, constraints=pinned, constraints_sha256=""), s3_env.url)
+    prefix = tmp_path / "opt-grpo-run"
+    user_data = cloud_init(NodeSettings(storage=s3_env.url, job="resumable", endpoint=s3_env.server.endpoint_url,
+                                        region="us-east-1", torch="cpu", prefix=str(prefix), wheel=evil))
+    assert f'CONSTRAINTS_SHA256="{hashlib.sha256(pinned).hexdigest()}"' in written(user_data, INSTALL_SH)
+    installed = install_for_real(user_data, prefix)
+    assert installed.returncode != 0
+    lines = len(pinned.decode().splitlines())
+    assert (f"line {lines} is not `name==version` ('--extra-index-url http://127.0.0.1:9/simple'); a pip option "
+            f"from storage is never used") in installed.stderr
+    assert installed_anything(prefix) == []
 
 
 def node_command(user_data: str, prefix: Path, node: Path) -> tuple[list[str], dict[str, str]]:

@@ -374,3 +374,55 @@ def test_a_judge_job_on_a_node_that_does_not_allow_judges_is_left_for_one_that_d
     monkeypatch.setenv("GRPO_RUN_ALLOW_JUDGES", "1")
     other = Served(storage)
     assert other.serve() == EXIT_OK and "b-judged" in other.runs
+
+
+@pytest.mark.slow
+def test_a_job_that_keeps_killing_its_node_is_failed_with_the_reason_and_the_jobs_behind_it_run(tmp_path, capsys,
+                                                                                                monkeypatch):
+    """A poison job: every node that picks it dies without a word (here SIGKILL of the whole node
+    during its baseline, as the OOM killer or a hang's kill would), before any checkpoint. Queue
+    nodes serve jobs in name order, so each replacement would pick it again and the job behind it
+    would never run. After LOST_WITHOUT_PROGRESS such attempts without a completed step the next
+    node fails it, naming why, and trains the next job."""
+    from grpo_run.runner.supervisor.supervisor import LOST_WITHOUT_PROGRESS
+    from tests.faults.harness import fault_env
+
+    storage = tmp_path / "bucket"
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "laptop"))
+    for name in ("a-poison", "b-behind"):
+        folder = tmp_path / name
+        folder.mkdir()
+        job = write_job(folder, str(storage), maxSteps=2, saveSteps=2)
+        doc = yaml.safe_load(job.read_text())
+        doc["metadata"]["name"] = name
+        job.write_text(yaml.safe_dump(doc))
+        assert main(["apply", "-f", str(job), "--detach"]) == EXIT_OK
+
+    def node(name: str, fault: str | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, "GRPO_RUN_HOME": str(tmp_path / name)}
+        env.pop("GRPO_RUN_FAULT", None)
+        if fault:
+            env.update(fault_env(fault, tmp_path / f"{name}.fault-fired", env))
+        return subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "resume", "--storage", str(storage), "--all"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    for i in range(LOST_WITHOUT_PROGRESS):
+        died = node(f"node-{i}", fault="baseline@0")      # the job takes its node down, before any checkpoint
+        assert died.returncode == -signal.SIGKILL, died.stderr[-3000:]
+        (storage / "a-poison" / "lease.json").unlink()     # the dead node's lease, run out (60 s) at once
+    assert not (storage / "b-behind" / "checkpoints").exists()   # nothing behind it ran so far
+
+    served = node("node-next")
+    assert served.returncode == EXIT_FAILED, served.stderr[-3000:]        # one job did not succeed: the poison
+    statuses = {}
+    for name in ("a-poison", "b-behind"):
+        capsys.readouterr()
+        assert main(["get", "tj", name, "--storage", str(storage), "-o", "json"]) == EXIT_OK
+        statuses[name] = json.loads(capsys.readouterr().out)["status"]
+    poison, behind = statuses["a-poison"], statuses["b-behind"]
+    assert behind["phase"] == "Succeeded" and behind["step"] == 2
+    assert poison["phase"] == "Failed" and poison["step"] == 0
+    assert [a["reason"] for a in poison["attempts"]] == ["Crashed"] * LOST_WITHOUT_PROGRESS + ["Failed"]
+    assert (f"the last {LOST_WITHOUT_PROGRESS} attempts each lost their node without a word (killed, out of memory, "
+            f"or hung until stopped), all from step 0 before completing a step") in poison["attempts"][-1]["message"]
+    assert "Traceback" not in served.stderr

@@ -75,6 +75,28 @@ def test_a_node_that_boots_before_the_job_waits_for_it(tmp_path):
     assert exported_bytes(tmp_path / "reader", storage, tmp_path / "adapter")
 
 
+def test_a_node_waiting_for_a_job_that_never_comes_gives_up_at_its_limit(tmp_path):
+    """resume --wait is bounded: a node booted for a job whose submit failed ends (exit 2, saying
+    what to do) instead of idling on a paid GPU."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage",
+                           str(tmp_path / "empty"), "--wait", "--wait-limit", "1"], cwd=REPO,
+                          env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "node"), "GRPO_RUN_WAIT_POLL_S": "0.2"},
+                          capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert "waiting: no job 'resumable' in" in proc.stderr and "(at most 1 s, --wait-limit)" in proc.stderr
+    assert "no job 'resumable' in" in proc.stderr.splitlines()[-1]
+    assert "after 1 s of waiting (--wait-limit); this node stops rather than idle: submit it" in proc.stderr
+    assert took < 60
+    # the default comes from the node's environment (the unit's env file can set it)
+    proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage",
+                           str(tmp_path / "empty"), "--wait"], cwd=REPO,
+                          env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "node"), "GRPO_RUN_WAIT_POLL_S": "0.2",
+                               "GRPO_RUN_WAIT_LIMIT_S": "0.5"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "after 0.5 s of waiting" in proc.stderr
+
+
 def test_without_wait_a_missing_job_is_a_usage_error(tmp_path):
     proc = grpo_run(tmp_path / "node", "resume", "resumable", "--storage", str(tmp_path / "empty"), check=False)
     assert proc.returncode == 2 and "no job 'resumable'" in proc.stderr

@@ -3,6 +3,7 @@ content, put into the job's storage only where the job's other files may go."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import shutil
 import tomllib
@@ -77,16 +78,39 @@ def test_a_setuptools_older_than_pyproject_asks_is_refused_with_the_fix():
     _check_setuptools(tomllib.loads((REPO / "pyproject.toml").read_text()))     # this environment's is new enough
 
 
-def test_publishing_puts_each_key_once(tmp_path, wheel):
+def test_publishing_puts_the_wheel_and_names_its_bytes(tmp_path, wheel):
     storage = str(tmp_path / "bucket")
-    publish(wheel, storage)
+    published = publish(wheel, storage)
     store = Store(storage)
     assert store.get_bytes(wheel.constraints_key) == wheel.constraints
     assert store.get_bytes(wheel.wheel_key) == wheel.path.read_bytes()
-    stored = Path(storage) / wheel.wheel_key
-    stored.write_bytes(b"the same key holds the same bytes: never written twice")
+    assert published.sha256 == hashlib.sha256(wheel.path.read_bytes()).hexdigest() == wheel.sha256
+    assert published.constraints_sha256 == hashlib.sha256(wheel.constraints).hexdigest()
+
+
+@pytest.mark.trust
+def test_a_swapped_wheel_under_the_key_is_replaced_and_another_build_of_the_same_files_is_kept(tmp_path, wheel):
+    storage = str(tmp_path / "bucket")
     publish(wheel, storage)
-    assert stored.read_bytes().startswith(b"the same key")
+    stored = Path(storage) / wheel.wheel_key
+    # a bucket writer's wheel: the same files and one more (a .pth runs at every interpreter start)
+    with zipfile.ZipFile(wheel.path) as zf, zipfile.ZipFile(tmp_path / "swapped.whl", "w") as out:
+        for info in zf.infolist():
+            out.writestr(info, zf.read(info))
+        out.writestr("zzz_owned.pth", "import os; os.system('id > /tmp/owned')\n")
+    stored.write_bytes((tmp_path / "swapped.whl").read_bytes())
+    (Path(storage) / wheel.constraints_key).write_bytes(wheel.constraints + b"--extra-index-url http://127.0.0.1:9/\n")
+    assert publish(wheel, storage).sha256 == wheel.sha256
+    assert stored.read_bytes() == wheel.path.read_bytes()            # ours again
+    assert (Path(storage) / wheel.constraints_key).read_bytes() == wheel.constraints
+    # another build of exactly these files (other order, times and compression) is kept, and named
+    with zipfile.ZipFile(wheel.path) as zf, zipfile.ZipFile(tmp_path / "rebuilt.whl", "w", zipfile.ZIP_STORED) as out:
+        for info in reversed(zf.infolist()):
+            out.writestr(zipfile.ZipInfo(info.filename, date_time=(2001, 2, 3, 4, 5, 6)), zf.read(info))
+    rebuilt = (tmp_path / "rebuilt.whl").read_bytes()
+    stored.write_bytes(rebuilt)
+    assert publish(wheel, storage).sha256 == hashlib.sha256(rebuilt).hexdigest() != wheel.sha256
+    assert stored.read_bytes() == rebuilt
 
 
 def test_apply_detach_puts_the_wheel_beside_the_jobs_and_it_is_no_job(tmp_path, wheel):

@@ -73,6 +73,9 @@ class Checkpointer:
             return 0
         step, folder, _ = found
         loaded = load_state(self._trainer, folder, self.world.rank)
+        if loaded != step:            # the supervisor refuses such a checkpoint first; never trained from
+            raise ValueError(f"checkpoint {folder.name}: its trainer state says step {loaded}, its manifest step "
+                             f"{step}; refusing it (a damaged or planted checkpoint)")
         self._last_saved = step
         metrics = folder / STEP_METRICS                 # absent from checkpoints written before it
         steps = json.loads(metrics.read_text()) if metrics.exists() else []

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from grpo_run.checkpoint.writer import Layout
+from grpo_run.trainer.protocol import TRAINER_STATE  # noqa: F401  (the supervisor reads its step too)
 
 TRAINING_STATE = "training_state.safetensors"
-TRAINER_STATE = "trainer_state.json"
 _ALIGN = 64     # every tensor's offset in the buffer: any dtype can be viewed there
 
 
