@@ -95,12 +95,31 @@ def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path
     env = {"name": "raises", "reward": "rewards.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
     job = write_job(tmp_path, name="raises", environment=env, rewardRetries=1)
     assert main(["apply", "-f", str(job)]) == EXIT_FAILED
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert "cannot parse answer 42" in err and "ValueError" in err
     st = get_json(capsys, "raises")["status"]
     assert st["phase"] == "Failed" and "cannot parse answer 42" in st["message"]
     assert "baseline" not in st            # never recorded as a score of 0
     assert st["step"] == 0
+    # the advice is the way that works: resume would replay the stored copy of the broken file
+    assert f"fix {tmp_path / 'rewards.py'}, then grpo-run apply -f {job} again" in said.out
+    assert "grpo-run resume" not in said.out
+
+    (tmp_path / "rewards.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    assert main(["apply", "-f", str(job)]) == EXIT_OK        # the job continues with the fixed file
+    assert "raises: Succeeded after 4 steps" in capsys.readouterr().out
+
+
+def test_after_a_code_error_resume_and_the_python_api_are_told_to_run_the_fixed_files_again(tmp_path):
+    from grpo_run.runner.jobs import code_error_advice
+
+    message = "reward function failed: reward function '/node/work/j/files/rewards.py:score' raised on ..."
+    assert code_error_advice(message, None) == (
+        "fix your copy of rewards.py, then grpo-run apply -f JOB (the job file you submitted; --detach to submit "
+        "it again) again (resume would replay the copy stored at submit time)")
+    assert code_error_advice(message, "grpo_run.train()").startswith("fix the function the error names, then call "
+                                                                      "grpo_run.train() again")
 
 
 def test_a_reward_function_that_hangs_fails_the_run_with_a_timeout(tmp_path, capsys):
