@@ -23,7 +23,7 @@ from typing import Any
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
-from grpo_run.runner.text import dump, printable
+from grpo_run.runner.text import dump, printable, printable_lines
 from grpo_run.state.phases import STOPPED, Phase
 
 
@@ -319,8 +319,8 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     if result.exit_code == EXIT_OK and job.gpu:
         remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
-        print(f"error: {job.name} failed: {printable(result.message or doc['status'].get('message', ''))}",
-              file=sys.stderr)
+        print(f"error: {job.name} failed: {printable_lines(result.message or doc['status'].get('message', ''))}",
+              file=sys.stderr)          # the one place the failure is said: the summary and the trainer do not repeat it
     if output:
         print(dump(doc, output), end="")
     else:
@@ -352,7 +352,7 @@ def run_summary(name: str, status: dict, result, job_file: str | None = None) ->
     """The lines a run ends with: phase and step, the held-out rewards, the notice's timing, and
     how to go on (`job_file` as run_job's)."""
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
-    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
+    if status.get("message") and status["phase"] not in (Phase.SUCCEEDED, Phase.FAILED):   # Failed: the error line
         lines.append(f"  {printable(status['message'])}")
     b, f = status.get("baseline"), status.get("final")
     if b and f:

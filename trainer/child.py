@@ -26,7 +26,7 @@ from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
-from grpo_run.trainer.logs import trainer_logging
+from grpo_run.trainer.logs import REPORTED, trainer_logging
 from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
                                        CHILD_INFRA_FAILED, CHILD_STOPPED,
@@ -69,17 +69,17 @@ def child_main(argv: list[str] | None = None) -> int:
         world.close()
     except RewardFunctionError as e:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
-        log.error("reward function failed: %s", e)
+        log.error("reward function failed: %s", e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except JudgeUnavailable as e:                      # past the judge's own retries: reported, never a score
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
-        log.error("infrastructure failure: %s", e)
+        log.error("infrastructure failure: %s", e, extra=REPORTED)
         return CHILD_INFRA_FAILED
     except (SandboxUnavailable, NonFiniteStep, JudgeError, ModelMissing) as e:   # the node's sandbox, the job's
         # numbers, the judge's refusal or budget, a model not there: a restart cannot get the missing layer or model
         # and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
-        log.error("%s", e)
+        log.error("%s", e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))

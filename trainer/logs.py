@@ -9,6 +9,9 @@ import warnings
 from pathlib import Path
 
 
+REPORTED = {"reported": True}   # log.error(..., extra=REPORTED): in trainer.log, not on the terminal
+
+
 def trainer_logging(work: Path, rank: int = 0) -> None:
     """Warnings and errors to the terminal; everything, progress lines included, to logs/
     (trainer.log; rank k > 0 of several processes: trainer.rank<k>.log)."""
@@ -22,7 +25,9 @@ def trainer_logging(work: Path, rank: int = 0) -> None:
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     to_terminal.setLevel(logging.INFO)
     # The terminal has the progress bar; it gets the phases (the recipe's, from rank 0 only) and any warning.
-    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or (r.name == "grpo_run.trainer.recipe" and rank == 0))
+    # An error the trainer also sends as its Failed event (REPORTED) goes to the file only: the supervisor says it once.
+    to_terminal.addFilter(lambda r: not getattr(r, "reported", False) and (
+        r.levelno >= logging.WARNING or (r.name == "grpo_run.trainer.recipe" and rank == 0)))
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)

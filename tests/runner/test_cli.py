@@ -88,7 +88,8 @@ def test_apply_prints_the_job_as_yaml_with_dry_run(tmp_path, capsys):
     assert doc["spec"]["parameters"]["beta"] == 0.0 and doc["status"]["phase"] == "Pending"
 
 
-def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capsys):
+def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capfd):
+    capsys = capfd                         # the trainer's own stderr too: the error is said once, by the CLI
     (tmp_path / "rewards.py").write_text("def score(completion, task):\n    raise ValueError('cannot parse answer 42')\n")
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+3="}\n')
     (tmp_path / "eval.jsonl").write_text('{"prompt": "4+4="}\n')
@@ -98,6 +99,9 @@ def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path
     said = capsys.readouterr()
     err = said.err
     assert "cannot parse answer 42" in err and "ValueError" in err
+    said_all = said.out + said.err      # its traceback once, with real line breaks, never flattened with \x0a
+    assert said_all.count("ValueError: cannot parse answer 42") == 1 and "\\x0a" not in said_all
+    assert "    ValueError: cannot parse answer 42" in err.splitlines()
     st = get_json(capsys, "raises")["status"]
     assert st["phase"] == "Failed" and "cannot parse answer 42" in st["message"]
     assert "baseline" not in st            # never recorded as a score of 0
