@@ -351,6 +351,8 @@ def remember_step_time(job, status: dict) -> None:
 def run_summary(name: str, status: dict, result, job_file: str | None = None) -> str:
     """The lines a run ends with: phase and step, the held-out rewards, the notice's timing, and
     how to go on (`job_file` as run_job's)."""
+    from grpo_run.runner.views.status import reward_signal_warning
+
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
     if status.get("message") and status["phase"] not in (Phase.SUCCEEDED, Phase.FAILED):   # Failed: the error line
         lines.append(f"  {printable(status['message'])}")
@@ -358,6 +360,8 @@ def run_summary(name: str, status: dict, result, job_file: str | None = None) ->
     if b and f:
         lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
                      f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
+    if said := reward_signal_warning(status):
+        lines.append(f"  warning: {printable(said)}")
     if result.notice_to_durable_s is not None:
         lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
                      f"{result.notice_to_durable_s:.2f} s")

@@ -17,6 +17,7 @@ attempt had to redo (from its checkpoint back up to that step) are shaded.
 
 from __future__ import annotations
 
+import textwrap
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ def gather(record: Record) -> dict[str, Any]:
             "attempts": record.attempts(), "ledger": values.LEDGER.get(record),
             "spendUSD": values.spend_usd(record), "judgeUSD": values.JUDGE_USD.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
-            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record)}
+            "heldOut": values.HELD_OUT.get(record), "samples": _samples(record),
+            "rewardSignal": values.REWARD_SIGNAL.get(record) or {}}
 
 
 def _samples(record: Record) -> dict[str, list[dict[str, Any]]]:
@@ -175,7 +177,10 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if not drawn:               # steps recorded before the split
         series(groups_ax, "identicalGroups", "identical rewards", color="C4", smooth=True)
     groups_ax.set_ylim(-0.03, 1.03)
-    groups_ax.set_title("groups with identical rewards (nothing to learn from)")
+    warned = (run.get("rewardSignal") or {}).get("warning")
+    groups_ax.set_title("groups with identical rewards (nothing to learn from)" +
+                        ("\n" + "\n".join(textwrap.wrap(f"warning: {warned}", 66)) if warned else ""),
+                        **({"color": "C3"} if warned else {}))
 
     if not series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True):
         empty(length_ax, "no steps yet")
@@ -294,6 +299,8 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
         if ev:
             lines.append(f"- held-out {kind}: mean reward {ev['meanReward']:.3f} on {ev.get('tasks', '?')} tasks "
                          f"(solved {ev.get('solved', '?')}; computed {ev.get('runs', '?')} time(s))")
+    if warned := (run.get("rewardSignal") or {}).get("warning"):
+        lines.append(f"- **warning**: {warned}")
     if steps:
         lines.append(f"- train reward: first step {steps[0]['rewardMean']:.3f}, last step {steps[-1]['rewardMean']:.3f}")
     judges = ", ".join(f"{name} ${v:.4f}" for name, v in run["judgeUSD"].items())
