@@ -207,6 +207,11 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
 
     if checked.refusal:                        # refused before anything starts, with the numbers
         raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)
+    if checked.estimate:                       # it runs, but the budget ends training early: said first
+        from grpo_run.runner.estimate.summary import budget_warning
+
+        if short := budget_warning(checked.job.name, checked.estimate, checked.job.maxCostUSD):
+            print(short, file=sys.stderr)
     try:
         job = with_file_hashes(checked.job)    # what the job's files are now, recorded in its spec
     except ValueError as e:

@@ -367,11 +367,18 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      "GPU's share of the prompts (communication not counted), memory is per GPU")
     per_call = sum(_per_call(r.judge) or 0.0 for r in job.environment.rewards or () if r.judge is not None)
     if job.maxCostUSD is not None and cost.cost_to_completion_usd + judges_usd > job.maxCostUSD:
-        per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations
-        notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
-                     f"{min(int(job.maxCostUSD / per_step), p.maxSteps) if per_step else p.maxSteps} of "
-                     f"{p.maxSteps} steps" + (" (the GPU's time and the judges' calls)" if per_call else "")
-                     + ": the run stops there (BudgetExceeded)")
+        # spent by step k: the baseline evaluation, then per step its GPU time, its judge calls and
+        # its share of the evaluations every evalSteps; the final evaluation comes after the last step
+        per_second = cost.usd_per_hour / 3600
+        between = max(work.evaluations - 2, 0) * one_eval * per_second / p.maxSteps if p.maxSteps else 0.0
+        per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations + between
+        left = job.maxCostUSD - one_eval * per_second
+        stop = max(0, min(int(left / per_step), p.maxSteps)) if per_step else p.maxSteps
+        fields["budgetStopsAfterStep"] = stop
+        notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about {stop} of {p.maxSteps} steps ("
+                     + ("the baseline evaluation, " if one_eval else "") + "the GPU's time"
+                     + (" and the judges' calls" if per_call else "")
+                     + "): the run stops there (BudgetExceeded), before the final evaluation")
     return fields
 
 

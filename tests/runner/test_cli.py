@@ -126,6 +126,18 @@ def test_after_a_code_error_resume_and_the_python_api_are_told_to_run_the_fixed_
                                                                       "grpo_run.train() again")
 
 
+def test_apply_says_first_when_its_budget_ends_training_before_the_final_evaluation(tmp_path, capfd):
+    job = write_job(tmp_path, name="short-budget")
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"].update(gpu="L40S", pricing={"usdPerHour": 360.0, "stepSeconds": 1.0}, maxCostUSD=0.25)   # $0.10 a step
+    job.write_text(yaml.safe_dump(doc))
+    assert main(["apply", "-f", str(job)]) == 4                           # it still runs, and stops at the budget
+    err = capfd.readouterr().err.splitlines()
+    warned = [i for i, line in enumerate(err) if line.startswith("warning: short-budget: maxCostUSD $0.25 stops the "
+                                                                 "run after about step 2 of 4 (BudgetExceeded)")]
+    assert warned and warned[0] < min(i for i, line in enumerate(err) if "baseline evaluation" in line), err
+
+
 def test_a_reward_function_that_hangs_fails_the_run_with_a_timeout(tmp_path, capsys):
     (tmp_path / "rewards.py").write_text("import time\ndef score(completion, task):\n    time.sleep(1e6)\n")
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n')

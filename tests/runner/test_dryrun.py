@@ -359,7 +359,10 @@ def test_a_budget_below_the_cost_caps_the_first_hold_and_says_where_the_run_stop
     job = reference_job(qwen3_0_6b, parameters={"maxSteps": 100_000, "saveSteps": 8000}, maxCostUSD=1.0)
     est = estimate(job)
     assert est["trainingUSD"] == 32.5 and est["firstHoldUSD"] == 1.0
-    assert "maxCostUSD 1 is reached after about 3076 of 100000 steps" in est["note"]
+    # $1 less the baseline evaluation's share, at $0.000325 a step (3,076 steps without the baseline)
+    assert "maxCostUSD 1 is reached after about 3075 of 100000 steps (the baseline evaluation, the GPU's time): " \
+           "the run stops there (BudgetExceeded), before the final evaluation" in est["note"]
+    assert est["budgetStopsAfterStep"] == 3075
 
 
 # --- check_fits ---------------------------------------------------------------------------------

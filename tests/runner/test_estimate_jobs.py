@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.cli.commands import EXIT_BUDGET, EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.estimate.workload import evaluations, workload
 from grpo_run.runner.spec.job import JobError, parse_job
@@ -222,6 +222,25 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert "apiVersion" not in out                            # the document needs -o
 
 
+def test_a_dry_run_whose_budget_ends_training_early_names_the_step_and_exits_4(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=0.1,
+                   parameters={"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000})
+
+    rc, out, err = dry_run(capsys, tmp_path, document)
+
+    # $0.33 to completion at $0.000325 a step: $0.10 less the baseline's share lasts about 300 steps
+    assert rc == EXIT_BUDGET, err
+    stop = re.search(r"budget      maxCostUSD \$0.1: STOPS the run after about step (\d+) of 1,000, before the final "
+                     r"evaluation", out)
+    assert stop and 290 <= int(stop[1]) < 308, out
+    assert (f"warning: est: maxCostUSD $0.1 stops the run after about step {stop[1]} of 1,000 (BudgetExceeded): you "
+            f"pay $0.1 and get no final held-out evaluation; raise spec.maxCostUSD to $0.33 (the cost to completion) "
+            f"or lower spec.parameters.maxSteps") in err.splitlines()
+    rc, _, err = dry_run(capsys, tmp_path, document, "-o", "yaml")      # the document too
+    assert rc == EXIT_BUDGET and "warning: est: maxCostUSD $0.1 stops the run" in err
+
+
 def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(capsys, tmp_path):
     model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
     rc, out, err = dry_run(capsys, tmp_path, doc("./qwen3-8b", gpu="L4", parameters={"method": "Full"}))
@@ -389,9 +408,10 @@ def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completi
     budget = round(no_judge["costToCompletionUSD"] + 3.0, 2)
     capped = estimate(parse_job({**job, "spec": {**job["spec"], "maxCostUSD": budget}}))
     per_step = no_judge["stepSeconds"] * no_judge["usdPerHour"] / 3600 + 8 * 8 * 0.001
-    said = re.search(rf"maxCostUSD {budget:g} is reached after about (\d+) of 100 steps \(the GPU's time and the "
-                     r"judges' calls\): the run stops there", capped["note"])
-    assert said and abs(int(said[1]) - budget / per_step) <= 1 and int(said[1]) < 100, capped["note"]
+    baseline = no_judge["evalSeconds"] / 2 * no_judge["usdPerHour"] / 3600
+    said = re.search(rf"maxCostUSD {budget:g} is reached after about (\d+) of 100 steps \(the baseline evaluation, "
+                     r"the GPU's time and the judges' calls\): the run stops there", capped["note"])
+    assert said and abs(int(said[1]) - (budget - baseline) / per_step) <= 1 and int(said[1]) < 100, capped["note"]
     job["spec"]["environment"]["rewards"][1]["judge"] = {**judge, "usdPerMillionTokens": {"input": 1, "output": 2}}
     per_token = estimate(parse_job(job))
     assert per_token["judgeCalls"] == {"quality": {"calls": calls, "usd": None}}
