@@ -62,7 +62,10 @@ def cli(verbose: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="validate and print the estimate (with -o, the whole job); start nothing (exit 2 when apply would refuse it, 4 when spec.maxCostUSD would stop it before its final evaluation)")
 @click.option("--detach", is_flag=True, help="write the job into its storage (Pending) for a node to train; start nothing here")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
-def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int:
+@click.option("--skip-memory-check", is_flag=True,
+              help="run (or submit) a job the memory estimate says does not fit its GPU, with a warning: for when "
+                   "you know better than the estimate")
+def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
     With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
@@ -77,6 +80,13 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
 
     try:
         checked = check_job_file(file, dry_run=dry_run, detach=detach)
+        if checked.refusal and skip_memory_check:  # the user's word over the estimate: said, then taken
+            from dataclasses import replace
+
+            print(f"warning: --skip-memory-check: the memory estimate says this job does not fit, and it "
+                  f"{'would run' if dry_run else 'runs'} anyway (expect CUDA out of memory if the estimate is "
+                  f"right): {checked.refusal.partition(' Nothing was started.')[0]}", file=sys.stderr)
+            checked = replace(checked, refusal=None)
         if dry_run and output:                   # the whole job, with why it does not fit if it does not
             print(_dump(checked.dry_run_doc(), output), end="")
         elif dry_run and checked.estimate:       # the answer first: cost, time, fit, where the step time came from

@@ -230,7 +230,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     from grpo_run.runner.spec.job import node_processes
 
     p = job.parameters
-    gpus = node_processes(job.resources)          # one process per GPU, each a replica (DDP)
+    gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
     config = model_config(job.model)
@@ -251,6 +251,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         gradient_checkpointing=p.gradientCheckpointing,
         gpu=card,
         reward_models=scorer_configs,
+        shards=gpus,                               # Full: sharded with FSDP, the rest replicated
     )
     work = workload(job)
     shape = model_shape(config)
@@ -364,7 +365,10 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      "without them, like a V100, is slower)")
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
-                     "GPU's share of the prompts (communication not counted), memory is per GPU")
+                     "GPU's share of the prompts (communication not counted), memory is per GPU"
+                     + (f" (Full: sharded with FSDP, so each GPU holds the whole weights and gradients while it samples "
+                        f"or updates and 1/{gpus} of the optimizer's state)" if job.parameters.method == "Full" else
+                        " (a replica of the model and adapter on each)"))
     per_call = sum(_per_call(r.judge) or 0.0 for r in job.environment.rewards or () if r.judge is not None)
     if job.maxCostUSD is not None and cost.cost_to_completion_usd + judges_usd > job.maxCostUSD:
         # spent by step k: the baseline evaluation, then per step its GPU time, its judge calls and
@@ -446,6 +450,10 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     if method == "Full":
         options.append("train an adapter instead, method: LoRA or QLoRA (a full fine-tune's "
                        f"{memory['trainableStateGB']:.1f} GB of Adam state is most of it)")
+        if _sharding_helps(memory, usable):
+            options.append("shard it over more GPUs of this kind, spec.resources.processes (FSDP: each holds the "
+                           "whole weights and gradients while it samples or updates, and 1/N of the optimizer's "
+                           "state)")
     elif method == "LoRA":
         options.append("use method: QLoRA (a 4-bit base, about a quarter of the "
                        f"{memory['weightsGB']:.1f} GB of weights)")
@@ -466,8 +474,18 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
         f"trainable state and reference + the larger of {sampling:.1f} GB of KV cache while sampling "
         f"and {update:.1f} GB for the update of a micro-batch of {memory['microBatchSize']}), and {gpu} has "
         f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card_gb:.0f} GB). "
-        "Nothing was started. To fit: " + "; ".join(options) + "."
+        "Nothing was started. To fit: " + "; ".join(options) + ". If you know better than this estimate, "
+        "`grpo-run apply --skip-memory-check` runs it anyway."
     )
+
+
+def _sharding_helps(memory: dict[str, Any], usable: float) -> bool:
+    """Whether a full fine-tune could fit this card sharded over more GPUs: even sharded without
+    end, each GPU holds the whole weights and gradients (4 bytes a parameter) beside the rest."""
+    from grpo_run.runner.estimate.memory import quoted_count
+
+    whole = 4 * quoted_count(memory["parameters"]) / 1e9
+    return memory["neededGB"] - memory["trainableStateGB"] + whole < usable
 
 
 def _or(names: list[str]) -> str:

@@ -137,7 +137,9 @@ def _modelled(est: dict[str, Any], model: dict[str, Any]) -> str:
 def _fit_line(est: dict[str, Any]) -> str:
     scorers = est["memory"].get("rewardModelsGB") or 0.0
     line = _fit(est)
-    return line + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else "")
+    shards = est["memory"].get("fsdpShards")
+    return ((f"per GPU (Full sharded over {shards} with FSDP): " if shards else "") + line
+            + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else ""))
 
 
 def _fit(est: dict[str, Any]) -> str:

@@ -190,6 +190,33 @@ def test_several_processes_each_take_a_share_of_the_prompts(tmp_path, gsm8k_like
     assert four["stepSeconds"] < one["stepSeconds"]
 
 
+def test_a_full_fine_tune_on_several_gpus_is_sized_sharded_and_an_adapter_replicated(tmp_path, gsm8k_like):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    one = estimate(gsm8k_like(model, "H100", method="Full"))
+    eight = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 8}}, method="Full"))
+    billions = one["memory"]["trainableStateGB"] / 16          # 16 bytes a parameter on one GPU
+    # sharded with FSDP: the whole weights and gradients (4 bytes) and 1/8 of the other 12, per GPU
+    assert eight["memory"]["trainableStateGB"] == pytest.approx(billions * (4 + 12 / 8), abs=0.01)
+    assert eight["memory"]["fsdpShards"] == 8 and "fsdpShards" not in one["memory"]
+    assert one["memory"]["fits"] is False and eight["memory"]["fits"] is True       # the newcomer's refusal
+    lora = [estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": n}})) for n in (1, 8)]
+    assert lora[0]["memory"]["trainableStateGB"] == lora[1]["memory"]["trainableStateGB"]     # replicated
+
+
+def test_a_job_the_estimate_says_does_not_fit_runs_with_skip_memory_check_and_a_warning(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    document = doc("./qwen3-8b", gpu="H100", resources={"processes": 2},
+                   parameters={"method": "Full", **GSM8K_LIKE})
+    rc, out, err = dry_run(capsys, tmp_path, document)
+    assert rc == EXIT_USAGE and "shard it over more GPUs of this kind, spec.resources.processes" in err
+    assert "`grpo-run apply --skip-memory-check` runs it anyway" in err
+    assert "memory      per GPU (Full sharded over 2 with FSDP): does NOT fit" in out
+    rc, out, err = dry_run(capsys, tmp_path, document, "--skip-memory-check")
+    assert rc == EXIT_OK, err
+    assert err.startswith("warning: --skip-memory-check: the memory estimate says this job does not fit, and it "
+                          "would run anyway (expect CUDA out of memory if the estimate is right): H100 cannot hold")
+
+
 # --- the dry run's answer first ----------------------------------------------------------------------
 
 
