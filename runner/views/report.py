@@ -234,8 +234,8 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
                            (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
                            textcoords="offset points", va="top", fontsize=8, color="C3")
-    if reward_ax.get_legend_handles_labels()[0]:
-        reward_ax.legend(loc="lower right", fontsize=8)
+    if reward_ax.get_legend_handles_labels()[0]:     # below the panel: inside, it hid the curve's late steps
+        reward_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
 
     # the spend over wall time, when there is a rate to spend at
     segments = spend_segments(run)
