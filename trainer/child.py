@@ -47,7 +47,8 @@ def child_main(argv: list[str] | None = None) -> int:
     plan = Plan.from_json(plan_path.read_text())
     work = plan_path.parent
     world = World.from_environment()
-    trainer_logging(work, world.rank)
+    progress = os.environ.get(PROGRESS_ENV) == "1"
+    trainer_logging(work, world.rank, progress_lines=not progress)     # no bar: the lines say how it goes
     path = os.environ.get(EVENTS_PATH_ENV)
     stream = open(path, "w", buffering=1) if path else os.fdopen(int(os.environ[EVENTS_FD_ENV]), "w", buffering=1)
     events = Events(stream, only=None if world.main else (Failed,))
@@ -62,7 +63,6 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(STOP_SIGNAL, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(CHECKPOINT_SIGNAL, on_checkpoint)
-    progress = os.environ.get(PROGRESS_ENV) == "1"
     try:
         ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so

@@ -88,6 +88,14 @@ def test_apply_prints_the_job_as_yaml_with_dry_run(tmp_path, capsys):
     assert doc["spec"]["parameters"]["beta"] == 0.0 and doc["status"]["phase"] == "Pending"
 
 
+def test_piped_the_run_prints_a_progress_line_every_5_percent_with_the_loss_note_once(tmp_path, capfd):
+    job = write_job(tmp_path, name="piped", environment=length_environment(tmp_path), maxSteps=20, saveSteps=10)
+    assert main(["apply", "-f", str(job)]) == EXIT_OK         # under pytest stderr is no terminal: no bar is drawn
+    lines = [line for line in capfd.readouterr().err.splitlines() if "grpo_run.trainer.progress" in line]
+    assert [line.split()[3] for line in lines] == [f"{i}/20" for i in range(1, 21)]
+    assert sum("loss ~0 by construction" in line for line in lines) == 1 and "by construction" in lines[0]
+
+
 def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capfd):
     capsys = capfd                         # the trainer's own stderr too: the error is said once, by the CLI
     (tmp_path / "rewards.py").write_text("def score(completion, task):\n    raise ValueError('cannot parse answer 42')\n")
@@ -185,6 +193,7 @@ def test_every_command_documents_itself_with_an_example(capsys):
         example = capsys.readouterr().out.split("example:\n", 1)
         assert len(example) == 2, f"{name} --help has no example: block"
         assert f"grpo-run {name} " in example[1].split("\n\n", 1)[0], name
+    assert " get show jobs (get tj: tj is TrainingJob, kubectl-style): " in overview     # the short name explained
 
 
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["get", "tj", "-o", "xml"], ["apply"],
