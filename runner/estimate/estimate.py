@@ -317,19 +317,11 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                                 prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card,
                                 scorers=step.scorers)
     evals = round(one_eval * work.evaluations, 1)
-    cost = cost_estimate(
-        gpu=card,
-        steps=p.maxSteps,
-        usd_per_hour=pricing.usdPerHour if pricing else None,
-        step_seconds=pricing.stepSeconds if pricing else None,
-        measured_step_seconds=statistics.median(runs) if runs else None,
-        model_step_seconds=_figures(timed.seconds),
-        eval_seconds=evals,
-        baseline_seconds=round(one_eval, 1),
-        save_steps=p.saveSteps,
-        max_cost_usd=job.maxCostUSD,
-        gpus=gpus,
-    )
+    priced = dict(gpu=card, steps=p.maxSteps, step_seconds=pricing.stepSeconds if pricing else None,
+                  measured_step_seconds=statistics.median(runs) if runs else None,
+                  model_step_seconds=_figures(timed.seconds), eval_seconds=evals, baseline_seconds=round(one_eval, 1),
+                  save_steps=p.saveSteps, max_cost_usd=job.maxCostUSD, gpus=gpus)
+    cost = cost_estimate(usd_per_hour=pricing.usdPerHour if pricing else None, **priced)
     c = cost.to_dict()
     fields = {k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds", "stepSecondsSource",
                                 "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
@@ -338,6 +330,11 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
                       "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
+    if card.spot_usd_per_hour is not None and not (pricing and pricing.usdPerHour):
+        # the same catalog's spot price, offered beside the on-demand one the estimate charges
+        spot = cost_estimate(usd_per_hour=card.spot_usd_per_hour, **priced)
+        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": card.spot_source,
+                                  "costToCompletionUSD": round(spot.cost_to_completion_usd + judges_usd, 2)}
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
                            "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),

@@ -48,8 +48,14 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     if gpus > 1:
         on += " (one process each, a share of the prompts each)"
     lines = [f"{name} on {on}: ${est['costToCompletionUSD']:.2f} to completion, about "
-             f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, rate from "
-             f"{rate.get('source') or 'the table'})"]
+             f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, "
+             + ("" if rate.get("kind") in ("on-demand", "spot") else "rate from ")    # the source names the kind
+             + f"{rate.get('source') or 'the table'})"]
+    spot = rate.get("spot")
+    if spot:
+        lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
+                     f"spot prices move, on-demand is their ceiling): to budget at it, spec.pricing.usdPerHour: "
+                     f"{spot['usdPerHour'] / gpus:g}")
     lines.append(f"  training    {steps:,} steps x {est['stepSeconds']:g} s = {duration(est['stepSeconds'] * steps)}, "
                  f"${est['trainingUSD']:.2f}")
     evals, tasks = est.get("evaluations"), est.get("evalTasks")

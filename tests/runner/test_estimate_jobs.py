@@ -31,6 +31,7 @@ QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 2
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?\n"
             "Please reason step by step, and put your final answer within \\boxed{}.")
+SPEC_RATES = {"H100": 2.60, "A100-80GB": 1.08, "L40S": 0.79}     # SPEC §3's costs imply them; the table charges AWS's
 GSM8K_LIKE = {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 512, "maxSteps": 500}
 
 
@@ -75,7 +76,7 @@ def test_the_reference_job_takes_spec_s_step_times_and_costs_spec_s_table_to_the
     # steps, through the whole estimate: its config, its tasks' prompts, the model of a step
     job = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu, parameters={
         "numGenerations": 4, "maxCompletionLength": 64, "lora": {"r": 8}, "method": "LoRA", "beta": 0.0,
-        "maxSteps": 1000}))
+        "maxSteps": 1000}, **({"pricing": {"usdPerHour": SPEC_RATES[gpu]}} if gpu in SPEC_RATES else {})))
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (seconds, "model", usd)
     assert est["tokens"]["prompt"] == 6.1                    # the prompts the calibration assumed
@@ -238,9 +239,14 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
 
     assert rc == EXIT_OK, err
     lines = out.splitlines()
-    assert len(lines) <= 8
-    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from grpo-run's reference table, not a quote)")
-    assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
+    assert len(lines) <= 9
+    # which price: the cloud, the region, the source and its date; and the spot price beside it
+    assert lines[0] == ("est on H100: $0.86 to completion, about 8 min (at $6.88/h, AWS us-east-1 on-demand, SkyPilot "
+                        "catalog v8 (commit 00148f2a), read 2026-12-02, p5.48xlarge / 8)")
+    assert lines[1] == ("  spot        $0.28 at $2.20/h (AWS us-east-1 spot in use1-az6, SkyPilot catalog v8 (commit "
+                        "00148f2a), read 2026-12-04, p5.48xlarge / 8; spot prices move, on-demand is their ceiling): "
+                        "to budget at it, spec.pricing.usdPerHour: 2.2036")
+    assert "1,000 steps x 0.45 s = 8 min, $0.86" in out
     assert "2 x 100 held-out tasks (baseline, final)" in out
     assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
     assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
@@ -251,7 +257,7 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
 
 def test_a_dry_run_whose_budget_ends_training_early_names_the_step_and_exits_4(capsys, tmp_path):
     model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
-    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=0.1,
+    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=0.1, pricing={"usdPerHour": 2.60},
                    parameters={"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000})
 
     rc, out, err = dry_run(capsys, tmp_path, document)
