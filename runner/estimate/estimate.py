@@ -83,11 +83,21 @@ def model_config(model: str, *, cache_dir: str | Path | None = None) -> dict[str
     return _read_config(Path(path))
 
 
+# Hub models whose config.json a checkout ships under examples/ (a dry run offline; not in the wheel)
+SHIPPED_CONFIGS = {"Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b-instruct-config", "Qwen/Qwen3-8B": "qwen3-8b-config"}
+
+
 def fill_cache_hint(repo_id: str) -> str:
-    """How to put a hub model's config.json into the Hugging Face cache by hand, spec.model unchanged."""
-    return (f"fill the cache on a machine with network: `hf download {repo_id} config.json` (or python -c "
+    """How to put a hub model's config.json into the Hugging Face cache by hand, spec.model
+    unchanged; and, for a model whose config this checkout ships, how to dry-run it offline."""
+    hint = (f"fill the cache on a machine with network: `hf download {repo_id} config.json` (or python -c "
             f"\"from huggingface_hub import hf_hub_download; hf_hub_download('{repo_id}', 'config.json')\"), "
             f"then run this again; keep spec.model: {repo_id} (each node downloads the weights itself)")
+    shipped = Path(__file__).resolve().parents[2] / "examples" / SHIPPED_CONFIGS.get(repo_id, "-")
+    if (shipped / "config.json").is_file():
+        hint += (f"; for a dry run alone, offline, spec.model: {shipped} (its config.json, shipped with this "
+                 f"checkout) gives the same estimate")
+    return hint
 
 
 def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:

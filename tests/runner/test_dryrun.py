@@ -438,6 +438,12 @@ def test_a_hub_id_not_in_the_cache_raises_lookup_error_naming_the_fix(tmp_path, 
         model_config("Qwen/Qwen3-8B", cache_dir=tmp_path / "empty-cache")
     assert "HF_HUB_OFFLINE is set, so it is not fetched" in str(e.value)
     assert "`hf download Qwen/Qwen3-8B config.json`" in str(e.value) and "--local-dir" not in str(e.value)
+    # the config this checkout ships is named, so the dry run works offline (the newcomer found it by chance)
+    assert (f"for a dry run alone, offline, spec.model: {REPO / 'examples' / 'qwen3-8b-config'} (its config.json, "
+            "shipped with this checkout) gives the same estimate") in str(e.value)
+    with pytest.raises(LookupError) as other:
+        model_config("Qwen/Qwen3-0.6B", cache_dir=tmp_path / "empty-cache")
+    assert "shipped with this checkout" not in str(other.value)          # no config of it here: not offered
 
 
 def test_a_config_that_is_not_a_json_object_is_named(tmp_path):
