@@ -125,7 +125,8 @@ def _parameters(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _snake(camel: str) -> str:
-    return re.sub(r"(?<!^)([A-Z])", lambda m: "_" + m.group(1).lower(), camel)
+    """rewardMemoryMB -> reward_memory_mb: a run of capitals is one word."""
+    return re.sub(r"(?<=[a-z0-9])([A-Z]+)", lambda m: "_" + m.group(1).lower(), camel)
 
 
 def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
@@ -188,6 +189,12 @@ def _task_file(tasks: Any, path: Path, field: str) -> str:
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise JobError(f"{SOURCE}: {field}: give a list of dicts (each with a \"prompt\"), a datasets.Dataset or a "
                        f"task file's path (got {type(tasks).__name__}{' with no rows' if rows == [] else ''})")
+    lacking = next((i for i, r in enumerate(rows) if "prompt" not in r), None)
+    if lacking is not None:        # said here: the job file's fix (spec.environment.columns) is not train()'s
+        have = ", ".join(map(str, rows[lacking])) or "none"
+        other = next((k for k in rows[lacking] if k not in ("answer", "solution")), "question")
+        raise JobError(f"{SOURCE}: {field}: row {lacking} has no \"prompt\" key (it has {have}): give every task "
+                       f"its prompt under \"prompt\", e.g. [{{**t, \"prompt\": t[{str(other)!r}]}} for t in rows]")
     import io
 
     import pyarrow as pa

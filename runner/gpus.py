@@ -56,6 +56,8 @@ class Gpu:
     listed: bool = True             # False: described by the job's spec.pricing
     figures_note: str = ""          # what a user should know about the figures, said in the estimate
     bf16_tensor_cores: bool = True  # False: bf16 runs emulated, at the FP32 rate (a T4)
+    spot_usd_per_hour: float | None = None   # the same catalog's spot price (None: no sourced one)
+    spot_source: str = ""           # where and when that spot price was read
 
     @property
     def step_seconds(self) -> float | None:
@@ -106,47 +108,63 @@ class Gpu:
 #                                                       Ampere comparison as llmperf.net quotes it)
 # SkyPilot's names for them: docs.skypilot.co/en/stable/compute/gpus.html (`sky show-gpus -a`).
 #
-# Rates, per GPU-hour:
-# - The five SPEC §3 cards keep SPEC's rates. SPEC states the H100's ($2.60/h); the others are
-#   derived from SPEC's "cost of 1,000 steps" and reference step time -- rate = cost x 3600 /
-#   (1000 x step seconds) -- rounded to the cent so that 1,000 steps reproduce SPEC's figure:
-#     A100 80 GB  $0.21 x 3600 / 700 s  = $1.08/h (exact)
-#     L40S        $0.22 x 3600 / 1000 s = $0.792/h -> $0.79/h ($0.2194 per 1,000 steps)
-#     RTX 4090    $0.10 x 3600 / 1200 s = $0.30/h  -> $0.29/h: $0.30 also gives $0.10 but makes the
-#                 H100 3.25x the cost per step, and SPEC says 3.4x; $0.29 satisfies both
-#     RTX A6000   $0.12 x 3600 / 1300 s = $0.332/h -> $0.33/h ($0.1192 per 1,000 steps)
-#   SPEC does not say whether they are on-demand or spot prices: "unstated".
-# - The others: AWS us-east-1 on-demand prices from SkyPilot's own catalog
-#   (github.com/skypilot-org/skypilot-catalog, catalogs/v8/aws/vms.csv at commit 00148f2a, read
-#   2026-12-02), the whole instance divided by its GPUs (the host's CPUs and memory included):
-#     L4    g6.xlarge        $0.8048/h                  (spot there: $0.35-0.40)
-#     A10G  g5.xlarge        $1.006/h                   (spot: $0.42-0.45)
-#     T4    g4dn.xlarge      $0.526/h                   (spot: $0.20-0.22)
-#     A100  p4d.24xlarge     $21.957642 / 8 = $2.7447/h (8 x A100 40 GB)
-#     H200  p5en.48xlarge    $63.296 / 8    = $7.912/h
-#     B200  p6-b200.48xlarge $113.9328 / 8  = $14.2416/h
-#   Spot prices move every few minutes, so the table holds the on-demand price, an upper bound;
-#   give spec.pricing.usdPerHour for what you pay.
-# What a user sees as the rate's source (SPEC §3's reference rates; jargon to a user).
+# Rates, per GPU-hour: one source for every card a cloud sells, so that cards compare. AWS
+# us-east-1 from SkyPilot's own catalog (github.com/skypilot-org/skypilot-catalog,
+# catalogs/v8/aws/vms.csv at commit 00148f2a): its Price column (on-demand, read 2026-12-02) and
+# its SpotPrice column in availability zone use1-az6 (read 2026-12-04; the one zone that offers
+# all nine instance types), the whole instance divided by its GPUs (the host's CPUs and memory
+# included):
+#                                   on-demand                spot (use1-az6)
+#     H100       p5.48xlarge        $55.04 / 8    = $6.88    $17.6289 / 8  = $2.2036
+#     H200       p5en.48xlarge      $63.296 / 8   = $7.912   $16.5551 / 8  = $2.0694
+#     B200       p6-b200.48xlarge   $113.9328 / 8 = $14.2416 $21.0148 / 8  = $2.6269
+#     A100-80GB  p4de.24xlarge      $27.44705 / 8 = $3.4309  $8.6505 / 8   = $1.0813
+#     A100       p4d.24xlarge       $21.957642 / 8 = $2.7447 $7.8799 / 8   = $0.985
+#     L40S       g6e.xlarge         $1.861                   $1.0492
+#     L4         g6.xlarge          $0.8048                  $0.3988
+#     A10G       g5.xlarge          $1.006                   $0.4364
+#     T4         g4dn.xlarge        $0.526                   $0.2043
+#   The estimate charges the on-demand price, the ceiling of a spot price (spot moves 2-3x between
+#   zones and days: other us-east-1 zones in the same file ask $19.2531-55.04 for the p5.48xlarge),
+#   so that a budget is never overrun by a price move; it shows the spot price beside it.
+#   spec.pricing.usdPerHour charges what you pay.
+# - The RTX 4090 and RTX A6000 are not sold by AWS (nor in that catalog's AWS file): they keep the
+#   rates SPEC §3's reference costs imply -- rate = cost x 3600 / (1000 x step seconds), rounded to
+#   the cent so that 1,000 steps reproduce SPEC's figure: RTX 4090 $0.10 x 3600 / 1200 s = $0.30/h
+#   -> $0.29/h ($0.30 makes the H100 3.25x the cost per step at SPEC's $2.60/h, SPEC says 3.4x);
+#   RTX A6000 $0.12 x 3600 / 1300 s = $0.332/h -> $0.33/h. SPEC does not say whether they are
+#   on-demand or spot prices: "unstated", and no spot price.
+# What a user sees as the rate's source.
 _SPEC = "grpo-run's reference table, not a quote"
-_AWS = "AWS us-east-1 on-demand, SkyPilot catalog v8 (commit 00148f2a), read 2026-12-02"
+_CATALOG = "SkyPilot catalog v8 (commit 00148f2a)"
+_AWS = f"AWS us-east-1 on-demand, {_CATALOG}, read 2026-12-02"
+_AWS_SPOT = f"AWS us-east-1 spot in use1-az6, {_CATALOG}, read 2026-12-04"
 
 GPUS: Mapping[str, Gpu] = MappingProxyType({
     gpu.name: gpu
     for gpu in (
-        Gpu("H100", 80.0, 989.5e12, 3.35e12, 2.60, "unstated", _SPEC, 0.45, ("H100-SXM-80GB",)),
-        Gpu("H200", 141.0, 989.5e12, 4.8e12, 7.912, "on-demand", _AWS + ", p5en.48xlarge / 8"),
-        Gpu("B200", 180.0, 2250e12, 8.0e12, 14.2416, "on-demand", _AWS + ", p6-b200.48xlarge / 8"),
-        Gpu("A100-80GB", 80.0, 312e12, 2.039e12, 1.08, "unstated", _SPEC, 0.7),
-        Gpu("A100", 40.0, 312e12, 1.555e12, 2.7447, "on-demand", _AWS + ", p4d.24xlarge / 8"),
-        Gpu("L40S", 48.0, 362.05e12, 0.864e12, 0.79, "unstated", _SPEC, 1.0),
-        Gpu("L4", 24.0, 121e12, 0.300e12, 0.8048, "on-demand", _AWS + ", g6.xlarge"),
+        Gpu("H100", 80.0, 989.5e12, 3.35e12, 6.88, "on-demand", _AWS + ", p5.48xlarge / 8", 0.45,
+            ("H100-SXM-80GB",), spot_usd_per_hour=2.2036, spot_source=_AWS_SPOT + ", p5.48xlarge / 8"),
+        Gpu("H200", 141.0, 989.5e12, 4.8e12, 7.912, "on-demand", _AWS + ", p5en.48xlarge / 8",
+            spot_usd_per_hour=2.0694, spot_source=_AWS_SPOT + ", p5en.48xlarge / 8"),
+        Gpu("B200", 180.0, 2250e12, 8.0e12, 14.2416, "on-demand", _AWS + ", p6-b200.48xlarge / 8",
+            spot_usd_per_hour=2.6269, spot_source=_AWS_SPOT + ", p6-b200.48xlarge / 8"),
+        Gpu("A100-80GB", 80.0, 312e12, 2.039e12, 3.4309, "on-demand", _AWS + ", p4de.24xlarge / 8", 0.7,
+            spot_usd_per_hour=1.0813, spot_source=_AWS_SPOT + ", p4de.24xlarge / 8"),
+        Gpu("A100", 40.0, 312e12, 1.555e12, 2.7447, "on-demand", _AWS + ", p4d.24xlarge / 8",
+            spot_usd_per_hour=0.985, spot_source=_AWS_SPOT + ", p4d.24xlarge / 8"),
+        Gpu("L40S", 48.0, 362.05e12, 0.864e12, 1.861, "on-demand", _AWS + ", g6e.xlarge", 1.0,
+            spot_usd_per_hour=1.0492, spot_source=_AWS_SPOT + ", g6e.xlarge"),
+        Gpu("L4", 24.0, 121e12, 0.300e12, 0.8048, "on-demand", _AWS + ", g6.xlarge",
+            spot_usd_per_hour=0.3988, spot_source=_AWS_SPOT + ", g6.xlarge"),
         Gpu("A10G", 24.0, 125e12, 0.600e12, 1.006, "on-demand", _AWS + ", g5.xlarge",
             figures_note="NVIDIA publishes no figures for the A10G: the A10's are used, and the A10G's tensor "
-                         "throughput is lower, so the update may take longer than this"),
+                         "throughput is lower, so the update may take longer than this",
+            spot_usd_per_hour=0.4364, spot_source=_AWS_SPOT + ", g5.xlarge"),
         Gpu("T4", 16.0, 8.1e12, 0.320e12, 0.526, "on-demand", _AWS + ", g4dn.xlarge",
             figures_note="a T4 has no bf16 tensor cores: the trainer's bf16 matmuls run at about its FP32 rate "
-                         "(8.1 TFLOP/s), not its FP16 tensor rate (65)", bf16_tensor_cores=False),
+                         "(8.1 TFLOP/s), not its FP16 tensor rate (65)", bf16_tensor_cores=False,
+            spot_usd_per_hour=0.2043, spot_source=_AWS_SPOT + ", g4dn.xlarge"),
         Gpu("RTX4090", 24.0, 165.2e12, 1.008e12, 0.29, "unstated", _SPEC, 1.2, ("RTX-4090",)),
         Gpu("A6000", 48.0, 154.8e12, 0.768e12, 0.33, "unstated", _SPEC, 1.3, ("RTX-A6000",)),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import os
+import re
 import sqlite3
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
-from grpo_run.runner.text import dump, printable
+from grpo_run.runner.text import dump, printable, printable_lines
 from grpo_run.state.phases import STOPPED, Phase
 
 
@@ -236,13 +237,18 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
 
     if checked.refusal:                        # refused before anything starts, with the numbers
         raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)
+    if checked.estimate:                       # it runs, but the budget ends training early: said first
+        from grpo_run.runner.estimate.summary import budget_warning
+
+        if short := budget_warning(checked.job.name, checked.estimate, checked.job.maxCostUSD):
+            print(short, file=sys.stderr)
     try:
         job = with_file_hashes(checked.job)    # what the job's files are now, recorded in its spec
     except ValueError as e:
         raise Refused(str(e), EXIT_USAGE) from None
     if detach:
         return submit_job(job, checked.estimate, output)
-    return run_job(job, output=output, stop=stop, progress=progress)
+    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file)
 
 
 def submit_job(job, est: dict | None, output: str | None) -> int:
@@ -284,7 +290,7 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
 
 
 def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
-            trust_urls: bool | None = None, progress: bool | None = None) -> int:
+            trust_urls: bool | None = None, progress: bool | None = None, job_file: str | None = None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
@@ -294,6 +300,8 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     files are the stored copies, and its URLs the node's unless True). `stop`: set it to stop
     the run as a SIGINT does (checkpoint durable, Preempted). `progress`: whether the trainer
     draws its progress bar on stderr (None: when stderr is a terminal, or GRPO_RUN_PROGRESS=1).
+    `job_file`: where the job came from (a path, or the Python API's source), for the advice
+    after a failure in the job's own code (None: a job read from storage).
     Returns the exit status; raises Refused for a failure before or around the run (storage, a
     full disk, another node's lease)."""
     from grpo_run.runner.hubtoken import token_for_stored
@@ -360,12 +368,12 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     if result.exit_code == EXIT_OK and job.gpu:
         remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
-        print(f"error: {job.name} failed: {printable(result.message or doc['status'].get('message', ''))}",
-              file=sys.stderr)
+        print(f"error: {job.name} failed: {printable_lines(result.message or doc['status'].get('message', ''))}",
+              file=sys.stderr)          # the one place the failure is said: the summary and the trainer do not repeat it
     if output:
         print(dump(doc, output), end="")
     else:
-        print(run_summary(job.name, doc["status"], result))
+        print(run_summary(job.name, doc["status"], result, job_file=job_file))
     return result.exit_code
 
 
@@ -389,21 +397,46 @@ def remember_step_time(job, status: dict) -> None:
                                      completion_length=job.parameters.maxCompletionLength)
 
 
-def run_summary(name: str, status: dict, result) -> str:
-    """The lines a run ends with: phase and step, the held-out rewards, the notice's timing."""
+def run_summary(name: str, status: dict, result, job_file: str | None = None) -> str:
+    """The lines a run ends with: phase and step, the held-out rewards, the notice's timing, and
+    how to go on (`job_file` as run_job's)."""
+    from grpo_run.runner.views.status import reward_signal_warning
+
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
-    if status.get("message") and status["phase"] != Phase.SUCCEEDED:
+    if status.get("message") and status["phase"] not in (Phase.SUCCEEDED, Phase.FAILED):   # Failed: the error line
         lines.append(f"  {printable(status['message'])}")
     b, f = status.get("baseline"), status.get("final")
     if b and f:
         lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
                      f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
+    if said := reward_signal_warning(status):
+        lines.append(f"  warning: {printable(said)}")
     if result.notice_to_durable_s is not None:
         lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
                      f"{result.notice_to_durable_s:.2f} s")
-    if status["phase"] in STOPPED:
+    if getattr(result, "code_error", False):
+        lines.append(f"  {code_error_advice(status.get('message', ''), job_file)}")
+    elif status["phase"] in STOPPED:
         lines.append(f"  continue with: grpo-run resume {name}")
     return "\n".join(lines)
+
+
+_REWARD_FILE = re.compile(r"reward function '([^'\n]+\.py):[A-Za-z_][\w.]*'")
+
+
+def code_error_advice(message: str, job_file: str | None) -> str:
+    """What to do after the job's own code failed (a reward raised, returned a non-number): a
+    resume would run the copies stored at submit time and fail the same way, so the fix goes
+    into the user's files and the job is applied again (a changed spec continues the job)."""
+    if job_file is not None and not Path(job_file).is_file():     # the Python API: "grpo_run.train()"
+        return f"fix the function the error names, then call {job_file} again with the same name"
+    found = _REWARD_FILE.search(message)
+    what = "what the error names"
+    if found:
+        what = printable(found.group(1) if job_file is not None else f"your copy of {Path(found.group(1)).name}")
+    again = (f"grpo-run apply -f {printable(job_file)}" if job_file is not None else
+             "grpo-run apply -f JOB (the job file you submitted; --detach to submit it again)")
+    return f"fix {what}, then {again} again (resume would replay the copy stored at submit time)"
 
 
 def watchers_for(job):

@@ -7,8 +7,10 @@ the same file, trains it. This machine keeps only a pointer ($GRPO_RUN_HOME/subm
 storage URI), so `grpo-run get tj NAME` here follows the job in storage.
 
 Submitting is idempotent: the same file again changes nothing. A changed file replaces the spec
-of a job no node has taken yet (still Pending); a job a node is running, or one that has ended,
-keeps its spec (apply the change where it runs, or give the job another name).
+of a job no node has taken yet (still Pending) and of a job that Failed (its own code, fixed: a
+resume would replay the stored copy; the next `resume` continues it with the new files); a job a
+node is running, or one that has ended otherwise, keeps its spec (apply the change where it runs,
+or give the job another name).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
                     stored = record.job()
                 if stored["spec"] == manifest:
                     return Submitted("unchanged", stored["phase"], url)
-                if stored["phase"] != Phase.PENDING:
+                if stored["phase"] not in (Phase.PENDING, Phase.FAILED):   # Failed: under our lease, no node has it
                     raise SubmitRefused(
                         f"job {job.name!r} is already in {url} (phase {stored['phase']}) with another spec; a job "
                         f"a node has taken keeps its spec: apply the changed file on the node that runs it "
@@ -85,7 +87,8 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
                 books.close()
     finally:
         lease.release()
-    return Submitted("updated" if existing is not None else "submitted", str(Phase.PENDING), url)
+    return Submitted("updated" if existing is not None else "submitted",
+                     str(stored["phase"]) if existing is not None else str(Phase.PENDING), url)
 
 
 def _stored(store: Store) -> dict | None:

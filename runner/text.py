@@ -33,6 +33,13 @@ def printable(text: Any) -> str:
     return "".join(_escape(c) if unicodedata.category(c) in _HIDDEN else c for c in str(text))
 
 
+def printable_lines(text: Any, indent: str = "    ") -> str:
+    """`text` with its own line breaks kept (a traceback reads as one), every other control
+    character escaped as printable() does, and each line after the first indented by `indent`:
+    a line the text brings cannot pass for one of grpo-run's own."""
+    return f"\n{indent}".join(printable(line) for line in str(text).rstrip("\n").split("\n"))
+
+
 _HIDDEN = ("Cc", "Cf", "Cs", "Zl", "Zp")     # controls, format (bidi), lone surrogates, line/paragraph separators
 
 

@@ -27,7 +27,7 @@ from grpo_run.trainer.distributed import World
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
 from grpo_run.trainer.sampling.vllm_server import EngineRefused, EngineUnavailable
-from grpo_run.trainer.logs import trainer_logging
+from grpo_run.trainer.logs import REPORTED, trainer_logging
 from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
                                        CHILD_INFRA_FAILED, CHILD_STOPPED,
@@ -48,7 +48,8 @@ def child_main(argv: list[str] | None = None) -> int:
     plan = Plan.from_json(plan_path.read_text())
     work = plan_path.parent
     world = World.from_environment()
-    trainer_logging(work, world.rank)
+    progress = os.environ.get(PROGRESS_ENV) == "1"
+    trainer_logging(work, world.rank, progress_lines=not progress)     # no bar: the lines say how it goes
     path = os.environ.get(EVENTS_PATH_ENV)
     stream = open(path, "w", buffering=1) if path else os.fdopen(int(os.environ[EVENTS_FD_ENV]), "w", buffering=1)
     events = Events(stream, only=None if world.main else (Failed,))
@@ -63,28 +64,27 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(STOP_SIGNAL, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(CHECKPOINT_SIGNAL, on_checkpoint)
-    progress = os.environ.get(PROGRESS_ENV) == "1"
     try:
         ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
     except RewardFunctionError as e:
         events.emit(Failed(message=f"reward function failed: {e}", code=True))
-        log.error("reward function failed: %s", e)
+        log.error("reward function failed: %s", e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except EngineUnavailable as e:                     # the vLLM server: the attempt ends, restarted as a crash
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
-        log.error("infrastructure failure: %s", e)
+        log.error("infrastructure failure: %s", e, extra=REPORTED)
         return CHILD_CRASHED
     except JudgeUnavailable as e:                      # past the judge's own retries: reported, never a score
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
-        log.error("infrastructure failure: %s", e)
+        log.error("infrastructure failure: %s", e, extra=REPORTED)
         return CHILD_INFRA_FAILED
     except (SandboxUnavailable, NonFiniteStep, JudgeError, ModelMissing, EngineRefused) as e:   # the node's sandbox, the job's
         # numbers, the judge's refusal or budget, a model not there: a restart cannot get the missing layer or model
         # and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
-        log.error("%s", e)
+        log.error("%s", e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))

@@ -9,9 +9,14 @@ import warnings
 from pathlib import Path
 
 
-def trainer_logging(work: Path, rank: int = 0) -> None:
+REPORTED = {"reported": True}   # log.error(..., extra=REPORTED): in trainer.log, not on the terminal
+
+
+def trainer_logging(work: Path, rank: int = 0, progress_lines: bool = False) -> None:
     """Warnings and errors to the terminal; everything, progress lines included, to logs/
-    (trainer.log; rank k > 0 of several processes: trainer.rank<k>.log)."""
+    (trainer.log; rank k > 0 of several processes: trainer.rank<k>.log). `progress_lines`: the
+    progress lines to the terminal too, from rank 0 (where no bar is drawn: stderr piped to a
+    file, nohup, CI, a node's journal)."""
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -21,8 +26,12 @@ def trainer_logging(work: Path, rank: int = 0) -> None:
     to_terminal = logging.StreamHandler(sys.stderr)
     to_terminal.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     to_terminal.setLevel(logging.INFO)
-    # The terminal has the progress bar; it gets the phases (the recipe's, from rank 0 only) and any warning.
-    to_terminal.addFilter(lambda r: r.levelno >= logging.WARNING or (r.name == "grpo_run.trainer.recipe" and rank == 0))
+    # The terminal has the progress bar (or, without one, the progress lines); it gets the phases (the
+    # recipe's, from rank 0 only) and any warning.
+    # An error the trainer also sends as its Failed event (REPORTED) goes to the file only: the supervisor says it once.
+    shown = ("grpo_run.trainer.recipe", "grpo_run.trainer.progress") if progress_lines else ("grpo_run.trainer.recipe",)
+    to_terminal.addFilter(lambda r: not getattr(r, "reported", False) and (
+        r.levelno >= logging.WARNING or (r.name in shown and rank == 0)))
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)

@@ -247,6 +247,7 @@ class _Progress:
             progress_log.info("step %d/%d reward %.3f solved-groups %.2f no-signal-groups %.2f length %.1f "
                               "grad-norm %.4f loss %.4f%s", step, self.total, m["rewardMean"], m["solvedGroups"],
                               m["noSignalGroups"], m["completionLength"], m["gradNorm"], m["loss"], self.loss_note)
+            self.loss_note = ""             # said once, on an attempt's first line
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{m['rewardMean']:.3f}", same=f"{m['identicalGroups']:.2f}",
                              len=f"{m['completionLength']:.1f}", refresh=False)

@@ -12,7 +12,7 @@ from typing import Sequence
 import click
 
 from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
-from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
+from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
 from grpo_run.runner.jobs import find_job as _find_job
 from grpo_run.runner.home import default_storage
@@ -40,7 +40,8 @@ def cli(verbose: bool) -> None:
 
     \b
     Exit status: 0 succeeded, 1 the job failed, 2 bad arguments or job file, 3 preempted
-    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD, 5 another node holds the job,
+    (continue with `grpo-run resume NAME`), 4 stopped at maxCostUSD (--dry-run: would stop before
+    the final evaluation), 5 another node holds the job,
     6 cancelled (`grpo-run cancel`).
     Environment: GRPO_RUN_HOME (default ~/.grpo-run) holds work folders and the default store;
     the usual AWS variables (credentials, AWS_ENDPOINT_URL) apply to s3:// storage.
@@ -58,10 +59,13 @@ def cli(verbose: bool) -> None:
 
 @cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
 @click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
-@click.option("--dry-run", is_flag=True, help="validate and print the estimate (with -o, the whole job); start nothing (exit 2 when apply would refuse it)")
+@click.option("--dry-run", is_flag=True, help="validate and print the estimate (with -o, the whole job); start nothing (exit 2 when apply would refuse it, 4 when spec.maxCostUSD would stop it before its final evaluation)")
 @click.option("--detach", is_flag=True, help="write the job into its storage (Pending) for a node to train; start nothing here")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) in this format")
-def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int:
+@click.option("--skip-memory-check", is_flag=True,
+              help="run (or submit) a job the memory estimate says does not fit its GPU, with a warning: for when "
+                   "you know better than the estimate")
+def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
     With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
@@ -76,6 +80,13 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
 
     try:
         checked = check_job_file(file, dry_run=dry_run, detach=detach)
+        if checked.refusal and skip_memory_check:  # the user's word over the estimate: said, then taken
+            from dataclasses import replace
+
+            print(f"warning: --skip-memory-check: the memory estimate says this job does not fit, and it "
+                  f"{'would run' if dry_run else 'runs'} anyway (expect CUDA out of memory if the estimate is "
+                  f"right): {checked.refusal.partition(' Nothing was started.')[0]}", file=sys.stderr)
+            checked = replace(checked, refusal=None)
         if dry_run and output:                   # the whole job, with why it does not fit if it does not
             print(_dump(checked.dry_run_doc(), output), end="")
         elif dry_run and checked.estimate:       # the answer first: cost, time, fit, where the step time came from
@@ -86,8 +97,13 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None) -> int
                 print(f"  sampler     {checked.sampler['engine']}: {checked.sampler['why']}")
         if checked.refusal:                      # refused before anything starts, with the numbers
             raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)      # what apply would answer
-        if dry_run:
-            return EXIT_OK
+        if dry_run:                              # maxCostUSD ends training early: said where it cannot be missed
+            from grpo_run.runner.estimate.summary import budget_warning
+
+            short = checked.estimate and budget_warning(checked.job.name, checked.estimate, checked.job.maxCostUSD)
+            if short:
+                print(short, file=sys.stderr)
+            return EXIT_BUDGET if short else EXIT_OK
         return start(checked, detach=detach, output=output, stop=threading.Event())
     except Refused as e:
         print(e.text, file=sys.stderr)

@@ -4,6 +4,7 @@ grpo-run installed here, which this command puts into the job's storage (runner/
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -14,8 +15,36 @@ from grpo_run.runner.cli.output import error as _error, job_name
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 
-@click.command("deploy", short_help="print a launch file for the job's spot nodes, filled in")
-@click.argument("kind", type=click.Choice(["systemd", "cloud-init", "k8s", "skypilot", "iam", "image"]))
+KINDS = ("systemd", "cloud-init", "k8s", "skypilot", "iam", "image")
+
+
+class _HelpPerKind(click.Command):
+    """`deploy KIND --help` lists the options KIND takes: those whose help begins with other kinds'
+    names ("k8s: ...", "skypilot, k8s: ...") are left out of it; `deploy --help` lists them all.
+    Parsing is unchanged: only the help is filtered."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["deploy.kind"] = next((a for a in args if a in KINDS), None)   # before --help's eager callback
+        return super().parse_args(ctx, args)
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        kind = ctx.meta.get("deploy.kind")
+        rows = [row for param in self.get_params(ctx) if kind is None or _takes(param, kind)
+                for row in [param.get_help_record(ctx)] if row is not None]
+        if rows:
+            with formatter.section(f"Options{f' for {kind}' if kind else ''}"):
+                formatter.write_dl(rows)
+
+
+def _takes(param: click.Parameter, kind: str) -> bool:
+    """Whether `kind` takes option `param`: its help names the kinds it is for before a colon, or none."""
+    head = (getattr(param, "help", None) or "").split(":", 1)[0]
+    named = [k for k in KINDS if re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", head)]
+    return not named or len(head) > 40 or kind in named
+
+
+@click.command("deploy", cls=_HelpPerKind, short_help="print a launch file for the job's spot nodes, filled in")
+@click.argument("kind", type=click.Choice(KINDS))
 @click.option("-f", "--file", metavar="FILE",
               help="the job file: every kind takes --storage (spec.storage) and --job (metadata.name) from it, skypilot "
                    "also --accelerators (spec.gpu); cloud-init also carries the file and the node submits it at boot, "

@@ -14,7 +14,7 @@ from grpo_run.runner.home import work_dir
 from grpo_run.state.phases import TERMINAL
 
 
-@click.command("get", short_help="show jobs: phase, step, rewards")
+@click.command("get", short_help="show jobs (get tj: tj is TrainingJob, kubectl-style): phase, step, rewards")
 @click.argument("resource")
 @click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")

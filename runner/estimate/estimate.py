@@ -83,11 +83,21 @@ def model_config(model: str, *, cache_dir: str | Path | None = None) -> dict[str
     return _read_config(Path(path))
 
 
+# Hub models whose config.json a checkout ships under examples/ (a dry run offline; not in the wheel)
+SHIPPED_CONFIGS = {"Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b-instruct-config", "Qwen/Qwen3-8B": "qwen3-8b-config"}
+
+
 def fill_cache_hint(repo_id: str) -> str:
-    """How to put a hub model's config.json into the Hugging Face cache by hand, spec.model unchanged."""
-    return (f"fill the cache on a machine with network: `hf download {repo_id} config.json` (or python -c "
+    """How to put a hub model's config.json into the Hugging Face cache by hand, spec.model
+    unchanged; and, for a model whose config this checkout ships, how to dry-run it offline."""
+    hint = (f"fill the cache on a machine with network: `hf download {repo_id} config.json` (or python -c "
             f"\"from huggingface_hub import hf_hub_download; hf_hub_download('{repo_id}', 'config.json')\"), "
             f"then run this again; keep spec.model: {repo_id} (each node downloads the weights itself)")
+    shipped = Path(__file__).resolve().parents[2] / "examples" / SHIPPED_CONFIGS.get(repo_id, "-")
+    if (shipped / "config.json").is_file():
+        hint += (f"; for a dry run alone, offline, spec.model: {shipped} (its config.json, shipped with this "
+                 f"checkout) gives the same estimate")
+    return hint
 
 
 def _fetch_hub_config(repo_id: str, cache_dir: str | Path | None) -> str:
@@ -230,7 +240,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     from grpo_run.runner.spec.job import node_processes
 
     p = job.parameters
-    gpus = node_processes(job.resources)          # one process per GPU, each a replica (DDP)
+    gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
     config = model_config(job.model)
@@ -251,6 +261,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         gradient_checkpointing=p.gradientCheckpointing,
         gpu=card,
         reward_models=scorer_configs,
+        shards=gpus,                               # Full: sharded with FSDP, the rest replicated
     )
     work = workload(job)
     shape = model_shape(config)
@@ -316,19 +327,11 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                                 prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card,
                                 scorers=step.scorers)
     evals = round(one_eval * work.evaluations, 1)
-    cost = cost_estimate(
-        gpu=card,
-        steps=p.maxSteps,
-        usd_per_hour=pricing.usdPerHour if pricing else None,
-        step_seconds=pricing.stepSeconds if pricing else None,
-        measured_step_seconds=statistics.median(runs) if runs else None,
-        model_step_seconds=_figures(timed.seconds),
-        eval_seconds=evals,
-        baseline_seconds=round(one_eval, 1),
-        save_steps=p.saveSteps,
-        max_cost_usd=job.maxCostUSD,
-        gpus=gpus,
-    )
+    priced = dict(gpu=card, steps=p.maxSteps, step_seconds=pricing.stepSeconds if pricing else None,
+                  measured_step_seconds=statistics.median(runs) if runs else None,
+                  model_step_seconds=_figures(timed.seconds), eval_seconds=evals, baseline_seconds=round(one_eval, 1),
+                  save_steps=p.saveSteps, max_cost_usd=job.maxCostUSD, gpus=gpus)
+    cost = cost_estimate(usd_per_hour=pricing.usdPerHour if pricing else None, **priced)
     c = cost.to_dict()
     fields = {k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds", "stepSecondsSource",
                                 "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
@@ -337,6 +340,11 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
                       "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
+    if card.spot_usd_per_hour is not None and not (pricing and pricing.usdPerHour):
+        # the same catalog's spot price, offered beside the on-demand one the estimate charges
+        spot = cost_estimate(usd_per_hour=card.spot_usd_per_hour, **priced)
+        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": card.spot_source,
+                                  "costToCompletionUSD": round(spot.cost_to_completion_usd + judges_usd, 2)}
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
                            "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),
@@ -364,14 +372,24 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      "without them, like a V100, is slower)")
     if gpus > 1:
         notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
-                     "GPU's share of the prompts (communication not counted), memory is per GPU")
+                     "GPU's share of the prompts (communication not counted), memory is per GPU"
+                     + (f" (Full: sharded with FSDP, so each GPU holds the whole weights and gradients while it samples "
+                        f"or updates and 1/{gpus} of the optimizer's state)" if job.parameters.method == "Full" else
+                        " (a replica of the model and adapter on each)"))
     per_call = sum(_per_call(r.judge) or 0.0 for r in job.environment.rewards or () if r.judge is not None)
     if job.maxCostUSD is not None and cost.cost_to_completion_usd + judges_usd > job.maxCostUSD:
-        per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations
-        notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about "
-                     f"{min(int(job.maxCostUSD / per_step), p.maxSteps) if per_step else p.maxSteps} of "
-                     f"{p.maxSteps} steps" + (" (the GPU's time and the judges' calls)" if per_call else "")
-                     + ": the run stops there (BudgetExceeded)")
+        # spent by step k: the baseline evaluation, then per step its GPU time, its judge calls and
+        # its share of the evaluations every evalSteps; the final evaluation comes after the last step
+        per_second = cost.usd_per_hour / 3600
+        between = max(work.evaluations - 2, 0) * one_eval * per_second / p.maxSteps if p.maxSteps else 0.0
+        per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations + between
+        left = job.maxCostUSD - one_eval * per_second
+        stop = max(0, min(int(left / per_step), p.maxSteps)) if per_step else p.maxSteps
+        fields["budgetStopsAfterStep"] = stop
+        notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about {stop} of {p.maxSteps} steps ("
+                     + ("the baseline evaluation, " if one_eval else "") + "the GPU's time"
+                     + (" and the judges' calls" if per_call else "")
+                     + "): the run stops there (BudgetExceeded), before the final evaluation")
     return fields
 
 
@@ -439,6 +457,10 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     if method == "Full":
         options.append("train an adapter instead, method: LoRA or QLoRA (a full fine-tune's "
                        f"{memory['trainableStateGB']:.1f} GB of Adam state is most of it)")
+        if _sharding_helps(memory, usable):
+            options.append("shard it over more GPUs of this kind, spec.resources.processes (FSDP: each holds the "
+                           "whole weights and gradients while it samples or updates, and 1/N of the optimizer's "
+                           "state)")
     elif method == "LoRA":
         options.append("use method: QLoRA (a 4-bit base, about a quarter of the "
                        f"{memory['weightsGB']:.1f} GB of weights)")
@@ -459,8 +481,18 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
         f"trainable state and reference + the larger of {sampling:.1f} GB of KV cache while sampling "
         f"and {update:.1f} GB for the update of a micro-batch of {memory['microBatchSize']}), and {gpu} has "
         f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card_gb:.0f} GB). "
-        "Nothing was started. To fit: " + "; ".join(options) + "."
+        "Nothing was started. To fit: " + "; ".join(options) + ". If you know better than this estimate, "
+        "`grpo-run apply --skip-memory-check` runs it anyway."
     )
+
+
+def _sharding_helps(memory: dict[str, Any], usable: float) -> bool:
+    """Whether a full fine-tune could fit this card sharded over more GPUs: even sharded without
+    end, each GPU holds the whole weights and gradients (4 bytes a parameter) beside the rest."""
+    from grpo_run.runner.estimate.memory import quoted_count
+
+    whole = 4 * quoted_count(memory["parameters"]) / 1e9
+    return memory["neededGB"] - memory["trainableStateGB"] + whole < usable
 
 
 def _or(names: list[str]) -> str:

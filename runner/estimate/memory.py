@@ -212,6 +212,10 @@ def _normalise_targets(targets: Sequence[str]) -> tuple[str, ...]:
 
 _FROZEN_BYTES = {"LoRA": Decimal(2), "QLoRA": Decimal("0.5")}
 _TRAINED_BYTES = Decimal(16)  # mixed-precision Adam (ZeRO)
+# A full fine-tune sharded with FSDP over N GPUs (trainer.distributed): the weights and their
+# gradients are whole on every GPU while it samples or updates (4 of the 16 bytes), the rest
+# (the optimizer's state) is 1/N on each.
+_WHOLE_WHEN_SHARDED = Decimal(4)
 _REFERENCE_BYTES = Decimal(2)
 _KV_BYTES_PER_VALUE = 2  # 16-bit cache
 
@@ -282,6 +286,7 @@ class MemoryEstimate:
     fits: bool | None = None      # None when no GPU was named
     reward_models_gb: float = 0.0  # the reward models' weights (bf16), resident the whole run
     scoring_gb: float = 0.0        # the reward models' forward over one step's completions
+    fsdp_shards: int = 1           # a full fine-tune sharded over this many GPUs: the figures are one GPU's
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -301,6 +306,7 @@ class MemoryEstimate:
             # only for a job with reward models: SPEC §6's document is the same for every other
             **({"rewardModelsGB": self.reward_models_gb, "scoringGB": self.scoring_gb}
                if self.reward_models_gb else {}),
+            **({"fsdpShards": self.fsdp_shards} if self.fsdp_shards > 1 else {}),
         }
 
 
@@ -319,6 +325,7 @@ def memory_estimate(
     gradient_checkpointing: bool = True,
     gpu: str | Gpu | None = None,
     reward_models: Sequence[Mapping[str, Any]] = (),
+    shards: int = 1,
 ) -> MemoryEstimate:
     """Memory for weights and trainable state of one run, from a HF ``config.json`` dict.
 
@@ -326,7 +333,10 @@ def memory_estimate(
     for ``method="Full"``. ``micro_batch_size`` None: the trainer's own choice for ``gpu``
     (trainer.config.default_micro_batch). With ``gpu`` the estimate's ``fits`` is filled in (see
     ``fits``); without it ``fits`` is None. ``reward_models``: the config.json of each reward model
-    the job names (reward_model_memory), counted in ``neededGB``.
+    the job names (reward_model_memory), counted in ``neededGB``. ``shards``: the GPUs a full
+    fine-tune is sharded over with FSDP (one per process); the figures are then one GPU's, its
+    trainable state the whole weights and gradients plus 1/shards of the rest (a LoRA or QLoRA
+    adapter is replicated: ignored).
 
     Raises ValueError for an unknown method, GPU or LoRA target, a non-positive rank, group
     size or completion length, a negative beta or prompt length, and a config without the
@@ -360,7 +370,10 @@ def memory_estimate(
         trainable = per_layer * shape.layers
         weights = _gb(quoted, _FROZEN_BYTES[method], "0.01")
         reference = Decimal("0.00")  # the base with the adapter disabled
-    state = _gb(quoted_count(trainable), _TRAINED_BYTES, "0.01")
+    per_param = _TRAINED_BYTES
+    if method == "Full" and shards > 1:
+        per_param = _WHOLE_WHEN_SHARDED + (_TRAINED_BYTES - _WHOLE_WHEN_SHARDED) / shards
+    state = _gb(quoted_count(trainable), per_param, "0.01")
     total = (weights + state + reference).quantize(Decimal("0.1"), rounding=ROUND_HALF_UP)
 
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * _KV_BYTES_PER_VALUE  # K, V
@@ -396,5 +409,6 @@ def memory_estimate(
         scoring_gb=float(scoring),
         needed_gb=float(needed),
         fits=None if card is None else fits(float(needed), card),
+        fsdp_shards=shards if method == "Full" and shards > 1 else 1,
     )
 

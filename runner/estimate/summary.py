@@ -11,7 +11,7 @@ from typing import Any
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
 from grpo_run.runner.gpus import STAND_IN
 
-__all__ = ["duration", "summary"]
+__all__ = ["budget_stop", "budget_warning", "duration", "summary"]
 
 def duration(seconds: float) -> str:
     """`seconds` as a person says it: 40 s, 12 min, 3.2 h, 2.5 days."""
@@ -48,8 +48,14 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     if gpus > 1:
         on += " (one process each, a share of the prompts each)"
     lines = [f"{name} on {on}: ${est['costToCompletionUSD']:.2f} to completion, about "
-             f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, rate from "
-             f"{rate.get('source') or 'the table'})"]
+             f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, "
+             + ("" if rate.get("kind") in ("on-demand", "spot") else "rate from ")    # the source names the kind
+             + f"{rate.get('source') or 'the table'})"]
+    spot = rate.get("spot")
+    if spot:
+        lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
+                     f"spot prices move, on-demand is their ceiling): to budget at it, spec.pricing.usdPerHour: "
+                     f"{spot['usdPerHour'] / gpus:g}")
     lines.append(f"  training    {steps:,} steps x {est['stepSeconds']:g} s = {duration(est['stepSeconds'] * steps)}, "
                  f"${est['trainingUSD']:.2f}")
     evals, tasks = est.get("evaluations"), est.get("evalTasks")
@@ -72,10 +78,29 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
         lines.append(f"  card        {model['cardNote']}")
     lines += _judge_lines(est)
     if max_cost_usd is not None:
-        enough = est["costToCompletionUSD"] <= max_cost_usd
-        lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: "
-                     + ("covers it" if enough else "the run stops there, before completion"))
+        stop = budget_stop(est, max_cost_usd)
+        lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: " + ("covers it" if stop is None else
+                     f"STOPS the run after about step {stop:,} of {steps:,}, before the final evaluation"))
     return lines
+
+
+def budget_stop(est: dict[str, Any], max_cost_usd: float | None) -> int | None:
+    """The step after which maxCostUSD stops the run, before its final evaluation; None when the
+    budget covers the run (or there is no budget or no cost)."""
+    if max_cost_usd is None or est.get("costToCompletionUSD") is None or est["costToCompletionUSD"] <= max_cost_usd:
+        return None
+    return est.get("budgetStopsAfterStep", est["steps"])
+
+
+def budget_warning(name: str, est: dict[str, Any], max_cost_usd: float | None) -> str | None:
+    """The line a dry run (and apply) cannot miss when maxCostUSD ends training early, or None."""
+    stop = budget_stop(est, max_cost_usd)
+    if stop is None:
+        return None
+    return (f"warning: {name}: maxCostUSD ${max_cost_usd:g} stops the run after about step {stop:,} of "
+            f"{est['steps']:,} (BudgetExceeded): you pay ${max_cost_usd:g} and get no final held-out evaluation; "
+            f"raise spec.maxCostUSD to ${est['costToCompletionUSD']:.2f} (the cost to completion) or lower "
+            f"spec.parameters.maxSteps")
 
 
 def _judge_lines(est: dict[str, Any]) -> list[str]:
@@ -118,7 +143,9 @@ def _modelled(est: dict[str, Any], model: dict[str, Any]) -> str:
 def _fit_line(est: dict[str, Any]) -> str:
     scorers = est["memory"].get("rewardModelsGB") or 0.0
     line = _fit(est)
-    return line + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else "")
+    shards = est["memory"].get("fsdpShards")
+    return ((f"per GPU (Full sharded over {shards} with FSDP): " if shards else "") + line
+            + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else ""))
 
 
 def _fit(est: dict[str, Any]) -> str:

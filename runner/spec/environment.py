@@ -8,6 +8,7 @@ context); `check_files` False (a resume on a fresh node) leaves files that may b
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -25,6 +26,8 @@ from pydantic import (
 from grpo_run.runner.spec.judge import JudgeSpec
 from grpo_run.trainer.config import GRPOParams, Strict, fmt, problem, problems_at
 from grpo_run.trainer.envs.catalog import CATALOG, reward_name
+
+log = logging.getLogger(__name__)
 
 
 def base_folder(info: ValidationInfo) -> Path:
@@ -440,8 +443,23 @@ def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list
     return tasks
 
 
+_SAID: set[str] = set()       # what repeated_prompts reported in this process: once, though the tasks are read again
+
+
 def _own_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
-    """(train, held-out) tasks of your own environment, from its one source."""
+    """(train, held-out) tasks of your own environment, from its one source; prompts that are on
+    both sides, or repeated, are reported (a warning, once per process)."""
+    from grpo_run.trainer.envs.data import repeated_prompts
+
+    train, held = _split_tasks(env, seed)
+    said = repeated_prompts(train, held)
+    if said and said not in _SAID:
+        _SAID.add(said)
+        log.warning("spec.environment: %s", said)
+    return train, held
+
+
+def _split_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
     from grpo_run.trainer.envs import data
     from grpo_run.trainer.envs.tasks import read_tasks
 

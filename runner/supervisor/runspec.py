@@ -51,4 +51,5 @@ class SupervisorResult:
     notice: str | None = None   # the notice's source when one ended the run
     notice_to_durable_s: float | None = None
     durable_step: int | None = None
+    code_error: bool = False          # failed in the job's own code or numbers (a reward): a resume replays it
     already_succeeded: bool = False   # storage's record, read under the lease, said Succeeded: nothing was run

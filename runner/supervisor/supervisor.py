@@ -325,7 +325,7 @@ class Supervisor:
         message = str(fatal) if fatal is not None else out.message if out.how != "disk full" else \
             disk_full_message(self.work, out.message, self.durability.durable)
         self.books.finish(Phase.FAILED, "Failed", message)
-        return SupervisorResult(EXIT_FAILED, message)
+        return SupervisorResult(EXIT_FAILED, message, code_error=fatal is None and out.how == "code error")
 
     def _succeeded(self, trainer: TrainerProcess, **notice: Any) -> SupervisorResult:
         final = trainer.last_words.final

@@ -97,6 +97,9 @@ def view(record: Record) -> list[str]:
         lines.append(f"  spend ${spent:.4f} so far{of_it}; no GPU rate (set spec.gpu or spec.pricing.usdPerHour)")
     else:
         lines.append("  spend: no rate (set spec.gpu or spec.pricing.usdPerHour)")
+    said = (values.REWARD_SIGNAL.get(record) or {}).get("warning")
+    if said:
+        lines.append(f"  warning: {said}")
     return lines
 
 

@@ -17,6 +17,7 @@ attempt had to redo (from its checkpoint back up to that step) are shaded.
 
 from __future__ import annotations
 
+import textwrap
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ def gather(record: Record) -> dict[str, Any]:
             "spendUSD": values.spend_usd(record), "judgeUSD": values.JUDGE_USD.get(record),
             "baseline": record.eval("baseline"), "final": record.eval("final"),
             "heldOut": values.HELD_OUT.get(record), "samples": _samples(record),
-            "sampler": values.SAMPLER.get(record) or {}}
+            "sampler": values.SAMPLER.get(record) or {},
+            "rewardSignal": values.REWARD_SIGNAL.get(record) or {}}
 
 
 def _samples(record: Record) -> dict[str, list[dict[str, Any]]]:
@@ -176,7 +178,10 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     if not drawn:               # steps recorded before the split
         series(groups_ax, "identicalGroups", "identical rewards", color="C4", smooth=True)
     groups_ax.set_ylim(-0.03, 1.03)
-    groups_ax.set_title("groups with identical rewards (nothing to learn from)")
+    warned = (run.get("rewardSignal") or {}).get("warning")
+    groups_ax.set_title("groups with identical rewards (nothing to learn from)" +
+                        ("\n" + "\n".join(textwrap.wrap(f"warning: {warned}", 66)) if warned else ""),
+                        **({"color": "C3"} if warned else {}))
 
     if not series(length_ax, "completionLength", "completion tokens", color="C1", smooth=True):
         empty(length_ax, "no steps yet")
@@ -230,8 +235,8 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         reward_ax.annotate(f"{cut['label']}\n{_redone(cut)} redone" if cut["redone"] else cut["label"],
                            (cut["step"], 1.0 - 0.11 * (i % 3)), xycoords=("data", "axes fraction"), xytext=(3, -3),
                            textcoords="offset points", va="top", fontsize=8, color="C3")
-    if reward_ax.get_legend_handles_labels()[0]:
-        reward_ax.legend(loc="lower right", fontsize=8)
+    if reward_ax.get_legend_handles_labels()[0]:     # below the panel: inside, it hid the curve's late steps
+        reward_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
 
     # the spend over wall time, when there is a rate to spend at
     segments = spend_segments(run)
@@ -295,6 +300,8 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
         if ev:
             lines.append(f"- held-out {kind}: mean reward {ev['meanReward']:.3f} on {ev.get('tasks', '?')} tasks "
                          f"(solved {ev.get('solved', '?')}; computed {ev.get('runs', '?')} time(s))")
+    if warned := (run.get("rewardSignal") or {}).get("warning"):
+        lines.append(f"- **warning**: {warned}")
     if steps:
         lines.append(f"- train reward: first step {steps[0]['rewardMean']:.3f}, last step {steps[-1]['rewardMean']:.3f}")
     engine = run.get("sampler") or {}

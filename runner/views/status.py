@@ -86,4 +86,13 @@ def table(docs: list[dict[str, Any]]) -> str:
     if len(rows) == 1:
         return "no jobs"
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ["   ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"warning: {printable(d['metadata']['name'])}: {printable(said)}" for d in docs
+              if (said := reward_signal_warning(d["status"]))]
+    return "\n".join(lines)
+
+
+def reward_signal_warning(status: dict[str, Any]) -> str | None:
+    """diagnostics.rewardSignal.warning (most groups failed alike and taught nothing), or None:
+    the table, the live view, a run's closing lines and the report all say it."""
+    return ((status.get("diagnostics") or {}).get("rewardSignal") or {}).get("warning")

@@ -153,6 +153,17 @@ def test_bad_arguments_are_refused_by_their_python_names(tmp_path):
     with pytest.raises(grpo_run.JobError, match=r"spec.parameters.numGenerations: must be >= 2"):
         grpo_run.train(model="tiny:char", name="x", tasks=[{"prompt": "1"}], held_out_fraction=0.5,
                        rewards=[uses_its_module], num_generations=1)
+    # a task without a prompt: the fix a Python caller can make, not a job file's columns:
+    with pytest.raises(grpo_run.JobError) as refused:
+        grpo_run.train(model="tiny:char", name="x", tasks=[{"question": "1+1=", "answer": "2"}],
+                       held_out_fraction=0.5, rewards=[uses_its_module])
+    assert str(refused.value) == ('grpo_run.train(): tasks: row 0 has no "prompt" key (it has question, answer): give '
+                                  'every task its prompt under "prompt", e.g. [{**t, "prompt": t[\'question\']} for t '
+                                  'in rows]')
+    # the accepted names read as Python: reward_memory_mb (it was listed as reward_memory_m_b)
+    with pytest.raises(grpo_run.JobError, match=r"unknown argument reward_memory_m_b; did you mean reward_memory_mb\?"):
+        grpo_run.train(model="tiny:char", name="x", tasks=[{"prompt": "1"}], rewards=[uses_its_module],
+                       reward_memory_m_b=512)
 
 
 # The user's script: two rewards in __main__, one per completion and one copied from TRL's

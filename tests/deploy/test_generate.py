@@ -352,6 +352,22 @@ def test_deploys_help_submits_before_it_launches_and_says_what_f_does_for_each_k
     assert "for k8s and skypilot submit it first: grpo-run apply -f FILE --detach" in text
 
 
+def test_deploy_kind_help_lists_only_the_options_that_kind_takes(capsys):
+    def options(*argv: str) -> set[str]:
+        capsys.readouterr()
+        assert main(["deploy", *argv, "--help"]) == EXIT_OK
+        listed = capsys.readouterr().out.split("\nOptions", 1)[1]          # the options, not the description
+        return {line.split()[0].rstrip(",") if not line.lstrip().startswith("-f") else "--file"
+                for line in listed.splitlines() if line.startswith("  -")}
+
+    every = options()
+    assert {"--image", "--pool", "--accelerators", "--out", "--repo", "--storage"} <= every
+    k8s, sky, cloud_init = options("k8s"), options("skypilot"), options("cloud-init")
+    assert {"--image", "--pool", "--gpus", "--all", "--wait", "--storage"} <= k8s and not {"--accelerators", "--out"} & k8s
+    assert {"--accelerators", "--all", "--wait", "--repo"} <= sky and not {"--image", "--pool", "--out"} & sky
+    assert "--storage" in cloud_init and not {"--image", "--accelerators", "--all", "--out"} & cloud_init
+
+
 def generated_files(capsys, tmp_path, storage: str, *extra: str) -> dict[str, str]:
     """Every kind `grpo-run deploy` prints, for one job (cloud-init both ways: with and without a job file)."""
     job = tmp_path / "job.yaml"

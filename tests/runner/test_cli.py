@@ -88,19 +88,62 @@ def test_apply_prints_the_job_as_yaml_with_dry_run(tmp_path, capsys):
     assert doc["spec"]["parameters"]["beta"] == 0.0 and doc["status"]["phase"] == "Pending"
 
 
-def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capsys):
+def test_piped_the_run_prints_a_progress_line_every_5_percent_with_the_loss_note_once(tmp_path, capfd):
+    job = write_job(tmp_path, name="piped", environment=length_environment(tmp_path), maxSteps=20, saveSteps=10)
+    assert main(["apply", "-f", str(job)]) == EXIT_OK         # under pytest stderr is no terminal: no bar is drawn
+    lines = [line for line in capfd.readouterr().err.splitlines() if "grpo_run.trainer.progress" in line]
+    assert [line.split()[3] for line in lines] == [f"{i}/20" for i in range(1, 21)]
+    assert sum("loss ~0 by construction" in line for line in lines) == 1 and "by construction" in lines[0]
+
+
+def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path, capfd):
+    capsys = capfd                         # the trainer's own stderr too: the error is said once, by the CLI
     (tmp_path / "rewards.py").write_text("def score(completion, task):\n    raise ValueError('cannot parse answer 42')\n")
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1="}\n{"prompt": "2+3="}\n')
     (tmp_path / "eval.jsonl").write_text('{"prompt": "4+4="}\n')
     env = {"name": "raises", "reward": "rewards.py:score", "tasks": "train.jsonl", "evalTasks": "eval.jsonl"}
     job = write_job(tmp_path, name="raises", environment=env, rewardRetries=1)
     assert main(["apply", "-f", str(job)]) == EXIT_FAILED
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert "cannot parse answer 42" in err and "ValueError" in err
+    said_all = said.out + said.err      # its traceback once, with real line breaks, never flattened with \x0a
+    assert said_all.count("ValueError: cannot parse answer 42") == 1 and "\\x0a" not in said_all
+    assert "    ValueError: cannot parse answer 42" in err.splitlines()
     st = get_json(capsys, "raises")["status"]
     assert st["phase"] == "Failed" and "cannot parse answer 42" in st["message"]
     assert "baseline" not in st            # never recorded as a score of 0
     assert st["step"] == 0
+    # the advice is the way that works: resume would replay the stored copy of the broken file
+    assert f"fix {tmp_path / 'rewards.py'}, then grpo-run apply -f {job} again" in said.out
+    assert "grpo-run resume" not in said.out
+
+    (tmp_path / "rewards.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    assert main(["apply", "-f", str(job)]) == EXIT_OK        # the job continues with the fixed file
+    assert "raises: Succeeded after 4 steps" in capsys.readouterr().out
+
+
+def test_after_a_code_error_resume_and_the_python_api_are_told_to_run_the_fixed_files_again(tmp_path):
+    from grpo_run.runner.jobs import code_error_advice
+
+    message = "reward function failed: reward function '/node/work/j/files/rewards.py:score' raised on ..."
+    assert code_error_advice(message, None) == (
+        "fix your copy of rewards.py, then grpo-run apply -f JOB (the job file you submitted; --detach to submit "
+        "it again) again (resume would replay the copy stored at submit time)")
+    assert code_error_advice(message, "grpo_run.train()").startswith("fix the function the error names, then call "
+                                                                      "grpo_run.train() again")
+
+
+def test_apply_says_first_when_its_budget_ends_training_before_the_final_evaluation(tmp_path, capfd):
+    job = write_job(tmp_path, name="short-budget")
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"].update(gpu="L40S", pricing={"usdPerHour": 360.0, "stepSeconds": 1.0}, maxCostUSD=0.25)   # $0.10 a step
+    job.write_text(yaml.safe_dump(doc))
+    assert main(["apply", "-f", str(job)]) == 4                           # it still runs, and stops at the budget
+    err = capfd.readouterr().err.splitlines()
+    warned = [i for i, line in enumerate(err) if line.startswith("warning: short-budget: maxCostUSD $0.25 stops the "
+                                                                 "run after about step 2 of 4 (BudgetExceeded)")]
+    assert warned and warned[0] < min(i for i, line in enumerate(err) if "baseline evaluation" in line), err
 
 
 def test_a_reward_function_that_hangs_fails_the_run_with_a_timeout(tmp_path, capsys):
@@ -150,6 +193,7 @@ def test_every_command_documents_itself_with_an_example(capsys):
         example = capsys.readouterr().out.split("example:\n", 1)
         assert len(example) == 2, f"{name} --help has no example: block"
         assert f"grpo-run {name} " in example[1].split("\n\n", 1)[0], name
+    assert " get show jobs (get tj: tj is TrainingJob, kubectl-style): " in overview     # the short name explained
 
 
 @pytest.mark.parametrize("argv", [[], ["bogus"], ["get", "tj", "-o", "xml"], ["apply"],

@@ -64,6 +64,38 @@ def test_held_out_tasks_are_cut_from_train_by_a_seeded_fraction(tmp_path, reward
     assert not {t["question"] for t in a.eval_tasks} & {t["question"] for t in a.train_tasks}
 
 
+def test_a_prompt_repeated_in_the_tasks_is_held_out_with_every_copy_or_not_at_all(tmp_path, reward_file, caplog):
+    import numpy as np
+
+    from grpo_run.trainer.envs.data import held_out
+
+    # the newcomer's `rows = [...] * 5`: 10 prompts, 5 copies each
+    rows = [{"prompt": f"say {d}{d}{d}:", "answer": str(d)} for d in range(10)] * 5
+    write(tmp_path, "tasks.jsonl", rows, "jsonl")
+    doc = job(name="echo", reward=reward_file, tasks="tasks.jsonl", heldOutFraction=0.2)
+    env = build_environment(parse_job(doc, base=tmp_path))
+    held, trained = {t["prompt"] for t in env.eval_tasks}, {t["prompt"] for t in env.train_tasks}
+    assert not held & trained                                          # held out means never trained on
+    assert len(env.eval_tasks) == 10 and len(held) == 2                # 2 prompts x 5 copies: the fraction, 0.2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert said == ["spec.environment: 10 prompts appear more than once (50 tasks, e.g. 'say 000:'); every copy "
+                    "of each is on one side of the held-out split"]
+    # without repeats, the same cut as before: a seeded permutation of the rows, the first k held out
+    order = np.random.default_rng(0).permutation(30)
+    first = [{"prompt": str(i)} for i in range(30)]
+    assert held_out(first, 0.2, 0)[1] == [first[i] for i in sorted(int(j) for j in order[:6])]
+
+
+def test_held_out_tasks_that_are_also_training_tasks_are_reported(tmp_path, reward_file, caplog):
+    write(tmp_path, "train.jsonl", [{"prompt": f"{i}+1="} for i in range(8)], "jsonl")
+    write(tmp_path, "eval.jsonl", [{"prompt": "3+1="}, {"prompt": "9+1="}], "jsonl")
+    build_environment(parse_job(job(name="e", reward=reward_file, tasks="train.jsonl", evalTasks="eval.jsonl"),
+                                base=tmp_path))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "spec.environment: 1 of the 2 held-out prompts are also training tasks, so they are not held out "
+        "(e.g. '3+1='): remove them from one side"]
+
+
 def test_a_missing_column_or_split_is_named(tmp_path, reward_file):
     write(tmp_path, "all.parquet", ROWS, "parquet")
     with pytest.raises(ValueError, match="no column 'prompt_text'.*it has question, answer"):

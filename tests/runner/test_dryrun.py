@@ -46,7 +46,15 @@ def qwen3_0_6b(tmp_path) -> Path:
     return folder
 
 
+# The rates SPEC §3's costs of 1,000 steps imply: SPEC's worked examples are priced at them (the
+# table charges AWS's prices for these cards: tests/runner/test_estimate.py).
+SPEC_RATES = {"H100-SXM-80GB": 2.60, "H100": 2.60, "A100-80GB": 1.08, "L40S": 0.79}
+
+
 def reference_job(model: Path, gpu: str = "H100-SXM-80GB", **kw) -> TrainingJob:
+    """SPEC's reference job on `gpu`, at SPEC's rate for it unless spec.pricing says otherwise."""
+    if gpu in SPEC_RATES:
+        kw["pricing"] = {"usdPerHour": SPEC_RATES[gpu], **kw.get("pricing", {})}
     params = {**REFERENCE, **kw.pop("parameters", {})}
     return parse_job(manifest(model, gpu=gpu, parameters=params, environment={"name": "graph-coloring"}, **kw))
 
@@ -126,7 +134,14 @@ def test_dry_run_prints_spec_s_lora_estimate_and_an_8b_step_time_from_the_model(
 
     assert rc == EXIT_OK, err
     est = json.loads(out)["status"]["estimate"]
-    assert (est["gpu"], est["steps"], est["usdPerHour"], est["stepSecondsSource"]) == ("H100", 1000, 2.6, "model")
+    assert (est["gpu"], est["steps"], est["usdPerHour"], est["stepSecondsSource"]) == ("H100", 1000, 6.88, "model")
+    # the rate says what it is, and the same catalog's spot price comes beside it
+    assert est["rate"]["kind"] == "on-demand" and est["rate"]["source"] == (
+        "AWS us-east-1 on-demand, SkyPilot catalog v8 (commit 00148f2a), read 2026-12-02, p5.48xlarge / 8")
+    assert est["rate"]["spot"]["usdPerHour"] == 2.2036 and est["rate"]["spot"]["source"] == (
+        "AWS us-east-1 spot in use1-az6, SkyPilot catalog v8 (commit 00148f2a), read 2026-12-04, p5.48xlarge / 8")
+    assert est["rate"]["spot"]["costToCompletionUSD"] == pytest.approx(est["costToCompletionUSD"] * 2.2036 / 6.88,
+                                                                       abs=0.011)
     assert est["stepSeconds"] > 20 * 0.45
     assert est["costToCompletionUSD"] == pytest.approx(est["trainingUSD"] + est["evalUSD"], abs=0.011)
     assert est["tokens"] == {"prompt": 1.0, "promptIs": "expected (mean of the tasks)", "completion": 1024,
@@ -144,7 +159,8 @@ def test_dry_run_prints_spec_s_lora_estimate_and_an_8b_step_time_from_the_model(
 
 
 def test_the_reference_job_costs_33_cents_per_1000_h100_steps_with_its_first_hold_a_cent(capsys, tmp_path, qwen3_0_6b):
-    job_file = write_job(tmp_path, manifest("./qwen3-0.6b", parameters=REFERENCE, environment={"name": "graph-coloring"}))
+    job_file = write_job(tmp_path, manifest("./qwen3-0.6b", parameters=REFERENCE, environment={"name": "graph-coloring"},
+                                            pricing={"usdPerHour": SPEC_RATES["H100"]}))
 
     rc, out, err = apply(capsys, job_file, "json")
 
@@ -359,7 +375,10 @@ def test_a_budget_below_the_cost_caps_the_first_hold_and_says_where_the_run_stop
     job = reference_job(qwen3_0_6b, parameters={"maxSteps": 100_000, "saveSteps": 8000}, maxCostUSD=1.0)
     est = estimate(job)
     assert est["trainingUSD"] == 32.5 and est["firstHoldUSD"] == 1.0
-    assert "maxCostUSD 1 is reached after about 3076 of 100000 steps" in est["note"]
+    # $1 less the baseline evaluation's share, at $0.000325 a step (3,076 steps without the baseline)
+    assert "maxCostUSD 1 is reached after about 3075 of 100000 steps (the baseline evaluation, the GPU's time): " \
+           "the run stops there (BudgetExceeded), before the final evaluation" in est["note"]
+    assert est["budgetStopsAfterStep"] == 3075
 
 
 # --- check_fits ---------------------------------------------------------------------------------
@@ -419,6 +438,12 @@ def test_a_hub_id_not_in_the_cache_raises_lookup_error_naming_the_fix(tmp_path, 
         model_config("Qwen/Qwen3-8B", cache_dir=tmp_path / "empty-cache")
     assert "HF_HUB_OFFLINE is set, so it is not fetched" in str(e.value)
     assert "`hf download Qwen/Qwen3-8B config.json`" in str(e.value) and "--local-dir" not in str(e.value)
+    # the config this checkout ships is named, so the dry run works offline (the newcomer found it by chance)
+    assert (f"for a dry run alone, offline, spec.model: {REPO / 'examples' / 'qwen3-8b-config'} (its config.json, "
+            "shipped with this checkout) gives the same estimate") in str(e.value)
+    with pytest.raises(LookupError) as other:
+        model_config("Qwen/Qwen3-0.6B", cache_dir=tmp_path / "empty-cache")
+    assert "shipped with this checkout" not in str(other.value)          # no config of it here: not offered
 
 
 def test_a_config_that_is_not_a_json_object_is_named(tmp_path):

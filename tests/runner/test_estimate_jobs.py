@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.cli.commands import EXIT_BUDGET, EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.estimate.workload import evaluations, workload
 from grpo_run.runner.spec.job import JobError, parse_job
@@ -31,6 +31,7 @@ QWEN3_0_6B = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 2
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?\n"
             "Please reason step by step, and put your final answer within \\boxed{}.")
+SPEC_RATES = {"H100": 2.60, "A100-80GB": 1.08, "L40S": 0.79}     # SPEC §3's costs imply them; the table charges AWS's
 GSM8K_LIKE = {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 512, "maxSteps": 500}
 
 
@@ -75,7 +76,7 @@ def test_the_reference_job_takes_spec_s_step_times_and_costs_spec_s_table_to_the
     # steps, through the whole estimate: its config, its tasks' prompts, the model of a step
     job = parse_job(doc(model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B), gpu=gpu, parameters={
         "numGenerations": 4, "maxCompletionLength": 64, "lora": {"r": 8}, "method": "LoRA", "beta": 0.0,
-        "maxSteps": 1000}))
+        "maxSteps": 1000}, **({"pricing": {"usdPerHour": SPEC_RATES[gpu]}} if gpu in SPEC_RATES else {})))
     est = estimate(job)
     assert (est["stepSeconds"], est["stepSecondsSource"], est["trainingUSD"]) == (seconds, "model", usd)
     assert est["tokens"]["prompt"] == 6.1                    # the prompts the calibration assumed
@@ -190,6 +191,33 @@ def test_several_processes_each_take_a_share_of_the_prompts(tmp_path, gsm8k_like
     assert four["stepSeconds"] < one["stepSeconds"]
 
 
+def test_a_full_fine_tune_on_several_gpus_is_sized_sharded_and_an_adapter_replicated(tmp_path, gsm8k_like):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    one = estimate(gsm8k_like(model, "H100", method="Full"))
+    eight = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 8}}, method="Full"))
+    billions = one["memory"]["trainableStateGB"] / 16          # 16 bytes a parameter on one GPU
+    # sharded with FSDP: the whole weights and gradients (4 bytes) and 1/8 of the other 12, per GPU
+    assert eight["memory"]["trainableStateGB"] == pytest.approx(billions * (4 + 12 / 8), abs=0.01)
+    assert eight["memory"]["fsdpShards"] == 8 and "fsdpShards" not in one["memory"]
+    assert one["memory"]["fits"] is False and eight["memory"]["fits"] is True       # the newcomer's refusal
+    lora = [estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": n}})) for n in (1, 8)]
+    assert lora[0]["memory"]["trainableStateGB"] == lora[1]["memory"]["trainableStateGB"]     # replicated
+
+
+def test_a_job_the_estimate_says_does_not_fit_runs_with_skip_memory_check_and_a_warning(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    document = doc("./qwen3-8b", gpu="H100", resources={"processes": 2},
+                   parameters={"method": "Full", **GSM8K_LIKE})
+    rc, out, err = dry_run(capsys, tmp_path, document)
+    assert rc == EXIT_USAGE and "shard it over more GPUs of this kind, spec.resources.processes" in err
+    assert "`grpo-run apply --skip-memory-check` runs it anyway" in err
+    assert "memory      per GPU (Full sharded over 2 with FSDP): does NOT fit" in out
+    rc, out, err = dry_run(capsys, tmp_path, document, "--skip-memory-check")
+    assert rc == EXIT_OK, err
+    assert err.startswith("warning: --skip-memory-check: the memory estimate says this job does not fit, and it "
+                          "would run anyway (expect CUDA out of memory if the estimate is right): H100 cannot hold")
+
+
 # --- the dry run's answer first ----------------------------------------------------------------------
 
 
@@ -211,15 +239,39 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
 
     assert rc == EXIT_OK, err
     lines = out.splitlines()
-    assert len(lines) <= 8
-    assert lines[0].startswith("est on H100: $0.33 to completion, about 8 min (at $2.60/h, rate from grpo-run's reference table, not a quote)")
-    assert "1,000 steps x 0.45 s = 8 min, $0.33" in out
+    assert len(lines) <= 9
+    # which price: the cloud, the region, the source and its date; and the spot price beside it
+    assert lines[0] == ("est on H100: $0.86 to completion, about 8 min (at $6.88/h, AWS us-east-1 on-demand, SkyPilot "
+                        "catalog v8 (commit 00148f2a), read 2026-12-02, p5.48xlarge / 8)")
+    assert lines[1] == ("  spot        $0.28 at $2.20/h (AWS us-east-1 spot in use1-az6, SkyPilot catalog v8 (commit "
+                        "00148f2a), read 2026-12-04, p5.48xlarge / 8; spot prices move, on-demand is their ceiling): "
+                        "to budget at it, spec.pricing.usdPerHour: 2.2036")
+    assert "1,000 steps x 0.45 s = 8 min, $0.86" in out
     assert "2 x 100 held-out tasks (baseline, final)" in out
     assert "fits: needs about 3.6 GB of 72.0 GB usable (90% of 80 GB), 68.4 GB to spare" in out
     assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
            "completion tokens at most, prompts ~6.1 tokens)" in out
     assert "maxCostUSD $5: covers it" in out
     assert "apiVersion" not in out                            # the document needs -o
+
+
+def test_a_dry_run_whose_budget_ends_training_early_names_the_step_and_exits_4(capsys, tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    document = doc("./qwen3-0.6b", gpu="H100-SXM-80GB", maxCostUSD=0.1, pricing={"usdPerHour": 2.60},
+                   parameters={"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000})
+
+    rc, out, err = dry_run(capsys, tmp_path, document)
+
+    # $0.33 to completion at $0.000325 a step: $0.10 less the baseline's share lasts about 300 steps
+    assert rc == EXIT_BUDGET, err
+    stop = re.search(r"budget      maxCostUSD \$0.1: STOPS the run after about step (\d+) of 1,000, before the final "
+                     r"evaluation", out)
+    assert stop and 290 <= int(stop[1]) < 308, out
+    assert (f"warning: est: maxCostUSD $0.1 stops the run after about step {stop[1]} of 1,000 (BudgetExceeded): you "
+            f"pay $0.1 and get no final held-out evaluation; raise spec.maxCostUSD to $0.33 (the cost to completion) "
+            f"or lower spec.parameters.maxSteps") in err.splitlines()
+    rc, _, err = dry_run(capsys, tmp_path, document, "-o", "yaml")      # the document too
+    assert rc == EXIT_BUDGET and "warning: est: maxCostUSD $0.1 stops the run" in err
 
 
 def test_the_dry_run_of_a_job_that_does_not_fit_says_by_how_much_and_what_would(capsys, tmp_path):
@@ -389,9 +441,10 @@ def test_a_judge_s_calls_are_counted_and_priced_per_call_in_the_cost_to_completi
     budget = round(no_judge["costToCompletionUSD"] + 3.0, 2)
     capped = estimate(parse_job({**job, "spec": {**job["spec"], "maxCostUSD": budget}}))
     per_step = no_judge["stepSeconds"] * no_judge["usdPerHour"] / 3600 + 8 * 8 * 0.001
-    said = re.search(rf"maxCostUSD {budget:g} is reached after about (\d+) of 100 steps \(the GPU's time and the "
-                     r"judges' calls\): the run stops there", capped["note"])
-    assert said and abs(int(said[1]) - budget / per_step) <= 1 and int(said[1]) < 100, capped["note"]
+    baseline = no_judge["evalSeconds"] / 2 * no_judge["usdPerHour"] / 3600
+    said = re.search(rf"maxCostUSD {budget:g} is reached after about (\d+) of 100 steps \(the baseline evaluation, "
+                     r"the GPU's time and the judges' calls\): the run stops there", capped["note"])
+    assert said and abs(int(said[1]) - (budget - baseline) / per_step) <= 1 and int(said[1]) < 100, capped["note"]
     job["spec"]["environment"]["rewards"][1]["judge"] = {**judge, "usdPerMillionTokens": {"input": 1, "output": 2}}
     per_token = estimate(parse_job(job))
     assert per_token["judgeCalls"] == {"quality": {"calls": calls, "usd": None}}

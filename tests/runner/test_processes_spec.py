@@ -34,9 +34,9 @@ def test_more_processes_than_prompts_per_step_is_refused_before_anything_starts(
 
 def test_the_cost_ledger_charges_every_gpu_of_the_node(tmp_path):
     job = parse_job(manifest("tiny:char", gpu="H100-SXM-80GB", resources={"processes": 2}))
-    assert usd_per_hour(job, 2) == pytest.approx(5.2)
+    assert usd_per_hour(job, 2) == pytest.approx(2 * 6.88)           # the H100's on-demand rate, twice
     spec = build_run_spec(job, str(tmp_path / "store"))
-    assert spec.processes == 2 and spec.usd_per_hour == pytest.approx(5.2)
+    assert spec.processes == 2 and spec.usd_per_hour == pytest.approx(2 * 6.88)
     own = parse_job(manifest("tiny:char", gpu="L40S", pricing={"usdPerHour": 1.5}, resources={"processes": 4},
                              parameters={"promptsPerStep": 8}))
     assert build_run_spec(own, str(tmp_path / "store")).usd_per_hour == pytest.approx(6.0)   # a rate per GPU

@@ -182,6 +182,15 @@ def test_with_beta_the_update_panel_carries_the_kl_and_every_panel_has_its_serie
     assert drawn["boundaries"] == []                                     # the one attempt is still running
     assert drawn["segments"] == [{"attempt": 1, "t0": 0.0, "t1": 59 / 60, "usd0": 0.0, "usd1": 0.059}]
     assert png_size(tmp_path / "kl.png") == (1300, 1050)
+    # the reward panel's legend sits below it, never over the curve
+    fig = drawn["figure"]
+    reward_ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)                                            # the layout the PNG has
+    legend, plot = reward_ax.get_legend().get_window_extent(renderer), reward_ax.get_window_extent(renderer)
+    assert legend.y1 < plot.y0 and not legend.overlaps(plot)
 
 
 def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_several_iterations(tmp_path):

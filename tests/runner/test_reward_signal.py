@@ -47,8 +47,22 @@ def constant_reward_job(folder, score: float):
 
 
 def test_get_warns_on_a_job_whose_reward_is_always_0_and_not_on_one_always_right(tmp_path, capsys):
+    closing = {}
     for score in (0.0, 1.0):
         assert main(["apply", "-f", str(constant_reward_job(tmp_path, score))]) == EXIT_OK
+        closing[score] = capsys.readouterr().out
+    # where the user looks, not only -o yaml: the run's closing lines, the table, -w and the report
+    said = ("of groups in the last 4 steps failed alike (identical rewards, not solved) and taught nothing; raise "
+            "numGenerations or temperature, or use an easier task")
+    assert f"  warning: 100% {said}" in closing[0.0].splitlines() and "warning" not in closing[1.0]
+    assert main(["get", "tj"]) == EXIT_OK
+    table = capsys.readouterr().out.splitlines()
+    assert [line for line in table if line.startswith("warning:")] == [
+        f"warning: always-0: 100% {said}"]
+    assert main(["get", "tj", "always-0", "-w"]) == EXIT_OK
+    assert f"  warning: 100% {said}" in capsys.readouterr().out.splitlines()
+    assert main(["report", "always-0", "--out", str(tmp_path / "r.png")]) == EXIT_OK
+    assert f"- **warning**: 100% {said}" in (tmp_path / "r.md").read_text()
     capsys.readouterr()
     signals = {}
     for name in ("always-0", "always-1"):

@@ -169,6 +169,7 @@ def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsy
     from grpo_run.checkpoint.storage.lease import Lease
     from grpo_run.runner.jobs import run_summary as _summary
     from grpo_run.runner.cli.output import printable
+    from grpo_run.runner.text import printable_lines
 
     storage = str(tmp_path / "bucket")
     assert main(["apply", "-f", str(write_job(tmp_path, storage)), "--detach"]) == EXIT_OK
@@ -181,9 +182,11 @@ def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsy
         other.release()
     err = capsys.readouterr().err
     assert "\\x1b[2J\\x1b[Hjob done\\x0d" in err and "\x1b" not in err and "\r" not in err
-    said = _summary("j", {"phase": "Failed", "message": "boom\x1b]0;owned\x07\nSucceeded", "step": 0},
+    said = _summary("j", {"phase": "Preempted", "message": "boom\x1b]0;owned\x07\nSucceeded", "step": 0},
                     SimpleNamespace(notice_to_durable_s=None))
     assert said.splitlines()[1] == "  boom\\x1b]0;owned\\x07\\x0aSucceeded"
+    # a failure's message keeps its line breaks (a traceback), each further line indented under it
+    assert printable_lines("boom\x1b]0;owned\x07\nSucceeded\r") == "boom\\x1b]0;owned\\x07\n    Succeeded\\x0d"
     assert printable("ok\x1b[2J\x1b[H\rdone\u202e\n") == "ok\\x1b[2J\\x1b[H\\x0ddone\\u202e\\x0a"
     figures.add("trust", actor='bucket writer', tried="terminal escape codes in a lease holder's name",
                 protection='text from storage printed without control characters', outcome='escaped', held=True)

@@ -53,6 +53,22 @@ def test_a_changed_file_replaces_a_pending_spec_but_not_a_taken_one(tmp_path):
     assert get(laptop)["spec"]["parameters"]["learningRate"] == 0.001      # storage untouched
 
 
+def test_a_job_that_failed_in_its_reward_takes_the_fixed_file_and_a_node_finishes_it(tmp_path):
+    laptop, node = tmp_path / "laptop", tmp_path / "node"
+    storage = str(tmp_path / "bucket")
+    job = write_job(tmp_path, storage)
+    (tmp_path / "length.py").write_text("def score(completion, task):\n    return float(int(''))\n")
+    grpo_run(laptop, "apply", "-f", str(job), "--detach")
+    failed = grpo_run(node, "resume", "resumable", "--storage", storage, check=False)
+    assert failed.returncode == 1 and "then grpo-run apply -f JOB" in failed.stdout
+
+    (tmp_path / "length.py").write_text("def score(completion, task):\n    return float(len(completion))\n")
+    again = grpo_run(laptop, "apply", "-f", str(job), "--detach").stdout
+    assert "submitted again with the changed spec" in again and "(phase Failed)" in again
+    grpo_run(node, "resume", "resumable", "--storage", storage)
+    assert get(laptop)["status"]["phase"] == "Succeeded"
+
+
 def test_a_node_that_boots_before_the_job_waits_for_it(tmp_path):
     laptop, node = tmp_path / "laptop", tmp_path / "node"
     storage = str(tmp_path / "bucket")

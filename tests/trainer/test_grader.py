@@ -40,6 +40,13 @@ def chatty(completion, task):
 def raises(completion, task):
     raise ValueError(f"cannot parse {completion!r}")
 
+TRIES = 0
+
+def raises_differently(completion, task):
+    global TRIES
+    TRIES += 1
+    raise ValueError(f"try {TRIES}")
+
 def returns_str(completion, task):
     return "abc"
 
@@ -299,8 +306,14 @@ def test_a_raising_function_is_an_error_with_its_own_traceback_not_a_zero(reward
     assert "raises" in message and str(rewards_file) in message
     assert "ValueError: cannot parse '7 apples'" in message
     assert 'raise ValueError(f"cannot parse {completion!r}")' in message  # the user's own line
-    assert "on all 3 tries" in message
+    assert "twice with the same error, so not again" in message       # not a third time: it is the code's own
     assert "grader_worker" not in message and "grader_sandbox" not in message  # the worker's frames are noise
+
+
+def test_a_raise_that_changes_between_tries_keeps_its_retries(rewards_file):
+    with grader_for(rewards_file, "raises_differently", retries=2) as grader:
+        message = failure_of(grader, ["x"])
+    assert "on all 3 tries (retries=2)" in message and "ValueError: try 3" in message
 
 
 @pytest.mark.parametrize(

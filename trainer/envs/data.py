@@ -11,6 +11,7 @@ Rows come back as plain Python objects (JSON-ready: they travel to the trainer a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -103,13 +104,57 @@ def as_tasks(rows: list[dict[str, Any]], columns: Mapping[str, str], where: str)
 
 
 def held_out(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, held out): a seeded `fraction` of the rows held out, at least one of each."""
-    k = min(len(rows) - 1, max(1, round(len(rows) * fraction)))
+    """(train, held out): a seeded `fraction` of the rows held out, at least one of each. Rows
+    with the same prompt go to the same side, every copy of it: a held-out task is never trained
+    on. Without repeated prompts the cut is the one a seeded permutation of the rows gives (the
+    prompts are permuted in first-seen order, one per row). Raises ValueError for fewer than two
+    distinct prompts."""
     if len(rows) < 2:
         raise ValueError(f"cannot hold out a fraction of {len(rows)} task")
-    order = np.random.default_rng(seed).permutation(len(rows))
-    out = set(int(i) for i in order[:k])
+    k = min(len(rows) - 1, max(1, round(len(rows) * fraction)))
+    groups: dict[str, list[int]] = {}                     # a prompt -> its rows, in first-seen order
+    for i, row in enumerate(rows):
+        groups.setdefault(prompt_key(row), []).append(i)
+    if len(groups) < 2:
+        raise ValueError(f"cannot hold out part of {len(rows)} tasks that all have the same prompt")
+    members = list(groups.values())
+    out: set[int] = set()
+    for g in np.random.default_rng(seed).permutation(len(members)):
+        if len(out) >= k or len(out) + len(members[g]) == len(rows):     # enough, or no task left to train on
+            break
+        out.update(members[g])
     return [r for i, r in enumerate(rows) if i not in out], [r for i, r in enumerate(rows) if i in out]
+
+
+def prompt_key(row: Mapping[str, Any]) -> str:
+    """What makes two tasks the same for the held-out split: the prompt the model sees."""
+    prompt = row.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def repeated_prompts(train: list[dict[str, Any]], held: list[dict[str, Any]]) -> str | None:
+    """What a user should hear about repeated prompts, or None: prompts that are in both the
+    training and the held-out tasks (not held out at all), and prompts given more than once."""
+    seen = [prompt_key(r) for r in train]
+    both = {prompt_key(r) for r in held} & set(seen)
+    counts: dict[str, int] = {}
+    for key in seen + [prompt_key(r) for r in held]:
+        counts[key] = counts.get(key, 0) + 1
+    repeated = {key: n for key, n in counts.items() if n > 1}
+    said = []
+    if both:
+        said.append(f"{len(both)} of the {len({prompt_key(r) for r in held})} held-out prompts are also training "
+                    f"tasks, so they are not held out (e.g. {_short(next(iter(sorted(both))))}): remove them from one "
+                    "side")
+    if repeated and not both:
+        copies = sum(repeated.values())
+        said.append(f"{len(repeated)} prompts appear more than once ({copies} tasks, e.g. "
+                    f"{_short(next(iter(repeated)))}); every copy of each is on one side of the held-out split")
+    return "; ".join(said) or None
+
+
+def _short(key: str) -> str:
+    return repr(key if len(key) <= 40 else key[:37] + "...")
 
 
 def _describe(source: str | Mapping[str, str]) -> str:

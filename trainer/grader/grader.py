@@ -249,6 +249,7 @@ class Grader:
                 raise RuntimeError("Grader.score called after close()")
             rewards: list[float | None] = [None] * len(items)
             tries = [0] * len(items)
+            before: dict[int, Failure] = {}
             while pending := [i for i, reward in enumerate(rewards) if reward is None]:
                 outcomes = self._score_pass(pending, items)
                 failed = False
@@ -258,8 +259,10 @@ class Grader:
                         continue
                     failed = True
                     tries[i] += 1
-                    if tries[i] > self.retries or outcome.kind == "refused":  # a retry is refused again
-                        raise self._give_up(i, len(items), tries[i], outcome)
+                    again = _same_again(before.get(i), outcome)
+                    if tries[i] > self.retries or outcome.kind == "refused" or again:  # a retry is refused again
+                        raise self._give_up(i, len(items), tries[i], outcome, again=again)
+                    before[i] = outcome
                 if failed and self._retry_wait_s:
                     self._sleep(self._retry_wait_s)
             return [reward for reward in rewards if reward is not None]
@@ -445,7 +448,7 @@ class Grader:
         self._worker = None
         return Failure(kind, detail)
 
-    def _give_up(self, index: int, total: int, tries: int, failure: Failure) -> RewardFunctionError:
+    def _give_up(self, index: int, total: int, tries: int, failure: Failure, again: bool = False) -> RewardFunctionError:
         if failure.kind == "refused":
             return RewardFunctionError(
                 f"reward function {self.reward_ref!r} did what the grader refuses, on completion "
@@ -467,11 +470,13 @@ class Grader:
         elif failure.kind == "invalid":
             detail = f"{self._ref.rpartition(':')[2]} {detail}"
         on_tries = "on its only try" if tries == 1 else f"on all {tries} tries"
+        on_tries = (f"twice with the same error, so not again (retries={self.retries} are for failures a retry "
+                    f"can pass; this one is the code's own)") if again else f"{on_tries} (retries={self.retries})"
         size = self._groups.get(index, 1) if self.group else 1
         where = f"the group of completions {index}-{index + size - 1}" if size > 1 else f"completion {index}"
         return RewardFunctionError(
             f"reward function {self.reward_ref!r} {what} on {where} of {total}, "
-            f"{on_tries} (retries={self.retries}); the last error:\n{detail.rstrip()}",
+            f"{on_tries}; the last error:\n{detail.rstrip()}",
             ref=self.reward_ref,
             index=index,
             kind=failure.kind,
@@ -479,6 +484,14 @@ class Grader:
 
 
 # helpers ---------------------------------------------------------------------------------------
+
+
+def _same_again(before: Failure | None, now: Failure) -> bool:
+    """A raise or a non-number that repeats word for word on the same completion is the code's own
+    (int('') raises every time): retrying it again only costs time. Timeouts, hangs and crashes
+    depend on the node (its load, its memory) and keep their retries."""
+    return (before is not None and now.kind in ("exception", "invalid")
+            and (before.kind, before.detail) == (now.kind, now.detail))
 
 
 def _resolve_ref(ref: str) -> str:
