@@ -309,11 +309,11 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
     with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
         return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
-                        progress=progress)
+                        progress=progress, job_file=job_file)
 
 
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
-             trust_urls: bool | None, progress: bool | None) -> int:
+             trust_urls: bool | None, progress: bool | None, job_file: str | None) -> int:
     """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.envfiles import environment_uploads, localize_environment

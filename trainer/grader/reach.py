@@ -13,7 +13,8 @@ granted when it
     ~/.config/gcloud, ~/.ssh), GRPO_RUN_HOME (every job's work folder, plan and record), or another
     grader worker's scratch folder (grpo-grader-* in a temporary folder);
 except a job's own stored environment files on this node (GRPO_RUN_HOME/runs/NAME/environment/,
-where `resume` fetches them). A reward file whose folder is not granted is given its own file alone
+where `resume` fetches them) and the folder the Python API writes a job's reward functions into
+(GRPO_RUN_HOME/python/NAME/, api/training.py). A reward file whose folder is not granted is given its own file alone
 (a job file in the home folder or in /tmp). A job folder that holds GRPO_RUN_HOME is granted (the
 default, ~/.grpo-run, is in the home folder, which is never granted; elsewhere it is the operator's
 own layout, and `resume` never uses a stored folder). Stdlib only: it runs in the trainer.
@@ -31,6 +32,7 @@ TEMP_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
 SECRETS = ("/var/run/secrets", "/run/secrets")
 SCRATCH_PREFIX = "grpo-grader-"      # process.WorkerProcess.spawn makes each worker's scratch so
 STORED = "environment"               # GRPO_RUN_HOME/runs/NAME/environment: resume's copies of the files
+PYTHON_API = "python"                # GRPO_RUN_HOME/python/NAME: what grpo_run.train() wrote for job NAME
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ def why_not(folder: str, places: Places) -> str | None:
         parts = Path(os.path.relpath(real, runs)).parts
         if len(parts) >= 2 and parts[1] == STORED:
             return None                                     # a job's own stored environment files
+    written = os.path.join(places.grpo_run_home, PYTHON_API)
+    if _inside(real, written) and real != written:
+        return None                                         # one job's reward functions, as train() wrote them
     if _inside(real, places.grpo_run_home):
         return f"it lies in GRPO_RUN_HOME ({places.grpo_run_home}: the jobs' work folders, plans and records)"
     for secrets in places.secrets:
