@@ -153,6 +153,8 @@ def as_doc(record) -> dict[str, Any]:
     from grpo_run.runner.views.status import job_status
 
     job = record.job()
+    if job is None:            # a record this instant created, its job not written into it yet
+        raise LookupError("the job's record is being created; ask again in a moment")
     status = job_status(record)
     spec = job["spec"]
     return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),

@@ -269,7 +269,10 @@ class Supervisor:
                 return self._hung(trainer, silent)
             # the trainer stops itself before a step would pass maxCostUSD; one that has not, well
             # past it (held by its reward, say), is stopped here
-            if budget is not None and budget.late(time.monotonic() - BUDGET_GRACE_S) and not trainer.done.is_set():
+            # (a budget already spent when the attempt began, by the stop's reserve say, is late from
+            # the attempt's start: the grace counts from there, never from before it)
+            graced = time.monotonic() - BUDGET_GRACE_S
+            if budget is not None and graced > budget.since and budget.late(graced) and not trainer.done.is_set():
                 return self._over_budget(trainer)
         if self.preempt.is_set():
             return self._preempted(monitor, trainer)

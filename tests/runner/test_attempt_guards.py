@@ -151,7 +151,12 @@ def test_a_phase_the_record_cannot_move_to_ends_the_attempt_failed_with_the_reas
     books = Books(store, tmp_path / "node", name="guarded", manifest={"kind": "TrainingJob",
                   "metadata": {"name": "guarded"}}, usd_per_hour=None, max_cost_usd=None)
     books.start_attempt("node", from_step=0)
-    trainer = TrainerProcess(None, tmp_path / "node", books, None, checkpoints=CheckpointRequest(),
+    from types import SimpleNamespace
+
+    from grpo_run.trainer.config import GRPOParams
+
+    spec = SimpleNamespace(params=GRPOParams(), env=SimpleNamespace(rewards=[]))    # what the watchdog's bound reads
+    trainer = TrainerProcess(spec, tmp_path / "node", books, None, checkpoints=CheckpointRequest(),
                              wake=threading.Event())
     trainer._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # a live trainer
     read_fd, write_fd = os.pipe()

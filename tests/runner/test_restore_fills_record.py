@@ -9,7 +9,7 @@ from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import CHECKPOINTS, Uploader, run_prefix
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.durability import Durability
-from grpo_run.trainer.protocol import STEP_METRICS, STEP_SAMPLES
+from grpo_run.trainer.protocol import STEP_METRICS, STEP_SAMPLES, TRAINER_STATE
 
 MANIFEST = {"kind": "TrainingJob", "metadata": {"name": "job"}}
 
@@ -45,6 +45,7 @@ def test_steps_a_lost_node_left_out_of_storage_are_filled_in_from_the_checkpoint
     staging = tmp_path / "staging"
     staging.mkdir()
     (staging / "weights.bin").write_bytes(b"w" * 64)
+    (staging / TRAINER_STATE).write_text(json.dumps({"step": 4}))   # the step it resumes after: its manifest's
     # the checkpoint's metrics as the trainer writes them; step 2's differ from the record's on
     # purpose: a step the record has is kept as the record has it
     steps = [{"step": s, **metrics(s)} for s in (1, 2, 3, 4)]

@@ -80,7 +80,7 @@ class _Books:
 
 
 def _process(books, params):
-    spec = SimpleNamespace(params=params, model="unused", processes=1)
+    spec = SimpleNamespace(params=params, model="unused", processes=1, env=SimpleNamespace(rewards=[]))
     return attempt.TrainerProcess(spec, "/nonexistent", books, None, checkpoints=None, wake=threading.Event())
 
 
