@@ -229,8 +229,7 @@ class Supervisor:
                 self._sleep(delay)
                 if self.preempt.is_set():
                     source = _source(monitor)
-                    self.window.last_write("the preempted attempt", lambda: self.books.finish(
-                        Phase.PREEMPTED, "Preempted", f"notice from {source} between attempts", notice=source))
+                    self._finish_preempted(source, f"notice from {source} between attempts")
                     return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=self.durability.durable)
 
     def _attempt(self, monitor: NoticeMonitor) -> SupervisorResult:
@@ -247,9 +246,8 @@ class Supervisor:
             since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
                 if monitor.notice else 0.0
             self.books.record_notice(source, since, durable)
-            self.window.last_write("the preempted attempt", lambda: self.books.finish(
-                Phase.PREEMPTED, "Preempted", f"notice from {source} while restoring; nothing to save, "
-                                              f"step {durable} stays durable", notice=source))
+            self._finish_preempted(source, f"notice from {source} while restoring; nothing to save, "
+                                           f"step {durable} stays durable")
             return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=durable)
         self.books.start_attempt(node_name(), from_step=start)
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
@@ -358,10 +356,15 @@ class Supervisor:
         if trainer.outcome().how == "done":     # it finished before it heard
             return self._succeeded(trainer, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
-        self.window.last_write("the preempted attempt", lambda: self.books.finish(
-            Phase.PREEMPTED, "Preempted", f"notice from {source}; stopped after step {durable}, durable; resume "
-                                          f"continues from there", notice=source))
+        self._finish_preempted(source, f"notice from {source}; stopped after step {durable}, durable; resume "
+                                       f"continues from there")
         return SupervisorResult(EXIT_PREEMPTED, **notice)
+
+    def _finish_preempted(self, source: str, message: str) -> None:
+        """The attempt ends Preempted: the record's last write, inside the notice window."""
+        self.window.last_write("the preempted attempt",
+                               lambda: self.books.finish(Phase.PREEMPTED, "Preempted", message, notice=source),
+                               lambda: self.books.sync(wait=True))
 
     def _check_cancel(self) -> None:
         """Whether `grpo-run cancel` has asked (runner.lifecycle), called where the supervisor

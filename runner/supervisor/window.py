@@ -22,6 +22,8 @@ from grpo_run.checkpoint.storage.store import StorageUnavailable
 log = logging.getLogger(__name__)
 
 EXIT_MARGIN_S = 5.0      # of the window, kept for closing the books and the exit after the last upload
+RETRY_LEFT_S = 1.0       # the last record upload is tried again while this much of the window is left
+RETRY_PAUSE_S = 0.25
 
 
 class NoticeWindow:
@@ -47,13 +49,26 @@ class NoticeWindow:
         """Seconds left for storage, None before any notice."""
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def last_write(self, what: str, write: Callable[[], None]) -> None:
-        """`write()` (a record upload that ends a preempted attempt); a storage failure inside
-        the window is logged, not raised: the record is on this node's disk either way."""
+    def last_write(self, what: str, write: Callable[[], None], again: Callable[[], None]) -> None:
+        """`write()` (the record's last change and its upload, ending a preempted attempt). After
+        a notice the store tries each call once (its retries stop), so one transient error would
+        leave storage's record saying the job still trains: the upload is tried `again()` while
+        the window has RETRY_LEFT_S to spare. A failure past that is logged, not raised: the
+        record is on this node's disk either way."""
         try:
             write()
+            return
         except StorageUnavailable as e:
-            log.error("%s did not reach storage inside the notice window; this node's copy has it (%s)", what, e)
+            error = e
+        while (left := self.left()) is not None and left > RETRY_LEFT_S:
+            log.warning("%s did not reach storage (%s); trying again, %.0f s of the window left", what, error, left)
+            time.sleep(RETRY_PAUSE_S)
+            try:
+                again()
+                return
+            except StorageUnavailable as e:
+                error = e
+        log.error("%s did not reach storage inside the notice window; this node's copy has it (%s)", what, error)
 
     def release(self, lease: Lease) -> None:
         """Release the lease; after a notice, only as long as the window allows (a lease that

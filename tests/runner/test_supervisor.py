@@ -67,7 +67,7 @@ def preempt_then_resume(tmp_path, storage, trigger, **env_extra):
     exited = time.monotonic() - noticed
     assert proc.returncode == 3, err[-3000:]
     st = status(tmp_path / "node-x", storage)
-    assert st["phase"] == "Preempted"
+    assert st["phase"] == "Preempted", f"storage's record says {st['phase']}; the node's stderr ends:\n{err[-4000:]}"
     durable = st["checkpoints"]["latestDurable"]
     lost = st["step"] - durable
     print(f"\nnotice -> durable: {st['lastNotice']['noticeToDurableSeconds']:.2f} s after the supervisor saw it; "
