@@ -55,11 +55,17 @@ def vllm_refusal(method: str, config: dict, gpu: bool, processes: int = 1) -> st
     return None
 
 
+# Measured side by side (bench/vllm_vs_native.py, docs/benchmarks.md): on a CPU vLLM's build samples
+# a small model at 0.19-0.22x the native decoder's tokens/s, so `auto` takes it on a GPU only.
+CPU_AUTO = ("auto: no GPU on this node, and on a CPU the native decoder samples faster than vLLM's CPU build "
+            "(about 5x, docs/benchmarks.md); sampler: vllm uses vLLM anyway")
+
+
 def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, server: bool = False,
            processes: int = 1) -> Choice:
     """`spec.parameters.sampler` resolved for a run: native as asked; vllm as asked (ValueError,
     naming the field and the fix, when it cannot be); auto: vllm where it is installed and serves
-    the model and method, else native, with the reason either way. `config()`: the model's
+    the model and method on a GPU, else native, with the reason either way. `config()`: the model's
     config.json (read only when vLLM is installed). `server`: vllm.mode is server, so vLLM runs
     elsewhere and need not be installed here (the trainer checks the server when it starts)."""
     if asked == "native":
@@ -72,6 +78,8 @@ def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, se
             return Choice("native", f"auto: {refusal}")
         return Choice("vllm", f"{'auto' if asked == 'auto' else 'spec.parameters.sampler: vllm'}: the vLLM server "
                               "at spec.parameters.vllm.server")
+    if asked == "auto" and not gpu:
+        return Choice("native", CPU_AUTO)
     version = vllm_version()
     if version is None:
         refusal = ("vLLM is not installed on this machine (pip install 'grpo-run[vllm]' on a GPU node, "
