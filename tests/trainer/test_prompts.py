@@ -103,6 +103,15 @@ def test_without_a_chat_template_text_prompts_stay_raw():
     assert torch.equal(ids, enc.input_ids) and torch.equal(mask, enc.attention_mask)
 
 
+def test_a_step_of_repeated_raw_prompts_encodes_as_one_batch_of_them_all_would():
+    # a step repeats each prompt G times; each distinct one is tokenized once, rows unchanged
+    tok = load_tokenizer(ensure_model("tiny:char"))
+    group = [p for p in ("3+5=", "12+7=", "9+9=") for _ in range(4)] + ["3+5="]
+    ids, mask = PromptEncoder(tok).encode(group)
+    enc = tok(group, return_tensors="pt", padding=True)
+    assert torch.equal(ids, enc.input_ids) and torch.equal(mask, enc.attention_mask)
+
+
 def test_messages_without_a_chat_template_are_refused_naming_the_fix():
     enc = PromptEncoder(load_tokenizer(ensure_model("tiny:char")))
     with pytest.raises(ValueError, match="no chat template.*give the prompts as text, or use a model whose "

@@ -107,5 +107,10 @@ class PromptEncoder:
             if value:
                 raise ValueError(f"spec.parameters.{field} needs a chat template, and the tokenizer of {name} "
                                  f"has none: leave {field} out, or {fix}")
-        enc = self.tokenizer(list(prompts), return_tensors="pt", padding=True)
-        return enc.input_ids, enc.attention_mask
+        # each distinct prompt once (a step repeats each G times): the same left-padded rows
+        where = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+        enc = self.tokenizer(list(where), return_tensors="pt", padding=True)
+        if len(where) == len(prompts):
+            return enc.input_ids, enc.attention_mask
+        rows = torch.tensor([where[p] for p in prompts])
+        return enc.input_ids[rows], enc.attention_mask[rows]
