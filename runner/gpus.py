@@ -273,6 +273,8 @@ class CostEstimate:
     eval_seconds: float = 0.0      # every evaluation of the run together
     training_usd: float = 0.0      # the steps alone, rounded half-up to the cent
     eval_usd: float = 0.0          # the evaluations alone, rounded half-up to the cent
+    start_seconds: float = 0.0     # the sampling engine's start-up, once (vLLM)
+    start_usd: float = 0.0         # its cost, rounded half-up to the cent
 
     @property
     def usd_per_step(self) -> float:
@@ -290,6 +292,8 @@ class CostEstimate:
             "evalSeconds": self.eval_seconds,
             "trainingUSD": self.training_usd,
             "evalUSD": self.eval_usd,
+            **({"engineStartSeconds": self.start_seconds, "engineStartUSD": self.start_usd}
+               if self.start_seconds else {}),
         }
 
 
@@ -306,6 +310,7 @@ def cost_estimate(
     save_steps: int = 25,
     max_cost_usd: float | None = None,
     gpus: int = 1,
+    start_seconds: float = 0.0,
 ) -> CostEstimate:
     """What ``steps`` training steps and the run's evaluations on ``gpu`` will cost.
 
@@ -318,7 +323,8 @@ def cost_estimate(
 
     ``firstHoldUSD`` -- the first budget hold -- is what the run puts at risk before its first
     durable checkpoint: the baseline evaluation (``baseline_seconds``, a part of
-    ``eval_seconds``) and the first ``save_steps`` steps (or all steps, if fewer), rounded *up*
+    ``eval_seconds``), the sampling engine's start-up (``start_seconds``: vLLM's, paid once before
+    anything else) and the first ``save_steps`` steps (or all steps, if fewer), rounded *up*
     to the cent so a hold never under-covers its spend, and capped at ``max_cost_usd`` since the
     run stops there anyway.
 
@@ -336,7 +342,7 @@ def cost_estimate(
         if value is not None and not value > 0:
             raise ValueError(f"{name}: must be > 0 (got {value})")
     for name, value in (("usdPerHour", usd_per_hour), ("maxCostUSD", max_cost_usd), ("evalSeconds", eval_seconds),
-                        ("baseline seconds", baseline_seconds)):
+                        ("baseline seconds", baseline_seconds), ("engine start seconds", start_seconds)):
         if value is not None and not value >= 0:
             raise ValueError(f"{name}: must be >= 0 (got {value})")
 
@@ -364,7 +370,9 @@ def cost_estimate(
     per_second = Fraction(str(rate)) / 3600
     usd_per_step = Fraction(str(seconds)) * per_second
     eval_usd = Fraction(str(eval_seconds)) * per_second
-    first_hold = _cents_up(Fraction(str(baseline_seconds)) * per_second + usd_per_step * min(save_steps, steps))
+    start_usd = Fraction(str(start_seconds)) * per_second
+    first_hold = _cents_up(Fraction(str(baseline_seconds)) * per_second + start_usd
+                           + usd_per_step * min(save_steps, steps))
     if max_cost_usd is not None:
         first_hold = min(first_hold, max_cost_usd)
 
@@ -374,9 +382,11 @@ def cost_estimate(
         step_seconds=seconds,
         step_seconds_source=source,
         usd_per_hour=rate,
-        cost_to_completion_usd=_cents_half_up(usd_per_step * steps + eval_usd),
+        cost_to_completion_usd=_cents_half_up(usd_per_step * steps + eval_usd + start_usd),
         first_hold_usd=first_hold,
         eval_seconds=eval_seconds,
         training_usd=_cents_half_up(usd_per_step * steps),
         eval_usd=_cents_half_up(eval_usd),
+        start_seconds=start_seconds,
+        start_usd=_cents_half_up(start_usd),
     )

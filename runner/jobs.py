@@ -212,19 +212,20 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
     from grpo_run.runner.preflight import check_before_apply, sampler_choice
 
     check_before_apply(file, job, dry_run=dry_run, detach=detach)   # reward, tasks, storage, model: before any node
+    choice = None
+    try:                                         # here: apply, or a dry run of a job no other node can take
+        choice = sampler_choice(job, here=not detach and (not dry_run or job.storage is None))
+    except (LookupError, ValueError):
+        pass                                     # refused above (ValueError) or said by the preflight
     try:
-        est = estimate(job)
+        est = estimate(job, sampler=choice.engine if choice else None)
     except (LookupError, ValueError) as e:     # config.json not found here / not readable
         if dry_run:
             raise Refused(str(e), EXIT_USAGE) from None
         est = None                               # a real run may still fetch the model
     sampler = None
-    if dry_run:
-        try:
-            choice = sampler_choice(job, here=job.storage is None)
-            sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
-        except (LookupError, ValueError):
-            pass                                 # refused above (ValueError) or said by the preflight
+    if dry_run and choice:
+        sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
     return Checked(file, job, est, check_fits(est) if est else None, sampler)
 
 
@@ -392,9 +393,12 @@ def remember_step_time(job, status: dict) -> None:
 
     device = status.get("device") or ""
     seconds = status.get("medianStepSeconds")
+    sampler = status.get("sampler") or {}
     if device.startswith("cuda") and seconds:
         record_measured_step_seconds(job.gpu, seconds, job.name, model=job.model,
-                                     completion_length=job.parameters.maxCompletionLength)
+                                     completion_length=job.parameters.maxCompletionLength,
+                                     sampler=sampler.get("engine") or "native",
+                                     engine_start_seconds=sampler.get("startSeconds"))
 
 
 def run_summary(name: str, status: dict, result, job_file: str | None = None) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, completion_bucket, measured_runs,
-                                               measured_step_seconds, measured_steps_path,
+                                               measured_start_seconds, measured_step_seconds, measured_steps_path,
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
@@ -223,7 +223,13 @@ def card_of(job: TrainingJob) -> Gpu | None:
                                      else card.memory_bandwidth))
 
 
-def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]:
+# vLLM's start-up before its first sample, until the user's own runs measured it (measured.py):
+# 34 s to initialise the engine and 59 s to its first answer, for a 3.4 GiB model with a warm
+# compile cache (vllm-project/vllm#20264); a cold compile cache takes longer.
+VLLM_START_SECONDS = 60.0
+
+
+def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | None = None) -> dict[str, Any]:
     """`status.estimate` for `job` (SPEC §6 names, and more), from the model's config alone.
 
     Cost needs `spec.gpu`; without it the cost fields are None and `note` says so, and
@@ -233,6 +239,11 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     evalSteps, final) are counted in `evalSeconds`, `evalUSD` and the cost to completion. The
     rate is `spec.pricing.usdPerHour` or the table's.
 
+    `sampler`: the engine that samples (native | vllm; runner.preflight.sampler_choice), None for
+    what the job names (auto counts as native). vLLM colocated shares the card (memory.engine) and
+    starts once (VLLM_START_SECONDS, or the user's measured start-ups); its sampling has its own
+    step model (steptime.VLLM_PASS_SECONDS) and its own measured runs.
+
     Raises LookupError when the model's config cannot be found (see `model_config`); ValueError
     for a config the estimate cannot read (missing keys, mixture-of-experts) or a LoRA target
     module it does not know.
@@ -240,6 +251,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     from grpo_run.runner.spec.job import node_processes
 
     p = job.parameters
+    engine = sampler or ("vllm" if p.sampler == "vllm" else "native")
     gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
@@ -262,13 +274,15 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         gpu=card,
         reward_models=scorer_configs,
         shards=gpus,                               # Full: sharded with FSDP, the rest replicated
+        sampler="native" if engine == "native" else p.vllm.mode,
+        engine_share=p.vllm.gpuMemoryUtilization,
     )
     work = workload(job)
     shape = model_shape(config)
     step = StepWork(shape=shape, method=p.method, prompts=prompts, generations=p.numGenerations,
                     prompt_tokens=work.prompt_tokens or 0.0, completion_tokens=p.maxCompletionLength,
                     num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing,
-                    scorers=tuple(model_shape(c) for c in scorer_configs))
+                    scorers=tuple(model_shape(c) for c in scorer_configs), engine=engine)
     out: dict[str, Any] = {
         "costToCompletionUSD": None,
         "firstHoldUSD": None,
@@ -290,6 +304,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         "tokens": {"prompt": work.prompt_tokens, "promptIs": "expected (mean of the tasks)",
                    "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)"},
         "memory": memory.to_dict(),
+        "sampler": engine,
     }
     notes: list[str] = []
     if card is None:
@@ -319,23 +334,33 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     maxCostUSD stops the run."""
     p, pricing = job.parameters, job.pricing
     timed = step_time(step, card)
-    runs = measured_runs(card.name, job.model, p.maxCompletionLength)
+    runs = measured_runs(card.name, job.model, p.maxCompletionLength, step.engine)
+    start, start_source = 0.0, None
+    if step.engine == "vllm" and p.vllm.mode == "colocate":
+        measured_start = measured_start_seconds(card.name, job.model)
+        start, start_source = ((measured_start, "measured") if measured_start is not None
+                               else (VLLM_START_SECONDS, "published"))
     one_eval = 0.0
     if work.eval_tasks:
         eval_prompt = work.eval_prompt_tokens if work.eval_prompt_tokens is not None else step.prompt_tokens
         one_eval = eval_seconds(step.shape, p.method, tasks=work.eval_tasks, batch_size=p.evalBatchSize,
                                 prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card,
-                                scorers=step.scorers)
+                                scorers=step.scorers, engine=step.engine)
     evals = round(one_eval * work.evaluations, 1)
     priced = dict(gpu=card, steps=p.maxSteps, step_seconds=pricing.stepSeconds if pricing else None,
                   measured_step_seconds=statistics.median(runs) if runs else None,
                   model_step_seconds=_figures(timed.seconds), eval_seconds=evals, baseline_seconds=round(one_eval, 1),
-                  save_steps=p.saveSteps, max_cost_usd=job.maxCostUSD, gpus=gpus)
+                  save_steps=p.saveSteps, max_cost_usd=job.maxCostUSD, gpus=gpus, start_seconds=start)
     cost = cost_estimate(usd_per_hour=pricing.usdPerHour if pricing else None, **priced)
     c = cost.to_dict()
     fields = {k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds", "stepSecondsSource",
                                 "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
-    fields["completionSeconds"] = round(cost.step_seconds * p.maxSteps + evals, 1)
+    fields["completionSeconds"] = round(cost.step_seconds * p.maxSteps + evals + start, 1)
+    if start:
+        fields.update(engineStartSeconds=c["engineStartSeconds"], engineStartUSD=c["engineStartUSD"])
+        notes.append(f"vLLM's start-up, {start:g} s before the first step, is counted once"
+                     + (f" (the median of your vLLM runs of this model on {card.name})" if start_source == "measured"
+                        else " (a published start-up, vllm-project/vllm#20264; your own runs replace it)"))
     fields["gpuMemoryGB"] = card.memory_gb
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
@@ -383,7 +408,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
         per_second = cost.usd_per_hour / 3600
         between = max(work.evaluations - 2, 0) * one_eval * per_second / p.maxSteps if p.maxSteps else 0.0
         per_step = float(cost.usd_per_step) + per_call * p.promptsPerStep * p.numGenerations + between
-        left = job.maxCostUSD - one_eval * per_second
+        left = job.maxCostUSD - (one_eval + start) * per_second
         stop = max(0, min(int(left / per_step), p.maxSteps)) if per_step else p.maxSteps
         fields["budgetStopsAfterStep"] = stop
         notes.append(f"maxCostUSD {job.maxCostUSD:g} is reached after about {stop} of {p.maxSteps} steps ("
@@ -450,6 +475,18 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     total, need = memory["totalGB"], memory["neededGB"]
     sampling, update = memory["samplingGB"], memory["updateGB"]
     usable = card_gb * USABLE_MEMORY_FRACTION
+    engine = memory.get("engine") or {}
+    if engine.get("mode") == "server":
+        sampling = 0.0                  # the engine and its KV cache are on the server's GPU
+    if engine.get("engineKvCacheGB") is not None and engine["engineKvCacheGB"] < engine["minKvCacheGB"]:
+        least = (engine["engineWeightsGB"] + engine["minKvCacheGB"]) / card_gb
+        return (f"spec.parameters.vllm.gpuMemoryUtilization: vLLM's share of {gpu} is {engine['engineGB']:.1f} GB "
+                f"({engine['engineGB'] / card_gb:.0%} of {card_gb:.0f} GB), less than its own "
+                f"{engine['engineWeightsGB']:.2f} GB of weights and the {engine['minKvCacheGB']:.2f} GB of KV cache of "
+                "one sequence, so the engine could not start. Nothing was started. To fit: raise "
+                f"gpuMemoryUtilization above {least:.2f} (the trainer and the engine must fit together: "
+                f"{usable:.1f} GB usable), or sample with sampler: native. If you know better than this estimate, "
+                "`grpo-run apply --skip-memory-check` runs it anyway.")
     method = estimate.get("method")
     bigger = [g.name for g in GPUS.values() if need <= g.memory_gb * USABLE_MEMORY_FRACTION]
     largest = max(g.memory_gb for g in GPUS.values()) * USABLE_MEMORY_FRACTION
@@ -464,7 +501,11 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
     elif method == "LoRA":
         options.append("use method: QLoRA (a 4-bit base, about a quarter of the "
                        f"{memory['weightsGB']:.1f} GB of weights)")
-    if sampling >= update and sampling > 0:
+    if engine.get("engineGB") and engine["engineGB"] >= update:
+        sampling = engine["engineGB"]
+        options.append("lower spec.parameters.vllm.gpuMemoryUtilization (vLLM holds that share of the card while "
+                        "it samples)")
+    elif sampling >= update and sampling > 0 and not engine:
         options.append("lower promptsPerStep, numGenerations or maxCompletionLength (sampling holds the KV "
                        "cache of every completion of the step at once)")
     elif update > 0:
@@ -478,7 +519,8 @@ def check_fits(estimate: dict[str, Any]) -> str | None:
                        "usable)")
     return (
         f"{gpu} cannot hold this run: it needs about {need:.1f} GB ({total:.1f} GB of weights, "
-        f"trainable state and reference + the larger of {sampling:.1f} GB of KV cache while sampling "
+        f"trainable state and reference + the larger of {sampling:.1f} GB "
+        + ("of vLLM's share of the card" if engine.get("engineGB") else "of KV cache") + " while sampling "
         f"and {update:.1f} GB for the update of a micro-batch of {memory['microBatchSize']}), and {gpu} has "
         f"{usable:.1f} GB usable ({USABLE_MEMORY_FRACTION:.0%} of {card_gb:.0f} GB). "
         "Nothing was started. To fit: " + "; ".join(options) + ". If you know better than this estimate, "

@@ -10,11 +10,15 @@ Two sources, one vote per job:
 $GRPO_RUN_HOME/measured-steps.json, version 2:
 
     {"version": 2, "gpus": {"H100": [{"job": "...", "model": "Qwen/Qwen3-8B", "completionBucket": 512,
-                                      "stepSeconds": 21.4, "finishedAt": "2026-01-01T00:00:00Z"}, ...]}}
+                                      "stepSeconds": 21.4, "finishedAt": "2026-01-01T00:00:00Z",
+                                      "sampler": "vllm", "engineStartSeconds": 48.2}, ...]}}
 
-A run is kept under (GPU, model, completion-length bucket): a step time says little about another
-model, or about completions eight times as long. The bucket is maxCompletionLength rounded up to
-a power of two (64, 128, ..., 512, 1024). Oldest first, at most MEASURED_WINDOW runs per key.
+A run is kept under (GPU, model, completion-length bucket, sampler): a step time says little about
+another model, about completions eight times as long, or about another engine's sampling. The
+bucket is maxCompletionLength rounded up to a power of two (64, 128, ..., 512, 1024); a run
+without "sampler" (written before vLLM) was sampled natively. Oldest first, at most
+MEASURED_WINDOW runs per key. A vLLM run also keeps its engine's start-up, which later estimates
+of the same GPU and model count (measured_start_seconds).
 
 Version 1 (grpo-run before this) kept runs per GPU only, under the earlier GPU names. It is read
 as it is: its GPU names become today's (`H100-SXM-80GB` -> `H100`) and its runs, which say no
@@ -46,6 +50,7 @@ __all__ = [
     "MIN_STEPS",
     "completion_bucket",
     "measured_runs",
+    "measured_start_seconds",
     "measured_step_seconds",
     "measured_steps_path",
     "record_measured_step_seconds",
@@ -71,25 +76,36 @@ def completion_bucket(max_completion_length: int | None) -> int | None:
     return 1 << max(0, int(max_completion_length) - 1).bit_length()
 
 
-def measured_runs(gpu: str, model: str | None = None, completion_length: int | None = None) -> list[float]:
+def measured_runs(gpu: str, model: str | None = None, completion_length: int | None = None,
+                  sampler: str = "native") -> list[float]:
     """Step times of the user's last MEASURED_WINDOW runs of `model` on `gpu` with completions in
-    the bucket of `completion_length`, oldest first: one per job, a job's record on this node
-    (finished or not) in place of what the file kept of it. An unreadable file or record counts
-    as none (logged): a dry run never fails on it."""
-    key = (model, completion_bucket(completion_length))
+    the bucket of `completion_length`, sampled by `sampler` (native | vllm), oldest first: one per
+    job, a job's record on this node (finished or not) in place of what the file kept of it. An
+    unreadable file or record counts as none (logged): a dry run never fails on it."""
+    key = (model, completion_bucket(completion_length), sampler)
     recorded = _recorded_runs(_gpu_key(gpu), key)
     kept = [r["stepSeconds"] for r in _load(measured_steps_path()).get(_gpu_key(gpu), [])
             if _key(r) == key and r.get("job") not in recorded]
     return (kept + list(recorded.values()))[-MEASURED_WINDOW:]
 
 
-def measured_step_seconds(gpu: str, model: str | None = None, completion_length: int | None = None) -> float | None:
+def measured_step_seconds(gpu: str, model: str | None = None, completion_length: int | None = None,
+                          sampler: str = "native") -> float | None:
     """The median of `measured_runs`, or None when there are none."""
-    seconds = measured_runs(gpu, model, completion_length)
+    seconds = measured_runs(gpu, model, completion_length, sampler)
     return statistics.median(seconds) if seconds else None
 
 
-def _recorded_runs(gpu: str, key: tuple[str | None, int | None]) -> dict[str, float]:
+def measured_start_seconds(gpu: str, model: str) -> float | None:
+    """The median start-up of the vLLM engine in the user's last MEASURED_WINDOW finished vLLM
+    runs of `model` on `gpu` (any completion length), or None when none kept one."""
+    starts = [r["engineStartSeconds"] for r in _load(measured_steps_path()).get(_gpu_key(gpu), [])
+              if r.get("model") == model and isinstance(r.get("engineStartSeconds"), (int, float))
+              and not isinstance(r.get("engineStartSeconds"), bool) and r["engineStartSeconds"] > 0]
+    return statistics.median(starts[-MEASURED_WINDOW:]) if starts else None
+
+
+def _recorded_runs(gpu: str, key: tuple[str | None, int | None, str]) -> dict[str, float]:
     """{job: its median step time} of this node's job records of `key` on `gpu` (a table name)
     whose newest trainer ran on a GPU and took at least MIN_STEPS steps, oldest update first."""
     from grpo_run.state import values
@@ -104,7 +120,9 @@ def _recorded_runs(gpu: str, key: tuple[str | None, int | None]) -> dict[str, fl
                     continue
                 spec = (job["spec"] or {}).get("spec") or {}
                 length = (spec.get("parameters") or {}).get("maxCompletionLength")
-                if (_gpu_key(str(spec.get("gpu"))) != gpu or (spec.get("model"), completion_bucket(length)) != key):
+                sampler = (values.SAMPLER.get(record) or {}).get("engine") or "native"
+                if (_gpu_key(str(spec.get("gpu"))) != gpu
+                        or (spec.get("model"), completion_bucket(length), sampler) != key):
                     continue
                 times = sorted(float(s["stepSeconds"]) for s in record.steps()
                                if isinstance(s.get("stepSeconds"), (int, float)) and s["stepSeconds"] > 0)
@@ -117,10 +135,12 @@ def _recorded_runs(gpu: str, key: tuple[str | None, int | None]) -> dict[str, fl
 
 
 def record_measured_step_seconds(gpu: str, seconds: float, job: str, *, model: str | None = None,
-                                 completion_length: int | None = None) -> None:
-    """Remember that `job` (of `model`, completions of at most `completion_length` tokens) ran at
-    `seconds` per training step on `gpu`; later estimates for the same key use the median of the
-    last MEASURED_WINDOW such runs. A card outside the table is kept under the job's own name.
+                                 completion_length: int | None = None, sampler: str = "native",
+                                 engine_start_seconds: float | None = None) -> None:
+    """Remember that `job` (of `model`, completions of at most `completion_length` tokens, sampled
+    by `sampler`) ran at `seconds` per training step on `gpu`, and its engine started in
+    `engine_start_seconds` (vLLM); later estimates for the same key use the median of the last
+    MEASURED_WINDOW such runs. A card outside the table is kept under the job's own name.
 
     Raises ValueError for an empty GPU name or a step time that is not a number > 0.
     """
@@ -133,6 +153,10 @@ def record_measured_step_seconds(gpu: str, seconds: float, job: str, *, model: s
     path.parent.mkdir(parents=True, exist_ok=True)
     run = {"job": job, "model": model, "completionBucket": completion_bucket(completion_length),
            "stepSeconds": float(seconds), "finishedAt": _iso(datetime.now(timezone.utc))}
+    if sampler != "native":
+        run["sampler"] = sampler
+    if engine_start_seconds:
+        run["engineStartSeconds"] = round(float(engine_start_seconds), 2)
     with _locked(path.with_name(path.name + ".lock")):
         gpus = _load(path)
         runs = gpus.setdefault(_gpu_key(gpu), [])
@@ -147,8 +171,8 @@ def _gpu_key(gpu: str) -> str:
     return canonical_name(gpu) or gpu
 
 
-def _key(run: dict[str, Any]) -> tuple[str | None, int | None]:
-    return run.get("model"), run.get("completionBucket")
+def _key(run: dict[str, Any]) -> tuple[str | None, int | None, str]:
+    return run.get("model"), run.get("completionBucket"), run.get("sampler") or "native"
 
 
 def _load(path: Path) -> dict[str, list[dict[str, Any]]]:

@@ -7,6 +7,15 @@ Memory (SPEC §3): weights and trainable state only -- activations and the gener
 reported separately (``kvCacheGB`` for one group, ``samplingGB`` for the step's completions,
 ``updateGB`` for one micro-batch of the update) and accounted for by ``fits``. Decimal gigabytes (1e9 bytes).
 
+Sampled by vLLM colocated (``sampler="colocate"``; docs/sampling.md), the engine holds
+``gpuMemoryUtilization`` of the card (``engineGB``: its own 16-bit copy of the weights, the
+adapter, its KV cache) while the step samples, and sleeps during the update (level 1: weights to
+the host, KV cache dropped), so ``neededGB`` is the trainer's weights and state plus the larger
+of the engine's share and the update. The share must hold the engine's weights
+(``engineWeightsGB``) and one whole sequence's KV cache, or vLLM refuses to start: then ``fits``
+is False. As a server (``sampler="server"``) the engine is on another GPU: nothing of it here,
+and the trainer holds no KV cache of its own.
+
 - frozen base weights: 2 bytes/param (16-bit) for LoRA, 0.5 bytes/param (NF4) for QLoRA;
 - trained parameters: 16 bytes/param, mixed-precision Adam as counted in the ZeRO paper
   (16-bit weight + 16-bit gradient + fp32 master weight, momentum and variance). For a full
@@ -287,6 +296,11 @@ class MemoryEstimate:
     reward_models_gb: float = 0.0  # the reward models' weights (bf16), resident the whole run
     scoring_gb: float = 0.0        # the reward models' forward over one step's completions
     fsdp_shards: int = 1           # a full fine-tune sharded over this many GPUs: the figures are one GPU's
+    sampler: str = "native"        # native | colocate (vLLM on this GPU) | server (vLLM on another)
+    engine_gb: float | None = None          # colocate on a named card: gpuMemoryUtilization x its memory
+    engine_weights_gb: float = 0.0          # colocate: the engine's 16-bit weights and the adapter
+    engine_kv_gb: float | None = None       # colocate: what the share leaves the engine for its KV cache
+    engine_min_kv_gb: float = 0.0           # colocate: one whole sequence's KV cache, the least vLLM starts with
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -307,7 +321,20 @@ class MemoryEstimate:
             **({"rewardModelsGB": self.reward_models_gb, "scoringGB": self.scoring_gb}
                if self.reward_models_gb else {}),
             **({"fsdpShards": self.fsdp_shards} if self.fsdp_shards > 1 else {}),
+            **({"engine": self._engine()} if self.sampler != "native" else {}),
         }
+
+    def _engine(self) -> dict[str, Any]:
+        if self.sampler == "server":
+            return {"sampler": "vllm", "mode": "server", "onThisGPU": False}
+        return {"sampler": "vllm", "mode": "colocate", "engineGB": self.engine_gb,
+                "engineWeightsGB": self.engine_weights_gb, "engineKvCacheGB": self.engine_kv_gb,
+                "minKvCacheGB": self.engine_min_kv_gb}
+
+    @property
+    def engine_cannot_start(self) -> bool:
+        """Colocated vLLM whose share of the card cannot hold its weights and one sequence's KV cache."""
+        return self.engine_kv_gb is not None and self.engine_kv_gb < self.engine_min_kv_gb
 
 
 def memory_estimate(
@@ -326,6 +353,8 @@ def memory_estimate(
     gpu: str | Gpu | None = None,
     reward_models: Sequence[Mapping[str, Any]] = (),
     shards: int = 1,
+    sampler: str = "native",
+    engine_share: float = 0.3,
 ) -> MemoryEstimate:
     """Memory for weights and trainable state of one run, from a HF ``config.json`` dict.
 
@@ -336,7 +365,9 @@ def memory_estimate(
     the job names (reward_model_memory), counted in ``neededGB``. ``shards``: the GPUs a full
     fine-tune is sharded over with FSDP (one per process); the figures are then one GPU's, its
     trainable state the whole weights and gradients plus 1/shards of the rest (a LoRA or QLoRA
-    adapter is replicated: ignored).
+    adapter is replicated: ignored). ``sampler``: ``native`` (the trainer decodes), ``colocate``
+    (vLLM on this GPU, holding ``engine_share`` of it: spec.parameters.vllm.gpuMemoryUtilization)
+    or ``server`` (vLLM on another GPU); see the module docstring.
 
     Raises ValueError for an unknown method, GPU or LoRA target, a non-positive rank, group
     size or completion length, a negative beta or prompt length, and a config without the
@@ -391,7 +422,23 @@ def memory_estimate(
     scorers = [reward_model_memory(c, sequences=completions, seq_tokens=seq_tokens) for c in reward_models]
     scorer_weights = sum((w for w, _ in scorers), Decimal("0.00"))
     scoring = max((f for _, f in scorers), default=Decimal("0.0"))
-    needed = total + scorer_weights + max(sampling, update, scoring)
+    engine = engine_kv = None
+    engine_weights = min_kv = Decimal("0.00")
+    if sampler == "colocate":
+        # the engine's copy: every weight at 16 bits (QLoRA is not handed to vLLM), the adapter too
+        engine_weights = _gb(quoted, Decimal(2), "0.01") + _gb(quoted_count(trainable) if method != "Full" else 0,
+                                                                Decimal(2), "0.01")
+        min_kv = _gb(kv_per_token * seq_tokens, Decimal(1), "0.01")
+        if card is not None:
+            engine = (Decimal(str(engine_share)) * Decimal(str(card.memory_gb))).quantize(
+                Decimal("0.1"), rounding=ROUND_HALF_UP)
+            engine_kv = engine - engine_weights
+    if sampler == "native":
+        needed = total + scorer_weights + max(sampling, update, scoring)
+    else:
+        # the engine samples: colocated, its share while it is awake (asleep during the update);
+        # as a server, elsewhere
+        needed = total + scorer_weights + max(engine or Decimal(0), update, scoring)
 
     return MemoryEstimate(
         parameters=parameters,
@@ -408,7 +455,13 @@ def memory_estimate(
         reward_models_gb=float(scorer_weights),
         scoring_gb=float(scoring),
         needed_gb=float(needed),
-        fits=None if card is None else fits(float(needed), card),
+        fits=None if card is None else fits(float(needed), card) and not (
+            engine_kv is not None and engine_kv < min_kv),
         fsdp_shards=shards if method == "Full" and shards > 1 else 1,
+        sampler=sampler,
+        engine_gb=None if engine is None else float(engine),
+        engine_weights_gb=float(engine_weights),
+        engine_kv_gb=None if engine_kv is None else float(engine_kv),
+        engine_min_kv_gb=float(min_kv),
     )
 

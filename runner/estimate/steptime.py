@@ -34,6 +34,13 @@ training, some completion of B x G nearly always runs to the limit; the update p
 micro-batch to its longest. Every completion is counted as learning (groups whose rewards are
 all equal are skipped by the update): an upper bound.
 
+Sampled by vLLM (``StepWork.engine``): the same roofline for every pass, but CUDA graphs replace
+eager PyTorch's per-layer kernel launches with one fixed cost a pass, VLLM_PASS_SECONDS (the
+engine's scheduler, sampler and graph replay). It is fitted to one published figure, vLLM
+sampling Qwen3-0.6B at 8,588 output tokens/s on an H100 (VLLM_ANCHOR; issue 32's anchor, which
+bench/gpu_check.py measures against), read as the reference job's 32 sequences of 64 tokens:
+about 1.7 ms a pass. Whether the engine is colocated or a server, the step waits for it.
+
 Calibration. The constants are fitted to SPEC §3's reference step times -- a reference runtime's
 own measured runs of the reference job, SPEC §2's example: Qwen3-0.6B, graph-coloring,
 numGenerations 4, maxCompletionLength 64, LoRA r=8, beta 0, and the defaults it leaves out
@@ -63,6 +70,8 @@ __all__ = [
     "CALIBRATION",
     "COMPUTE_EFFICIENCY",
     "LAUNCH_SECONDS",
+    "VLLM_ANCHOR",
+    "VLLM_PASS_SECONDS",
     "MEMORY_EFFICIENCY",
     "QWEN3_0_6B",
     "REFERENCE_WORK",
@@ -101,6 +110,7 @@ class StepWork:
     beta: float = 0.0
     gradient_checkpointing: bool = True
     scorers: tuple[ModelShape, ...] = ()   # the reward models' shapes (scored once per step)
+    engine: str = "native"         # what samples: native (eager PyTorch) | vllm
 
     @property
     def sequences(self) -> int:
@@ -148,24 +158,35 @@ def _kv_bytes_per_token(shape: ModelShape) -> int:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * _KV_BYTES
 
 
+def _roofline(gpu: Gpu, read: float, flops: float) -> float:
+    """A pass's reads or its matmuls, whichever is slower."""
+    return max(read / (gpu.memory_bandwidth * MEMORY_EFFICIENCY), flops / (gpu.bf16_flops * COMPUTE_EFFICIENCY))
+
+
 def _pass_seconds(shape: ModelShape, gpu: Gpu, read: float, flops: float) -> float:
-    """One forward pass of a batch, as a roofline: its reads or its matmuls, whichever is slower,
-    after the layers' kernel launches."""
-    return LAUNCH_SECONDS * shape.layers + max(read / (gpu.memory_bandwidth * MEMORY_EFFICIENCY),
-                                               flops / (gpu.bf16_flops * COMPUTE_EFFICIENCY))
+    """One eager forward pass of a batch: the roofline after the layers' kernel launches."""
+    return LAUNCH_SECONDS * shape.layers + _roofline(gpu, read, flops)
+
+
+def _decode_rooflines(shape: ModelShape, method: str, sequences: int, prompt_tokens: float, new_tokens: int,
+                      gpu: Gpu) -> tuple[float, float]:
+    """(the prefill's roofline, one decode pass's) for decode_seconds."""
+    weights = weight_bytes(shape, method)
+    prefill = _roofline(gpu, weights, sequences * prompt_tokens * forward_flops_per_token(shape, prompt_tokens / 2))
+    context = prompt_tokens + (new_tokens + 1) / 2
+    step = _roofline(gpu, weights + sequences * context * _kv_bytes_per_token(shape),
+                     sequences * forward_flops_per_token(shape, context))
+    return prefill, step
 
 
 def decode_seconds(shape: ModelShape, method: str, sequences: int, prompt_tokens: float, new_tokens: int,
-                   gpu: Gpu) -> float:
+                   gpu: Gpu, engine: str = "native") -> float:
     """Seconds to prefill `sequences` prompts of `prompt_tokens` and decode `new_tokens` tokens of
-    each, batched (uncalibrated). The KV cache is read at the mean context of the decode."""
-    weights = weight_bytes(shape, method)
-    prefill = _pass_seconds(shape, gpu, weights,
-                            sequences * prompt_tokens * forward_flops_per_token(shape, prompt_tokens / 2))
-    context = prompt_tokens + (new_tokens + 1) / 2
-    step = _pass_seconds(shape, gpu, weights + sequences * context * _kv_bytes_per_token(shape),
-                         sequences * forward_flops_per_token(shape, context))
-    return prefill + new_tokens * step
+    each, batched (uncalibrated), by `engine` (native | vllm). The KV cache is read at the mean
+    context of the decode."""
+    prefill, step = _decode_rooflines(shape, method, sequences, prompt_tokens, new_tokens, gpu)
+    per_pass = VLLM_PASS_SECONDS if engine == "vllm" else LAUNCH_SECONDS * shape.layers
+    return (1 + new_tokens) * per_pass + prefill + new_tokens * step
 
 
 def update_seconds(work: StepWork, gpu: Gpu) -> float:
@@ -186,7 +207,7 @@ def score_seconds(scorer: ModelShape, sequences: int, tokens: float, gpu: Gpu) -
 
 def _uncalibrated(work: StepWork, gpu: Gpu) -> tuple[float, float]:
     sample = decode_seconds(work.shape, work.method, work.sequences, work.prompt_tokens,
-                            work.completion_tokens, gpu)
+                            work.completion_tokens, gpu, work.engine)
     length = work.prompt_tokens + work.completion_tokens
     scoring = sum(score_seconds(s, work.sequences, length, gpu) for s in work.scorers)
     return sample, update_seconds(work, gpu) + scoring
@@ -210,6 +231,22 @@ CALIBRATION = MappingProxyType({
 })
 
 
+# vLLM's published rate for Qwen3-0.6B on an H100 (output tokens/s), read as the reference job's
+# sequences and completion length; VLLM_PASS_SECONDS is what makes the calibrated model say it.
+VLLM_ANCHOR = MappingProxyType({"tokensPerSecond": 8588, "gpu": "H100", "model": "Qwen3-0.6B"})
+
+
+def _vllm_pass_seconds() -> float:
+    work, gpu = REFERENCE_WORK, GPUS[VLLM_ANCHOR["gpu"]]
+    target = work.sequences * work.completion_tokens / VLLM_ANCHOR["tokensPerSecond"] / CALIBRATION[gpu.name]
+    prefill, step = _decode_rooflines(work.shape, work.method, work.sequences, work.prompt_tokens,
+                                      work.completion_tokens, gpu)
+    return (target - prefill - work.completion_tokens * step) / (1 + work.completion_tokens)
+
+
+VLLM_PASS_SECONDS = _vllm_pass_seconds()
+
+
 def step_time(work: StepWork, gpu: Gpu) -> StepTime:
     """One step of `work` on `gpu`: sampling and update, and the card's calibration."""
     sample, update = _uncalibrated(work, gpu)
@@ -217,7 +254,8 @@ def step_time(work: StepWork, gpu: Gpu) -> StepTime:
 
 
 def eval_seconds(shape: ModelShape, method: str, *, tasks: int, batch_size: int, prompt_tokens: float,
-                 completion_tokens: int, gpu: Gpu, scorers: tuple[ModelShape, ...] = ()) -> float:
+                 completion_tokens: int, gpu: Gpu, scorers: tuple[ModelShape, ...] = (),
+                 engine: str = "native") -> float:
     """One evaluation: `tasks` held-out prompts, one greedy completion each, `batch_size` at a
     time, each batch decoding to `completion_tokens` and scored by each reward model
     (calibrated like a step)."""
@@ -225,7 +263,7 @@ def eval_seconds(shape: ModelShape, method: str, *, tasks: int, batch_size: int,
         return 0.0
 
     def batch(n: int) -> float:
-        return decode_seconds(shape, method, n, prompt_tokens, completion_tokens, gpu) + sum(
+        return decode_seconds(shape, method, n, prompt_tokens, completion_tokens, gpu, engine) + sum(
             score_seconds(s, n, prompt_tokens + completion_tokens, gpu) for s in scorers)
 
     full, rest = divmod(tasks, batch_size)

@@ -74,6 +74,8 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
         lines.append(f"  card        {gpu} is not in the table: the slowest listed figures with bf16 tensor cores stand "
                      f"in ({STAND_IN[0] / 1e12:g} TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s), an upper bound; give yours as "
                      "spec.pricing.bf16TFLOPS and memoryBandwidthGBps")
+    if est.get("engineStartSeconds"):
+        lines.append(f"  vLLM start  {duration(est['engineStartSeconds'])} once, ${est['engineStartUSD']:.2f}")
     if model and model.get("cardNote"):
         lines.append(f"  card        {model['cardNote']}")
     lines += _judge_lines(est)
@@ -135,17 +137,21 @@ def _modelled(est: dict[str, Any], model: dict[str, Any]) -> str:
     """The model of a step's own figure, where it is not the step time shown."""
     if not model:
         return ""
+    by = " by vLLM" if est.get("sampler") == "vllm" else ""
     if est["stepSecondsSource"] == "model":
-        return f"{model['samplingShare']:.0%} of it sampling; "
-    return f"modelled: {model['seconds']:g} s, {model['samplingShare']:.0%} of it sampling; "
+        return f"{model['samplingShare']:.0%} of it sampling{by}; "
+    return f"modelled: {model['seconds']:g} s, {model['samplingShare']:.0%} of it sampling{by}; "
 
 
 def _fit_line(est: dict[str, Any]) -> str:
     scorers = est["memory"].get("rewardModelsGB") or 0.0
     line = _fit(est)
     shards = est["memory"].get("fsdpShards")
+    engine = est["memory"].get("engine") or {}
     return ((f"per GPU (Full sharded over {shards} with FSDP): " if shards else "") + line
-            + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else ""))
+            + (f"; the reward models' weights are {scorers:.2f} GB of it" if scorers else "")
+            + (f"; vLLM's share (gpuMemoryUtilization) is {engine['engineGB']:.1f} GB of it while sampling"
+               if engine.get("engineGB") else "; vLLM samples on its server's GPU" if engine else ""))
 
 
 def _fit(est: dict[str, Any]) -> str:
