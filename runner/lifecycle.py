@@ -31,7 +31,7 @@ from pathlib import Path
 from grpo_run.checkpoint.storage.lease import LEASE_KEY, Lease, LeaseHeld
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.home import home, job_store_url, work_dir
-from grpo_run.state.phases import FINISHED, Phase
+from grpo_run.state.phases import FINISHED, AttemptEnd, Phase
 from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401
 from grpo_run.state.record import RECORD_FILE, Record
 
@@ -83,7 +83,7 @@ def cancel_job(name: str, storage: str | None) -> Cancelled:
                 was = books.record.job()["phase"]
                 if was in FINISHED:
                     return Cancelled("finished", str(was))
-                books.finish(Phase.CANCELLED, "Cancelled", f"cancelled by {by} while {was}; no node runs it again")
+                books.finish(Phase.CANCELLED, AttemptEnd.CANCELLED, f"cancelled by {by} while {was}; no node runs it again")
             finally:
                 books.close()
     finally:

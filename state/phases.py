@@ -20,6 +20,19 @@ class Phase(str, enum.Enum):
         return self.value
 
 
+class AttemptEnd(str, enum.Enum):
+    """How one attempt (one trainer process under one supervisor) ended: the record's attempts.reason."""
+    SUCCEEDED = "Succeeded"             # the job succeeded in it
+    FAILED = "Failed"                   # the job failed in it: an error restarting cannot mend
+    CRASHED = "Crashed"                 # the trainer died, hung or lost its node; the next attempt restarts it
+    PREEMPTED = "Preempted"             # a spot notice (or SIGTERM, or a stop) ended it at a durable step
+    BUDGET_EXCEEDED = "BudgetExceeded"  # maxCostUSD reached
+    CANCELLED = "Cancelled"             # `grpo-run cancel`
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _ACTIVE = (Phase.BASELINE_EVAL, Phase.TRAINING, Phase.FINAL_EVAL)
 _STOPPED = (Phase.FAILED, Phase.PREEMPTED, Phase.BUDGET_EXCEEDED)
 STOPPED = _STOPPED                                      # ended without succeeding: resume may continue it

@@ -33,7 +33,7 @@ import sqlite_utils
 
 from grpo_run.checkpoint.storage.fsio import fsync_dir, fsync_file
 from grpo_run.state.migrations import MIGRATIONS
-from grpo_run.state.phases import ALLOWED_TRANSITIONS, InvalidTransition, Phase
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, AttemptEnd, InvalidTransition, Phase
 
 RECORD_FILE = "state.db"     # the record's name, in a job's work folder and in its storage folder
 
@@ -154,13 +154,12 @@ class Record:
                 {"node": node, "started": utc_now(), "ended": None, "reason": None,
                  "message": "", "from_step": from_step}).last_pk
 
-    def end_attempt(self, attempt_id: int, reason: str, message: str = "", notice: str | None = None) -> None:
-        """Close an attempt with a reason: "Succeeded", "Preempted", "Failed", "Crashed",
-        "BudgetExceeded", ... and, for a preemption, the notice's source (aws, gcp, azure, signal).
-        Raises ValueError for an unknown id, an empty reason, or an attempt already ended with
-        another reason (ending it again the same way is a no-op)."""
-        if not reason:
-            raise ValueError("attempt reason must not be empty")
+    def end_attempt(self, attempt_id: int, reason: AttemptEnd, message: str = "", notice: str | None = None) -> None:
+        """Close an attempt with its reason (state.phases.AttemptEnd) and, for a preemption, the
+        notice's source (aws, gcp, azure, signal). Raises ValueError for an unknown id, a reason
+        that is not an AttemptEnd, or an attempt already ended with another reason (ending it
+        again the same way is a no-op)."""
+        reason = AttemptEnd(reason)        # ValueError for any other string
         with self._write():
             rows = list(self.db["attempts"].rows_where("id = ?", [attempt_id]))
             if not rows:
@@ -174,7 +173,7 @@ class Record:
                                              [rows[0]["started"]]).fetchall()
             if to_step is None:
                 to_step = rows[0]["from_step"]
-            self.db["attempts"].update(attempt_id, {"ended": utc_now(), "reason": reason,
+            self.db["attempts"].update(attempt_id, {"ended": utc_now(), "reason": reason.value,
                                                     "message": message, "to_step": to_step,
                                                     "notice": notice})
 

@@ -33,7 +33,7 @@ from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.samples import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
-from grpo_run.state.phases import ALLOWED_TRANSITIONS, Phase
+from grpo_run.state.phases import ALLOWED_TRANSITIONS, AttemptEnd, Phase
 from grpo_run.state.record import RECORD_FILE, Record
 from grpo_run.trainer.protocol import Budget
 
@@ -271,7 +271,7 @@ class Books:
         self.record.set_phase(phase)
         self.sync(wait=True)
 
-    def finish(self, phase: Phase, reason: str, message: str, notice: str | None = None) -> None:
+    def finish(self, phase: Phase, reason: AttemptEnd, message: str, notice: str | None = None) -> None:
         """The attempt (if one still runs: a crashed one was ended before its restart) ends as
         `reason` and the job moves to `phase`, in one transaction; returns once storage has the
         record."""
@@ -290,7 +290,7 @@ class Books:
             attempt = self.ledger.attempt
             if attempt is not None and any(a["id"] == attempt and a["ended"] is None for a in self.record.attempts()):
                 self.ledger.write()
-                self.record.end_attempt(attempt, "Failed", message)
+                self.record.end_attempt(attempt, AttemptEnd.FAILED, message)
             current = self.record.job()["phase"]
             if current == Phase.FAILED or Phase.FAILED in ALLOWED_TRANSITIONS[current]:
                 self.record.set_phase(Phase.FAILED, message)
@@ -314,7 +314,7 @@ class Books:
             if a["ended"] is None:
                 with self.record.transaction():
                     self.ledger.charge_lost(a)
-                    self.record.end_attempt(a["id"], "Crashed", NODE_LOST)
+                    self.record.end_attempt(a["id"], AttemptEnd.CRASHED, NODE_LOST)
 
     def lost_without_progress(self) -> tuple[int, int]:
         """(how many, from which step): the newest attempts, in a row, whose node was lost (closed
@@ -324,7 +324,7 @@ class Books:
         completed a step ends the run."""
         count, start = 0, None
         for a in reversed(self.record.attempts()):
-            if a["reason"] != "Crashed" or a["message"] != NODE_LOST or (a["to_step"] or 0) > (a["from_step"] or 0):
+            if a["reason"] != AttemptEnd.CRASHED or a["message"] != NODE_LOST or (a["to_step"] or 0) > (a["from_step"] or 0):
                 break
             if start is not None and (a["from_step"] or 0) != start:
                 break
@@ -336,7 +336,7 @@ class Books:
         """How many of the newest attempts, in a row, ended Preempted without completing a step."""
         count = 0
         for a in reversed(self.record.attempts()):
-            if a["reason"] != "Preempted" or (a["to_step"] or 0) > (a["from_step"] or 0):
+            if a["reason"] != AttemptEnd.PREEMPTED or (a["to_step"] or 0) > (a["from_step"] or 0):
                 break
             count += 1
         return count
@@ -355,7 +355,7 @@ class Books:
         self._first_step_due = True
         return attempt
 
-    def end_attempt(self, reason: str, message: str = "", notice: str | None = None) -> None:
+    def end_attempt(self, reason: AttemptEnd, message: str = "", notice: str | None = None) -> None:
         with self.record.transaction():
             self.ledger.write()
             self.record.end_attempt(self.ledger.attempt, reason, message, notice)

@@ -35,16 +35,17 @@ from grpo_run.checkpoint.storage.retry import backoff, nth_wait
 from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
-from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
+from grpo_run.runner.exits import EXIT_HELD, EXIT_OK
 from grpo_run.runner.supervisor.cancel import cancel_requested
 from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
 from grpo_run.runner.supervisor.attempt import CheckpointRequest, SamplerUnavailable, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
+from grpo_run.runner.supervisor.endings import ENDINGS, End
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
 from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
-from grpo_run.state.phases import InvalidTransition, Phase
+from grpo_run.state.phases import AttemptEnd, InvalidTransition
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,7 @@ class Supervisor:
                    f"that sends the supervisor SIGTERM looks the same (see the attempts: grpo-run get tj "
                    f"{self.spec.name} -o yaml); `grpo-run resume {self.spec.name}` tries again")
         self.books.start_attempt(node_name(), from_step=self.books.record.attempts()[-1]["to_step"] or 0)
-        self.books.finish(Phase.FAILED, "Failed", message)
-        return SupervisorResult(EXIT_FAILED, message)
+        return self._end(End.FAILED, message)
 
     def _fail_inconsistent(self, e: InvalidTransition) -> SupervisorResult:
         """The record cannot move where the run is (e.g. Pending -> Succeeded: a record replayed or
@@ -193,7 +193,7 @@ class Supervisor:
         if self._trainer is not None:
             self._trainer.kill()
         self.books.abandon(message)
-        return SupervisorResult(EXIT_FAILED, message)
+        return SupervisorResult(ENDINGS[End.FAILED].exit_code, message)
 
     def _fail_poison(self, lost: int, step: int) -> SupervisorResult:
         """The job's newest attempts all lost their node before completing a step, each from the
@@ -205,8 +205,7 @@ class Supervisor:
                    f"step that hangs); see the attempts (grpo-run get tj {self.spec.name} -o yaml) and the "
                    f"node's kernel log (OOM kills), fix it, then `grpo-run resume {self.spec.name}` tries again")
         self.books.start_attempt(node_name(), from_step=step)
-        self.books.finish(Phase.FAILED, "Failed", message)
-        return SupervisorResult(EXIT_FAILED, message)
+        return self._end(End.FAILED, message)
 
     def _attempts(self, monitor: NoticeMonitor) -> SupervisorResult:
         """Attempts until one ends the job: one that ends in a way worth another (_Restart) is
@@ -221,16 +220,14 @@ class Supervisor:
                 restarts[why.kind] += 1
                 limit = getattr(self.limits, why.kind)
                 if restarts[why.kind] > limit:
-                    message = f"{why}; {why.kind} restart limit ({limit}) reached"
-                    self.books.finish(Phase.FAILED, "Crashed", message)
-                    return SupervisorResult(EXIT_FAILED, message)
+                    return self._end(End.CRASHED_OUT, f"{why}; {why.kind} restart limit ({limit}) reached")
                 delay = nth_wait(wait, sum(restarts.values()))
                 log.warning("%s; restart %d of %d (%s) in %.0f s", why, restarts[why.kind], limit, why.kind, delay)
                 self._sleep(delay)
                 if self.preempt.is_set():
                     source = _source(monitor)
-                    self._finish_preempted(source, f"notice from {source} between attempts")
-                    return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=self.durability.durable)
+                    return self._end(End.PREEMPTED, f"notice from {source} between attempts", notice=source,
+                                     durable_step=self.durability.durable)
 
     def _attempt(self, monitor: NoticeMonitor) -> SupervisorResult:
         """One trainer process, from restoring its checkpoint to recording how it ended. Raises
@@ -246,18 +243,15 @@ class Supervisor:
             since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
                 if monitor.notice else 0.0
             self.books.record_notice(source, since, durable)
-            self._finish_preempted(source, f"notice from {source} while restoring; nothing to save, "
-                                           f"step {durable} stays durable")
-            return SupervisorResult(EXIT_PREEMPTED, notice=source, durable_step=durable)
+            return self._end(End.PREEMPTED, f"notice from {source} while restoring; nothing to save, step {durable} "
+                                            f"stays durable", notice=source, durable_step=durable)
         self.books.start_attempt(node_name(), from_step=start)
         trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
                                                  checkpoints=self._checkpoints, wake=self._wake)
         try:
             trainer.start(start, progress=self.progress)
         except SamplerUnavailable as e:
-            message = str(e)
-            self.books.finish(Phase.FAILED, "Failed", message)
-            return SupervisorResult(EXIT_FAILED, message)
+            return self._end(End.FAILED, str(e))
         budget = self.books.budget()
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
             wait_awake(self._wake, AWAKE_S)  # awake enough for a SIGTERM the kernel gave another thread
@@ -287,8 +281,7 @@ class Supervisor:
         message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}: the trainer went "
                    f"{BUDGET_GRACE_S:.0f} s past it without stopping itself, so the supervisor stopped it after step "
                    f"{step}, durable (resume with a larger budget)")
-        self.books.finish(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
-        return SupervisorResult(EXIT_BUDGET, message, durable_step=step)
+        return self._end(End.BUDGET_EXCEEDED, message, durable_step=step)
 
     def _hung(self, trainer: TrainerProcess, silent: float) -> SupervisorResult:
         """The trainer went `silent` seconds without an event, past its watchdog's bound: killed
@@ -300,7 +293,7 @@ class Supervisor:
         log.error("%s", message)
         trainer.kill_session()
         trainer.done.wait()
-        self.books.end_attempt("Crashed", message)
+        self.books.end_attempt(AttemptEnd.CRASHED, message)
         raise _Restart("crashes", message)
 
     def _ended(self, trainer: TrainerProcess) -> SupervisorResult:
@@ -313,20 +306,16 @@ class Supervisor:
         if out.how in ("stopped", "deadline") and fatal is None:
             step = self.durability.wait()
             if out.how == "deadline":
-                message = (f"spent ${self.books.spent_usd():.4f} of maxCostUSD ${self.spec.max_cost_usd}; "
-                           f"stopped after step {out.step} with a checkpoint (resume with a larger budget)")
-                self.books.finish(Phase.BUDGET_EXCEEDED, "BudgetExceeded", message)
-                return SupervisorResult(EXIT_BUDGET, message, durable_step=step)
-            message = f"stopped after step {step}; resume continues from there"
-            self.books.finish(Phase.PREEMPTED, "Preempted", message)
-            return SupervisorResult(EXIT_PREEMPTED, message, durable_step=step)
+                return self._end(End.BUDGET_EXCEEDED, f"spent ${self.books.spent_usd():.4f} of maxCostUSD "
+                                 f"${self.spec.max_cost_usd}; stopped after step {out.step} with a checkpoint (resume "
+                                 f"with a larger budget)", durable_step=step)
+            return self._end(End.PREEMPTED, f"stopped after step {step}; resume continues from there", durable_step=step)
         if fatal is None and out.how == "crashed":
-            self.books.end_attempt("Crashed", out.message)
+            self.books.end_attempt(AttemptEnd.CRASHED, out.message)
             raise _Restart("crashes", out.message)
         message = str(fatal) if fatal is not None else out.message if out.how != "disk full" else \
             disk_full_message(self.work, out.message, self.durability.durable)
-        self.books.finish(Phase.FAILED, "Failed", message)
-        return SupervisorResult(EXIT_FAILED, message, code_error=fatal is None and out.how == "code error")
+        return self._end(End.FAILED, message, code_error=fatal is None and out.how == "code error")
 
     def _succeeded(self, trainer: TrainerProcess, **notice: Any) -> SupervisorResult:
         final = trainer.last_words.final
@@ -338,8 +327,7 @@ class Supervisor:
         b, f = self.books.evaluation("baseline"), self.books.evaluation("final")
         self.books.update_reward_signal()
         message = f"final held-out reward {f['meanReward']:.3f} (baseline {b['meanReward']:.3f})" if b and f else ""
-        self.books.finish(Phase.SUCCEEDED, "Succeeded", message)
-        return SupervisorResult(EXIT_OK, message, **notice)
+        return self._end(End.SUCCEEDED, message, **notice)
 
     def _preempted(self, monitor: NoticeMonitor, trainer: TrainerProcess) -> SupervisorResult:
         """A notice: stop the trainer inside the window, make the newest sealed checkpoint
@@ -356,15 +344,24 @@ class Supervisor:
         if trainer.outcome().how == "done":     # it finished before it heard
             return self._succeeded(trainer, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
-        self._finish_preempted(source, f"notice from {source}; stopped after step {durable}, durable; resume "
-                                       f"continues from there")
-        return SupervisorResult(EXIT_PREEMPTED, **notice)
+        return self._end(End.PREEMPTED, f"notice from {source}; stopped after step {durable}, durable; resume "
+                                        f"continues from there", **notice)
 
-    def _finish_preempted(self, source: str, message: str) -> None:
-        """The attempt ends Preempted: the record's last write, inside the notice window."""
-        self.window.last_write("the preempted attempt",
-                               lambda: self.books.finish(Phase.PREEMPTED, "Preempted", message, notice=source),
-                               lambda: self.books.sync(wait=True))
+    def _end(self, end: End, message: str, *, notice: str | None = None, **result: Any) -> SupervisorResult:
+        """The one place a run ends: the last attempt's reason and the job's phase from ENDINGS,
+        written in one transaction and sent to storage, and the supervisor's result with the
+        table's exit status. After a notice (`notice`: its source) the record is the last write
+        inside the notice window (window.last_write: tried again while time is left)."""
+        row = ENDINGS[end]
+
+        def finish() -> None:      # a notice's source is kept with the attempt it preempted
+            self.books.finish(row.phase, row.attempt, message, notice=notice if end is End.PREEMPTED else None)
+
+        if notice is not None and end is End.PREEMPTED:
+            self.window.last_write("the preempted attempt", finish, lambda: self.books.sync(wait=True))
+        else:
+            finish()
+        return SupervisorResult(row.exit_code, message, notice=notice, **result)
 
     def _check_cancel(self) -> None:
         """Whether `grpo-run cancel` has asked (runner.lifecycle), called where the supervisor
@@ -389,9 +386,8 @@ class Supervisor:
 
     def _cancelled(self, durable: int) -> SupervisorResult:
         """The job ends as Cancelled, its newest checkpoint (step `durable`) in storage."""
-        message = f"cancelled by {self._cancelled_by}; stopped after step {durable}, durable"
-        self.books.finish(Phase.CANCELLED, "Cancelled", message)
-        return SupervisorResult(EXIT_CANCELLED, message, durable_step=durable)
+        return self._end(End.CANCELLED, f"cancelled by {self._cancelled_by}; stopped after step {durable}, durable",
+                         durable_step=durable)
 
     def _storage_refused(self, error: BaseException) -> None:
         """A storage configuration error (durability.fatal): the trainer stops, the run fails."""

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run.state import values
+from grpo_run.state.phases import AttemptEnd
 from grpo_run.state.record import Record
 
 SMOOTH_FROM = 50          # steps from which a panel shows a trailing mean over faint raw points
-REASONS = {"Preempted": "preempted", "Crashed": "crashed", "BudgetExceeded": "budget reached",
-           "Failed": "failed"}
+REASONS = {AttemptEnd.PREEMPTED: "preempted", AttemptEnd.CRASHED: "crashed",
+           AttemptEnd.BUDGET_EXCEEDED: "budget reached", AttemptEnd.FAILED: "failed",
+           AttemptEnd.CANCELLED: "cancelled"}
 
 
 def gather(record: Record) -> dict[str, Any]:
@@ -59,17 +61,18 @@ def boundaries(attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     came yet), "resumedFrom" (the next attempt's checkpoint, None when none came yet)}."""
     out = []
     for i, a in enumerate(attempts):
-        if a["reason"] == "Succeeded" or a["ended"] is None:
-            continue                      # the run's end, or the attempt running now
+        if a["ended"] is None or AttemptEnd(a["reason"]) is AttemptEnd.SUCCEEDED:
+            continue                      # the attempt running now, or the run's end
+        reason = AttemptEnd(a["reason"])
         step = a["to_step"] if a["to_step"] is not None else (a["from_step"] or 0)
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
         resumed = None if nxt is None else (nxt["from_step"] or 0)
         if resumed is not None and resumed > step:   # a node lost before its record was stored:
             step = resumed                          # it got at least as far as the checkpoint
-        label = REASONS.get(a["reason"], a["reason"].lower())
-        if a["reason"] == "Preempted" and a.get("notice"):
+        label = REASONS[reason]
+        if reason is AttemptEnd.PREEMPTED and a.get("notice"):
             label += f" ({a['notice']})"
-        out.append({"attempt": a["id"], "step": step, "reason": a["reason"], "label": label,
+        out.append({"attempt": a["id"], "step": step, "reason": reason, "label": label,
                     "redone": max(0, step - resumed) if resumed is not None else 0, "resumedFrom": resumed})
     return out
 
@@ -263,7 +266,7 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
 def _redone(cut: dict[str, Any]) -> str:
     """Steps redone after a boundary; after a node lost without a word it is a lower bound: the
     steps it did after the record last reached storage are not known."""
-    return f">= {cut['redone']}" if cut["reason"] == "Crashed" else str(cut["redone"])
+    return f">= {cut['redone']}" if cut["reason"] is AttemptEnd.CRASHED else str(cut["redone"])
 
 
 def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
@@ -279,7 +282,7 @@ def _title(run: dict[str, Any], cuts: list[dict[str, Any]]) -> str:
     n = len(run["attempts"])
     parts.append(f"{n} attempt{'s' if n != 1 else ''}")
     if cuts:
-        lower = any(c["reason"] == "Crashed" for c in cuts)     # a lost node's unseen steps are not counted
+        lower = any(c["reason"] is AttemptEnd.CRASHED for c in cuts)     # a lost node's unseen steps are not counted
         redone = sum(c["redone"] for c in cuts)
         parts[-1] += f", {'at least ' if lower else ''}{redone} step{'' if redone == 1 else 's'} redone"
     return "; ".join(parts)
@@ -320,7 +323,7 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
         usd_a = run["ledger"].get(str(a["id"]), {}).get("usd", 0.0)
         lines.append(f"| {a['id']} | {a['node']} | {a['started'][:19]} | {(a['ended'] or '')[:19]} | {why} | "
                      f"{span} | {_redone(cut) if cut else 0} | {usd_a:.4f} |")
-        if cut and cut["reason"] == "Crashed":
+        if cut and cut["reason"] is AttemptEnd.CRASHED:
             notes.append(f"Attempt {a['id']}'s node was lost without a word: its steps and spend are those its "
                          "record had in storage (uploaded after a durable checkpoint, at most every 2 s, "
                          "and every 10 s); what it did after that is not known, so its redone steps are a lower bound.")
