@@ -14,6 +14,7 @@ is trainer.protocol; this is the supervisor's side of it:
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Mapping
 
 from grpo_run.checkpoint.procs import python_env
 from grpo_run.checkpoint.storage.fsio import atomic_write_bytes
@@ -95,9 +96,24 @@ class LastWords:
     final: Final | None = None
 
 
+class How(str, enum.Enum):
+    """How a trainer process ended (Outcome.how)."""
+    DONE = "done"                       # trained and evaluated: its final weights are sealed
+    STOPPED = "stopped"                 # stopped when asked (a notice, a cancel), at a completed step
+    DEADLINE = "deadline"               # stopped itself before a step would pass maxCostUSD
+    DISK_FULL = "disk full"             # the work folder's disk is full: restarting cannot help
+    CODE_ERROR = "code error"           # the job's own code failed (a reward): the same input fails the same way
+    INFRASTRUCTURE = "infrastructure"   # a service the run calls (a judge) did not answer
+    CRASHED = "crashed"                 # died, was killed, or raised unexpectedly
+    BROKEN = "broken"                   # disagreed with the job's record: nothing it did after is trusted
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Outcome:
-    how: Literal["done", "stopped", "deadline", "disk full", "code error", "infrastructure", "crashed", "broken"]
+    how: How
     message: str = ""         # disk full, code error, infrastructure, crashed, broken: why
     step: int = 0             # deadline: the last completed step
 
@@ -284,21 +300,21 @@ class TrainerProcess:
         """How it ended, from its exit status and its last words."""
         code, stopped, failed = self._proc.returncode, self.last_words.stopped, self.last_words.failed
         if self.broken is not None:          # whatever it did after that is not trusted
-            return Outcome("broken", f"the trainer and the job's record disagree on where the run is ({self.broken}): "
+            return Outcome(How.BROKEN, f"the trainer and the job's record disagree on where the run is ({self.broken}): "
                                      f"the record or a checkpoint in storage was changed by hand or replayed; this "
                                      f"attempt is ended and nothing after that event recorded")
         if code == CHILD_DONE:
-            return Outcome("done")
+            return Outcome(How.DONE)
         if code == CHILD_STOPPED:
             if stopped is not None and stopped.reason == "deadline":
-                return Outcome("deadline", step=stopped.step or 0)
-            return Outcome("stopped")
+                return Outcome(How.DEADLINE, step=stopped.step or 0)
+            return Outcome(How.STOPPED)
         if failed and failed.diskFull:       # restarting cannot help: the same disk is full
-            return Outcome("disk full", failed.message)
+            return Outcome(How.DISK_FULL, failed.message)
         if code == CHILD_CODE_ERROR:
-            return Outcome("code error", failed.message if failed else "the reward function failed")
+            return Outcome(How.CODE_ERROR, failed.message if failed else "the reward function failed")
         if code == CHILD_INFRA_FAILED:
-            return Outcome("infrastructure", failed.message if failed else
+            return Outcome(How.INFRASTRUCTURE, failed.message if failed else
                            "infrastructure failure: a service the run calls (a judge) did not answer")
         why = f"trainer exited with status {code}" if code >= 0 else f"trainer killed by {signal.Signals(-code).name}"
-        return Outcome("crashed", why + (f" ({failed.message})" if failed else ""))
+        return Outcome(How.CRASHED, why + (f" ({failed.message})" if failed else ""))

@@ -5,7 +5,7 @@ from the supervisor so that the job spec and each attempt can name them without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.trainer.config import GRPOParams
@@ -42,6 +42,10 @@ class RestartLimits:
     crashes: int = 3            # the trainer process died or raised unexpectedly
     infrastructure: int = 5     # object storage unavailable past its own retries
     backoff_s: float = 2.0      # doubled after each restart, at most 60 s (plus jitter: checkpoint.retry)
+
+    def limit(self, kind: Literal["crashes", "infrastructure"]) -> int:
+        """The restarts allowed for failures of `kind`."""
+        return {"crashes": self.crashes, "infrastructure": self.infrastructure}[kind]
 
 
 @dataclass

@@ -38,7 +38,7 @@ from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_HELD, EXIT_OK
 from grpo_run.runner.supervisor.cancel import cancel_requested
 from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
-from grpo_run.runner.supervisor.attempt import CheckpointRequest, SamplerUnavailable, TrainerProcess
+from grpo_run.runner.supervisor.attempt import CheckpointRequest, How, SamplerUnavailable, TrainerProcess
 from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.endings import ENDINGS, End
@@ -218,7 +218,7 @@ class Supervisor:
             except _Restart as why:
                 self._crashed = why.kind == "crashes"
                 restarts[why.kind] += 1
-                limit = getattr(self.limits, why.kind)
+                limit = self.limits.limit(why.kind)
                 if restarts[why.kind] > limit:
                     return self._end(End.CRASHED_OUT, f"{why}; {why.kind} restart limit ({limit}) reached")
                 delay = nth_wait(wait, sum(restarts.values()))
@@ -299,23 +299,23 @@ class Supervisor:
     def _ended(self, trainer: TrainerProcess) -> SupervisorResult:
         """The trainer exited on its own: done, stopped at the deadline, or failed."""
         out, fatal = trainer.outcome(), self.durability.fatal
-        if out.how == "done":
+        if out.how is How.DONE:
             return self._succeeded(trainer)
-        if self._cancel.is_set() and fatal is None and out.how in ("stopped", "deadline", "crashed"):
+        if self._cancel.is_set() and fatal is None and out.how in (How.STOPPED, How.DEADLINE, How.CRASHED):
             return self._cancelled(self.durability.wait())   # "crashed": killed after the window
-        if out.how in ("stopped", "deadline") and fatal is None:
+        if out.how in (How.STOPPED, How.DEADLINE) and fatal is None:
             step = self.durability.wait()
-            if out.how == "deadline":
+            if out.how is How.DEADLINE:
                 return self._end(End.BUDGET_EXCEEDED, f"spent ${self.books.spent_usd():.4f} of maxCostUSD "
                                  f"${self.spec.max_cost_usd}; stopped after step {out.step} with a checkpoint (resume "
                                  f"with a larger budget)", durable_step=step)
             return self._end(End.PREEMPTED, f"stopped after step {step}; resume continues from there", durable_step=step)
-        if fatal is None and out.how == "crashed":
+        if fatal is None and out.how is How.CRASHED:
             self.books.end_attempt(AttemptEnd.CRASHED, out.message)
             raise _Restart("crashes", out.message)
-        message = str(fatal) if fatal is not None else out.message if out.how != "disk full" else \
+        message = str(fatal) if fatal is not None else out.message if out.how is not How.DISK_FULL else \
             disk_full_message(self.work, out.message, self.durability.durable)
-        return self._end(End.FAILED, message, code_error=fatal is None and out.how == "code error")
+        return self._end(End.FAILED, message, code_error=fatal is None and out.how is How.CODE_ERROR)
 
     def _succeeded(self, trainer: TrainerProcess, **notice: Any) -> SupervisorResult:
         final = trainer.last_words.final
@@ -341,7 +341,7 @@ class Supervisor:
         elapsed = time.monotonic() - notice_at
         self.books.record_notice(source, elapsed, durable)
         notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
-        if trainer.outcome().how == "done":     # it finished before it heard
+        if trainer.outcome().how is How.DONE:     # it finished before it heard
             return self._succeeded(trainer, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
         return self._end(End.PREEMPTED, f"notice from {source}; stopped after step {durable}, durable; resume "
