@@ -62,7 +62,9 @@ def _takes(param: click.Parameter, kind: str) -> bool:
 @click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
 @click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
               help="k8s: whose spot node labels and taints to select")
-@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
+@click.option("--gpus", type=click.IntRange(min=0), default=None,
+              help="k8s: GPUs per pod (nvidia.com/gpu; default: the job file's spec.resources.processes, one GPU "
+                   "each, else 1)")
 @click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
 @click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
 @click.option("--service-account-token", is_flag=True,
@@ -83,7 +85,7 @@ def _takes(param: click.Parameter, kind: str) -> bool:
                    "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
-               pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
+               pool: str, gpus: int | None, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
                wait: bool) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
@@ -117,7 +119,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(f"--job {job} and --all: give one (--all serves every job under --storage, each in turn; "
                f"--job trains that one)")
         return EXIT_USAGE
-    job_text, gpu = None, None
+    job_text, gpu, processes = None, None, None
     if file:
         from grpo_run.runner.spec.job import JobError, load_job
 
@@ -130,6 +132,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
             return EXIT_USAGE
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
+        processes = spec.resources.processes if spec.resources is not None else 1
         job_text = Path(file).read_text()
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
@@ -182,9 +185,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                    "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
             return EXIT_USAGE
         try:
+            gpus = pod_gpus(gpus, processes, file)
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                                       service_account=service_account, seccomp=seccomp, uid=uid,
-                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait)
+                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait,
+                                      gpu=gpu)
         except ValueError as e:
             _error(str(e))
             return EXIT_USAGE
@@ -192,6 +197,19 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     print(cloud_init(settings), end="")
     return EXIT_OK
+
+
+def pod_gpus(given: int | None, processes: int | str | None, job_file: str | None) -> int:
+    """The k8s pod's nvidia.com/gpu: --gpus, else the job file's spec.resources.processes (the
+    supervisor starts one trainer process per GPU; `auto` takes the pod's GPUs, so 1 asks for
+    one), else 1. ValueError when --gpus gives fewer GPUs than the job's processes, which would
+    leave a process without one."""
+    if given is None:
+        return processes if isinstance(processes, int) else 1
+    if isinstance(processes, int) and 0 < given < processes:
+        raise ValueError(f"--gpus {given}: {job_file} runs {processes} trainer processes "
+                         f"(spec.resources.processes), one per GPU: give --gpus {processes} or leave it out")
+    return given
 
 
 def refuse_local_files(file: str, spec, storage: str) -> bool:

@@ -343,6 +343,49 @@ def test_the_kubernetes_job_can_serve_the_queue(capsys, wait):
     assert doc["metadata"]["name"] == "grpo-run" and "grpo-run/job" not in doc["metadata"]["labels"]
 
 
+def k8s_job_file(tmp_path, **spec) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "k8s-job"},
+                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                             "storage": "s3://bucket/grpo", **spec}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("pool, gpu, processes, labels", [
+    ("karpenter", "L4", None, {"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"}),
+    ("karpenter", "A100-80GB", 8, {"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "a100",
+                                   "karpenter.k8s.aws/instance-gpu-memory": "81920"}),
+    ("gke", "H100-SXM-80GB", 4, {"cloud.google.com/gke-spot": "true",
+                                 "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}),
+    ("gke", "L40S", None, {"cloud.google.com/gke-spot": "true"}),          # Compute Engine sells no L40S
+    ("eks", "L4", 2, {"eks.amazonaws.com/capacityType": "SPOT"}),          # no provisioner label for the card
+])
+def test_the_kubernetes_job_asks_for_the_jobs_gpu_and_its_processes_gpus(tmp_path, capsys, pool, gpu, processes,
+                                                                         labels):
+    import kubernetes_validate
+
+    spec = {"gpu": gpu, **({"resources": {"processes": processes}} if processes else {})}
+    text = printed(capsys, "k8s", "-f", k8s_job_file(tmp_path, **spec), "--image", "registry/grpo-run:1", "--pool", pool)
+    doc = yaml.safe_load(text)
+    kubernetes_validate.validate(doc, "1.31.0", strict=True)
+    pod = doc["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": processes or 1}}
+    assert pod["nodeSelector"] == labels
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    said = next(line for line in text.splitlines() if line.startswith("# GPU type:"))
+    assert (" selected by " in said) == (len(labels) > 1) and gpu in said
+
+
+def test_gpus_fewer_than_the_jobs_processes_are_refused_and_more_are_taken(tmp_path, capsys):
+    job = k8s_job_file(tmp_path, gpu="H100", resources={"processes": 4})
+    assert main(["deploy", "k8s", "-f", job, "--image", "r/g:1", "--gpus", "2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--gpus 2:" in err and "4 trainer processes (spec.resources.processes)" in err and "Traceback" not in err
+    doc = yaml.safe_load(printed(capsys, "k8s", "-f", job, "--image", "r/g:1", "--gpus", "8"))
+    assert doc["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+
+
 def test_deploys_help_submits_before_it_launches_and_says_what_f_does_for_each_kind(capsys):
     capsys.readouterr()
     assert main(["deploy", "--help"]) == EXIT_OK
