@@ -166,14 +166,20 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
         from dataclasses import replace
 
-        from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-        from grpo_run.runner.wheel import WheelError, ship
+        from grpo_run.runner.wheel import WheelError, ship_or_pin
 
         try:
-            settings = replace(settings, wheel=ship(storage))
-        except (WheelError, StorageConfigError, StorageUnavailable) as e:
-            _error(f"cannot put this grpo-run's wheel into {storage} for the nodes to install: {e}")
+            wheel, unshipped = ship_or_pin(storage)
+        except WheelError as e:
+            _error(f"cannot build this grpo-run's wheel for the nodes to install: {e}")
             return EXIT_FAILED
+        settings = replace(settings, wheel=wheel)
+        if unshipped:           # printing needs no write access; the nodes need the wheel there
+            again = f"grpo-run apply -f {file} --detach" if file else "this command again"
+            print(f"warning: this grpo-run's wheel is not in {storage} ({unshipped}); nodes from this file install "
+                  f"it from {wheel.url(storage, wheel.wheel_key)} (pinned by sha256) and fail until it is there: "
+                  f"put it there before a node boots by running {again} where you can write to {storage}",
+                  file=sys.stderr)
     if kind == "skypilot":
         from grpo_run.runner.deploy import skypilot_task
 

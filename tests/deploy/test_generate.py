@@ -4,6 +4,7 @@ job's prefix only."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.deploy import (JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, skypilot_task,
                                     systemd_unit)
 from grpo_run.runner.wheel import build_wheel
@@ -454,10 +455,23 @@ def test_ref_without_repo_is_refused(capsys):
     assert "--ref 'v1': a branch or tag of --repo; give --repo URL too" in capsys.readouterr().err
 
 
-def test_deploy_without_storage_access_says_why_the_wheel_cannot_go_there(capsys, s3_env, monkeypatch):
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
-    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    assert main(["deploy", "cloud-init", "--storage", s3_env.url]) == EXIT_FAILED
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot put this grpo-run's wheel into {s3_env.url} for the nodes to install: ")
-    assert "credentials" in err and "Traceback" not in err
+def test_a_launch_file_prints_without_write_access_and_says_the_wheel_must_be_put_there(capsys, s3_env, monkeypatch):
+    from grpo_run.checkpoint.storage.store import Store
+
+    keys = {k: monkeypatch.delenv(k) or v for k, v in
+            (("AWS_ACCESS_KEY_ID", s3_env.server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_env.server.secret_key))}
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", s3_env.url]) == EXIT_OK        # no credentials at all
+    out, err = capsys.readouterr()
+    assert cloud_config_errors(out) == [] and "Traceback" not in err
+    assert err.startswith(f"warning: this grpo-run's wheel is not in {s3_env.url} (")
+    assert "credentials" in err and "fail until it is there" in err and "where you can write to" in err
+    pinned = re.search(r'WHEEL_SHA256="([0-9a-f]{64})"', install_sh(yaml.safe_load(out))).group(1)
+    for k, v in keys.items():
+        monkeypatch.setenv(k, v)
+    assert Store(s3_env.url).list("_dist") == []                # nothing was written
+    # run again where it can write: the same build goes there, and the file printed before installs it
+    again = printed(capsys, "cloud-init", "--storage", s3_env.url)
+    assert re.search(r'WHEEL_SHA256="([0-9a-f]{64})"', install_sh(yaml.safe_load(again))).group(1) == pinned
+    (stored,) = [k for k in Store(s3_env.url).list("_dist") if k.endswith(".whl")]
+    assert hashlib.sha256(Store(s3_env.url).get_bytes(stored)).hexdigest() == pinned
