@@ -65,6 +65,7 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
                      f"${est['evalUSD']:.2f}")
     else:
         lines.append(f"  evaluating  {evals} evaluations, not counted (held-out tasks unknown here)")
+    lines += _preemption_lines(est)
     tokens, model = est.get("tokens") or {}, est.get("stepModel") or {}
     prompt = tokens.get("prompt")
     shape = (f"{tokens.get('completion')} completion tokens at most, prompts ~{prompt:g} tokens" if prompt is not None
@@ -82,6 +83,23 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
         lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: " + ("covers it" if stop is None else
                      f"STOPS the run after about step {stop:,} of {steps:,}, before the final evaluation"))
     return lines
+
+
+def _preemption_lines(est: dict[str, Any]) -> list[str]:
+    """What spot notices add (status.estimate.preemption), or what one would cost when none are counted."""
+    pre = est.get("preemption")
+    if not pre:
+        return []
+    each = duration(pre["restartSeconds"])
+    how = "spec.pricing.restartSeconds" if pre["restartSecondsSource"] != "model" else "start-up, model load, half a step"
+    if pre["restarts"] is None:
+        return [f"  preemption  at {pre['perHour']:g} notices an hour, each restart ({each}) outlasts the time between "
+                "them: the run would never finish (not in the total)"]
+    if not pre["perHour"]:
+        return [f"  preemption  none counted: each notice would cost about {each} ({how}), "
+                f"${pre['restartSeconds'] * est['usdPerHour'] / 3600:.2f}; set spec.pricing.preemptionsPerHour to count them"]
+    return [f"  preemption  {pre['restarts']:g} restarts expected at {pre['perHour']:g} an hour x {each} ({how}) = "
+            f"{duration(pre['seconds'])}, ${pre['usd']:.2f} (in the total)"]
 
 
 def budget_stop(est: dict[str, Any], max_cost_usd: float | None) -> int | None:
