@@ -223,7 +223,7 @@ def card_of(job: TrainingJob) -> Gpu | None:
                                      else card.memory_bandwidth))
 
 
-def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]:
+def estimate(job: TrainingJob, *, now: datetime | None = None, live=None) -> dict[str, Any]:
     """`status.estimate` for `job` (SPEC §6 names, and more), from the model's config alone.
 
     Cost needs `spec.gpu`; without it the cost fields are None and `note` says so, and
@@ -231,7 +231,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     the user's measured runs of this model on this GPU with completions of this length bucket,
     running ones on this node included ("measured", `measuredRuns` of them; measured.py), else the model of a step ("model", steptime.py). Evaluations (baseline, every
     evalSteps, final) are counted in `evalSeconds`, `evalUSD` and the cost to completion. The
-    rate is `spec.pricing.usdPerHour` or the table's.
+    rate is `spec.pricing.usdPerHour` or the table's; `live` (liveprices.LivePrices, `--live`) puts
+    today's prices from the cloud's own API in place of the table's, its note saying which.
 
     Raises LookupError when the model's config cannot be found (see `model_config`); ValueError
     for a config the estimate cannot read (missing keys, mixture-of-experts) or a LoRA target
@@ -243,6 +244,11 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
     gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
+    live_note = None
+    if live is not None and card is not None:
+        card, live_note = live(card)
+    elif live is not None:
+        live_note = f"--live {live.cloud}: the job names no spec.gpu, so there is no card to price"
     config = model_config(job.model)
     scorer_configs = reward_model_configs(job)
     targets = p.lora.targetModules
@@ -290,8 +296,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None) -> dict[str, Any]
         "tokens": {"prompt": work.prompt_tokens, "promptIs": "expected (mean of the tasks)",
                    "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)"},
         "memory": memory.to_dict(),
+        **({"livePrices": live_note} if live_note else {}),
     }
-    notes: list[str] = []
+    notes: list[str] = [live_note] if live_note else []
     if card is None:
         notes.append("cost needs spec.gpu (one of " + ", ".join(GPUS) + ", or any card with spec.pricing "
                      "usdPerHour and memoryGB): set it to get costToCompletionUSD and firstHoldUSD, and whether "

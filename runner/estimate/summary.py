@@ -32,6 +32,7 @@ def summary(name: str, est: dict[str, Any], *, job_file: str = "JOB.yaml", max_c
     if est.get("gpu") is None:
         lines.append(f"{name}: no spec.gpu, so no cost yet (set spec.gpu to a name such as H100, L4, A10G, or "
                      "describe your card with spec.pricing: {usdPerHour: ..., memoryGB: ...})")
+        lines += [f"  live        {est['livePrices']}"] if est.get("livePrices") else []
         lines += _judge_lines(est)
         lines.append(f"  memory      needs about {memory['neededGB']:.1f} GB on the GPU")
     else:
@@ -51,6 +52,8 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
              f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, "
              + ("" if rate.get("kind") in ("on-demand", "spot") else "rate from ")    # the source names the kind
              + f"{rate.get('source') or 'the table'})"]
+    if est.get("livePrices"):                   # which prices --live read, or why it fell back to the table
+        lines.append(f"  live        {est['livePrices']}")
     spot = rate.get("spot")
     if spot:
         lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
