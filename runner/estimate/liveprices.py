@@ -55,11 +55,11 @@ AZURE_SIZES = {
     "A100-80GB": ("Standard_ND96amsr_A100_v4", 8), "A100": ("Standard_ND96asr_v4", 8),
     "T4": ("Standard_NC4as_T4_v3", 1),
 }
-# Compute Engine's GPU SKUs are described "Nvidia <model> GPU running in <place>", the Spot ones
-# "Spot Preemptible Nvidia <model> GPU running in <place>" (usageType Preemptible).
+# Compute Engine's GPU SKUs are described "Nvidia <model> GPU running in <place>" (older ones "Nvidia
+# Tesla <model>", some "NVIDIA"), the Spot ones "Spot Preemptible Nvidia <model> GPU running in <place>"
+# (usageType Preemptible); variants have words of their own ("H100 80GB Mega") and do not match.
 GCP_GPUS = {
-    "H100": "H100 80GB", "H200": "H200 141GB", "A100-80GB": "Tesla A100 80GB", "A100": "Tesla A100",
-    "L4": "L4", "T4": "Tesla T4",
+    "H100": "H100 80GB", "H200": "H200 141GB", "A100-80GB": "A100 80GB", "A100": "A100", "L4": "L4", "T4": "T4",
 }
 GCP_COMPUTE_SERVICE = "6F81-5844-456A"
 AZURE_URL_ENV, GCP_URL_ENV, GCP_KEY_ENV = "GRPO_RUN_AZURE_PRICES_URL", "GRPO_RUN_GCP_BILLING_URL", "GRPO_RUN_GCP_API_KEY"
@@ -118,6 +118,9 @@ class LivePrices:
         if quote.spot is not None:
             priced = replace(priced, spot_usd_per_hour=quote.spot, spot_source=quote.spot_source)
             used.append(f"spot ${quote.spot:g}/h")
+        elif quote.on_demand is not None:         # no spot price of this cloud: not the table's other cloud's beside it
+            priced = replace(priced, spot_usd_per_hour=None, spot_source="")
+            used.append("no spot price")
         kept = "" if quote.on_demand is not None else f"; the charged on-demand rate stays the table's ({card.rate_source})"
         return priced, f"--live {self.cloud}: {card.name} priced live in {self.region}, " + " and ".join(used) + kept
 
@@ -208,7 +211,7 @@ class LivePrices:
         if not key:
             raise LiveUnavailable(f"no API key here: set {GCP_KEY_ENV} to a key with the Cloud Billing API enabled")
         model = GCP_GPUS[card.name]
-        pattern = re.compile(rf"(Spot Preemptible )?Nvidia {re.escape(model)} GPU running in .+")
+        pattern = re.compile(rf"(Spot Preemptible )?Nvidia (?:Tesla )?{re.escape(model)} GPU running in .+", re.IGNORECASE)
         base = os.environ.get(GCP_URL_ENV, "https://cloudbilling.googleapis.com").rstrip("/")
         found: dict[str, tuple[float, str]] = {}
         token = ""

@@ -179,6 +179,10 @@ def test_gcp_prices_the_gpu_sku_itself_and_needs_an_api_key(prices, monkeypatch)
                                        "2026-12-04, read ")
     assert card.rate_source.endswith("Nvidia H100 80GB GPU alone (its VM's vCPUs and memory not included)")
     assert "GCP us-central1 spot" in card.spot_source
+    # an older "Nvidia Tesla" name, and no Spot SKU: no spot price beside it, not the table's AWS one
+    card, note = LivePrices("gcp", "us-central1")(lookup_gpu("T4"))
+    assert (card.usd_per_hour, card.spot_usd_per_hour, card.spot_source) == (0.35, None, "")
+    assert note == "--live gcp: T4 priced live in us-central1, on-demand $0.35/h and no spot price"
     card, note = LivePrices("gcp", "europe-west4")(h100)          # no SKU of it there
     assert card == h100 and "lists no Nvidia H100 80GB GPU in europe-west4" in note
 
