@@ -29,6 +29,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
                                                measured_step_seconds, measured_steps_path,
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
+from grpo_run.runner.estimate.preemption import count_preemptions
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
@@ -313,46 +314,12 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, live=None) -> dic
         out["judgeCalls"] = judges
         if priced and out["costToCompletionUSD"] is not None:
             out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + sum(priced), 2)
-    if card is not None:
-        _count_preemptions(job, out, notes)
+    if card is not None:                          # what spot notices add (preemption.py)
+        count_preemptions(job, out, notes)
     if work.unknown:
         notes.append(work.unknown)
     out["note"] = "; ".join(notes)
     return out
-
-
-def _count_preemptions(job: TrainingJob, out: dict[str, Any], notes: list[str]) -> None:
-    """status.estimate.preemption (preemption.py): what spec.pricing.preemptionsPerHour notices add
-    to the run's time and cost, counted in completionSeconds, costToCompletionUSD and the spot line's
-    cost; where they take the run past maxCostUSD, the step it stops after, pro rata."""
-    from grpo_run.runner.estimate.preemption import preemptions, restart_seconds
-
-    pricing, memory = job.pricing, out["memory"]
-    given = pricing.restartSeconds if pricing else None
-    restart = given or restart_seconds(parameters=memory["parameters"], trainable_state_gb=memory["trainableStateGB"],
-                                       step_seconds=out["stepSeconds"])
-    found = preemptions(per_hour=(pricing.preemptionsPerHour or 0.0) if pricing else 0.0, restart_s=restart,
-                        run_seconds=out["completionSeconds"], usd_per_hour=out["usdPerHour"],
-                        source="spec.pricing.restartSeconds" if given else "model")
-    out["preemption"] = found.to_dict()
-    if found.restarts is None:
-        notes.append(f"spec.pricing.preemptionsPerHour {found.per_hour:g}: a notice every {60 / found.per_hour:.0f} min "
-                     f"on average, and each restart takes {restart / 60:.0f} min, so the run would never finish; "
-                     "costToCompletionUSD leaves preemptions out")
-        return
-    if not found.seconds:
-        return
-    out["completionSeconds"] = round(out["completionSeconds"] + found.seconds, 1)
-    out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + found.usd, 2)
-    spot = (out.get("rate") or {}).get("spot")
-    if spot:
-        spot["costToCompletionUSD"] = round(spot["costToCompletionUSD"] + found.seconds * spot["usdPerHour"] / 3600, 2)
-    budget, cost, steps = job.maxCostUSD, out["costToCompletionUSD"], out["steps"]
-    if budget is not None and cost > budget and "budgetStopsAfterStep" not in out:
-        out["budgetStopsAfterStep"] = min(steps, int(steps * budget / cost))
-    notes.append(f"preemptions: {found.restarts:g} expected at {found.per_hour:g} an hour (spec.pricing."
-                 f"preemptionsPerHour), {restart:g} s each ({'spec.pricing.restartSeconds' if given else 'modelled'}"
-                 f"): {found.seconds:g} s and ${found.usd:.2f}, in completionSeconds and costToCompletionUSD")
 
 
 def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str], *,

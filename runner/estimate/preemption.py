@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LOAD_BYTES_PER_SECOND", "STARTUP_SECONDS", "Preemptions", "preemptions", "restart_seconds"]
+__all__ = ["LOAD_BYTES_PER_SECOND", "STARTUP_SECONDS", "Preemptions", "count_preemptions", "preemptions",
+           "restart_seconds"]
 
 STARTUP_SECONDS = 120.0          # allowance: a replacement node's boot, grpo-run's start, the lease
 LOAD_BYTES_PER_SECOND = 200e6    # allowance: weights and checkpoint fetched from the hub or storage and loaded
@@ -71,3 +72,37 @@ def preemptions(*, per_hour: float, restart_s: float, run_seconds: float, usd_pe
     seconds = restarts * restart_s
     return Preemptions(per_hour, restart_s, source, round(restarts, 2), round(seconds, 1),
                        round(seconds * usd_per_hour / 3600, 2))
+
+
+def count_preemptions(job, out: dict[str, Any], notes: list[str]) -> None:
+    """`out` (status.estimate of `job`, its cost fields filled) with `preemption`: what
+    spec.pricing.preemptionsPerHour notices add to the run's time and cost, counted in
+    completionSeconds, costToCompletionUSD and the spot line's cost; where they take the run past
+    maxCostUSD, the step it stops after, pro rata. A note for `notes` says what was added, or that
+    the run would never finish."""
+    pricing, memory = job.pricing, out["memory"]
+    given = pricing.restartSeconds if pricing else None
+    restart = given or restart_seconds(parameters=memory["parameters"], trainable_state_gb=memory["trainableStateGB"],
+                                       step_seconds=out["stepSeconds"])
+    found = preemptions(per_hour=(pricing.preemptionsPerHour or 0.0) if pricing else 0.0, restart_s=restart,
+                        run_seconds=out["completionSeconds"], usd_per_hour=out["usdPerHour"],
+                        source="spec.pricing.restartSeconds" if given else "model")
+    out["preemption"] = found.to_dict()
+    if found.restarts is None:
+        notes.append(f"spec.pricing.preemptionsPerHour {found.per_hour:g}: a notice every {60 / found.per_hour:.0f} min "
+                     f"on average, and each restart takes {restart / 60:.0f} min, so the run would never finish; "
+                     "costToCompletionUSD leaves preemptions out")
+        return
+    if not found.seconds:
+        return
+    out["completionSeconds"] = round(out["completionSeconds"] + found.seconds, 1)
+    out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + found.usd, 2)
+    spot = (out.get("rate") or {}).get("spot")
+    if spot:
+        spot["costToCompletionUSD"] = round(spot["costToCompletionUSD"] + found.seconds * spot["usdPerHour"] / 3600, 2)
+    budget, cost, steps = job.maxCostUSD, out["costToCompletionUSD"], out["steps"]
+    if budget is not None and cost > budget and "budgetStopsAfterStep" not in out:
+        out["budgetStopsAfterStep"] = min(steps, int(steps * budget / cost))
+    notes.append(f"preemptions: {found.restarts:g} expected at {found.per_hour:g} an hour (spec.pricing."
+                 f"preemptionsPerHour), {restart:g} s each ({'spec.pricing.restartSeconds' if given else 'modelled'}"
+                 f"): {found.seconds:g} s and ${found.usd:.2f}, in completionSeconds and costToCompletionUSD")
