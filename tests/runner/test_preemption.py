@@ -75,3 +75,15 @@ def test_a_bad_rate_of_notices_is_refused_naming_the_field_and_the_fix(tmp_path,
     assert "or 0 to count none" in str(refused.value)
     rc, _, err = dry_run(capsys, tmp_path, doc("./qwen3-8b", pricing={"preemptionsPerHour": value}))
     assert rc == EXIT_USAGE and "spec.pricing.preemptionsPerHour" in err and "Traceback" not in err
+
+
+def test_notices_faster_than_a_restart_are_said_to_never_finish_and_left_out_of_the_cost(tmp_path):
+    from grpo_run.runner.estimate.summary import summary
+
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    calm = estimate(parse_job(doc(model, parameters=GSM8K_LIKE)))
+    est = estimate(parse_job(doc(model, parameters=GSM8K_LIKE, pricing={"preemptionsPerHour": 30})))   # every 2 min
+    assert est["preemption"]["restarts"] is None and est["costToCompletionUSD"] == calm["costToCompletionUSD"]
+    assert "so the run would never finish" in est["note"]
+    assert ("  preemption  at 30 notices an hour, each restart (4 min) outlasts the time between them: the run would "
+            "never finish (not in the total)") in summary("est", est).splitlines()
