@@ -224,6 +224,59 @@ SPOT_POOLS = {
             [{"key": "kubernetes.azure.com/scalesetpriority", "operator": "Equal", "value": "spot",
               "effect": "NoSchedule"}]),
 }
+# spec.gpu as the label each pool's own autoscaler provisions by, so a pod asks for the card the
+# job was estimated and priced for (a pod that only asks for nvidia.com/gpu takes whatever GPU node
+# comes first). Only labels the provisioner itself sets and documents, known before the node exists:
+# - karpenter: karpenter.k8s.aws/instance-gpu-name (Karpenter's well-known AWS labels: the GPU's
+#   name in lower case, from EC2's DescribeInstanceTypes); the two A100s differ only in
+#   karpenter.k8s.aws/instance-gpu-memory, in MiB per GPU (p4d 40960, p4de 81920);
+# - gke: cloud.google.com/gke-accelerator (GKE's GPU node label, Compute Engine's accelerator
+#   type), for the cards Compute Engine sells;
+# - eks (managed node groups) and aks: none; the node group's instance types decide the card.
+#   NVIDIA GPU feature discovery's nvidia.com/gpu.product is set only once a node runs it (the
+#   GPU Operator), so no autoscaler can provision for it, and its values spell each board
+#   variant (NVIDIA-H100-80GB-HBM3, NVIDIA-H100-PCIe): the manifest says so instead of selecting.
+GPU_LABELS: dict[str, tuple[str, dict[str, dict[str, str]]]] = {
+    "karpenter": ("Karpenter's well-known labels", {
+        "H100": {"karpenter.k8s.aws/instance-gpu-name": "h100"},
+        "H200": {"karpenter.k8s.aws/instance-gpu-name": "h200"},
+        "B200": {"karpenter.k8s.aws/instance-gpu-name": "b200"},
+        "A100-80GB": {"karpenter.k8s.aws/instance-gpu-name": "a100", "karpenter.k8s.aws/instance-gpu-memory": "81920"},
+        "A100": {"karpenter.k8s.aws/instance-gpu-name": "a100", "karpenter.k8s.aws/instance-gpu-memory": "40960"},
+        "L40S": {"karpenter.k8s.aws/instance-gpu-name": "l40s"},
+        "L4": {"karpenter.k8s.aws/instance-gpu-name": "l4"},
+        "A10G": {"karpenter.k8s.aws/instance-gpu-name": "a10g"},
+        "T4": {"karpenter.k8s.aws/instance-gpu-name": "t4"},
+    }),
+    "gke": ("GKE's accelerator label", {
+        "H100": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+        "H200": {"cloud.google.com/gke-accelerator": "nvidia-h200-141gb"},
+        "B200": {"cloud.google.com/gke-accelerator": "nvidia-b200"},
+        "A100-80GB": {"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"},
+        "A100": {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"},
+        "L4": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+        "T4": {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"},
+    }),
+}
+
+
+def gpu_selector(pool: str, gpu: str | None) -> tuple[dict[str, str], str]:
+    """The node labels that pick spec.gpu `gpu` in `pool` ({} when there is none to pick by), and a
+    comment line for the manifest saying what was chosen or why nothing was."""
+    if gpu is None:
+        return {}, "# GPU type: not selected (no job file with spec.gpu): the pod takes any GPU node of the pool"
+    card = ALIASES.get(gpu)
+    where, labels = GPU_LABELS.get(pool, ("", {}))
+    if card in labels:
+        return dict(labels[card]), f"# GPU type: spec.gpu {gpu} selected by {where}"
+    if pool in GPU_LABELS:
+        return {}, (f"# GPU type: spec.gpu {gpu} is not selected: {where} name no such card; the pool's "
+                    "instance types decide it")
+    return {}, (f"# GPU type: spec.gpu {gpu} is not selected: a {pool} pool's autoscaler has no label for the GPU "
+                "type; its node group's instance types decide it (NVIDIA GPU feature discovery's "
+                "nvidia.com/gpu.product names it once a node runs it)")
+
+
 # A notice's emergency checkpoint and its upload, then the supervisor's exit: measured 1.2-1.3 s to
 # durable and 2.3-3.6 s to the exit (the demo job, every cloud's notice and SIGTERM, a local S3
 # server); 90 s leaves room for a bigger checkpoint over a real network and stays under AWS's
@@ -273,7 +326,8 @@ def seccomp_profile(choice: str) -> dict:
 def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus: int = 1,
                    secret: str | None = None, service_account: str | None = None,
                    seccomp: str = "unconfined", uid: int = RUN_AS_UID,
-                   service_account_token: bool = False, all_jobs: bool = False, wait: bool = False) -> str:
+                   service_account_token: bool = False, all_jobs: bool = False, wait: bool = False,
+                   gpu: str | None = None) -> str:
     """A batch/v1 Job that runs the job on a spot node pool and survives losing nodes: a pod that
     exits 3 (preempted) or whose node was taken is replaced without counting against
     backoffLimit; exits 2 (bad input) and 4 (budget) fail the Job at once; other failures are
@@ -288,7 +342,12 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     The container runs `grpo-run resume NAME --storage URI --wait` (a replacement pod waits out the
     lost pod's lease), or with `all_jobs` `grpo-run resume --storage URI --all`: the pod serves
     every job under the prefix and ends when none is left (runner/queue.py), or with `wait` waits
-    for new ones (s.job is then not used). ValueError for a bad pool, seccomp choice or uid."""
+    for new ones (s.job is then not used).
+
+    The pod asks for `gpus` GPUs (nvidia.com/gpu, one per trainer process), tolerates the
+    nvidia.com/gpu taint GPU node pools carry, and with `gpu` (spec.gpu) selects that card by the
+    pool's own label where it has one (gpu_selector; a comment at the top says which or why not).
+    ValueError for a bad pool, seccomp choice or uid."""
     if pool not in SPOT_POOLS:
         raise ValueError(f"--pool {pool!r}: expected one of {', '.join(SPOT_POOLS)}")
     if isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0:
@@ -297,6 +356,9 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     import yaml
 
     selector, tolerations = SPOT_POOLS[pool]
+    by_card, said = gpu_selector(pool, gpu) if gpus else ({}, "# GPU: none asked for (--gpus 0)")
+    if gpus:     # GPU pools are commonly tainted so that pods without GPUs stay off them
+        tolerations = [*tolerations, {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     name = f"grpo-run-{s.job}" if s.job else "grpo-run"
     labels = {"app.kubernetes.io/name": "grpo-run", **({"grpo-run/job": s.job} if s.job else {})}
     # HOME and HF_HOME on the volume: the pod's user has no home folder in the image to write caches to.
@@ -328,7 +390,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         "terminationGracePeriodSeconds": STOP_GRACE_S,
         "automountServiceAccountToken": service_account_token,
         "securityContext": {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid},
-        "nodeSelector": dict(selector),
+        "nodeSelector": {**selector, **by_card},
         "containers": [container],
         "volumes": [{"name": "work", "emptyDir": {}}],
     }
@@ -353,7 +415,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         },
     }
     note = K8S_SECURITY_NOTE.replace("@UID@", str(uid)).replace("@SECCOMP@", profile["type"])
-    return note + yaml.safe_dump(job, sort_keys=False)
+    return note + said + "\n" + yaml.safe_dump(job, sort_keys=False)
 
 
 def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = None, all_jobs: bool = False,

@@ -190,7 +190,7 @@ class Checked:
         return doc
 
 
-def check_job_file(file: str, *, dry_run: bool, detach: bool) -> Checked:
+def check_job_file(file: str, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """Read the job file, run apply's preflight and estimate it. Raises Refused: a job file that
     is missing or wrong (EXIT_USAGE, its problems all at once), a preflight refusal, a model
     config that a dry run cannot read. A GPU it does not fit is in Checked.refusal: a dry run
@@ -203,10 +203,10 @@ def check_job_file(file: str, *, dry_run: bool, detach: bool) -> Checked:
         raise Refused(f"no such job file: {file}", EXIT_USAGE) from None
     except JobError as e:
         raise Refused(str(e), EXIT_USAGE, prefixed=False) from None
-    return check_job(file, job, dry_run=dry_run, detach=detach)
+    return check_job(file, job, dry_run=dry_run, detach=detach, live=live)
 
 
-def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
+def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """check_job_file for a TrainingJob already built (the Python API builds one from arguments)."""
     from grpo_run.runner.estimate.estimate import check_fits, estimate
     from grpo_run.runner.preflight import check_before_apply, sampler_choice
@@ -218,7 +218,8 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool) -> Checked:
     except (LookupError, ValueError):
         pass                                     # refused above (ValueError) or said by the preflight
     try:
-        est = estimate(job, sampler=choice.engine if choice else None)
+        # live: --live's prices (runner/estimate/liveprices.py)
+        est = estimate(job, sampler=choice.engine if choice else None, live=live)
     except (LookupError, ValueError) as e:     # config.json not found here / not readable
         if dry_run:
             raise Refused(str(e), EXIT_USAGE) from None

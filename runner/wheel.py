@@ -314,6 +314,23 @@ def _digest(path: Path, constraints: bytes) -> str:
     return h.hexdigest()[:16]
 
 
+def ship_or_pin(storage: str) -> tuple[Wheel, str | None]:
+    """`ship`, except that storage this machine cannot write (no credentials, read-only ones, no
+    such bucket, an outage) does not stop a launch file from being printed: the wheel built here
+    is returned unpublished, pinned by its sha256, with why it is not in storage (else None).
+    Printing needs no write access; a node from that file installs only once the same build is
+    put there (`deploy` again, or `apply --detach`, from a machine that can write: builds of the
+    same files here give the same bytes). Raises WheelError."""
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
+
+    with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
+        wheel = build_wheel(Path(tmp))
+        try:
+            return publish(wheel, storage), None
+        except (StorageConfigError, StorageUnavailable) as e:
+            return wheel, str(e)
+
+
 def ship(storage: str) -> Wheel:
     """Build the installed grpo-run's wheel (in a scratch folder, gone on return: the Wheel's path
     only names it then) and publish it under `storage`. Raises WheelError, StorageConfigError,

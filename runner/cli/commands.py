@@ -65,7 +65,14 @@ def cli(verbose: bool) -> None:
 @click.option("--skip-memory-check", is_flag=True,
               help="run (or submit) a job the memory estimate says does not fit its GPU, with a warning: for when "
                    "you know better than the estimate")
-def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool) -> int:
+@click.option("--live", type=click.Choice(["aws", "azure", "gcp"]), is_flag=False, flag_value="aws", default=None,
+              help="with --dry-run: price spec.gpu from the cloud's own price API today (aws, the default: EC2 spot "
+                   "price history, needs AWS credentials; azure: the Retail Prices API; gcp: the Cloud Billing "
+                   "catalog, needs GRPO_RUN_GCP_API_KEY); where it cannot, the dated table's, saying why")
+@click.option("--live-region", metavar="REGION",
+              help="with --live: the cloud's region (default: aws AWS_REGION or us-east-1, azure eastus, gcp us-central1)")
+def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool,
+              live: str | None, live_region: str | None) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
     With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
@@ -74,12 +81,29 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
       grpo-run apply -f examples/tiny-arithmetic.yaml
       grpo-run apply -f job.yaml --dry-run           # cost, time and fit in a few lines
       grpo-run apply -f job.yaml --dry-run -o yaml   # the whole job with status.estimate
+      grpo-run apply -f job.yaml --dry-run --live    # today's EC2 spot price (--live azure, --live gcp)
       grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
     from grpo_run.runner.jobs import check_job_file, start
 
+    if (live or live_region) and not dry_run:
+        print(f"error: {'--live' if live else '--live-region'} is for --dry-run: a run is charged at spec.pricing."
+              f"usdPerHour or the table's rate; put the live price there (the dry run prints it)", file=sys.stderr)
+        return EXIT_USAGE
+    if live_region and not live:
+        print("error: --live-region goes with --live CLOUD (aws, azure or gcp)", file=sys.stderr)
+        return EXIT_USAGE
+    prices = None
+    if live:
+        from grpo_run.runner.estimate.liveprices import LivePrices
+
+        try:
+            prices = LivePrices(live, live_region)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        checked = check_job_file(file, dry_run=dry_run, detach=detach)
+        checked = check_job_file(file, dry_run=dry_run, detach=detach, live=prices)
         if checked.refusal and skip_memory_check:  # the user's word over the estimate: said, then taken
             from dataclasses import replace
 

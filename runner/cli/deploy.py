@@ -66,7 +66,9 @@ def _takes(param: click.Parameter, kind: str) -> bool:
 @click.option("--image", metavar="IMAGE", help="k8s: the container image with grpo-run installed")
 @click.option("--pool", type=click.Choice(["karpenter", "eks", "gke", "aks"]), default="karpenter", show_default=True,
               help="k8s: whose spot node labels and taints to select")
-@click.option("--gpus", type=int, default=1, show_default=True, help="k8s: GPUs per pod (nvidia.com/gpu)")
+@click.option("--gpus", type=click.IntRange(min=0), default=None,
+              help="k8s: GPUs per pod (nvidia.com/gpu; default: the job file's spec.resources.processes, one GPU "
+                   "each, else 1)")
 @click.option("--secret", metavar="NAME", help="k8s: a Secret whose keys become the pod's environment (AWS keys)")
 @click.option("--service-account", metavar="NAME", help="k8s: the service account (workload identity) instead of keys")
 @click.option("--service-account-token", is_flag=True,
@@ -87,7 +89,7 @@ def _takes(param: click.Parameter, kind: str) -> bool:
                    "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
                endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
-               pool: str, gpus: int, secret: str | None, service_account: str | None, service_account_token: bool,
+               pool: str, gpus: int | None, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
                wait: bool, with_vllm: bool = False) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
@@ -121,7 +123,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(f"--job {job} and --all: give one (--all serves every job under --storage, each in turn; "
                f"--job trains that one)")
         return EXIT_USAGE
-    job_text, gpu = None, None
+    job_text, gpu, processes = None, None, None
     if file:
         from grpo_run.runner.spec.job import JobError, load_job
 
@@ -137,6 +139,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
 
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         with_vllm = with_vllm or samples_with_vllm(spec)
+        processes = spec.resources.processes if spec.resources is not None else 1
         job_text = Path(file).read_text()
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
@@ -170,14 +173,20 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
         from dataclasses import replace
 
-        from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-        from grpo_run.runner.wheel import WheelError, ship
+        from grpo_run.runner.wheel import WheelError, ship_or_pin
 
         try:
-            settings = replace(settings, wheel=ship(storage))
-        except (WheelError, StorageConfigError, StorageUnavailable) as e:
-            _error(f"cannot put this grpo-run's wheel into {storage} for the nodes to install: {e}")
+            wheel, unshipped = ship_or_pin(storage)
+        except WheelError as e:
+            _error(f"cannot build this grpo-run's wheel for the nodes to install: {e}")
             return EXIT_FAILED
+        settings = replace(settings, wheel=wheel)
+        if unshipped:           # printing needs no write access; the nodes need the wheel there
+            again = f"grpo-run apply -f {file} --detach" if file else "this command again"
+            print(f"warning: this grpo-run's wheel is not in {storage} ({unshipped}); nodes from this file install "
+                  f"it from {wheel.url(storage, wheel.wheel_key)} (pinned by sha256) and fail until it is there: "
+                  f"put it there before a node boots by running {again} where you can write to {storage}",
+                  file=sys.stderr)
     if kind == "skypilot":
         from grpo_run.runner.deploy import skypilot_task
 
@@ -189,9 +198,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                    "`docker build -t REGISTRY/grpo-run:TAG DIR` make of this grpo-run (docs/deploy.md)")
             return EXIT_USAGE
         try:
+            gpus = pod_gpus(gpus, processes, file)
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                                       service_account=service_account, seccomp=seccomp, uid=uid,
-                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait)
+                                      service_account_token=service_account_token, all_jobs=all_jobs, wait=wait,
+                                      gpu=gpu)
         except ValueError as e:
             _error(str(e))
             return EXIT_USAGE
@@ -199,6 +210,19 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         return EXIT_OK
     print(cloud_init(settings), end="")
     return EXIT_OK
+
+
+def pod_gpus(given: int | None, processes: int | str | None, job_file: str | None) -> int:
+    """The k8s pod's nvidia.com/gpu: --gpus, else the job file's spec.resources.processes (the
+    supervisor starts one trainer process per GPU; `auto` takes the pod's GPUs, so 1 asks for
+    one), else 1. ValueError when --gpus gives fewer GPUs than the job's processes, which would
+    leave a process without one."""
+    if given is None:
+        return processes if isinstance(processes, int) else 1
+    if isinstance(processes, int) and 0 < given < processes:
+        raise ValueError(f"--gpus {given}: {job_file} runs {processes} trainer processes "
+                         f"(spec.resources.processes), one per GPU: give --gpus {processes} or leave it out")
+    return given
 
 
 def refuse_local_files(file: str, spec, storage: str) -> bool:

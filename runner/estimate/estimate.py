@@ -29,6 +29,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
                                                measured_start_seconds, measured_step_seconds, measured_steps_path,
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
+from grpo_run.runner.estimate.preemption import count_preemptions
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
@@ -229,7 +230,8 @@ def card_of(job: TrainingJob) -> Gpu | None:
 VLLM_START_SECONDS = 60.0
 
 
-def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | None = None) -> dict[str, Any]:
+def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | None = None,
+             live=None) -> dict[str, Any]:
     """`status.estimate` for `job` (SPEC §6 names, and more), from the model's config alone.
 
     Cost needs `spec.gpu`; without it the cost fields are None and `note` says so, and
@@ -237,7 +239,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     the user's measured runs of this model on this GPU with completions of this length bucket,
     running ones on this node included ("measured", `measuredRuns` of them; measured.py), else the model of a step ("model", steptime.py). Evaluations (baseline, every
     evalSteps, final) are counted in `evalSeconds`, `evalUSD` and the cost to completion. The
-    rate is `spec.pricing.usdPerHour` or the table's.
+    rate is `spec.pricing.usdPerHour` or the table's; `live` (liveprices.LivePrices, `--live`) puts
+    today's prices from the cloud's own API in place of the table's, its note saying which.
 
     `sampler`: the engine that samples (native | vllm; runner.preflight.sampler_choice), None for
     what the job names (auto counts as native). vLLM colocated shares the card (memory.engine) and
@@ -255,6 +258,11 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
+    live_note = None
+    if live is not None and card is not None:
+        card, live_note = live(card)
+    elif live is not None:
+        live_note = f"--live {live.cloud}: the job names no spec.gpu, so there is no card to price"
     config = model_config(job.model)
     scorer_configs = reward_model_configs(job)
     targets = p.lora.targetModules
@@ -305,8 +313,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
                    "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)"},
         "memory": memory.to_dict(),
         "sampler": engine,
+        **({"livePrices": live_note} if live_note else {}),
     }
-    notes: list[str] = []
+    notes: list[str] = [live_note] if live_note else []
     if card is None:
         notes.append("cost needs spec.gpu (one of " + ", ".join(GPUS) + ", or any card with spec.pricing "
                      "usdPerHour and memoryGB): set it to get costToCompletionUSD and firstHoldUSD, and whether "
@@ -321,6 +330,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
         out["judgeCalls"] = judges
         if priced and out["costToCompletionUSD"] is not None:
             out["costToCompletionUSD"] = round(out["costToCompletionUSD"] + sum(priced), 2)
+    if card is not None:                          # what spot notices add (preemption.py)
+        count_preemptions(job, out, notes)
     if work.unknown:
         notes.append(work.unknown)
     out["note"] = "; ".join(notes)

@@ -32,6 +32,7 @@ def summary(name: str, est: dict[str, Any], *, job_file: str = "JOB.yaml", max_c
     if est.get("gpu") is None:
         lines.append(f"{name}: no spec.gpu, so no cost yet (set spec.gpu to a name such as H100, L4, A10G, or "
                      "describe your card with spec.pricing: {usdPerHour: ..., memoryGB: ...})")
+        lines += [f"  live        {est['livePrices']}"] if est.get("livePrices") else []
         lines += _judge_lines(est)
         lines.append(f"  memory      needs about {memory['neededGB']:.1f} GB on the GPU")
     else:
@@ -51,6 +52,8 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
              f"{duration(est['completionSeconds'])} (at ${est['usdPerHour']:.2f}/h, "
              + ("" if rate.get("kind") in ("on-demand", "spot") else "rate from ")    # the source names the kind
              + f"{rate.get('source') or 'the table'})"]
+    if est.get("livePrices"):                   # which prices --live read, or why it fell back to the table
+        lines.append(f"  live        {est['livePrices']}")
     spot = rate.get("spot")
     if spot:
         lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
@@ -65,6 +68,7 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
                      f"${est['evalUSD']:.2f}")
     else:
         lines.append(f"  evaluating  {evals} evaluations, not counted (held-out tasks unknown here)")
+    lines += _preemption_lines(est)
     tokens, model = est.get("tokens") or {}, est.get("stepModel") or {}
     prompt = tokens.get("prompt")
     shape = (f"{tokens.get('completion')} completion tokens at most, prompts ~{prompt:g} tokens" if prompt is not None
@@ -84,6 +88,23 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
         lines.append(f"  budget      maxCostUSD ${max_cost_usd:g}: " + ("covers it" if stop is None else
                      f"STOPS the run after about step {stop:,} of {steps:,}, before the final evaluation"))
     return lines
+
+
+def _preemption_lines(est: dict[str, Any]) -> list[str]:
+    """What spot notices add (status.estimate.preemption), or what one would cost when none are counted."""
+    pre = est.get("preemption")
+    if not pre:
+        return []
+    each = duration(pre["restartSeconds"])
+    how = "spec.pricing.restartSeconds" if pre["restartSecondsSource"] != "model" else "start-up, model load, half a step"
+    if pre["restarts"] is None:
+        return [f"  preemption  at {pre['perHour']:g} notices an hour, each restart ({each}) outlasts the time between "
+                "them: the run would never finish (not in the total)"]
+    if not pre["perHour"]:
+        return [f"  preemption  none counted: each notice would cost about {each} ({how}), "
+                f"${pre['restartSeconds'] * est['usdPerHour'] / 3600:.2f}; set spec.pricing.preemptionsPerHour to count them"]
+    return [f"  preemption  {pre['restarts']:g} restarts expected at {pre['perHour']:g} an hour x {each} ({how}) = "
+            f"{duration(pre['seconds'])}, ${pre['usd']:.2f} (in the total)"]
 
 
 def budget_stop(est: dict[str, Any], max_cost_usd: float | None) -> int | None:

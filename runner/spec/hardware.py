@@ -33,16 +33,28 @@ class Pricing(Strict):
     memoryGB: float | None = None     # the card's memory, decimal GB
     bf16TFLOPS: float | None = None   # its peak dense bf16 tensor TFLOP/s
     memoryBandwidthGBps: float | None = None   # its memory bandwidth, GB/s
+    preemptionsPerHour: float | None = None    # notices you expect per node-hour (0 or unset: none counted)
+    restartSeconds: float | None = None        # what one preemption costs in time (default: modelled)
 
     @model_validator(mode="before")
     @classmethod
     def _some(cls, raw: Any) -> Any:
         if not isinstance(raw, dict) or not raw:
-            raise problem("must be a mapping with usdPerHour, stepSeconds, memoryGB, bf16TFLOPS and/or "
-                          f"memoryBandwidthGBps, e.g. {{usdPerHour: 2.1, stepSeconds: 0.5}} (got {fmt(raw)})")
+            raise problem("must be a mapping with usdPerHour, stepSeconds, memoryGB, bf16TFLOPS, memoryBandwidthGBps, "
+                          "preemptionsPerHour and/or restartSeconds, e.g. {usdPerHour: 2.1, stepSeconds: 0.5} "
+                          f"(got {fmt(raw)})")
         return raw
 
-    @field_validator("usdPerHour", "stepSeconds", "memoryGB", "bf16TFLOPS", "memoryBandwidthGBps", mode="before")
+    @field_validator("preemptionsPerHour", mode="before")
+    @classmethod
+    def _rate(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise problem(f"must be a number >= 0 (got {fmt(v)}): the spot notices you expect per hour of the "
+                          "run, e.g. 0.05 (about one a day is 0.042), or 0 to count none")
+        return float(v)
+
+    @field_validator("usdPerHour", "stepSeconds", "memoryGB", "bf16TFLOPS", "memoryBandwidthGBps", "restartSeconds",
+                     mode="before")
     @classmethod
     def _positive(cls, v: Any) -> Any:
         return positive_number(v)

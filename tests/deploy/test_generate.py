@@ -4,6 +4,7 @@ job's prefix only."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.deploy import (JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, skypilot_task,
                                     systemd_unit)
 from grpo_run.runner.wheel import build_wheel
@@ -343,6 +344,49 @@ def test_the_kubernetes_job_can_serve_the_queue(capsys, wait):
     assert doc["metadata"]["name"] == "grpo-run" and "grpo-run/job" not in doc["metadata"]["labels"]
 
 
+def k8s_job_file(tmp_path, **spec) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "k8s-job"},
+                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
+                                             "storage": "s3://bucket/grpo", **spec}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("pool, gpu, processes, labels", [
+    ("karpenter", "L4", None, {"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "l4"}),
+    ("karpenter", "A100-80GB", 8, {"karpenter.sh/capacity-type": "spot", "karpenter.k8s.aws/instance-gpu-name": "a100",
+                                   "karpenter.k8s.aws/instance-gpu-memory": "81920"}),
+    ("gke", "H100-SXM-80GB", 4, {"cloud.google.com/gke-spot": "true",
+                                 "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}),
+    ("gke", "L40S", None, {"cloud.google.com/gke-spot": "true"}),          # Compute Engine sells no L40S
+    ("eks", "L4", 2, {"eks.amazonaws.com/capacityType": "SPOT"}),          # no provisioner label for the card
+])
+def test_the_kubernetes_job_asks_for_the_jobs_gpu_and_its_processes_gpus(tmp_path, capsys, pool, gpu, processes,
+                                                                         labels):
+    import kubernetes_validate
+
+    spec = {"gpu": gpu, **({"resources": {"processes": processes}} if processes else {})}
+    text = printed(capsys, "k8s", "-f", k8s_job_file(tmp_path, **spec), "--image", "registry/grpo-run:1", "--pool", pool)
+    doc = yaml.safe_load(text)
+    kubernetes_validate.validate(doc, "1.31.0", strict=True)
+    pod = doc["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": processes or 1}}
+    assert pod["nodeSelector"] == labels
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    said = next(line for line in text.splitlines() if line.startswith("# GPU type:"))
+    assert (" selected by " in said) == (len(labels) > 1) and gpu in said
+
+
+def test_gpus_fewer_than_the_jobs_processes_are_refused_and_more_are_taken(tmp_path, capsys):
+    job = k8s_job_file(tmp_path, gpu="H100", resources={"processes": 4})
+    assert main(["deploy", "k8s", "-f", job, "--image", "r/g:1", "--gpus", "2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--gpus 2:" in err and "4 trainer processes (spec.resources.processes)" in err and "Traceback" not in err
+    doc = yaml.safe_load(printed(capsys, "k8s", "-f", job, "--image", "r/g:1", "--gpus", "8"))
+    assert doc["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+
+
 def test_deploys_help_submits_before_it_launches_and_says_what_f_does_for_each_kind(capsys):
     capsys.readouterr()
     assert main(["deploy", "--help"]) == EXIT_OK
@@ -411,13 +455,26 @@ def test_ref_without_repo_is_refused(capsys):
     assert "--ref 'v1': a branch or tag of --repo; give --repo URL too" in capsys.readouterr().err
 
 
-def test_deploy_without_storage_access_says_why_the_wheel_cannot_go_there(capsys, s3_env, monkeypatch):
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
-    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    assert main(["deploy", "cloud-init", "--storage", s3_env.url]) == EXIT_FAILED
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot put this grpo-run's wheel into {s3_env.url} for the nodes to install: ")
-    assert "credentials" in err and "Traceback" not in err
+def test_a_launch_file_prints_without_write_access_and_says_the_wheel_must_be_put_there(capsys, s3_env, monkeypatch):
+    from grpo_run.checkpoint.storage.store import Store
+
+    keys = {k: monkeypatch.delenv(k) or v for k, v in
+            (("AWS_ACCESS_KEY_ID", s3_env.server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_env.server.secret_key))}
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", s3_env.url]) == EXIT_OK        # no credentials at all
+    out, err = capsys.readouterr()
+    assert cloud_config_errors(out) == [] and "Traceback" not in err
+    assert err.startswith(f"warning: this grpo-run's wheel is not in {s3_env.url} (")
+    assert "credentials" in err and "fail until it is there" in err and "where you can write to" in err
+    pinned = re.search(r'WHEEL_SHA256="([0-9a-f]{64})"', install_sh(yaml.safe_load(out))).group(1)
+    for k, v in keys.items():
+        monkeypatch.setenv(k, v)
+    assert Store(s3_env.url).list("_dist") == []                # nothing was written
+    # run again where it can write: the same build goes there, and the file printed before installs it
+    again = printed(capsys, "cloud-init", "--storage", s3_env.url)
+    assert re.search(r'WHEEL_SHA256="([0-9a-f]{64})"', install_sh(yaml.safe_load(again))).group(1) == pinned
+    (stored,) = [k for k in Store(s3_env.url).list("_dist") if k.endswith(".whl")]
+    assert hashlib.sha256(Store(s3_env.url).get_bytes(stored)).hexdigest() == pinned
 
 
 def _job_file(tmp_path: Path, storage: str, **parameters) -> Path:

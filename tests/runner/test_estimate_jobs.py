@@ -239,7 +239,7 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
 
     assert rc == EXIT_OK, err
     lines = out.splitlines()
-    assert len(lines) <= 9
+    assert len(lines) <= 10
     # which price: the cloud, the region, the source and its date; and the spot price beside it
     assert lines[0] == ("est on H100: $0.86 to completion, about 8 min (at $6.88/h, AWS us-east-1 on-demand, SkyPilot "
                         "catalog v8 (commit 00148f2a), read 2026-12-02, p5.48xlarge / 8)")
@@ -252,6 +252,8 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
            "completion tokens at most, prompts ~6.1 tokens)" in out
     assert "maxCostUSD $5: covers it" in out
+    assert ("  preemption  none counted: each notice would cost about 2 min (start-up, model load, half a step), $0.24; "
+            "set spec.pricing.preemptionsPerHour to count them") in lines
     assert "apiVersion" not in out                            # the document needs -o
 
 

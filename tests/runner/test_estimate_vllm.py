@@ -107,3 +107,13 @@ def test_the_dry_run_s_summary_names_the_engine_its_share_and_its_start_up(tmp_p
     assert "of it sampling by vLLM" in text
     assert "vLLM's share (gpuMemoryUtilization) is 24.0 GB of it while sampling" in text
     assert "vLLM" not in summary("est", estimate(job, sampler="native"))
+
+
+def test_a_restart_after_a_notice_starts_the_engine_again(tmp_path):
+    model = model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    job = parse_job(doc(model, gpu="H100", parameters={"sampler": "vllm", "maxSteps": 1000},
+                        pricing={"preemptionsPerHour": 1}))
+    native, vllm = estimate(job, sampler="native"), estimate(job, sampler="vllm")
+    assert vllm["preemption"]["restartSeconds"] == pytest.approx(
+        native["preemption"]["restartSeconds"] + VLLM_START_SECONDS - (native["stepSeconds"] - vllm["stepSeconds"]) / 2,
+        abs=0.1)
