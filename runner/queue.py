@@ -55,7 +55,10 @@ from grpo_run.state.phases import Phase
 # The phases a queue leaves alone, and what the node says about each (once per job).
 SKIPPED = {
     Phase.SUCCEEDED: "done",
-    Phase.FAILED: "it failed; once the cause is fixed, `grpo-run resume {name} --storage {storage}` tries it again",
+    Phase.FAILED: ("it failed (why: grpo-run get tj {name} --storage {storage}); a fault in the job's own files (a "
+                   "reward, its tasks) is fixed by applying the fixed job file again (`grpo-run apply -f JOB "
+                   "--detach`, which replaces its stored files); a cause outside it (the node, storage), by "
+                   "`grpo-run resume {name} --storage {storage}` once it is mended"),
     Phase.BUDGET_EXCEEDED: "its maxCostUSD is spent; apply its file with a larger one to continue it",
     Phase.CANCELLED: "it was cancelled (grpo-run cancel); `grpo-run delete {name} --yes` frees its name",
 }

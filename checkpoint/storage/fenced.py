@@ -20,22 +20,46 @@ from pathlib import Path
 from typing import Any
 
 from .lease import Lease, LeaseLost
-from .store import Store
+from .store import ObjectStore, Store
 
 
-class FencedStore:
+class FencedStore(ObjectStore):
     """A Store whose put_file, put_bytes and delete raise LeaseLost, writing nothing, once
-    `lease` is no longer held. Everything else is the wrapped Store's."""
+    `lease` is no longer held. Reads, `url`, `protocol` and the deadline are the wrapped Store's."""
 
     def __init__(self, store: Store, lease: Lease) -> None:
         self.store = store
         self.lease = lease
-
-    def __getattr__(self, name: str) -> Any:  # reads, url, protocol, ...: the store's own
-        return getattr(self.store, name)
+        self.url = store.url
+        self.protocol = store.protocol
 
     def __repr__(self) -> str:
         return f"FencedStore({self.store!r}, {self.lease!r})"
+
+    # reads: unchanged (restoring a checkpoint harms no one)
+
+    def get_file(self, key: str, local: Path) -> None:
+        self.store.get_file(key, local)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.store.get_bytes(key)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.store.list(prefix)
+
+    def check(self) -> None:
+        self.store.check()
+
+    def fs_path(self, key: str) -> tuple[Any, str]:
+        return self.store.fs_path(key)
+
+    def finish_by(self, deadline: float | None) -> None:
+        self.store.finish_by(deadline)
+
+    # writes: fenced
 
     def put_file(self, local: Path, key: str) -> None:
         self._check(f"upload of {key}")

@@ -20,6 +20,7 @@ notice window ends is left to its thread and reported as StorageUnavailable.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import threading
@@ -37,10 +38,52 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["Store", "StorageConfigError", "StorageUnavailable"]
+__all__ = ["ObjectStore", "Store", "StorageConfigError", "StorageUnavailable"]
 
 
-class Store:
+class ObjectStore(abc.ABC):
+    """What the runner asks of a job's storage: keys relative to `url`, read and written whole.
+    Implemented by Store (a filesystem through fsspec) and FencedStore (a Store whose writes need
+    the job's lease)."""
+
+    url: str
+    protocol: str                       # fsspec's: "s3", "file", "memory", ...
+
+    @abc.abstractmethod
+    def put_file(self, local: Path, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def get_file(self, key: str, local: Path) -> None: ...
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    @abc.abstractmethod
+    def delete(self, prefix_or_key: str) -> None: ...
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise StorageConfigError or StorageUnavailable when the store cannot be used."""
+
+    @abc.abstractmethod
+    def fs_path(self, key: str) -> tuple[Any, str]:
+        """(the fsspec filesystem, the path of `key` on it), for streaming readers."""
+
+    @abc.abstractmethod
+    def finish_by(self, deadline: float | None) -> None:
+        """Every call from now on gives up at `deadline` (time.monotonic()); None: no deadline."""
+
+
+class Store(ObjectStore):
     """Keys ("/"-separated, relative to the URL's root) mapped onto an fsspec filesystem.
 
     Owns one filesystem instance (never shared through fsspec's instance cache, listings cache

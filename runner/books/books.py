@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from grpo_run.checkpoint.storage.lease import LeaseLost
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore, Store
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.samples import SampleBooks
@@ -161,7 +161,7 @@ NODE_LOST = "the node stopped without a word (killed or lost)"
 class Books:
     """Owns the job's Record on this node, its uploads, the ledger and the evaluations' books."""
 
-    def __init__(self, store: Store, work: Path, *, name: str, manifest: dict[str, Any],
+    def __init__(self, store: ObjectStore, work: Path, *, name: str, manifest: dict[str, Any],
                  usd_per_hour: float | None, max_cost_usd: float | None,
                  tracking: dict[str, Any] | None = None, after_upload: Callable[[], None] | None = None) -> None:
         self.store = store

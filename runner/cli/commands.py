@@ -136,12 +136,18 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
 
 WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
 HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
+WAIT_POLL_ENV = "GRPO_RUN_WAIT_POLL_S"   # the node's own setting for both (docs/deploy.md)
 # ... and for how long, in all, before the node gives up: a node booted for a job that is never
 # submitted (a launch file whose submit failed) or that a live node keeps, idles on a paid GPU.
 # 30 min: well past a lost node's lease (60 s) and the boot-time submit (seconds), short against
 # a day of idle GPU.
 WAIT_LIMIT_S = 1800.0
 WAIT_LIMIT_ENV = "GRPO_RUN_WAIT_LIMIT_S"
+
+
+def _poll_s(default: float) -> float:
+    """How long `resume --wait` waits between looks: WAIT_POLL_ENV, else `default`."""
+    return float(os.environ.get(WAIT_POLL_ENV, default))
 
 
 @cli.command("resume", short_help="continue a job from object storage alone")
@@ -235,7 +241,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
                 _error(f"{job.name}: another node still holds it after {limit:g} s of waiting (--wait-limit); "
                        f"this node stops: `grpo-run get tj {job.name} --storage {storage}` shows who runs it")
                 return EXIT_HELD
-            time.sleep(min(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", HELD_POLL_S)), max(0.0, give_up - time.monotonic())))
+            time.sleep(min(_poll_s(HELD_POLL_S), max(0.0, give_up - time.monotonic())))
             continue
         if not wait:
             _error(f"{missing}; submit it first (grpo-run apply -f JOB --detach, with spec.storage {storage}), "
@@ -252,7 +258,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
             until = f" (at most {limit:g} s, --wait-limit)" if limit > 0 else ""
             print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it{until}", file=sys.stderr, flush=True)
             told = True
-        time.sleep(min(float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)), max(0.0, give_up - time.monotonic())))
+        time.sleep(min(_poll_s(WAIT_POLL_S), max(0.0, give_up - time.monotonic())))
 
 
 
@@ -270,7 +276,7 @@ def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | No
         _error(f"resume --all: -o prints one job; follow the queue's jobs with "
                f"`grpo-run get tj NAME --storage {storage} -o {output}`")
         return EXIT_USAGE
-    queue = Queue(storage, stop=stop, wait=wait, poll_s=float(os.environ.get("GRPO_RUN_WAIT_POLL_S", WAIT_POLL_S)),
+    queue = Queue(storage, stop=stop, wait=wait, poll_s=_poll_s(WAIT_POLL_S),
                   run=lambda job, store: _run(job, output=None, storage=storage, store=store, stop=stop,
                                               trust_urls=trust_urls))
     return queue.serve()

@@ -18,7 +18,7 @@ from typing import Callable
 
 from grpo_run.checkpoint.manifest import FINITE_META, Manifest, newest_sealed, read_manifest, sealed
 from grpo_run.checkpoint.storage.lease import LeaseLost
-from grpo_run.checkpoint.storage.store import StorageConfigError, Store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError
 from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Uploader, download_latest, restore_latest,
                                       run_prefix)
 from grpo_run.runner.books.books import Books
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 class Durability:
     """Owns the checkpoint uploads of one supervisor and knows the newest durable step."""
 
-    def __init__(self, store: Store, work: Path, books: Books, *, job: str, keep: int, max_steps: int,
+    def __init__(self, store: ObjectStore, work: Path, books: Books, *, job: str, keep: int, max_steps: int,
                  on_lease_lost: Callable[[LeaseLost], None], on_fatal: Callable[[BaseException], None],
                  stop: threading.Event | None = None) -> None:
         self.store = store

@@ -32,7 +32,7 @@ from typing import Any, Callable
 from grpo_run.checkpoint.storage.fenced import FencedStore
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
-from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_HELD, EXIT_OK
@@ -91,7 +91,7 @@ class Supervisor:
                  sleep: Callable[[float], None] | None = None, preempt: threading.Event | None = None) -> None:
         self.spec = spec
         self.work = Path(work)
-        self.store = store or Store(spec.storage)
+        self.store: ObjectStore = store or Store(spec.storage)   # fenced by the lease once it is held (run)
         self.watchers = watchers
         self.notice_window_s = notice_window_s
         self.limits = limits

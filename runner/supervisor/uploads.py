@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore
 
 
 def sha256_of(path: Path) -> str:
@@ -19,7 +19,7 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def upload_environment(uploads: tuple[tuple[str, str, str], ...], store: Store) -> None:
+def upload_environment(uploads: tuple[tuple[str, str, str], ...], store: ObjectStore) -> None:
     """Copy the environment files `apply` read to the job's storage; call it holding the job's
     lease (through its FencedStore), so a job another node runs is never touched. Raises
     ValueError when a file changed since `apply` hashed it: the spec would describe other bytes."""

@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from grpo_run.checkpoint.storage.lease import Lease
-from grpo_run.checkpoint.storage.store import StorageUnavailable
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,8 @@ class NoticeWindow:
         self.seconds = seconds
         self.deadline: float | None = None          # time.monotonic() at which storage is given up
 
-    def watch(self, store, wake: threading.Event) -> None:
-        """From a thread of its own: at the notice, bound `store` (a Store or FencedStore) and
-        wake the supervisor."""
+    def watch(self, store: ObjectStore, wake: threading.Event) -> None:
+        """From a thread of its own: at the notice, bound `store`'s calls and wake the supervisor."""
         def on_notice() -> None:
             self.preempt.wait()
             self.deadline = time.monotonic() + max(1.0, self.seconds - EXIT_MARGIN_S)

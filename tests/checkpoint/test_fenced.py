@@ -97,3 +97,15 @@ def test_a_released_lease_allows_no_more_writes(tmp_path):
     with pytest.raises(LeaseLost):
         store.put_bytes("late.json", b"{}")
     assert Store(URL).list("") == ["manifest.json"]
+
+
+def test_both_stores_implement_the_whole_object_store_interface_explicitly():
+    """No forwarding by __getattr__: what FencedStore does with each call is written down, and a
+    method added to the interface must be added to both (ABC: neither could be built otherwise)."""
+    from grpo_run.checkpoint.storage.fenced import FencedStore
+    from grpo_run.checkpoint.storage.store import ObjectStore, Store
+
+    assert issubclass(Store, ObjectStore) and issubclass(FencedStore, ObjectStore)
+    assert not Store.__abstractmethods__ and not FencedStore.__abstractmethods__
+    assert "__getattr__" not in vars(FencedStore)
+    assert set(ObjectStore.__abstractmethods__) <= set(vars(FencedStore))

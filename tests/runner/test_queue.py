@@ -107,6 +107,8 @@ def test_every_unfinished_job_runs_once_and_finished_ones_are_skipped(tmp_path):
     assert node.serve() == EXIT_OK
     assert node.runs == ["a-pending", "d-preempted"]        # each once, though the stand-in changes no phase
     assert "b-failed: Failed; skipped" in node.text and "grpo-run resume b-failed --storage" in node.text
+    # a reward's fault is mended by the fixed job file, not by replaying the stored one (issue 38, 3)
+    assert "applying the fixed job file again (`grpo-run apply -f JOB --detach`" in node.text
     assert "c-budget: BudgetExceeded; skipped" in node.text and "e-succeeded: Succeeded; skipped" in node.text
     assert "f-cancelled: Cancelled; skipped: it was cancelled" in node.text
     assert node.lines[-1].endswith("nothing left for this node: 2 succeeded here (a-pending, d-preempted)")
