@@ -35,7 +35,7 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     folder's (runner.storedjob), JobError for a stored spec that no longer parses,
     StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
     from grpo_run.runner.spec.job import parse_job
     from grpo_run.runner.storedjob import check_folder_name, check_stored_name
 
@@ -63,7 +63,7 @@ def already_succeeded(job, store) -> dict[str, Any] | None:
     """The job as `get tj` shows it when storage's record says it finished (here or on another
     node) with this very spec; None otherwise. Storage's, never this node's copy, which may be
     older; the supervisor asks again once it holds the lease (Books.succeeded)."""
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
 
     with stored_record(store) as record:
         done = record.job() if record is not None else None
@@ -76,7 +76,7 @@ def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
     """(the phase, the job as `get tj` shows it) when storage's record says the job is over: it
     succeeded with this very spec (as already_succeeded), or it was cancelled (with any spec:
     `grpo-run delete` clears the name); None otherwise. One read of storage's record."""
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
 
     with stored_record(store) as record:
         done = record.job() if record is not None else None
@@ -89,7 +89,7 @@ def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
 def engine_missing(job, store) -> str | None:
     """Why this node cannot sample the run (its first start chose vLLM, colocated, and this node
     has none), from storage's record before the lease is taken; None when it can."""
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
     from grpo_run.state import values
     from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, vllm_version
 

@@ -56,7 +56,8 @@ class Cancelled:
 def cancel_job(name: str, storage: str | None) -> Cancelled:
     """Cancel job `name` in `storage` (None: this machine's default store). Raises NoSuchJob,
     StorageConfigError / StorageUnavailable."""
-    from grpo_run.runner.books.books import Books, stored_record
+    from grpo_run.runner.books.books import Books
+    from grpo_run.runner.books.replica import stored_record
 
     url = job_store_url(storage, name)
     store = Store(url)

@@ -256,7 +256,7 @@ class Queue:
 
 def _attempts(store: Store) -> int:
     """How many attempts storage's record holds: a run that adds none trained nothing here."""
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
 
     with stored_record(store) as record:
         return len(record.attempts()) if record is not None else 0
@@ -265,7 +265,7 @@ def _attempts(store: Store) -> int:
 def _look(store: Store) -> tuple[Phase, str] | None:
     """(The job's phase, when its record was created) as storage's record says; None when there
     is no record."""
-    from grpo_run.runner.books.books import stored_record
+    from grpo_run.runner.books.replica import stored_record
 
     with stored_record(store) as record:
         job = record.job() if record is not None else None

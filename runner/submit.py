@@ -21,7 +21,8 @@ from pathlib import Path
 
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld
 from grpo_run.checkpoint.storage.store import Store
-from grpo_run.runner.books.books import Books, fetch_record
+from grpo_run.runner.books.books import Books
+from grpo_run.runner.books.replica import fetch_record
 from grpo_run.runner.envfiles import environment_uploads, upload_environment
 from grpo_run.runner.spec.job import TrainingJob, usd_per_hour
 from grpo_run.runner.wheel import Wheel, publish

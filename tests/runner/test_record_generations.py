@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from grpo_run.checkpoint.storage.store import StorageUnavailable, Store
-from grpo_run.runner.books.books import Books, StaleRecord, stored_record
+from grpo_run.runner.books.books import Books
+from grpo_run.runner.books.replica import StaleRecord, stored_record
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE
 
