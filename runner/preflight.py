@@ -87,7 +87,7 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     (`here`: apply runs it here), or on a GPU node that has vLLM (a dry run or --detach: the node
     decides at the job's first start). Raises ValueError for `sampler: vllm` that cannot be,
     LookupError when the model's config cannot be read (said by _check_model)."""
-    from grpo_run.runner.estimate.estimate import model_config
+    from grpo_run.runner.estimate.config import model_config
     from grpo_run.runner.spec.job import node_processes
     from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
 
@@ -236,7 +236,7 @@ def _check_model(job: TrainingJob, mode: Mode, found: Findings) -> None:
     """The model's config.json (and each reward model's) is found here (a hub id's fetched into
     the cache): the memory fit is checked by every apply. A config the estimate cannot read (dry
     run: refused by the estimate itself) is said on apply and --detach, never passed over in silence."""
-    from grpo_run.runner.estimate.estimate import model_config, reward_model_configs
+    from grpo_run.runner.estimate.config import model_config, reward_model_configs
     from grpo_run.runner.estimate.memory import model_shape
 
     try:

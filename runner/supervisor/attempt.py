@@ -38,7 +38,7 @@ from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s
 from grpo_run.state.phases import InvalidTransition, Phase
-from grpo_run.runner.estimate.estimate import model_config
+from grpo_run.runner.estimate.config import model_config
 from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, choose as choose_sampler, node_has_gpu, vllm_version
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,

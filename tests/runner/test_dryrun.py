@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.estimate.estimate import (MEASURED_WINDOW, check_fits, estimate, measured_step_seconds, measured_steps_path, model_config, record_measured_step_seconds)
+from grpo_run.runner.estimate.config import model_config
+from grpo_run.runner.estimate.estimate import (MEASURED_WINDOW, check_fits, estimate, measured_step_seconds, measured_steps_path, record_measured_step_seconds)
 from grpo_run.runner.spec.job import JobError, Pricing, TrainingJob, parse_job
 from grpo_run.runner.estimate.memory import format_count
 

@@ -528,7 +528,7 @@ def test_with_network_the_dry_run_fetches_only_config_json_into_the_normal_cache
 def test_what_the_hub_answers_is_said_in_words(tmp_path, monkeypatch, status, code, says):
     from huggingface_hub import constants
 
-    from grpo_run.runner.estimate.estimate import model_config
+    from grpo_run.runner.estimate.config import model_config
 
     _Hub.served, _Hub.asked = {}, []
     _Hub.refused = {f"/{HUB_ID}/resolve/main/config.json": (status, code)}
