@@ -37,7 +37,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, Field, TypeAdapter
 
 from .manifest import FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint, prune, staging_dir
 from .procs import die_with_parent, python_env
@@ -49,6 +51,53 @@ Layout = dict[str, dict[str, Any]]   # relative path -> {"text": str} | {"tensor
 
 class WriterDied(RuntimeError):
     """The writer process ended without being asked to (killed, out of memory)."""
+
+
+# --- the lines: requests on the writer's stdin, replies on its stdout -----------------------------
+
+class Write(BaseModel):
+    """Write the checkpoint of `step` from the buffer (`size` bytes) and seal it."""
+    op: Literal["checkpoint"] = "checkpoint"
+    step: int
+    size: int
+    files: Layout
+
+
+class Close(BaseModel):
+    """Finish what is queued, then end."""
+    op: Literal["close"] = "close"
+
+
+class Released(BaseModel):
+    """The snapshot of `released` was read out of the buffer: the trainer may fill it again."""
+    released: int
+
+
+class Sealed(BaseModel):
+    """Checkpoint `sealed` is sealed on the local disk."""
+    sealed: int
+
+
+class Failed(BaseModel):
+    """Checkpoint `failed` could not be written: `error`, and its errno where it had one (ENOSPC)."""
+    failed: int
+    error: str
+    errno: int | None = None
+
+
+class Closed(BaseModel):
+    """The writer ends: nothing follows."""
+    closed: Literal[True] = True
+
+
+Request = Annotated[Union[Write, Close], Field(discriminator="op")]
+Reply = Union[Released, Sealed, Failed, Closed]
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
+_REPLY: TypeAdapter[Reply] = TypeAdapter(Reply)
+
+
+def _line(message: BaseModel) -> str:
+    return message.model_dump_json() + "\n"
 
 
 # A float is NaN or infinite exactly when every bit of its exponent is set (IEEE 754; bfloat16 is
@@ -156,11 +205,11 @@ class CheckpointWriter:
     def submit(self, step: int, layout: Layout) -> None:
         """Write the checkpoint of `step` from the buffer and seal it."""
         self._busy = step
-        self._send({"op": "checkpoint", "step": step, "size": self._size, "files": layout})
+        self._send(Write(step=step, size=self._size, files=layout))
 
     # --- replies -----------------------------------------------------------------------------
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[Sealed | Failed | Closed]:
         """The events since the last call, without waiting. Raises WriterDied once the process
         has ended unasked (the trainer polls every step: it stops at once, not at the next
         checkpoint, so no more steps are trained that nothing could save)."""
@@ -172,15 +221,16 @@ class CheckpointWriter:
         events, self._events = self._events, []
         return events
 
-    def wait_sealed(self, step: int, timeout: float | None = None) -> list[dict[str, Any]]:
+    def wait_sealed(self, step: int, timeout: float | None = None) -> list[Sealed | Failed | Closed]:
         """Wait until checkpoint `step` is sealed or has failed, or `timeout`; returns every
         event since the last poll (the caller sees which)."""
         def ended() -> bool:
-            return any(e.get("sealed", -1) >= step or e.get("failed", -1) >= step for e in self._events)
+            return any((isinstance(e, Sealed) and e.sealed >= step) or (isinstance(e, Failed) and e.failed >= step)
+                       for e in self._events)
         self._wait(ended, timeout)
         return self.poll()
 
-    def close(self, timeout: float | None = None) -> list[dict[str, Any]]:
+    def close(self, timeout: float | None = None) -> list[Sealed | Failed]:
         """Let the writer finish what is queued, then end it. Returns the events not yet
         polled. Closing twice is harmless."""
         if self._fd < 0:
@@ -188,8 +238,8 @@ class CheckpointWriter:
         self._closing = True
         if self._proc.poll() is None:
             try:
-                self._send({"op": "close"})
-                self._wait(lambda: any("closed" in e for e in self._events), timeout)
+                self._send(Close())
+                self._wait(lambda: any(isinstance(e, Closed) for e in self._events), timeout)
             except WriterDied:
                 pass
         if self._proc.poll() is None:
@@ -197,7 +247,7 @@ class CheckpointWriter:
         self._proc.wait()
         while self._read(0):          # what it said before it ended
             pass
-        events = [e for e in self.poll() if "closed" not in e]
+        events = [e for e in self.poll() if not isinstance(e, Closed)]
         try:
             self._proc.stdin.close()
         except BrokenPipeError:       # a request it died before reading is still buffered: dropped
@@ -211,9 +261,9 @@ class CheckpointWriter:
             self._fd = -1
         return events
 
-    def _send(self, request: dict[str, Any]) -> None:
+    def _send(self, request: Write | Close) -> None:
         try:
-            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.write(_line(request).encode())
             self._proc.stdin.flush()
         except BrokenPipeError:
             raise WriterDied(f"the checkpoint writer process ended (status {self._proc.wait()})") from None
@@ -244,9 +294,9 @@ class CheckpointWriter:
             return False
         *lines, self._pending = (self._pending + chunk).split(b"\n")
         for line in lines:
-            event = json.loads(line)
-            if "released" in event:
-                if event["released"] == self._busy:
+            event = _REPLY.validate_json(line)
+            if isinstance(event, Released):
+                if event.released == self._busy:
                     self._busy = None
                 continue
             self._events.append(event)
@@ -275,43 +325,43 @@ def _serve(args) -> int:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                        # a stray print must not corrupt the replies
 
-    def reply(event: dict[str, Any]) -> None:
-        replies.write(json.dumps(event) + "\n")
+    def reply(event: Released | Sealed | Failed | Closed) -> None:
+        replies.write(_line(event))
 
     buffer: mmap.mmap | None = None
     kept: list[int] = []
     for line in sys.stdin:
-        request = json.loads(line)
-        if request["op"] == "close":
+        request = _REQUEST.validate_json(line)
+        if isinstance(request, Close):
             break
-        step = request["step"]
+        step = request.step
         final = checkpoint_dir(root, step)
         try:
             if final.exists():            # the same step again (a stop right after a checkpoint)
-                reply({"released": step})
+                reply(Released(released=step))
             else:
-                if buffer is None or len(buffer) != request["size"]:
+                if buffer is None or len(buffer) != request.size:
                     if buffer is not None:
                         buffer.close()
-                    buffer = mmap.mmap(args.fd, request["size"])
+                    buffer = mmap.mmap(args.fd, request.size)
                 staging = staging_dir(root, step)
                 if staging.exists():
                     shutil.rmtree(staging)
                 staging.mkdir(parents=True)
                 try:
-                    write_files(staging, request["files"], buffer)
-                    finite = weights_finite(request["files"], buffer)
+                    write_files(staging, request.files, buffer)
+                    finite = weights_finite(request.files, buffer)
                 finally:
-                    reply({"released": step})
+                    reply(Released(released=step))
                 # "finite": checked here, at seal time; prune never removes the newest such one
                 finalize_checkpoint(staging, final, step=step,
                                     meta=meta if finite is None else {**meta, FINITE_META: finite})
                 kept = prune(root, keep=args.keep, trusted={*kept, step})
-            reply({"sealed": step})
+            reply(Sealed(sealed=step))
         except Exception as exc:     # reported to the trainer, which stops the run on it
             log.error("checkpoint %d could not be written: %s", step, exc)
-            reply({"failed": step, "error": f"{type(exc).__name__}: {exc}", "errno": getattr(exc, "errno", None)})
-    reply({"closed": True})
+            reply(Failed(failed=step, error=f"{type(exc).__name__}: {exc}", errno=getattr(exc, "errno", None)))
+    reply(Closed())
     return 0
 
 

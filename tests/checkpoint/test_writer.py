@@ -19,7 +19,7 @@ import pytest
 from grpo_run.checkpoint.manifest import checkpoint_dir, sealed, verify
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import Uploader, remote_discover
-from grpo_run.checkpoint.writer import CheckpointWriter, WriterDied, weights_finite, write_files
+from grpo_run.checkpoint.writer import CheckpointWriter, Failed, Sealed, WriterDied, weights_finite, write_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_a_snapshot_in_the_buffer_becomes_a_sealed_checkpoint_and_then_a_durable
     writer.submit(1, put_floats(writer, [1.0, 2.0, 3.0]))
     events = writer.wait_sealed(1, timeout=60)
 
-    assert {"sealed": 1} in events
+    assert Sealed(sealed=1) in events
     upload = upload_sealed(checkpoint_dir(tmp_path / "local", 1), str(tmp_path / "store"))
     assert upload == {"upload": 1, "durable": [1], "error": None, "config": False}
     local = checkpoint_dir(tmp_path / "local", 1)
@@ -131,11 +131,11 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_with_the_reason(writer,
     writer.submit(7, layout)
     events = writer.wait_sealed(7, timeout=60)
 
-    failed = next(e for e in events if "failed" in e)
-    assert failed["failed"] == 7 and "outside the snapshot buffer" in failed["error"]
+    failed = next(e for e in events if isinstance(e, Failed))
+    assert failed.failed == 7 and "outside the snapshot buffer" in failed.error
     assert not checkpoint_dir(tmp_path / "local", 7).exists()
     writer.submit(8, put_floats(writer, [8.0]))                       # and the writer goes on
-    assert {"sealed": 8} in writer.wait_sealed(8, timeout=60)
+    assert Sealed(sealed=8) in writer.wait_sealed(8, timeout=60)
 
 
 def test_a_bucket_that_does_not_exist_is_reported_as_a_configuration_error(writer, tmp_path, s3_env):
@@ -182,3 +182,18 @@ def test_write_files_in_process_gives_the_same_bytes_as_the_writer(writer, tmp_p
     there = checkpoint_dir(tmp_path / "local", 1)
     for name in ("weights.safetensors", "state.json"):
         assert (here / name).read_bytes() == (there / name).read_bytes()
+
+
+def test_the_writer_s_lines_are_models_and_a_malformed_one_is_refused():
+    """Requests and replies are typed (pydantic): what one side writes the other reads back as the
+    same model, and a line of neither shape fails to parse rather than being guessed at."""
+    import pydantic
+
+    from grpo_run.checkpoint.writer import _REPLY, _REQUEST, Close, Closed, Released, Write, _line
+
+    write = Write(step=3, size=4096, files={"a.txt": {"text": "x"}})
+    assert _REQUEST.validate_json(_line(write)) == write and _REQUEST.validate_json(_line(Close())) == Close()
+    for reply in (Released(released=3), Sealed(sealed=3), Failed(failed=3, error="OSError: full", errno=28), Closed()):
+        assert _REPLY.validate_json(_line(reply)) == reply
+    with pytest.raises(pydantic.ValidationError):
+        _REQUEST.validate_json('{"op": "checkpoint", "step": 3}')     # no size, no files

@@ -30,7 +30,7 @@ from typing import Any
 
 from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint,
                                           newest_sealed, staging_dir)
-from grpo_run.checkpoint.writer import CheckpointWriter, weights_finite, write_files
+from grpo_run.checkpoint.writer import CheckpointWriter, Failed, Sealed, weights_finite, write_files
 from grpo_run.trainer.distributed import World, full_state
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
 from grpo_run.trainer.protocol import CHECKPOINT_SAMPLE_STEPS, STEP_METRICS, STEP_SAMPLES
@@ -125,10 +125,9 @@ class Checkpointer:
             return []
         events = self._writer.poll() if wait_for is None else self._writer.wait_sealed(wait_for)
         for event in events:
-            if "failed" in event:
-                raise CheckpointFailed(f"checkpoint {event['failed']} could not be written: {event['error']}",
-                                       event.get("errno"))
-        return [event["sealed"] for event in events if "sealed" in event]
+            if isinstance(event, Failed):
+                raise CheckpointFailed(f"checkpoint {event.failed} could not be written: {event.error}", event.errno)
+        return [event.sealed for event in events if isinstance(event, Sealed)]
 
     @property
     def last_saved(self) -> int | None:
@@ -164,4 +163,4 @@ class Checkpointer:
         """End the writer after what is queued; the steps it sealed since the last call."""
         if self._writer is None:
             return []
-        return [e["sealed"] for e in self._writer.close() if "sealed" in e]
+        return [e.sealed for e in self._writer.close() if isinstance(e, Sealed)]
