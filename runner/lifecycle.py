@@ -25,10 +25,11 @@ from __future__ import annotations
 import shutil
 import socket
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_run.checkpoint.storage.lease import LEASE_KEY, Lease, LeaseHeld
+from grpo_run.checkpoint.storage.lease import LEASE_KEY, LeaseHeld, held
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.state.phases import FINISHED, AttemptEnd, Phase
@@ -69,15 +70,8 @@ def cancel_job(name: str, storage: str | None) -> Cancelled:
         return Cancelled("finished", str(stored["phase"]))
     by = f"cancel@{socket.gethostname()}"
     request_cancel(store, by)        # first: a node taking the lease from here on finds it
-    lease = Lease(url, holder=by)
     try:
-        lease.acquire()
-    except LeaseHeld as held:        # a node runs it: it stops at its next step boundary
-        from grpo_run.checkpoint.storage.lease import describe_holder
-
-        return Cancelled("requested", str(stored["phase"]), holder=describe_holder(held.holder))
-    try:
-        with tempfile.TemporaryDirectory(prefix="grpo-run-cancel-") as tmp:
+        with held(url, by), tempfile.TemporaryDirectory(prefix="grpo-run-cancel-") as tmp:
             books = Books(store, Path(tmp), name=name, manifest=stored["spec"], usd_per_hour=None,
                           max_cost_usd=None)
             try:       # read again under the lease: the node that held it may have finished meanwhile
@@ -87,8 +81,10 @@ def cancel_job(name: str, storage: str | None) -> Cancelled:
                 books.finish(Phase.CANCELLED, AttemptEnd.CANCELLED, f"cancelled by {by} while {was}; no node runs it again")
             finally:
                 books.close()
-    finally:
-        lease.release()
+    except LeaseHeld as taken:       # a node runs it: it stops at its next step boundary
+        from grpo_run.checkpoint.storage.lease import describe_holder
+
+        return Cancelled("requested", str(stored["phase"]), holder=describe_holder(taken.holder))
     return Cancelled("cancelled", str(Phase.CANCELLED), was=str(was))
 
 
@@ -107,20 +103,15 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
         raise NoSuchJob(f"no job {name!r} in {url.rsplit('/', 1)[0]} and nothing of it on this machine")
     removed: list[str] = []
     if keys:
-        lease = None
-        if not force and LEASE_KEY in keys:
-            lease = Lease(url, holder=f"delete@{socket.gethostname()}")
-            try:          # held by us, no node starts it while its folder is emptied
-                lease.acquire()
-            except LeaseHeld as held:
-                raise StillHeld(f"{held}; delete refuses a job a node is running: `grpo-run cancel {name}` "
-                                f"stops it, or add --force if that node is gone") from None
+        # held by us, no node starts it while its folder is emptied (the lease goes with the folder)
+        guard = held(url, f"delete@{socket.gethostname()}") if not force and LEASE_KEY in keys else nullcontext()
         try:
-            parent, _, folder = url.rpartition("/")
-            Store(parent).delete(folder)     # the whole folder, whole path components: never NAME-2
-        finally:
-            if lease is not None:
-                lease.release()             # the lease went with the folder: nothing left to release
+            with guard:
+                parent, _, folder = url.rpartition("/")
+                Store(parent).delete(folder)     # the whole folder, whole path components: never NAME-2
+        except LeaseHeld as taken:
+            raise StillHeld(f"{taken}; delete refuses a job a node is running: `grpo-run cancel {name}` "
+                            f"stops it, or add --force if that node is gone") from None
         removed.append(f"{len(keys)} object(s) under {url}")
     for path in local:
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld
+from grpo_run.checkpoint.storage.lease import LeaseHeld, held
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.replica import fetch_record
@@ -53,18 +53,9 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
     store = Store(url)
     store.check()                                   # a bad bucket or credentials fail before anything is written
     manifest = job.to_dict()
-    lease = Lease(url, holder=holder)               # no node may start it while it is being written
     try:
-        lease.acquire()
-    except LeaseHeld:                               # a node runs it: only reading is safe
-        stored = _stored(store)
-        if stored is not None and stored["spec"] == manifest:
-            return Submitted("unchanged", stored["phase"], url)
-        raise SubmitRefused(f"job {job.name!r} is running on another node with another spec; a job a node has "
-                            f"taken keeps its spec: apply the changed file on that node (grpo-run apply -f FILE), "
-                            f"or give this job another metadata.name") from None
-    try:
-        with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
+        # held: no node may start it while it is being written
+        with held(url, holder), tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
             work = Path(tmp)
             existing = fetch_record(store, work)     # read under the lease: no node writes it meanwhile
             if existing is not None:
@@ -86,8 +77,13 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
                 books.sync(wait=True)
             finally:
                 books.close()
-    finally:
-        lease.release()
+    except LeaseHeld:                               # a node runs it: only reading is safe
+        stored = _stored(store)
+        if stored is not None and stored["spec"] == manifest:
+            return Submitted("unchanged", stored["phase"], url)
+        raise SubmitRefused(f"job {job.name!r} is running on another node with another spec; a job a node has "
+                            f"taken keeps its spec: apply the changed file on that node (grpo-run apply -f FILE), "
+                            f"or give this job another metadata.name") from None
     return Submitted("updated" if existing is not None else "submitted",
                      str(stored["phase"]) if existing is not None else str(Phase.PENDING), url)
 

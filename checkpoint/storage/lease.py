@@ -67,7 +67,8 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .cas import Conflict, Found, Unsupported, open_cas
@@ -454,6 +455,18 @@ class _Hung(TimeoutError):
 # taken on.
 _WATCHED: dict[tuple[str, str], tuple[Any, float, Callable[[], float]]] = {}
 _WATCHED_LOCK = threading.Lock()
+
+
+@contextmanager
+def held(store_url: str, holder: str) -> Iterator[Lease]:
+    """The job's lease, held for the block and released after it (without renewals: for a short
+    write such as a submit or a cancel). Raises LeaseHeld when another holder has it."""
+    lease = Lease(store_url, holder=holder)
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 def _watch(url: str, key: str, version: Any, now: float, clock: Callable[[], float]) -> float:

@@ -666,3 +666,21 @@ def test_a_local_lease_is_one_complete_file(tmp_path):
                          "renewed", "renewals", "ttl_s"}
     assert "expires_epoch" not in body      # nothing in it for another machine's clock to judge
     assert len(body["token"]) == 32
+
+
+def test_held_holds_the_lease_for_the_block_only_and_refuses_a_job_another_holds(tmp_path):
+    from grpo_run.checkpoint.storage.lease import held
+
+    url = str(tmp_path / "job")
+    with held(url, "submit@laptop"):
+        assert read_lease(url)["holder"] == "submit@laptop"
+        with pytest.raises(LeaseHeld):
+            Lease(url, holder="node-b").acquire()
+    assert read_lease(url) is None or read_lease(url).get("holder") != "submit@laptop"    # released
+    node = Lease(url, holder="node-b")
+    node.acquire()
+    try:
+        with pytest.raises(LeaseHeld), held(url, "cancel@laptop"):
+            pytest.fail("the block runs only under the lease")
+    finally:
+        node.release()
