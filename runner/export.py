@@ -14,9 +14,9 @@ from pathlib import Path
 from grpo_run.checkpoint.manifest import Manifest
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import CHECKPOINTS, FINAL, download_latest, run_prefix
+from grpo_run.runner.books.replica import stored_record
 from grpo_run.state import values
 from grpo_run.state.phases import Phase
-from grpo_run.state.record import RECORD_FILE, Record
 
 
 def export_weights(job_url: str, out: Path) -> str:
@@ -27,7 +27,7 @@ def export_weights(job_url: str, out: Path) -> str:
     store = Store(job_url)
     with tempfile.TemporaryDirectory(prefix="grpo-run-export.") as tmp:
         tmp = Path(tmp)
-        run, succeeded = _run_of(store, tmp / "record" / RECORD_FILE, job_url)
+        run, succeeded = _run_of(store, job_url)
 
         def ours(manifest: Manifest) -> str | None:
             return None if manifest.meta.get("run") == run else "written by another run of this job"
@@ -57,14 +57,12 @@ def export_weights(job_url: str, out: Path) -> str:
     return what
 
 
-def _run_of(store: Store, local: Path, job_url: str) -> tuple[str | None, bool]:
+def _run_of(store: Store, job_url: str) -> tuple[str | None, bool]:
     """(the run id, whether it succeeded) from the job's record in storage; the run id is None
     in a record written before run ids."""
-    try:
-        store.get_file(RECORD_FILE, local)
-    except FileNotFoundError:
-        raise LookupError(f"no job record at {job_url}: which run's weights to export is unknown") from None
-    with Record(local) as record:
+    with stored_record(store) as record:
+        if record is None:
+            raise LookupError(f"no job record at {job_url}: which run's weights to export is unknown")
         run = values.RUN_ID.get(record)
         job = record.job()
     if run is not None:
