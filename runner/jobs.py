@@ -319,7 +319,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
     from grpo_run.runner.envfiles import environment_uploads, localize_environment
-    from grpo_run.runner.spec.job import build_run_spec
+    from grpo_run.runner.supervisor.runspec import build_run_spec
     from grpo_run.runner.storedjob import as_this_node_runs_it
     from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
     from grpo_run.runner.supervisor.supervisor import Supervisor

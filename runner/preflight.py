@@ -88,7 +88,7 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     decides at the job's first start). Raises ValueError for `sampler: vllm` that cannot be,
     LookupError when the model's config cannot be read (said by _check_model)."""
     from grpo_run.runner.estimate.config import model_config
-    from grpo_run.runner.spec.job import node_processes
+    from grpo_run.runner.spec.hardware import node_processes
     from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
 
     p = job.parameters

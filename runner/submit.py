@@ -24,7 +24,8 @@ from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.replica import fetch_record
 from grpo_run.runner.envfiles import environment_uploads, upload_environment
-from grpo_run.runner.spec.job import TrainingJob, usd_per_hour
+from grpo_run.runner.spec.job import TrainingJob
+from grpo_run.runner.supervisor.runspec import usd_per_hour
 from grpo_run.runner.wheel import Wheel, publish
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record

@@ -112,7 +112,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     for a config the estimate cannot read (missing keys, mixture-of-experts) or a LoRA target
     module it does not know.
     """
-    from grpo_run.runner.spec.job import node_processes
+    from grpo_run.runner.spec.hardware import node_processes
 
     p = job.parameters
     engine = sampler or ("vllm" if p.sampler == "vllm" else "native")

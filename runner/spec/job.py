@@ -9,7 +9,6 @@ every field on its own is valid.
 from __future__ import annotations
 
 import errno
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -23,15 +22,12 @@ from pydantic import (
     model_validator,
 )
 
-from grpo_run.runner.spec import hardware
-from grpo_run.runner.spec.hardware import Pricing, Resources, node_processes, positive_number
+from grpo_run.runner.spec.hardware import Pricing, Resources, positive_number
 from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
-from grpo_run.runner.spec.judge import judges_refused
 from grpo_run.runner.gpus import GPUS, canonical_name, spelled_like, suggestion
 from grpo_run.runner.spec.yamlfile import FileRefused, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
 from grpo_run.runner.spec.tracking import Tracking
-from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.trainer.config import GRPOParams, Strict, fmt, problem, problems_at, problems_in, to_yaml_dict
 from grpo_run.trainer.envs.catalog import CATALOG
 from grpo_run.runner.home import TINY_NAMES, TINY_PREFIX, is_tiny
@@ -405,59 +401,3 @@ def load_job(path: str | Path) -> TrainingJob:
 def build_environment(job: TrainingJob):
     """The trainer's Environment for this job (see runner.environment.environment_of)."""
     return environment_of(job.environment, job.parameters)
-
-
-def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
-                   uploads: tuple[tuple[str, str, str], ...] = ()) -> RunSpec:
-    """What the supervisor needs for `job`, its outputs under `storage_url`.
-    `local`: the same job as this node runs it (its environment files where they are on this
-    node; on resume, the node's own tracker and notice URLs). `uploads`: the environment files
-    `apply` sends once the lease is held (runner.envfiles.environment_uploads)."""
-    from grpo_run.runner.home import ensure_model
-
-    processes = node_processes(job.resources)
-    gpus = hardware.node_gpus()
-    if gpus and processes > gpus:
-        raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
-                                  f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
-    if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
-        raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
-                                  f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
-                                  "groups of its own; raise promptsPerStep or give a number of processes"])
-    refused = judges_refused(job.environment, processes)    # the node's call: a stored job cannot allow itself
-    if refused:
-        raise JobError(job.name, refused)
-    here = local or job
-    return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
-                   env=build_environment(here), params=job.parameters, storage=storage_url,
-                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
-                   processes=processes, sandbox_strict=sandbox_strict(job), environment_uploads=uploads,
-                   tracking=here.tracking.to_dict() if here.tracking is not None else None)
-
-
-SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)
-
-
-def sandbox_strict(job: TrainingJob) -> bool:
-    """Whether this node runs the job's reward functions only in the full sandbox: spec.sandbox,
-    or the node's GRPO_RUN_SANDBOX. The node's strict wins over a job's best-effort: on `resume`
-    the spec comes from storage, and whoever can write there must not lower the node's guard.
-    Raises JobError for a GRPO_RUN_SANDBOX that is neither value."""
-    node = os.environ.get(SANDBOX_ENV, "").strip()
-    if node not in ("", "strict", "best-effort"):
-        raise JobError(job.name, [f"{SANDBOX_ENV}={node!r} in this node's environment: set it to strict or "
-                                  "best-effort, or unset it to follow spec.sandbox"])
-    return node == "strict" or job.sandbox == "strict"
-
-
-def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
-    """The rate the cost ledger charges for `gpus` GPUs (every process of the node has one):
-    spec.pricing.usdPerHour, else spec.gpu's table rate, per GPU."""
-    if job.pricing is not None and job.pricing.usdPerHour is not None:
-        return job.pricing.usdPerHour * gpus
-    if job.gpu is not None and canonical_name(job.gpu) is not None:
-        from grpo_run.runner.gpus import lookup_gpu
-
-        rate = lookup_gpu(job.gpu).usd_per_hour
-        return None if rate is None else rate * gpus
-    return None

@@ -1,21 +1,28 @@
 """What a supervisor is given and what it gives back: the job as resolved for this node
-(RunSpec, built by runner.spec.job), the restart limits, and the result the CLI reports. Apart
-from the supervisor so that the job spec and each attempt can name them without importing it."""
+(RunSpec, built by build_run_spec from the TrainingJob and the node's own settings), the restart
+limits, and the result the CLI reports. Apart from the supervisor so that the CLI and each
+attempt can name them without importing it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
+from grpo_run.runner.gpus import canonical_name
+from grpo_run.runner.spec import hardware
+from grpo_run.runner.spec.hardware import node_processes
+from grpo_run.runner.spec.job import JobError, TrainingJob, build_environment
+from grpo_run.runner.spec.judge import judges_refused
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import Environment
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What the supervisor needs for a job, resolved by the caller (runner.spec.job) from the
-    TrainingJob."""
+    """What the supervisor needs for a job, resolved for this node from the TrainingJob
+    (build_run_spec)."""
     name: str
     manifest: dict[str, Any]         # the job as the user wrote it, defaults filled (never credentials)
     model: str                       # what from_pretrained takes: a hub id or a folder
@@ -57,3 +64,60 @@ class SupervisorResult:
     durable_step: int | None = None
     code_error: bool = False          # failed in the job's own code or numbers (a reward): a resume replays it
     already_succeeded: bool = False   # storage's record, read under the lease, said Succeeded: nothing was run
+
+
+def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
+                   uploads: tuple[tuple[str, str, str], ...] = ()) -> RunSpec:
+    """What the supervisor needs for `job` on this node, its outputs under `storage_url`: the
+    processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
+    `local`: the same job as this node runs it (its environment files where they are on this
+    node; on resume, the node's own tracker and notice URLs). `uploads`: the environment files
+    `apply` sends once the lease is held (runner.envfiles.environment_uploads)."""
+    from grpo_run.runner.home import ensure_model
+
+    processes = node_processes(job.resources)
+    gpus = hardware.node_gpus()
+    if gpus and processes > gpus:
+        raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
+                                  f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
+    if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
+        raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
+                                  f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
+                                  "groups of its own; raise promptsPerStep or give a number of processes"])
+    refused = judges_refused(job.environment, processes)    # the node's call: a stored job cannot allow itself
+    if refused:
+        raise JobError(job.name, refused)
+    here = local or job
+    return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
+                   env=build_environment(here), params=job.parameters, storage=storage_url,
+                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
+                   processes=processes, sandbox_strict=sandbox_strict(job), environment_uploads=uploads,
+                   tracking=here.tracking.to_dict() if here.tracking is not None else None)
+
+
+SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)
+
+
+def sandbox_strict(job: TrainingJob) -> bool:
+    """Whether this node runs the job's reward functions only in the full sandbox: spec.sandbox,
+    or the node's GRPO_RUN_SANDBOX. The node's strict wins over a job's best-effort: on `resume`
+    the spec comes from storage, and whoever can write there must not lower the node's guard.
+    Raises JobError for a GRPO_RUN_SANDBOX that is neither value."""
+    node = os.environ.get(SANDBOX_ENV, "").strip()
+    if node not in ("", "strict", "best-effort"):
+        raise JobError(job.name, [f"{SANDBOX_ENV}={node!r} in this node's environment: set it to strict or "
+                                  "best-effort, or unset it to follow spec.sandbox"])
+    return node == "strict" or job.sandbox == "strict"
+
+
+def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
+    """The rate the cost ledger charges for `gpus` GPUs (every process of the node has one):
+    spec.pricing.usdPerHour, else spec.gpu's table rate, per GPU."""
+    if job.pricing is not None and job.pricing.usdPerHour is not None:
+        return job.pricing.usdPerHour * gpus
+    if job.gpu is not None and canonical_name(job.gpu) is not None:
+        from grpo_run.runner.gpus import lookup_gpu
+
+        rate = lookup_gpu(job.gpu).usd_per_hour
+        return None if rate is None else rate * gpus
+    return None

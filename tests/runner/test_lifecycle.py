@@ -239,7 +239,8 @@ def test_a_storage_error_while_looking_for_a_cancel_request_is_not_the_runs_erro
     import grpo_run.runner.supervisor.supervisor as supervisor
     from grpo_run.checkpoint.storage.store import StorageUnavailable
     from grpo_run.runner.home import job_store_url
-    from grpo_run.runner.spec.job import build_run_spec, load_job
+    from grpo_run.runner.spec.job import load_job
+    from grpo_run.runner.supervisor.runspec import build_run_spec
 
     job = load_job(write_job(tmp_path, str(tmp_path / "store")))
     url = job_store_url(str(tmp_path / "store"), job.name)

@@ -4,7 +4,9 @@ estimate and the cost ledger charge for."""
 import pytest
 
 from grpo_run.runner.estimate.estimate import estimate
-from grpo_run.runner.spec.job import JobError, build_run_spec, node_processes, parse_job, usd_per_hour
+from grpo_run.runner.spec.hardware import node_processes
+from grpo_run.runner.spec.job import JobError, parse_job
+from grpo_run.runner.supervisor.runspec import build_run_spec, usd_per_hour
 from tests.runner.test_dryrun import QWEN3_8B, SPEC_RUN, manifest, qwen3_8b  # noqa: F401 (a fixture)
 from tests.faults.inject import grpo_run_faults as faults
 from grpo_run.trainer.launch import exit_status, rank_environment

@@ -114,7 +114,8 @@ def test_a_supervisor_that_finds_the_job_succeeded_once_it_holds_the_lease_runs_
     came free: what storage's record says, read under the lease, decides."""
     from grpo_run.runner.exits import EXIT_OK
     from grpo_run.runner.home import job_store_url
-    from grpo_run.runner.spec.job import build_run_spec, load_job
+    from grpo_run.runner.spec.job import load_job
+    from grpo_run.runner.supervisor.runspec import build_run_spec
     from grpo_run.runner.supervisor.supervisor import Supervisor
     from tests.runner.test_resume import write_job
 
@@ -151,7 +152,8 @@ def test_resume_says_already_succeeded_when_the_job_finished_while_it_waited_for
     from grpo_run.runner.exits import EXIT_OK
     from grpo_run.runner.home import job_store_url
     from grpo_run.runner.envfiles import environment_uploads, with_file_hashes
-    from grpo_run.runner.spec.job import build_run_spec, load_job
+    from grpo_run.runner.spec.job import load_job
+    from grpo_run.runner.supervisor.runspec import build_run_spec
     from tests.runner.test_resume import write_job
 
     monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "node-b"))
