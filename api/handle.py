@@ -1,5 +1,5 @@
 """The handle on a job (`grpo_run.Job`), `grpo_run.apply` and `grpo_run.get`: thin callers of
-the library the CLI uses (runner/jobs.py), so a job applied from Python is the job `grpo-run
+the library the CLI uses (runner/jobs/run.py), so a job applied from Python is the job `grpo-run
 apply -f` would run, and a refusal reads as the CLI's line (raised as JobError or RunError)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Job:
 
     def doc(self) -> dict[str, Any]:
         """The job as `grpo-run get tj NAME -o json` prints it: {apiVersion, kind, metadata, spec, status}."""
-        from grpo_run.runner.jobs import get_job
+        from grpo_run.runner.jobs.find import get_job
 
         with as_api_errors():
             return get_job(self.name, self.storage)
@@ -97,7 +97,7 @@ class Job:
 
             job.report("run.png")
         """
-        from grpo_run.runner.jobs import write_report
+        from grpo_run.runner.jobs.find import write_report
 
         with as_api_errors():
             write_report(self.name, self.storage, Path(path))
@@ -109,7 +109,7 @@ class Job:
 
             job.export("adapter/")       # then PeftModel.from_pretrained(base, "adapter/")
         """
-        from grpo_run.runner.jobs import export_adapter
+        from grpo_run.runner.jobs.find import export_adapter
 
         with as_api_errors():
             export_adapter(self.name, self.storage, Path(out))
@@ -141,7 +141,7 @@ def apply(path: str | Path, *, dry_run: bool = False, detach: bool = False) -> A
         grpo_run.apply("job.yaml", dry_run=True)["status"]["estimate"]["costToCompletionUSD"]
         job = grpo_run.apply("job.yaml", detach=True)
     """
-    from grpo_run.runner.jobs import check_job_file, start
+    from grpo_run.runner.jobs.run import check_job_file, start
 
     with as_api_errors():
         checked = check_job_file(str(path), dry_run=dry_run, detach=detach)

@@ -6,7 +6,7 @@ re`), names it imports from installed modules (`from math import isclose`), the 
 classes of its own module it calls (their source, recursively), constants (numbers, text, and
 tuples, lists, dicts and sets of them, written back as literals), and standard-library objects
 its module's source makes with one assignment (`PATTERN = re.compile(...)`: the statement). The file is one of the
-job's environment files (runner/envfiles.py), so it is hashed into the spec, copied to the job's
+job's environment files (runner/jobs/envfiles.py), so it is hashed into the spec, copied to the job's
 storage under the lease and fetched, checked, by any node that resumes the job; the grader
 imports it inside its sandbox, never the supervisor or the CLI; the evaluation cache's
 fingerprint covers its bytes.

@@ -1,5 +1,5 @@
 """`grpo_run.train(...)`: the TrainingJob a YAML file describes, built from keyword arguments,
-checked and run by the same library as `grpo-run apply` (runner/jobs.py).
+checked and run by the same library as `grpo-run apply` (runner/jobs/run.py).
 
 What a job file names by path, train() writes first, into $GRPO_RUN_HOME/python/NAME/: each
 reward function packaged as a module file (grpo_run.package), and tasks given as rows (a list of
@@ -68,7 +68,7 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
                              rewards=[correct], max_steps=200, storage="s3://bucket/runs")
     """
     from grpo_run.runner.home import home
-    from grpo_run.runner.jobs import check_job, start
+    from grpo_run.runner.jobs.run import check_job, start
     from grpo_run.runner.spec.job import name_problem, parse_job
 
     if (trouble := name_problem(name)) is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
-from grpo_run.runner.gpus import ALIASES
+from grpo_run.runner.estimate.gpus import ALIASES
 from grpo_run.runner.wheel import DIST_PREFIX, Wheel
 
 DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
@@ -341,7 +341,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
 
     The container runs `grpo-run resume NAME --storage URI --wait` (a replacement pod waits out the
     lost pod's lease), or with `all_jobs` `grpo-run resume --storage URI --all`: the pod serves
-    every job under the prefix and ends when none is left (runner/queue.py), or with `wait` waits
+    every job under the prefix and ends when none is left (runner/jobs/queue.py), or with `wait` waits
     for new ones (s.job is then not used).
 
     The pod asks for `gpus` GPUs (nvidia.com/gpu, one per trainer process), tolerates the
@@ -427,7 +427,7 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
     GPU (e.g. H100:1); required, since a task without it runs on a CPU node.
 
     The run ends when there is nothing to do: `resume NAME` exits 2 for a job that was never
-    submitted, `resume --all` (`all_jobs`: every job under the prefix, runner/queue.py) exits once
+    submitted, `resume --all` (`all_jobs`: every job under the prefix, runner/jobs/queue.py) exits once
     none is left. Only with `wait` does it wait for submissions, on a GPU paid meanwhile.
     With all_jobs, s.job is not used. ValueError without accelerators."""
     import yaml
@@ -486,7 +486,7 @@ _BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
     "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
-# spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.gpus), and
+# spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.estimate.gpus), and
 # the earlier names are aliases of them.
 SKYPILOT_GPUS = {name: f"{table_name}:1" for name, table_name in ALIASES.items()}
 

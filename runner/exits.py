@@ -13,7 +13,7 @@ EXIT_INTERRUPTED = 130   # Ctrl-C at the terminal (128 + SIGINT, as shells repor
 
 class Refused(Exception):
     """A command's refusal, or a failure before anything ran, in the words `grpo-run` prints: raised
-    by the library (runner/jobs.py) so that the CLI and the Python API tell it the same way.
+    by the library (runner/jobs/run.py) so that the CLI and the Python API tell it the same way.
     `message`: the text (one line, or a job file's problems one per line); `exit_code`: the status
     the CLI exits with (EXIT_USAGE for bad input, EXIT_FAILED for a failure of the moment,
     EXIT_HELD when another node holds the job); `prefixed`: the CLI prints it after `error: `."""

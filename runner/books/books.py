@@ -86,7 +86,7 @@ class Books:
         self._first_step_due = False  # the attempt's first step is uploaded at once (log_step)
         self._queued: Future | None = None
         self._durable_waits = False  # a durable checkpoint's record upload was put off (DURABLE_SYNC_S)
-        self.tracking = tracking     # spec.tracking as this node writes it (not the stored spec's: runner.storedjob)
+        self.tracking = tracking     # spec.tracking as this node writes it (not the stored spec's: runner.jobs.stored)
         self.trackers = Trackers([])       # opened per attempt (spec.tracking)
 
     def _apply_spec_changes(self, name: str, manifest: dict[str, Any]) -> None:

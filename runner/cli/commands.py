@@ -14,9 +14,9 @@ import click
 from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
-from grpo_run.runner.jobs import find_job as _find_job
+from grpo_run.runner.jobs.find import find_job as _find_job
 from grpo_run.runner.home import default_storage
-from grpo_run.runner.storedjob import TRUST_STORED_URLS_ENV, trusts_stored_urls
+from grpo_run.runner.jobs.stored import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
@@ -84,7 +84,7 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
       grpo-run apply -f job.yaml --dry-run --live    # today's EC2 spot price (--live azure, --live gcp)
       grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
-    from grpo_run.runner.jobs import check_job_file, start
+    from grpo_run.runner.jobs.run import check_job_file, start
 
     if (live or live_region) and not dry_run:
         print(f"error: {'--live' if live else '--live-region'} is for --dry-run: a run is charged at spec.pricing."
@@ -265,8 +265,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
 
 def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | None, stop: threading.Event,
                  trust_urls: bool) -> int:
-    """resume --all: the queue under `storage` (runner/queue.py), each job run as resume runs one."""
-    from grpo_run.runner.queue import Queue
+    """resume --all: the queue under `storage` (runner/jobs/queue.py), each job run as resume runs one."""
+    from grpo_run.runner.jobs.queue import Queue
 
     if name is not None:
         _error(f"resume: give NAME or --all, not both (--all trains every job under --storage; "
@@ -283,8 +283,8 @@ def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | No
 
 
 def _run(job, **how) -> int:
-    """runner.jobs.run_job, its refusal printed as the CLI's one line."""
-    from grpo_run.runner.jobs import run_job
+    """runner.jobs.run.run_job, its refusal printed as the CLI's one line."""
+    from grpo_run.runner.jobs.run import run_job
 
     try:
         return run_job(job, **how)
@@ -308,7 +308,7 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
       grpo-run export tiny-arithmetic --out ./adapter
       python -c "from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')"
     """
-    from grpo_run.runner.jobs import export_adapter
+    from grpo_run.runner.jobs.find import export_adapter
 
     try:      # without --storage: where `apply --detach` sent it, or where it ran on this machine
         what = export_adapter(name, storage, Path(out))

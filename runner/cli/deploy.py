@@ -230,7 +230,7 @@ def refuse_local_files(file: str, spec, storage: str) -> bool:
     save_to_disk folder); if so, say so and what to do instead (one line on stderr). The user-data
     carries the job file alone: a node would boot, fail the job's submit, and wait for a job that
     never comes on a paid GPU. `apply --detach` from here uploads the files, checked by hash."""
-    from grpo_run.runner.envfiles import local_files
+    from grpo_run.runner.jobs.envfiles import local_files
 
     lacking = local_files(spec.environment)
     if not lacking:

@@ -1,4 +1,4 @@
-"""The commands that end a job: `cancel` and `delete` (the library: runner/lifecycle.py). A storage
+"""The commands that end a job: `cancel` and `delete` (the library: runner/jobs/cancel.py). A storage
 error (bad URL, refused credentials, no answer) reaches runner.cli.commands.main, which says it in
 one line and exits 1, as for every command."""
 
@@ -31,7 +31,7 @@ def cmd_cancel(name: str, storage: str | None) -> int:
       grpo-run cancel my-grpo-lora --storage s3://bucket/prefix
       grpo-run get tj my-grpo-lora -w          # until it says Cancelled
     """
-    from grpo_run.runner.lifecycle import NoSuchJob, cancel_job, job_storage
+    from grpo_run.runner.jobs.cancel import NoSuchJob, cancel_job, job_storage
 
     storage = job_storage(name, storage)
     try:
@@ -66,7 +66,7 @@ def cmd_delete(name: str, storage: str | None, yes: bool, force: bool) -> int:
       grpo-run delete my-grpo-lora --yes
       grpo-run delete my-grpo-lora --storage s3://bucket/prefix --yes
     """
-    from grpo_run.runner.lifecycle import NoSuchJob, StillHeld, delete_job, job_storage
+    from grpo_run.runner.jobs.cancel import NoSuchJob, StillHeld, delete_job, job_storage
 
     storage = job_storage(name, storage)
     if not yes:

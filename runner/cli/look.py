@@ -9,7 +9,7 @@ import click
 
 from grpo_run.runner.exits import EXIT_OK, EXIT_USAGE
 from grpo_run.runner.cli.output import FORMAT, dump as _dump, error as _error, job_name, printable
-from grpo_run.runner.jobs import get_job, jobs_in as _jobs_in, local_jobs as _local_jobs
+from grpo_run.runner.jobs.find import get_job, jobs_in as _jobs_in, local_jobs as _local_jobs
 from grpo_run.runner.home import work_dir
 from grpo_run.state.phases import TERMINAL
 
@@ -66,7 +66,7 @@ def _watch(names: list[str], storage: str | None, output: str | None, interval_s
     import time
 
     from grpo_run.runner.views.live import view
-    from grpo_run.runner.jobs import open_record
+    from grpo_run.runner.jobs.find import open_record
 
     tty = sys.stdout.isatty()
     last, drawn = None, 0
@@ -152,7 +152,7 @@ def cmd_report(name: str, storage: str | None, out: str) -> int:
       grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
     """
     from grpo_run.runner.exits import Refused
-    from grpo_run.runner.jobs import write_report
+    from grpo_run.runner.jobs.find import write_report
 
     try:
         run, drawn, md = write_report(name, storage, Path(out))

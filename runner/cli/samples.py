@@ -31,7 +31,7 @@ def cmd_samples(name: str, step: int | None, last: int | None, evaluation: str |
       grpo-run samples tiny-arithmetic --eval final          # baseline and final answers, task by task
       grpo-run samples my-grpo-lora --step 120 --storage s3://bucket/prefix -o json
     """
-    from grpo_run.runner.jobs import open_record
+    from grpo_run.runner.jobs.find import open_record
     from grpo_run.runner.views.samples import eval_tasks, render, rows, step_groups
 
     if step is not None and last is not None:

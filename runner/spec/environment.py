@@ -294,7 +294,7 @@ def _path_problems(folders: tuple[str, ...], info: ValidationInfo) -> list[tuple
     """A job file's `path` (import folders for its rewards) must lie in the job's own folder and be
     no folder of the node's that a reward is kept from (trainer.grader.reach): the reward would read
     it. Not checked for a job read back from storage (check_files off): `resume` gives a reward
-    only its stored files' folder (runner.envfiles)."""
+    only its stored files' folder (runner.jobs.envfiles)."""
     from grpo_run.trainer.grader.reach import node_places, why_not
 
     if not checks_files(info):

@@ -1,5 +1,5 @@
 """The cancel request: the object `grpo-run cancel` leaves in a job's storage folder, and that the
-supervisor looks for at the moments it talks to storage (runner/lifecycle.py cancels; this module
+supervisor looks for at the moments it talks to storage (runner/jobs/cancel.py cancels; this module
 is what both share, below the supervisor so that it needs nothing of the commands)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
-from grpo_run.runner.gpus import canonical_name
+from grpo_run.runner.estimate.gpus import canonical_name
 from grpo_run.runner.spec import hardware
 from grpo_run.runner.spec.hardware import node_processes
 from grpo_run.runner.spec.job import JobError, TrainingJob, build_environment
@@ -36,7 +36,7 @@ class RunSpec:
     processes: int = 1               # spec.resources.processes, resolved: > 1 runs the trainer under accelerate
     sandbox_strict: bool = False     # spec.sandbox or the node's GRPO_RUN_SANDBOX, resolved (runner.spec.job)
     # (local file, key in storage, sha256) of the environment files `apply` sends, written once the
-    # lease is held (runner.envfiles); () on resume, which uses the stored copies
+    # lease is held (runner.jobs.envfiles); () on resume, which uses the stored copies
     environment_uploads: tuple[tuple[str, str, str], ...] = ()
     tracking: dict[str, Any] | None = None   # spec.tracking as this node writes it (resume: the node decides the URLs)
 
@@ -72,7 +72,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
     `local`: the same job as this node runs it (its environment files where they are on this
     node; on resume, the node's own tracker and notice URLs). `uploads`: the environment files
-    `apply` sends once the lease is held (runner.envfiles.environment_uploads)."""
+    `apply` sends once the lease is held (runner.jobs.envfiles.environment_uploads)."""
     from grpo_run.runner.home import ensure_model
 
     processes = node_processes(job.resources)
@@ -116,7 +116,7 @@ def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
     if job.pricing is not None and job.pricing.usdPerHour is not None:
         return job.pricing.usdPerHour * gpus
     if job.gpu is not None and canonical_name(job.gpu) is not None:
-        from grpo_run.runner.gpus import lookup_gpu
+        from grpo_run.runner.estimate.gpus import lookup_gpu
 
         rate = lookup_gpu(job.gpu).usd_per_hour
         return None if rate is None else rate * gpus

@@ -11,7 +11,7 @@ restarts — and runs the job as attempts, one trainer process each (attempt.py)
            sealed local checkpoint is uploaded as it is
         -> the attempt is recorded as Preempted; the supervisor exits with EXIT_PREEMPTED
     rebalance recommendation (AWS) -> CHECKPOINT_SIGNAL: checkpoint at the next step, keep training
-    cancel request (runner.lifecycle: `grpo-run cancel`), found at a record upload or lease renewal
+    cancel request (runner.jobs.cancel: `grpo-run cancel`), found at a record upload or lease renewal
         -> STOP_SIGNAL, as for a notice but without its hurry; the last completed step made durable
         -> the job is recorded as Cancelled; the supervisor exits with EXIT_CANCELLED
     trainer crash -> restart with backoff, counted by kind, each kind with its own limit
@@ -364,7 +364,7 @@ class Supervisor:
         return SupervisorResult(row.exit_code, message, notice=notice, **result)
 
     def _check_cancel(self) -> None:
-        """Whether `grpo-run cancel` has asked (runner.lifecycle), called where the supervisor
+        """Whether `grpo-run cancel` has asked (runner.jobs.cancel), called where the supervisor
         talks to storage anyway: after each record upload and each lease renewal. A request
         found stops the trainer at its last completed step. A storage error here is left to the
         upload or renewal that meets it too."""

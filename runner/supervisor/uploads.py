@@ -1,6 +1,6 @@
 """The environment files `apply` read (reward and task files), copied to the job's storage by the
 supervisor once it holds the job's lease. Here, below the supervisor, so that it needs nothing of
-the job file's modules (runner/envfiles.py hashes and fetches them; it imports this)."""
+the job file's modules (runner/jobs/envfiles.py hashes and fetches them; it imports this)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Python API's job path: `grpo_run.apply`, `grpo_run.get` and the Job handle, on the library
-the CLI uses (runner/jobs.py): the same checks, the same run, and a refusal in the CLI's words."""
+the CLI uses (runner/jobs/run.py): the same checks, the same run, and a refusal in the CLI's words."""
 
 from __future__ import annotations
 

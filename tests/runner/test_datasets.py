@@ -181,7 +181,7 @@ def test_a_problem_inside_a_list_item_names_the_fields_it_allows():
 
 def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, reward_file):
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.envfiles import environment_uploads, localize_environment, upload_environment, with_file_hashes
+    from grpo_run.runner.jobs.envfiles import environment_uploads, localize_environment, upload_environment, with_file_hashes
 
     write(tmp_path, "train.parquet", ROWS[:20], "parquet")
     write(tmp_path, "test.parquet", ROWS[20:], "parquet")
@@ -200,7 +200,7 @@ def test_the_environment_s_files_reach_a_fresh_node_through_storage(tmp_path, re
 
 def test_a_save_to_disk_folder_missing_on_the_node_is_named(tmp_path, reward_file):
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.envfiles import localize_environment
+    from grpo_run.runner.jobs.envfiles import localize_environment
 
     doc = job(name="s", reward=reward_file, dataset=str(tmp_path / "gone"))
     with pytest.raises(LookupError, match="spec.environment.dataset: the folder .*gone is not on this node"):

@@ -107,7 +107,7 @@ def test_a_run_submitted_again_keeps_counts_and_restores_only_its_own_checkpoint
 
 @pytest.mark.trust
 def test_export_takes_this_runs_weights_never_an_earlier_runs_final(tmp_path, store, durability, figures):
-    from grpo_run.runner.export import export_weights
+    from grpo_run.runner.jobs.export import export_weights
 
     earlier_run(tmp_path, store)
     d = durability()

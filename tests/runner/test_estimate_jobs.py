@@ -312,7 +312,7 @@ def test_with_o_the_dry_run_prints_the_whole_document_with_the_spec_s_estimate_f
 
 
 def test_a_finished_gpu_run_teaches_the_estimate_of_its_model_and_length(tmp_path, gsm8k_like):
-    from grpo_run.runner.jobs import remember_step_time as _remember_step_time
+    from grpo_run.runner.jobs.run import remember_step_time as _remember_step_time
 
     job = gsm8k_like(model_folder(tmp_path, "qwen2.5-0.5b", QWEN2_5_0_5B), "L4")
     _remember_step_time(job, {"device": "cpu", "medianStepSeconds": 99.0})        # a CPU run teaches nothing
@@ -394,7 +394,7 @@ def test_a_reward_model_s_weights_and_forward_are_in_the_memory_and_the_step_tim
 def test_one_reward_model_forward_is_a_one_logit_pass_computed_by_hand():
     from grpo_run.runner.estimate.memory import model_shape
     from grpo_run.runner.estimate.steptime import COMPUTE_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, score_seconds
-    from grpo_run.runner.gpus import lookup_gpu
+    from grpo_run.runner.estimate.gpus import lookup_gpu
 
     config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 1000}

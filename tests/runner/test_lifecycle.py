@@ -13,7 +13,7 @@ from grpo_run.checkpoint.storage.lease import Lease
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.cli.commands import main
 from grpo_run.runner.exits import EXIT_CANCELLED, EXIT_HELD, EXIT_OK, EXIT_USAGE
-from grpo_run.runner.lifecycle import CANCEL_KEY, request_cancel
+from grpo_run.runner.jobs.cancel import CANCEL_KEY, request_cancel
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.state.record import RECORD_FILE, Record
 from tests.runner.test_resume import grpo_run, status, write_job
@@ -135,7 +135,7 @@ def test_cancel_of_a_succeeded_job_changes_nothing(tmp_path, capsys):
 
 
 def test_a_job_that_succeeds_while_cancel_runs_stays_succeeded(tmp_path, capsys, monkeypatch):
-    import grpo_run.runner.lifecycle as lifecycle
+    import grpo_run.runner.jobs.cancel as lifecycle
 
     storage = str(tmp_path / "bucket")
     store = stored_job(storage, Phase.TRAINING)

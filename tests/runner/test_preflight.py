@@ -1,4 +1,4 @@
-"""Preflight (runner/preflight.py): the mistakes that used to pass `--dry-run` and cost a node
+"""Preflight (runner/jobs/preflight.py): the mistakes that used to pass `--dry-run` and cost a node
 boot each (issue 22's "Seen" list) are refused by `apply`, `apply --dry-run` and `apply --detach`
 in the job file's error format with exit 2, naming the field and the fix; and a hub model's dry
 run reads (or fetches) its config.json only, keeping the hub id in the job."""
@@ -549,7 +549,7 @@ def test_what_the_hub_answers_is_said_in_words(tmp_path, monkeypatch, status, co
 
 def test_a_store_that_does_not_answer_the_probe_is_a_failure_of_the_moment(capsys, folder, monkeypatch,
                                                                              closed_port):
-    import grpo_run.runner.preflight as preflight
+    import grpo_run.runner.jobs.preflight as preflight
 
     monkeypatch.setattr(preflight, "PROBE_RETRY_S", 1.0)      # 15 s against a closed port otherwise
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "grpo-run-test")

@@ -23,7 +23,7 @@ from grpo_run.checkpoint.storage.lease import Lease
 from grpo_run.checkpoint.storage.store import StorageUnavailable, Store
 from grpo_run.runner.cli.commands import main
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED, EXIT_USAGE
-from grpo_run.runner.queue import Queue
+from grpo_run.runner.jobs.queue import Queue
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
 from tests.runner.test_resume import REPO, write_job
@@ -32,7 +32,7 @@ from tests.runner.test_resume import REPO, write_job
 def submit(storage: Path, name: str) -> None:
     """`apply --detach` of a catalog job named `name` (nothing to upload but its record)."""
     from grpo_run.runner.spec.job import parse_job
-    from grpo_run.runner.submit import submit as submit_job
+    from grpo_run.runner.jobs.submit import submit as submit_job
 
     doc = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name},
            "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"}, "storage": str(storage)}}
@@ -232,7 +232,7 @@ def test_a_stored_job_that_cannot_be_read_is_reported_and_the_others_run(tmp_pat
 
 
 def test_storage_that_does_not_answer_ends_a_node_or_is_waited_out(tmp_path, monkeypatch):
-    import grpo_run.runner.jobs as jobs
+    import grpo_run.runner.jobs.find as jobs
 
     storage = tmp_path / "bucket"
     submit(storage, "a")
@@ -356,7 +356,7 @@ def test_a_judge_job_on_a_node_that_does_not_allow_judges_is_left_for_one_that_d
     """Not this node's to train, not a failure: it stays Pending, said once, and the node's exit
     status is its other jobs'; a node that allows judges serves it."""
     from grpo_run.runner.spec.job import parse_job
-    from grpo_run.runner.submit import submit as submit_job
+    from grpo_run.runner.jobs.submit import submit as submit_job
 
     storage = tmp_path / "bucket"
     submit(storage, "a-plain")

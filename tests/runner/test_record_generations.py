@@ -148,10 +148,10 @@ def test_resume_says_already_succeeded_when_the_job_finished_while_it_waited_for
     free: the node says what a node that looked later says, not the run's summary as if it ran."""
     import threading
 
-    from grpo_run.runner import jobs
+    from grpo_run.runner.jobs import run as jobs
     from grpo_run.runner.exits import EXIT_OK
     from grpo_run.runner.home import job_store_url
-    from grpo_run.runner.envfiles import environment_uploads, with_file_hashes
+    from grpo_run.runner.jobs.envfiles import environment_uploads, with_file_hashes
     from grpo_run.runner.spec.job import load_job
     from grpo_run.runner.supervisor.runspec import build_run_spec
     from tests.runner.test_resume import write_job

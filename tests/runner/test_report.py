@@ -96,7 +96,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     assert len(usd) == 4 and all(u > 0 for u in usd), summary
 
     # the picture's own boundary lines sit at the steps the record gives, on every step panel
-    from grpo_run.runner.jobs import open_record
+    from grpo_run.runner.jobs.find import open_record
     from grpo_run.runner.views.report import gather, render
 
     os.environ["GRPO_RUN_HOME"] = str(viewer)

@@ -14,7 +14,7 @@ import yaml
 
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.cli.commands import EXIT_USAGE, main
-from grpo_run.runner.envfiles import environment_uploads, localize_environment, with_file_hashes
+from grpo_run.runner.jobs.envfiles import environment_uploads, localize_environment, with_file_hashes
 from grpo_run.runner.spec.job import JobError, load_job, parse_job
 from grpo_run.runner.supervisor.uploads import upload_environment
 
@@ -203,7 +203,7 @@ def headers_sent() -> dict:
 @pytest.mark.parametrize("allow", [None, "someone/*", "*"])
 def test_a_resumed_job_fetches_hub_ids_with_the_nodes_token_only_where_the_node_allows_them(tmp_path, monkeypatch,
                                                                                             allow, figures):
-    from grpo_run.runner import jobs
+    from grpo_run.runner.jobs import run as jobs
 
     monkeypatch.setenv("HF_TOKEN", "hf_FAKE_NODE_TOKEN_123456")
     if allow is None:

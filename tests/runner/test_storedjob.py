@@ -63,8 +63,8 @@ def test_a_planted_spec_naming_the_node_s_environ_sends_nothing_of_the_node_to_t
 
 
 def test_resume_uses_the_stored_copies_and_refuses_one_replaced_since_apply(tmp_path, capsys, figures):
-    from grpo_run.runner.envfiles import localize_environment
-    from grpo_run.runner.jobs import find_job
+    from grpo_run.runner.jobs.envfiles import localize_environment
+    from grpo_run.runner.jobs.find import find_job
 
     storage = str(tmp_path / "bucket")
     assert main(["apply", "-f", str(write_job(tmp_path, storage)), "--detach"]) == EXIT_OK
@@ -89,7 +89,7 @@ def test_resume_uses_the_stored_copies_and_refuses_one_replaced_since_apply(tmp_
 
 
 def test_apply_records_the_files_hashes_and_refuses_a_file_that_is_not_the_one_pinned(tmp_path, capsys):
-    from grpo_run.runner.envfiles import sha256_of
+    from grpo_run.runner.jobs.envfiles import sha256_of
 
     job = write_job(tmp_path, str(tmp_path / "bucket"))
     assert main(["apply", "-f", str(job), "--detach", "-o", "yaml"]) == EXIT_OK
@@ -167,7 +167,7 @@ def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsy
 
 def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsys, figures):
     from grpo_run.checkpoint.storage.lease import Lease
-    from grpo_run.runner.jobs import run_summary as _summary
+    from grpo_run.runner.jobs.run import run_summary as _summary
     from grpo_run.runner.cli.output import printable
     from grpo_run.runner.text import printable_lines
 
@@ -197,9 +197,9 @@ def test_on_resume_the_node_not_the_bucket_chooses_the_urls_it_contacts(tmp_path
     would receive the node's token: a resume uses neither unless the operator says so."""
     from tests.emulators import AwsImdsEmulator
 
-    from grpo_run.runner.jobs import watchers_for as _watchers
-    from grpo_run.runner.jobs import find_job
-    from grpo_run.runner.storedjob import as_this_node_runs_it, trusts_stored_urls
+    from grpo_run.runner.jobs.run import watchers_for as _watchers
+    from grpo_run.runner.jobs.find import find_job
+    from grpo_run.runner.jobs.stored import as_this_node_runs_it, trusts_stored_urls
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -250,7 +250,7 @@ def test_apply_of_an_edited_file_against_a_finished_job_leaves_its_files_in_stor
 
 def test_a_stored_split_name_that_would_step_out_of_its_folder_is_refused_naming_the_field(tmp_path, figures):
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner.envfiles import localize_environment
+    from grpo_run.runner.jobs.envfiles import localize_environment
     from grpo_run.runner.spec.job import parse_job
 
     doc = yaml.safe_load(write_job(tmp_path).read_text())

@@ -14,10 +14,10 @@ import pytest
 
 from grpo_run.checkpoint.storage.lease import Lease
 from grpo_run.checkpoint.storage.store import Store
-from grpo_run.runner.envfiles import with_file_hashes
-from grpo_run.runner.jobs import jobs_in
+from grpo_run.runner.jobs.envfiles import with_file_hashes
+from grpo_run.runner.jobs.find import jobs_in
 from grpo_run.runner.spec.job import load_job
-from grpo_run.runner.submit import SubmitRefused, submit
+from grpo_run.runner.jobs.submit import SubmitRefused, submit
 from grpo_run.runner.wheel import (DIST_PREFIX, WheelError, _build_from_source, _check_setuptools, _digest,
                                    build_wheel, publish)
 from tests.runner.test_resume import REPO, grpo_run, write_job

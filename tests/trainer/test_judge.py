@@ -279,7 +279,7 @@ def test_the_baseline_fingerprint_covers_the_judge_but_not_its_key_or_limits(tmp
 
 def test_the_preflight_refuses_a_judge_here_unless_allowed_and_notes_it_for_another_node(tmp_path, server,
                                                                                         monkeypatch):
-    from grpo_run.runner.preflight import preflight
+    from grpo_run.runner.jobs.preflight import preflight
     from grpo_run.runner.spec.job import load_job
 
     job = load_job(write_job(tmp_path, server))

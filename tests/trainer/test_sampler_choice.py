@@ -128,7 +128,7 @@ def test_several_trainer_processes_sample_natively_with_the_reason(with_vllm):
 
 def test_a_node_without_vllm_is_told_before_the_lease_and_leaves_the_job_as_it_was(tmp_path, monkeypatch):
     from grpo_run.checkpoint.storage.store import Store
-    from grpo_run.runner import jobs
+    from grpo_run.runner.jobs import find as jobs
     from grpo_run.state import values
     from grpo_run.state.record import Record
 

@@ -3,7 +3,7 @@ search path (`environment.path`), but never a node folder that holds credentials
 files or other workers' scratch, whatever the job file or a stored spec names.
 
 The runner already refuses a job file whose `environment.path` leaves the job's folder, and on
-`resume` uses only the stored copies of the environment's files (runner/envfiles.py). This is the
+`resume` uses only the stored copies of the environment's files (runner/jobs/envfiles.py). This is the
 grader's own line, decided in the trainer's process (the worker only applies it): a folder is never
 granted when it
   * is / or holds one of the node's places: the home folder, the shared temporary folders (/tmp,

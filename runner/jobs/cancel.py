@@ -92,7 +92,7 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
     """Remove job `name`'s storage folder and this machine's folders for it; returns what was
     removed (for the message). Raises NoSuchJob when there is nothing to remove, StillHeld while
     a node holds the lease (unless `force`), StorageConfigError / StorageUnavailable."""
-    from grpo_run.runner.submit import SUBMITTED
+    from grpo_run.runner.jobs.submit import SUBMITTED
 
     url = job_store_url(storage, name)
     job_store = Store(url)
@@ -123,7 +123,7 @@ def job_storage(name: str, storage: str | None) -> str | None:
     """The storage the CLI means for job `name`: `--storage` when given, else the one `apply
     --detach` remembered on this machine, else the spec.storage of a run on this machine, else
     None (this machine's default store)."""
-    from grpo_run.runner.submit import submitted_storage
+    from grpo_run.runner.jobs.submit import submitted_storage
 
     if storage:
         return storage

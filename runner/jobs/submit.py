@@ -1,7 +1,7 @@
 """Submitting a job without training here (`grpo-run apply -f JOB --detach`).
 
 The job's spec and its record (phase Pending) go into its storage folder, with the environment's
-own files (their sha256 in the spec: runner/envfiles.py), and nothing starts on this machine. Whichever node then runs `grpo-run resume NAME
+own files (their sha256 in the spec: runner/jobs/envfiles.py), and nothing starts on this machine. Whichever node then runs `grpo-run resume NAME
 --storage URI` (a boot unit, a Kubernetes Job, a SkyPilot managed job), or `grpo-run apply -f` of
 the same file, trains it. This machine keeps only a pointer ($GRPO_RUN_HOME/submitted/NAME: the
 storage URI), so `grpo-run get tj NAME` here follows the job in storage.
@@ -23,7 +23,7 @@ from grpo_run.checkpoint.storage.lease import LeaseHeld, held
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.replica import fetch_record
-from grpo_run.runner.envfiles import environment_uploads, upload_environment
+from grpo_run.runner.jobs.envfiles import environment_uploads, upload_environment
 from grpo_run.runner.spec.job import TrainingJob
 from grpo_run.runner.supervisor.runspec import usd_per_hour
 from grpo_run.runner.wheel import Wheel, publish

@@ -1,6 +1,6 @@
 """A job read back from storage (`resume`) is what someone wrote into the bucket, not what this
 node's operator wrote: a collaborator, a leaked node key or another job can write it. What it
-may decide on the node is narrowed here (its environment files: runner/envfiles.py).
+may decide on the node is narrowed here (its environment files: runner/jobs/envfiles.py).
 
 - Its name must be its folder's: a record copied under another job's folder would otherwise
   train, and write, as that job.

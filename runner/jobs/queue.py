@@ -147,7 +147,7 @@ class Queue:
     def _pass(self) -> bool:
         """Look at every job once, training each one that is this node's to train; True when a
         job was run to an end here (storage has changed: look again at once)."""
-        from grpo_run.runner.jobs import jobs_in
+        from grpo_run.runner.jobs.find import jobs_in
 
         ran = False
         held: dict[str, _Held] = {}
@@ -180,7 +180,7 @@ class Queue:
     def _train(self, name: str, phase: Phase) -> bool:
         """Run the job here; True when it was run to an end (whichever), False when another node
         took it first or it went away."""
-        from grpo_run.runner.jobs import find_job
+        from grpo_run.runner.jobs.find import find_job
         from grpo_run.runner.spec.job import JobError
         from grpo_run.runner.spec.judge import judges_refused
 

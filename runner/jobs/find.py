@@ -1,0 +1,189 @@
+"""Finding a job, as the CLI does: in this node's work folders and store (runner/home.py), a
+storage URL, or the storage a job was submitted to from here; what storage's record says of it
+before a node takes its lease; and the job as `get tj` shows it, its report and its weights.
+
+Refusals are raised as Refused (runner/exits.py) in the words the CLI prints, with its exit status.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from grpo_run.runner.exits import EXIT_USAGE, Refused
+from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
+from grpo_run.state.phases import Phase
+from grpo_run.state.record import RECORD_FILE
+
+
+def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
+    """(job, its checked store) from storage; None when it is not there (yet). Raises ValueError
+    when storage holds several jobs and none is named, or a job whose stored name is not its
+    folder's (runner.jobs.stored), JobError for a stored spec that no longer parses,
+    StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.runner.books.replica import stored_record
+    from grpo_run.runner.spec.job import parse_job
+    from grpo_run.runner.jobs.stored import check_folder_name, check_stored_name
+
+    names = [name] if name else jobs_in(storage)
+    if not names:
+        return None
+    if len(names) > 1:
+        raise ValueError(f"error: {storage} holds several jobs ({', '.join(names)}); name one: "
+                         f"grpo-run resume NAME --storage {storage}, or train them all, one after another: "
+                         f"grpo-run resume --storage {storage} --all")
+    name = names[0]
+    check_folder_name(name, storage)            # a folder from storage becomes a work folder here
+    store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
+    store.check()
+    with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
+        job_doc = record.job() if record is not None else None
+    if job_doc is None:
+        return None
+    job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
+    check_stored_name(job, name, storage)
+    return job, store
+
+
+def already_succeeded(job, store) -> dict[str, Any] | None:
+    """The job as `get tj` shows it when storage's record says it finished (here or on another
+    node) with this very spec; None otherwise. Storage's, never this node's copy, which may be
+    older; the supervisor asks again once it holds the lease (Books.succeeded)."""
+    from grpo_run.runner.books.replica import stored_record
+
+    with stored_record(store) as record:
+        done = record.job() if record is not None else None
+        if done and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict():
+            return as_doc(record)
+    return None
+
+
+def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
+    """(the phase, the job as `get tj` shows it) when storage's record says the job is over: it
+    succeeded with this very spec (as already_succeeded), or it was cancelled (with any spec:
+    `grpo-run delete` clears the name); None otherwise. One read of storage's record."""
+    from grpo_run.runner.books.replica import stored_record
+
+    with stored_record(store) as record:
+        done = record.job() if record is not None else None
+        if done and (done["phase"] == Phase.CANCELLED
+                     or (done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict())):
+            return done["phase"], as_doc(record)
+    return None
+
+
+def engine_missing(job, store) -> str | None:
+    """Why this node cannot sample the run (its first start chose vLLM, colocated, and this node
+    has none), from storage's record before the lease is taken; None when it can."""
+    from grpo_run.runner.books.replica import stored_record
+    from grpo_run.state import values
+    from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, vllm_version
+
+    if job.parameters.vllm.mode != "colocate" or vllm_version() is not None:
+        return None
+    with stored_record(store) as record:
+        chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
+    if chosen != "vllm":
+        return None
+    return f"{job.name}: {NO_ENGINE_HERE}; the job is left as it was"
+
+
+def jobs_in(storage: str) -> list[str]:
+    from grpo_run.checkpoint.storage.store import Store
+
+    store = Store(storage)
+    return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
+
+
+def open_record(name: str, storage: str | None):
+    """The job's record: the local work folder's when no storage is named, else the store's."""
+    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.state.record import Record
+
+    local = work_dir(name) / RECORD_FILE
+    if storage is None and local.exists():
+        return Record(local)
+    if storage is None:                  # submitted from here (apply --detach): follow it in storage
+        from grpo_run.runner.jobs.submit import submitted_storage
+
+        storage = submitted_storage(home(), name)
+    store = Store(job_store_url(storage, name))
+    # A read-only copy, refreshed on every call (get_file replaces it atomically).
+    copy = home() / "cache" / "records" / f"{name}.db"
+    for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):
+        leftover.unlink(missing_ok=True)    # an old copy's journal must never meet the new copy
+    try:
+        store.get_file(RECORD_FILE, copy)
+    except FileNotFoundError:
+        raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
+    return Record(copy)
+
+
+def get_job(name: str, storage: str | None) -> dict[str, Any]:
+    """The job as {apiVersion, kind, metadata, spec, status}."""
+    with open_record(name, storage) as record:
+        return as_doc(record)
+
+
+def job_doc(path: Path) -> dict[str, Any]:
+    """The job as `get tj` shows it, from a record on this node."""
+    from grpo_run.state.record import Record
+
+    with Record(path) as record:
+        return as_doc(record)
+
+
+def as_doc(record) -> dict[str, Any]:
+    from grpo_run.runner.views.status import job_status
+
+    job = record.job()
+    if job is None:            # a record this instant created, its job not written into it yet
+        raise LookupError("the job's record is being created; ask again in a moment")
+    status = job_status(record)
+    spec = job["spec"]
+    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
+            "spec": spec.get("spec"), "status": status}
+
+
+def local_jobs() -> list[str]:
+    """Jobs run on this node, and jobs submitted from it."""
+    from grpo_run.runner.jobs.submit import submitted_jobs
+
+    runs = home() / "runs"
+    here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
+    return sorted(here | set(submitted_jobs(home())))
+
+
+def write_report(name: str, storage: str | None, path: Path) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """Draw job `name`'s run into the PNG `path` and its Markdown summary beside it (.md); returns
+    (the run as gathered, what was drawn, the summary's path). Raises Refused (EXIT_USAGE) for a
+    path that is not a .png or a job that is not found."""
+    from grpo_run.runner.views.report import gather, render, summary
+
+    if path.suffix.lower() != ".png":
+        raise Refused(f"--out {path}: the picture is a PNG; name it FILE.png", EXIT_USAGE)
+    try:
+        with open_record(name, storage) as record:
+            run = gather(record)
+    except LookupError as e:
+        raise Refused(str(e), EXIT_USAGE) from None
+    drawn = render(run, path)
+    md = path.with_suffix(".md")
+    md.write_text(summary(run, path.name), encoding="utf-8")
+    return run, drawn, md
+
+
+def export_adapter(name: str, storage: str | None, out: Path) -> str:
+    """Write job `name`'s final adapter (or the newest durable checkpoint's) as PEFT files into
+    `out`; returns what was written ("the final adapter", ...). Without `storage`: where `apply
+    --detach` sent it, or where it ran on this machine. Raises Refused (EXIT_USAGE) when there is
+    nothing to export."""
+    from grpo_run.runner.jobs.export import export_weights
+    from grpo_run.runner.jobs.cancel import job_storage
+
+    try:
+        return export_weights(job_store_url(job_storage(name, storage), name), out)
+    except LookupError as e:
+        raise Refused(str(e), EXIT_USAGE) from None
