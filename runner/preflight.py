@@ -94,9 +94,10 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     p = job.parameters
     server = p.vllm.mode == "server"
     processes = node_processes(job.resources)
-    if here or p.sampler == "native" or server:
+    episodes = job.environment.episodes is not None
+    if here or p.sampler == "native" or server or episodes:
         return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server,
-                      processes=processes)
+                      processes=processes, episodes=episodes)
     refusal = vllm_refusal(p.method, model_config(job.model), gpu=True, processes=processes)
     if refusal and p.sampler == "vllm":
         raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")

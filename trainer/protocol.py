@@ -196,7 +196,9 @@ class SampleCompletion(_Event):
     reward: float                         # the weighted sum
     advantage: float | None = None        # training steps only
     length: int                           # tokens
-    truncated: bool                       # cut at maxCompletionLength
+    truncated: bool                       # cut at maxCompletionLength; an episode: ended by a limit
+    turns: int | None = None              # an episode's replies (None: single-turn)
+    truncatedBy: Literal["maxTurns", "context"] | None = None   # the limit that ended an episode
 
 
 class SampleGroup(_Event):

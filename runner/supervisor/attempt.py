@@ -119,6 +119,8 @@ class TrainerProcess:
         self._proc: subprocess.Popen | None = None
         self._listens = False
         functions = sum(1 for r in spec.env.rewards if not r.model and r.judge is None)
+        if spec.env.episodes is not None:      # an episode's environment calls: its object, reset, each step
+            functions += spec.env.episodes.max_turns + 2
         judges = [r.judge for r in spec.env.rewards if r.judge is not None]
         self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}
@@ -155,7 +157,7 @@ class TrainerProcess:
             try:
                 choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
                                         node_has_gpu(), server=params.vllm.mode == "server",
-                                        processes=self.spec.processes)
+                                        processes=self.spec.processes, episodes=self.spec.env.episodes is not None)
             except ValueError as e:
                 raise SamplerUnavailable(str(e)) from None
             self.books.choose_sampler(choice.engine, choice.why)
