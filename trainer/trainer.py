@@ -251,32 +251,16 @@ class GRPOTrainer:
         return self.sampler.sample(prompt_ids, prompt_mask, seeds, temperature=temperature,
                                    should_stop=lambda: self.stop.is_set())
 
-    @functools.cached_property
-    def turns(self) -> TurnRenderer:
-        """First prompts and observations to ids, at each episode's turn boundaries."""
-        return TurnRenderer(self.prompts, self.eos_ids)
-
-    @functools.cached_property
-    def context_length(self) -> int:
-        """The episodes' token budget: the model's context (max_position_embeddings)."""
-        return int(getattr(self.model.config, "max_position_embeddings", None) or 2**31 - 1)
-
     def _play(self, tasks: Sequence[Task], seeds: Sequence[int], temperature: float) -> Episodes:
         """One episode per task to its end (trainer.episodes.loop), episode i seeded seeds[i]:
-        the environment's reset gets it, and each turn draws from a generator made from it."""
+        the environment's reset gets it, and each turn draws from a generator made from it. The
+        token budget is the model's context (max_position_embeddings)."""
         def sample(ids: torch.Tensor, mask: torch.Tensor, row_seeds: Sequence[int]) -> sampler.Completions:
             return self._generate(ids.to(self.device), mask.to(self.device), temperature, row_seeds)
 
-        return run_episodes(sample, self.turns, self.environment, tasks, seeds, max_turns=self.env.episodes.max_turns,
-                            context=self.context_length, pad_id=self.tokenizer.pad_token_id)
-
-    def _episode_tensors(self, played: Episodes):
-        """A batch of episodes as a step's tensors, on this device: first prompts [N, P] and their
-        mask, the rest [N, T] and its mask, entropy [N], and whether a limit ended each [N]."""
-        d = self.device
-        ended = torch.tensor([t is not None for t in played.truncated], dtype=torch.bool, device=d)
-        return (played.prompt_ids.to(d), played.prompt_mask.to(d), played.ids.to(d), played.mask.to(d),
-                played.entropy.to(d), ended)
+        context = int(getattr(self.model.config, "max_position_embeddings", None) or 2**31 - 1)
+        return run_episodes(sample, TurnRenderer(self.prompts, self.eos_ids), self.environment, tasks, seeds,
+                            max_turns=self.env.episodes.max_turns, context=context, pad_id=self.tokenizer.pad_token_id)
 
     def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """sampler.sample's `finished` for stopStrings (None without any): a running row is finished
@@ -404,7 +388,7 @@ class GRPOTrainer:
                 if self.environment is not None:
                     played = self._play(group, [episode_seed(s, k) for s in seeds for k in range(p.numGenerations)],
                                         p.temperature)
-                    prompt_ids, prompt_mask, comp_ids, comp_mask, entropy, truncated = self._episode_tensors(played)
+                    prompt_ids, prompt_mask, comp_ids, comp_mask, entropy, truncated = played.tensors(self.device)
                 else:
                     comp_ids, comp_mask, truncated, entropy, engine_logps = self._generate(
                         prompt_ids, prompt_mask, p.temperature, seeds)      # [b*G, T], [b*G, T], [b*G], [b*G], [b*G, T]

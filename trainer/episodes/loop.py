@@ -54,6 +54,13 @@ class Episodes:
     prompts: list[Any]          # what reset returned (text or messages), for people to read
     replies: list[list[str]]    # each reply's text, as the environment read it
 
+    def tensors(self, device: torch.device) -> tuple[Tensor, ...]:
+        """As a step's tensors, on `device`: first prompts [N, P] and their mask, the rest [N, T]
+        and its mask, entropy [N], and whether a limit ended each episode [N] (bool)."""
+        ended = torch.tensor([t is not None for t in self.truncated], dtype=torch.bool, device=device)
+        return (self.prompt_ids.to(device), self.prompt_mask.to(device), self.ids.to(device), self.mask.to(device),
+                self.entropy.to(device), ended)
+
 
 Sample = Callable[[Tensor, Tensor, Sequence[int]], Any]     # (ids, mask, seeds) -> sampler.Completions
 
