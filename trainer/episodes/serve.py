@@ -27,7 +27,8 @@ def class_problem(cls: Any) -> str:
     """Why `cls` cannot be an episodes environment ("" when it can): a class whose objects are
     made without arguments, with `reset(task, seed)` and `step(reply)`."""
     if not inspect.isclass(cls):
-        return f"is a {type(cls).__name__}, not a class with reset(task, seed) and step(reply)"
+        name = getattr(cls, "__name__", type(cls).__name__)
+        return f"{name} is a {type(cls).__name__}, not a class with reset(task, seed) and step(reply)"
     problems = []
     try:
         inspect.signature(cls).bind()

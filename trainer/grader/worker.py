@@ -286,7 +286,7 @@ def main(argv: list[str]) -> int:
             from grpo_run.trainer.episodes.serve import class_problem
 
             if class_problem(fn):
-                raise TypeError(f"{config['ref'].rpartition(':')[2]} {class_problem(fn)}")
+                raise TypeError(class_problem(fn))
     except BaseException as error:
         kind, text = _describe(error)
         write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text, "summary": load_summary(error)})
