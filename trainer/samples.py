@@ -52,13 +52,17 @@ def step_groups(prompts: Sequence[Prompt], texts: Sequence[str], by_reward: Mapp
 
 def eval_items(first: int, prompts: Sequence[Prompt], texts: Sequence[str], by_reward: Mapping[str, Sequence[float]],
                totals: Sequence[float], lengths: Sequence[int], truncated: Sequence[bool],
-               keep: int, primary: str) -> list[SampleGroup]:
+               keep: int, primary: str, turns: Sequence[int] | None = None,
+               truncated_by: Sequence[str | None] | None = None) -> list[SampleGroup]:
     """The held-out tasks of one evaluation batch that are among the first `keep` of all held-out
-    tasks; `first` is the batch's first task's place among them. One completion per task."""
+    tasks; `first` is the batch's first task's place among them. One completion per task (an
+    episode: with its `turns` and the limit that ended it)."""
     out = []
     for j in range(min(len(prompts), max(0, keep - first))):
         out.append(SampleGroup(item=first + j, prompt=capped(prompt_text(prompts[j])), completions=[
             SampleCompletion(text=capped(texts[j]), rewards={k: float(v[j]) for k, v in by_reward.items()},
-                             reward=float(totals[j]), length=int(lengths[j]), truncated=bool(truncated[j]))],
+                             reward=float(totals[j]), length=int(lengths[j]), truncated=bool(truncated[j]),
+                             turns=None if turns is None else int(turns[j]),
+                             truncatedBy=None if truncated_by is None else truncated_by[j])],
             solved=by_reward[primary][j] == 1.0))
     return out

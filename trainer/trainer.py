@@ -314,16 +314,16 @@ class GRPOTrainer:
                         played = self._play(chunk, [episode_seed(step_seed(p.seed, -1 - i), j)
                                                     for j in range(len(chunk))], p.evalTemperature)
                         comp, cmask, cut = played.ids, played.mask, torch.tensor([t is not None for t in played.truncated])
-                        firsts, episode = played.prompts, played.rewards
+                        firsts, episode, turns = played.prompts, played.rewards, (played.turns, played.truncated)
                     else:
                         ids, mask = self._encode([t["prompt"] for t in chunk])
                         comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, [step_seed(p.seed, -1 - i)])[:3]
-                        firsts, episode = [t["prompt"] for t in chunk], None
+                        firsts, episode, turns = [t["prompt"] for t in chunk], None, (None, None)
                     texts = self._decode(comp, cmask)
                     computed[i] = self.scorer.score(texts, chunk, episode=episode)    # {reward: [scores]}
                     kept[i] = samples.eval_items(start, firsts, texts, computed[i],
                                                  self.scorer.total(computed[i]), cmask.sum(1).tolist(),
-                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary)
+                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary, *turns)
                     if on_samples is not None and kept[i]:
                         on_samples(kept[i])
                     if on_batch is not None:

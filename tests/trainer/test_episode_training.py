@@ -190,3 +190,13 @@ def test_an_evaluation_plays_each_held_out_task_as_an_episode(make):
     assert result.tasks == 2 and set(result.byReward) == {"episode"}
     assert all(0 <= r <= 12 for r in result.rewards)
     assert tr.evaluate(tr.env.eval_tasks).rewards == result.rewards      # greedy: the same every time
+
+
+def test_an_evaluations_samples_say_how_each_episode_ended_and_single_turn_ones_are_written_as_before(make):
+    from grpo_run.trainer.protocol import SampleCompletion
+
+    tr = make(CHAT_ENV, "Talk", max_turns=2)
+    result = tr.evaluate(tr.env.eval_tasks)
+    assert {(c.turns, c.truncatedBy) for g in result.samples for c in g.completions} == {(2, "maxTurns")}
+    single = SampleCompletion(text="8", rewards={"correct": 1.0}, reward=1.0, length=1, truncated=False)
+    assert set(single.model_dump()) == {"text", "rewards", "reward", "advantage", "length", "truncated"}
