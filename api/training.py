@@ -147,7 +147,7 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z]+)", lambda m: "_" + m.group(1).lower(), camel)
 
 
-def _packaged_rewards(rewards: list[Any] | None, episodes: bool) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
+def _packaged_rewards(rewards: list[Any] | None, episodes: bool = False) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
     """(function name, its packaged module's source, weight, group) of each reward function, the
     job file's entry of each reward model or judge; raises JobError for a reward that is none of
     train()'s forms, two functions of one name, or one that cannot travel. `episodes`: the job

@@ -474,7 +474,7 @@ class GRPOTrainer:
                             kl = grpo.k3_kl(logps, refs[j])
                             per_token = per_token + p.beta * kl
                             kl_sum += (kl.detach() * l_mask).sum().item()
-                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
+                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, self.sampled_tokens_at_most,
                                                      completions=n, tokens=tokens)
                         (part_loss * world.size if world.distributed else part_loss).backward()
                     loss += part_loss.item()
@@ -490,7 +490,9 @@ class GRPOTrainer:
 
         local = {"rewards": rewards.tolist(), "byReward": {k: list(v) for k, v in by_reward.items()},
                  "entropy": float(entropy.sum()),
-                 "lengths": comp_mask.sum(1).tolist(), "truncated": truncated.tolist(), "loss": loss,
+                 # tokens the model wrote (an episode's observations are not its)
+                 "lengths": (comp_mask if played is None else played.loss_mask).sum(1).tolist(),
+                 "truncated": truncated.tolist(), "loss": loss,
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
         if played is not None:
@@ -564,6 +566,14 @@ class GRPOTrainer:
         logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, self.params.temperature)
         (logps.sum() * 0.0).backward()
 
+    @property
+    def sampled_tokens_at_most(self) -> int:
+        """The most tokens a completion samples: maxCompletionLength, times maxTurns for an
+        episode (its observations come besides: they are not counted here). Dr. GRPO's constant
+        divisor, and the length the default micro-batch is sized for."""
+        turns = self.env.episodes.max_turns if self.env.episodes is not None else 1
+        return self.params.maxCompletionLength * turns
+
     @functools.cached_property
     def micro_batch_size(self) -> int:
         """Completions per forward/backward, one figure for the whole run:
@@ -577,7 +587,7 @@ class GRPOTrainer:
         vocab = self.model.get_output_embeddings().weight.size(0)
         device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                         if self.device.type == "cuda" else None)
-        return default_micro_batch(completions, p.maxCompletionLength + 1, vocab,
+        return default_micro_batch(completions, self.sampled_tokens_at_most + 1, vocab,
                                    compute_dtype(self.device).itemsize, device_bytes)
 
     @staticmethod

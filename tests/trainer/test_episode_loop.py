@@ -3,6 +3,7 @@ them, and the limits that end an episode said by name."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from grpo_run.trainer.episodes.loop import episode_seed, left_padded, run_episodes, turn_seed
@@ -129,3 +130,15 @@ def test_each_turn_draws_from_its_episodes_own_seed():
 def test_left_padding_puts_each_row_at_the_right():
     ids, mask = left_padded([[5], [6, 7]], PAD)
     assert ids.tolist() == [[PAD, 5], [6, 7]] and mask.tolist() == [[0, 1], [1, 1]]
+
+
+def test_an_observation_the_model_cannot_render_is_the_environments_failure():
+    from grpo_run.trainer.episodes.host import EnvironmentFailed
+
+    class NoTemplate(Renderer):
+        def observation(self, conversation, reply_ids, reply, observation):
+            raise ValueError("the tokenizer of words has no chat template")
+
+    with pytest.raises(EnvironmentFailed, match="episode 0's observation after turn 1 cannot be rendered"):
+        run_episodes(Replies([ord("y"), EOS]), NoTemplate(), Env(done_at=3), [{"prompt": "hi"}], [7], max_turns=3,
+                     context=100, pad_id=PAD)

@@ -174,6 +174,8 @@ def test_max_turns_ends_episodes_and_their_samples_say_so(make):
     tr = make(CHAT_ENV, "Talk", max_turns=2)
     metrics = tr.train_step(0)
     assert metrics["episodeTurns"] == 2 and metrics["truncatedByMaxTurns"] == 1.0
+    assert 2 <= metrics["completionLength"] <= 2 * 5          # the tokens the model wrote, not the observations
+    assert tr.sampled_tokens_at_most == 10                     # Dr. GRPO's divisor: maxTurns x maxCompletionLength
     assert {c.truncatedBy for g in tr.samples for c in g.completions} == {"maxTurns"}
     assert {c.turns for g in tr.samples for c in g.completions} == {2}
 

@@ -16,8 +16,9 @@ a replayed step draws the same tokens.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -73,7 +74,8 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     request, EnvironmentFailed), and ValueError for an observation the tokenizer cannot render."""
     n = len(tasks)
     prompts = host.reset(tasks, seeds)
-    first, conversation = zip(*(render.first(p) for p in prompts)) if n else ((), ())
+    with _rendering(host, "the first prompt"):
+        first, conversation = zip(*(render.first(p) for p in prompts)) if n else ((), ())
     first, conversation = list(first), list(conversation)
     tails: list[list[int]] = [[] for _ in range(n)]
     learn: list[list[int]] = [[] for _ in range(n)]
@@ -119,7 +121,8 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
             if turn == max_turns - 1:
                 truncated[i] = "maxTurns"
                 continue
-            added, conversation[i] = render.observation(conversation[i], newest[i], text, answer["observation"])
+            with _rendering(host, f"episode {i}'s observation after turn {turn + 1}"):
+                added, conversation[i] = render.observation(conversation[i], newest[i], text, answer["observation"])
             if len(first[i]) + len(tails[i]) + len(added) >= context:
                 truncated[i] = "context"                       # no room for the observation and a reply
                 continue
@@ -132,6 +135,21 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     prompt_ids, prompt_mask = left_padded(first, pad_id)
     return Episodes(prompt_ids, prompt_mask, ids, mask, loss_mask, entropy, rewards, turns, truncated,
                     list(prompts), replies)
+
+
+@contextmanager
+def _rendering(host, what: str) -> Iterator[None]:
+    """A prompt or an observation the tokenizer cannot render (chat messages without a chat
+    template, a template that is not prefix-stable) is the environment's failure with this model:
+    EnvironmentFailed, which ends the job as the user's code's (a restart would render it again)."""
+    try:
+        yield
+    except ValueError as e:
+        from grpo_run.trainer.episodes.host import EnvironmentFailed
+
+        ref = getattr(host, "reward_ref", None)
+        raise EnvironmentFailed(f"environment {ref!r}: {what} cannot be rendered for this model: {e}", ref=ref,
+                                kind="invalid") from None
 
 
 def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
