@@ -110,3 +110,11 @@ def test_sampler_vllm_is_refused_for_episodes_naming_the_fix(capsys, folder):
     path.write_text(yaml.safe_dump(doc))
     code, _, err = dry_run(capsys, path)
     assert code == EXIT_USAGE and "episodes (spec.environment.episodes) sample with the native decoder" in err
+
+
+def test_score_says_an_episodes_only_job_has_no_reward_functions_to_score_completions_with(capsys, folder):
+    (folder / "completions.jsonl").write_text('{"task": 0, "completion": "1"}\n')
+    capsys.readouterr()
+    code = main(["score", "-f", str(write_job(folder)), "--completions", str(folder / "completions.jsonl")])
+    assert code == EXIT_USAGE
+    assert "scores the episodes it plays, not completions" in capsys.readouterr().err
