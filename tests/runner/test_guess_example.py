@@ -46,3 +46,7 @@ def test_the_example_trains_to_succeeded_as_copied(tmp_path):
     assert set(status["lastStep"]["rewards"]) == {"episode"}
     assert 1 <= status["lastStep"]["episodeTurns"] <= 4
     assert status["final"]["tasks"] == 8 and status["sampler"]["engine"] == "native"
+    shown = json.loads(grpo_run(tmp_path / "home", "samples", "guess-number", "-o", "json").stdout)
+    assert shown and all(1 <= r["turns"] <= 4 and r["truncatedBy"] in (None, "maxTurns") for r in shown)
+    text = grpo_run(tmp_path / "home", "samples", "guess-number").stdout
+    assert " written" in text and "prompt: " in text
