@@ -95,10 +95,9 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     p = job.parameters
     server = p.vllm.mode == "server"
     processes = node_processes(job.resources)
-    episodes = job.environment.episodes is not None
-    if here or p.sampler == "native" or server or episodes:
+    if here or p.sampler == "native" or server:
         return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server,
-                      processes=processes, episodes=episodes)
+                      processes=processes)
     refusal = vllm_refusal(p.method, model_config(job.model), gpu=True, processes=processes)
     if refusal and p.sampler == "vllm":
         raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")

@@ -205,10 +205,7 @@ class GRPOTrainer:
         engine = p.sampler
         if engine == "auto":
             engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda",
-                            server=p.vllm.mode == "server", processes=self.world.size,
-                            episodes=self.env.episodes is not None).engine
-        elif engine == "vllm" and self.env.episodes is not None:
-            choose("vllm", p.method, self.model.config.to_dict, True, episodes=True)     # raises, naming the fix
+                            server=p.vllm.mode == "server", processes=self.world.size).engine
         if engine == "native":
             return NativeSampler(self.device, lambda: dict(
                 model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
@@ -388,7 +385,8 @@ class GRPOTrainer:
                 if self.environment is not None:
                     played = self._play(group, [episode_seed(s, k) for s in seeds for k in range(p.numGenerations)],
                                         p.temperature)
-                    prompt_ids, prompt_mask, comp_ids, comp_mask, entropy, truncated = played.tensors(self.device)
+                    (prompt_ids, prompt_mask, comp_ids, comp_mask, entropy, truncated,
+                     engine_logps) = played.tensors(self.device)
                 else:
                     comp_ids, comp_mask, truncated, entropy, engine_logps = self._generate(
                         prompt_ids, prompt_mask, p.temperature, seeds)      # [b*G, T], [b*G, T], [b*G], [b*G], [b*G, T]
@@ -463,8 +461,9 @@ class GRPOTrainer:
                             olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
                             if engine_logps is not None:
                                 eng = engine_logps[sl, :c_mask.size(1)]                          # [m, T]
-                                mismatch[0] += float(((olds[j] - eng).abs() * c_mask).sum())
-                                mismatch[1] += int(c_mask.sum())
+                                sampled = c_mask if played is None else l_mask   # an episode's observations: not drawn
+                                mismatch[0] += float(((olds[j] - eng).abs() * sampled).sum())
+                                mismatch[1] += int(sampled.sum())
                                 if cap > 0:
                                     is_weights[j] = grpo.truncated_is_weights(olds[j], eng, cap)
                         per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)

@@ -155,7 +155,7 @@ class TrainerProcess:
             try:
                 choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
                                         node_has_gpu(), server=params.vllm.mode == "server",
-                                        processes=self.spec.processes, episodes=self.spec.env.episodes is not None)
+                                        processes=self.spec.processes)
             except ValueError as e:
                 raise SamplerUnavailable(str(e)) from None
             self.books.choose_sampler(choice.engine, choice.why)

@@ -103,15 +103,6 @@ def test_the_environments_file_travels_with_the_job(folder):
     assert set(job.environment.sha256) == {"episodes", "tasks", "evalTasks"}
 
 
-def test_sampler_vllm_is_refused_for_episodes_naming_the_fix(capsys, folder):
-    path = write_job(folder)
-    doc = yaml.safe_load(path.read_text())
-    doc["spec"]["parameters"]["sampler"] = "vllm"
-    path.write_text(yaml.safe_dump(doc))
-    code, _, err = dry_run(capsys, path)
-    assert code == EXIT_USAGE and "episodes (spec.environment.episodes) sample with the native decoder" in err
-
-
 def test_score_says_an_episodes_only_job_has_no_reward_functions_to_score_completions_with(capsys, folder):
     (folder / "completions.jsonl").write_text('{"task": 0, "completion": "1"}\n')
     capsys.readouterr()

@@ -12,6 +12,10 @@ length). An episode that reaches one ends with what it has and says which (`trun
 Determinism: episode i draws from its own generators, one per turn, seeded from its seed
 (`turn_seed`), so its tokens depend on neither the other episodes nor how many are running, and
 a replayed step draws the same tokens.
+
+Engines: any sampler (the native decoder, vLLM) takes the sequences as token ids; an engine that
+reports its log-probabilities (vLLM) has them kept beside the sampled tokens, for the update's
+importance-sampling correction.
 """
 
 from __future__ import annotations
@@ -54,13 +58,17 @@ class Episodes:
     truncated: list[Truncation | None]   # the limit that ended it, None when its environment said done
     prompts: list[Any]          # what reset returned (text or messages), for people to read
     replies: list[list[str]]    # each reply's text, as the environment read it
+    # [N, T] the engine's log-probability of each sampled token (vLLM's; 0 on observations and
+    # padding), None from the native decoder, whose are the trainer's own
+    engine_logprobs: Tensor | None = None
 
     def tensors(self, device: torch.device) -> tuple[Tensor, ...]:
         """As a step's tensors, on `device`: first prompts [N, P] and their mask, the rest [N, T]
         and its mask, entropy [N], and whether a limit ended each episode [N] (bool)."""
         ended = torch.tensor([t is not None for t in self.truncated], dtype=torch.bool, device=device)
         return (self.prompt_ids.to(device), self.prompt_mask.to(device), self.ids.to(device), self.mask.to(device),
-                self.entropy.to(device), ended)
+                self.entropy.to(device), ended,
+                None if self.engine_logprobs is None else self.engine_logprobs.to(device))
 
 
 Sample = Callable[[Tensor, Tensor, Sequence[int]], Any]     # (ids, mask, seeds) -> sampler.Completions
@@ -84,6 +92,7 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     replies: list[list[str]] = [[] for _ in range(n)]
     entropy = torch.zeros(n)
     newest: dict[int, list[int]] = {}                          # each episode's newest reply's ids
+    engine: list[list[float]] | None = None                    # the engine's log-probabilities, beside tails
     running = list(range(n))
     for turn in range(max_turns):
         for i in [i for i in running if len(first[i]) + len(tails[i]) >= context]:
@@ -95,6 +104,8 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
         # sample a reply for every running episode
         ids, mask = left_padded([first[i] + tails[i] for i in running], pad_id)
         out = sample(ids, mask, [turn_seed(seeds[i], turn) for i in running])
+        if engine is None and getattr(out, "logprobs", None) is not None:
+            engine = [[] for _ in range(n)]
         told, texts = [], []
         for row, i in enumerate(running):
             reply = out.ids[row][out.mask[row].bool()].tolist()
@@ -103,6 +114,8 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
             newest[i] = reply[:room]
             tails[i] += newest[i]
             learn[i] += [1] * len(newest[i])
+            if engine is not None:
+                engine[i] += out.logprobs[row][:len(newest[i])].tolist()
             turns[i] += 1
             if len(reply) > room:
                 truncated[i] = "context"                       # cut short: the environment never sees it
@@ -128,13 +141,20 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
                 continue
             tails[i] += added
             learn[i] += [0] * len(added)
+            if engine is not None:
+                engine[i] += [0.0] * len(added)
         running = [i for i in running if truncated[i] is None]
 
     ids, mask = right_padded(tails, pad_id)
     loss_mask, _ = right_padded(learn, 0)
     prompt_ids, prompt_mask = left_padded(first, pad_id)
+    engine_logprobs = None
+    if engine is not None:
+        engine_logprobs = torch.zeros(ids.shape, dtype=torch.float32)
+        for i, row in enumerate(engine):
+            engine_logprobs[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
     return Episodes(prompt_ids, prompt_mask, ids, mask, loss_mask, entropy, rewards, turns, truncated,
-                    list(prompts), replies)
+                    list(prompts), replies, engine_logprobs)
 
 
 @contextmanager

@@ -61,25 +61,15 @@ CPU_AUTO = ("auto: no GPU on this node, and on a CPU the native decoder samples 
             "(about 5x, docs/benchmarks.md); sampler: vllm uses vLLM anyway")
 
 
-# Multi-turn episodes (trainer.episodes) run on the native decoder only, for now.
-EPISODES_NATIVE = "episodes (spec.environment.episodes) sample with the native decoder; vLLM runs single-turn jobs only for now"
-
-
 def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, server: bool = False,
-           processes: int = 1, episodes: bool = False) -> Choice:
+           processes: int = 1) -> Choice:
     """`spec.parameters.sampler` resolved for a run: native as asked; vllm as asked (ValueError,
     naming the field and the fix, when it cannot be); auto: vllm where it is installed and serves
     the model and method on a GPU, else native, with the reason either way. `config()`: the model's
     config.json (read only when vLLM is installed). `server`: vllm.mode is server, so vLLM runs
-    elsewhere and need not be installed here (the trainer checks the server when it starts).
-    `episodes`: the job runs multi-turn episodes, which only the native decoder samples."""
+    elsewhere and need not be installed here (the trainer checks the server when it starts)."""
     if asked == "native":
         return Choice("native", "spec.parameters.sampler: native")
-    if episodes and asked == "vllm":
-        raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {EPISODES_NATIVE}; set sampler: "
-                         "native (or auto)")
-    if episodes:
-        return Choice("native", f"auto: {EPISODES_NATIVE}")
     if server:
         refusal = vllm_refusal(method, {}, gpu=True, processes=processes)
         if refusal and asked == "vllm":
