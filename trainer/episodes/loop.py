@@ -79,7 +79,8 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     """Play one episode per task to its end. `sample(ids, mask, seeds)`: one reply per row
     (left-padded ids [n, L]), row i drawing from seeds[i]; `host`: the environment
     (episodes.host.EnvironmentHost). Raises what they raise (GenerationInterrupted on a stop
-    request, EnvironmentFailed), and ValueError for an observation the tokenizer cannot render."""
+    request, EnvironmentFailed), and EnvironmentFailed for a prompt or an observation the
+    tokenizer cannot render."""
     n = len(tasks)
     prompts = host.reset(tasks, seeds)
     with _rendering(host, "the first prompt"):
