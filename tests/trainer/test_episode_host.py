@@ -171,3 +171,19 @@ def test_a_class_that_is_no_environment_is_refused_at_load_naming_what_is_wrong(
     with pytest.raises(EnvironmentFailed, match="cannot load environment") as e:
         EnvironmentHost(ref, timeout_s=5)
     assert said in e.value.summary
+
+
+def test_an_environment_that_reads_outside_its_folder_is_refused_as_a_reward_would_be(tmp_path, tmp_path_factory):
+    secret = tmp_path_factory.mktemp("elsewhere") / "answers.txt"
+    secret.write_text("42\n")
+    ref = env_file(tmp_path, f'''
+        class Peek:
+            def reset(self, task, seed):
+                return open({str(secret)!r}).read()
+            def step(self, reply):
+                pass
+    ''') + ":Peek"
+    with EnvironmentHost(ref, timeout_s=5) as host:
+        with pytest.raises(EnvironmentFailed, match="did what the grader refuses") as e:
+            host.reset([{}], [0])
+    assert f"reading '{secret}' was refused" in str(e.value) and e.value.kind == "refused"
