@@ -187,3 +187,20 @@ def test_an_environment_that_reads_outside_its_folder_is_refused_as_a_reward_wou
         with pytest.raises(EnvironmentFailed, match="did what the grader refuses") as e:
             host.reset([{}], [0])
     assert f"reading '{secret}' was refused" in str(e.value) and e.value.kind == "refused"
+
+
+def test_a_forged_reply_frame_is_the_environments_failure_never_training_data():
+    from grpo_run.trainer.episodes.host import frame_problem
+
+    good = {"ok": {"observation": "+", "reward": 0.5, "done": False}}
+    assert frame_problem("step", good) is None
+    assert frame_problem("reset", {"ok": [{"role": "user", "content": "hi"}]}) is None
+    for op, frame in [("step", {"ok": {"observation": "+", "reward": 1e9, "done": False}}),
+                      ("step", {"ok": {"observation": "+", "reward": float("nan"), "done": False}}),
+                      ("step", {"ok": {"observation": None, "reward": 1.0, "done": False}}),
+                      ("step", {"ok": {"observation": 5, "reward": 1.0, "done": False}}),
+                      ("step", {"ok": {"observation": "+", "reward": True, "done": False}}),
+                      ("step", {"ok": {"observation": "+", "reward": 1.0, "done": False, "extra": 1}}),
+                      ("reset", {"ok": 3}), ("reset", {"ok": [{"role": "user"}]}), ("reset", {"nothing": 1})]:
+        failure = frame_problem(op, frame)
+        assert failure is not None and failure.kind == "invalid", frame
