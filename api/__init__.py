@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["train", "apply", "get", "Job", "JobError", "RunError"]
+__all__ = ["train", "apply", "get", "Job", "JobError", "RunError", "Step"]
 
 
 class JobError(ValueError):
@@ -59,8 +59,10 @@ class RunError(RuntimeError):
 if TYPE_CHECKING:           # what type checkers and editors see; loaded lazily below
     from grpo_run.handle import Job, apply, get
     from grpo_run.training import train
+    from grpo_run.trainer.episodes.step import Step
 
-_LAZY = {"train": "grpo_run.training", "apply": "grpo_run.handle", "get": "grpo_run.handle", "Job": "grpo_run.handle"}
+_LAZY = {"train": "grpo_run.training", "apply": "grpo_run.handle", "get": "grpo_run.handle", "Job": "grpo_run.handle",
+         "Step": "grpo_run.trainer.episodes.step"}
 
 
 def __getattr__(name: str) -> Any:

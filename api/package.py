@@ -52,8 +52,28 @@ def package_reward(fn: Any) -> str:
     _check_function(fn, label)
     found = _Found(fn.__globals__, label)
     found.visit(fn)
-    origin = getattr(inspect.getmodule(fn), "__file__", None) or "an interactive session"
-    lines = [f'"""The reward {fn.__name__}, packaged by grpo_run.train() from {Path(origin).name}: its source and what it'
+    return _module_text(found, f"reward {fn.__name__}", fn)
+
+
+def package_environment(cls: Any) -> str:
+    """The source of a module that defines the episodes environment class `cls` (under its own
+    name) and everything its methods use from its module, as package_reward does for a function
+    (`from grpo_run import Step` stays an import: grpo-run is on every node). Raises Unpackable."""
+    label = f"episodes {getattr(cls, '__qualname__', None) or type(cls).__name__}"
+    if not isinstance(cls, type):
+        raise Unpackable(f"{label} is a {type(cls).__name__}, not a class: give the class itself (episodes=Guess), "
+                         "with reset(self, task, seed) and step(self, reply)")
+    if "<locals>" in cls.__qualname__:
+        raise Unpackable(f"{label} is defined inside a function: define it at the top level of your module or notebook")
+    module = sys.modules.get(cls.__module__)
+    found = _Found(vars(module) if module is not None else {}, label)
+    found.visit(cls)
+    return _module_text(found, f"environment {cls.__name__}", cls)
+
+
+def _module_text(found: _Found, what: str, obj: Any) -> str:
+    origin = getattr(inspect.getmodule(obj), "__file__", None) or "an interactive session"
+    lines = [f'"""The {what}, packaged by grpo_run.train() from {Path(origin).name}: its source and what it'
              ' uses."""', "", "from __future__ import annotations", ""]
     lines += sorted(found.imports)
     if found.imports:
@@ -185,6 +205,8 @@ class _Found:
         return ast.get_source_segment(module_source, found)
 
     def _installed(self, name: str, module: types.ModuleType) -> None:
+        if module.__name__.partition(".")[0] == "grpo_run":
+            return                      # grpo-run itself (Step): installed wherever the job runs
         where = getattr(module, "__file__", None)
         if where and not str(Path(where).resolve()).startswith(_INSTALLED) and not where.startswith(_INSTALLED):
             raise Unpackable(f"{self.label} uses {name} from {where}, a module that is not installed, so a node that "

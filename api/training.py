@@ -19,16 +19,16 @@ from typing import Any
 
 from grpo_run import JobError
 from grpo_run.handle import Job, as_api_errors, live_view
-from grpo_run.package import Unpackable, package_reward
+from grpo_run.package import Unpackable, package_environment, package_reward
 
 SOURCE = "grpo_run.train()"       # how the job's problems are introduced (a job file's are by its path)
 FOLDER = "python"                  # under GRPO_RUN_HOME: what train() wrote for each job
 
 
-def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: Any = None,
+def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None, eval_tasks: Any = None,
           held_out_fraction: float | None = None, storage: str | None = None, gpu: str | None = None,
           max_cost_usd: float | None = None, system_prompt: str | None = None, detach: bool = False,
-          **parameters: Any) -> Job:
+          episodes: type | None = None, max_turns: int | None = None, **parameters: Any) -> Job:
     """Train `model` with GRPO on `tasks`, scored by `rewards`, as the job file
 
         metadata: {name: NAME}
@@ -50,6 +50,12 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
       folder, alone or as `{"model": id, "weight": w, "name": n}`; an LLM judge as
       `{"judge": {"url": ..., "model": ..., "prompt": ...}, "weight": w, "name": n}`: the job
       file's `rewards` entries, checked as `apply` checks them (docs/job.md).
+    episodes: an environment that talks back (docs/environments.md): a class with
+      `reset(self, task, seed)` -> the first prompt and `step(self, reply)` -> grpo_run.Step,
+      one object per episode, packaged with its source as a reward function is
+      (spec.environment.episodes); `rewards` may then be left out (the episode's reward is the
+      sum of its steps' rewards, plus the rewards', applied to the whole episode).
+      max_turns: replies per episode at most (spec.environment.maxTurns, default 6).
     tasks, eval_tasks: a list of dicts (each with a "prompt": text or chat messages, and the
       columns the rewards read), a datasets.Dataset, or a task file's path (.jsonl, .json, .csv,
       .parquet); give eval_tasks or held_out_fraction.
@@ -76,10 +82,22 @@ def train(*, model: str, tasks: Any, rewards: list[Any], name: str, eval_tasks: 
     params = _parameters(parameters)
     if system_prompt is not None:
         params["systemPrompt"] = system_prompt
-    packaged = _packaged_rewards(rewards)            # every refusal of a function before anything is written
+    packaged = _packaged_rewards(rewards, episodes is not None)   # every refusal before anything is written
+    environment = None
+    if episodes is not None:
+        try:
+            environment = package_environment(episodes)
+        except Unpackable as e:
+            raise JobError(f"{SOURCE}: episodes: {e}") from None
     folder = home() / FOLDER / name
     folder.mkdir(parents=True, exist_ok=True)
     env: dict[str, Any] = {"name": name, "path": [str(folder)], "rewards": []}
+    if environment is not None:
+        path = folder / f"{episodes.__name__}.py"
+        _write_if_changed(path, environment.encode())
+        env["episodes"] = f"{path}:{episodes.__name__}"
+    if max_turns is not None:
+        env["maxTurns"] = max_turns
     for item in packaged:
         if isinstance(item, dict):                  # a reward model or a judge: the job file's entry
             env["rewards"].append(item)
@@ -129,10 +147,13 @@ def _snake(camel: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z]+)", lambda m: "_" + m.group(1).lower(), camel)
 
 
-def _packaged_rewards(rewards: list[Any]) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
+def _packaged_rewards(rewards: list[Any] | None, episodes: bool = False) -> list[tuple[str, str, float, bool] | dict[str, Any]]:
     """(function name, its packaged module's source, weight, group) of each reward function, the
     job file's entry of each reward model or judge; raises JobError for a reward that is none of
-    train()'s forms, two functions of one name, or one that cannot travel."""
+    train()'s forms, two functions of one name, or one that cannot travel. `episodes`: the job
+    has an environment that talks back, and may have no rewards."""
+    if rewards is None and episodes:
+        return []
     if not isinstance(rewards, list) or not rewards:
         raise JobError(f"{SOURCE}: rewards: give a list of functions, each f or (f, weight), e.g. rewards=[correct, "
                        f"(length_penalty, 0.1)] (got {type(rewards).__name__})")

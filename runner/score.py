@@ -87,6 +87,10 @@ def score_completions(job: TrainingJob, rows: list[tuple[str, dict[str, Any]]]) 
     from grpo_run.trainer.grader.scoring import Scorer
 
     env, p = job.environment, job.parameters
+    if env.episodes is not None and not rewards_of(env):
+        raise CompletionsError("the job's only reward is its episodes environment's (spec.environment.episodes), "
+                               "which scores the episodes it plays, not completions: score applies to a job's "
+                               "reward functions, and this job has none")
     refused = judges_refused(env)
     if refused:
         raise JudgeError("; ".join(refused))

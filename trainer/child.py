@@ -24,6 +24,7 @@ from grpo_run.checkpoint.procs import die_with_parent
 from grpo_run.checkpoint.writer import WriterDied
 from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
 from grpo_run.trainer.distributed import World
+from grpo_run.trainer.episodes.host import EnvironmentFailed
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
 from grpo_run.trainer.sampling.vllm_server import EngineRefused, EngineUnavailable
@@ -68,9 +69,10 @@ def child_main(argv: list[str] | None = None) -> int:
         ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
-    except RewardFunctionError as e:
-        events.emit(Failed(message=f"reward function failed: {e}", code=True))
-        log.error("reward function failed: %s", e, extra=REPORTED)
+    except RewardFunctionError as e:                   # an episodes environment's failure too (EnvironmentFailed)
+        what = "environment" if isinstance(e, EnvironmentFailed) else "reward function"
+        events.emit(Failed(message=f"{what} failed: {e}", code=True))
+        log.error("%s failed: %s", what, e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except EngineUnavailable as e:                     # the vLLM server: the attempt ends, restarted as a crash
         events.emit(Failed(message=f"infrastructure failure: {e}", code=False))

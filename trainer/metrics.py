@@ -56,6 +56,11 @@ def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int, *, 
     }
     if iterations > 1:
         out["clipRatio"] = sum(s["clipped"] for s in shares) / max(tokens, 1)
+    if "turns" in shares[0]:                       # episodes: how long they ran, and which limit ended them
+        ended = concat([s["truncatedBy"] for s in shares])
+        out["episodeTurns"] = float(np.mean(concat([s["turns"] for s in shares])))
+        out["truncatedByMaxTurns"] = sum(1 for t in ended if t == "maxTurns") / len(ended)
+        out["truncatedByContext"] = sum(1 for t in ended if t == "context") / len(ended)
     return out
 
 

@@ -39,7 +39,7 @@ import signal
 import threading
 from typing import IO, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_serializer
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.trainer.config import GRPOParams
@@ -196,7 +196,19 @@ class SampleCompletion(_Event):
     reward: float                         # the weighted sum
     advantage: float | None = None        # training steps only
     length: int                           # tokens
-    truncated: bool                       # cut at maxCompletionLength
+    truncated: bool                       # cut at maxCompletionLength; an episode: ended by a limit
+    turns: int | None = None              # an episode's replies (None: single-turn)
+    truncatedBy: Literal["maxTurns", "context"] | None = None   # the limit that ended an episode
+
+    @model_serializer(mode="wrap")
+    def _single_turn_as_before(self, handler: Any) -> dict[str, Any]:
+        """A single-turn completion is written without the episode's fields (records, samples
+        and events read as they did before episodes)."""
+        out = handler(self)
+        if self.turns is None:
+            out.pop("turns", None)
+            out.pop("truncatedBy", None)
+        return out
 
 
 class SampleGroup(_Event):

@@ -31,30 +31,38 @@ def prompt_text(prompt: Prompt) -> str:
 
 def step_groups(prompts: Sequence[Prompt], texts: Sequence[str], by_reward: Mapping[str, Sequence[float]],
                 totals: Sequence[float], advantages: Sequence[float], lengths: Sequence[int],
-                truncated: Sequence[bool], group_size: int, keep: int, primary: str) -> list[SampleGroup]:
+                truncated: Sequence[bool], group_size: int, keep: int, primary: str,
+                turns: Sequence[int] | None = None, truncated_by: Sequence[str | None] | None = None,
+                ) -> list[SampleGroup]:
     """The first `keep` groups of a step: `prompts` is one per group, the other sequences one per
     completion ([groups x group_size], a group's completions consecutive). `primary`: the first
-    reward's name (a completion that scores 1 on it solved the task)."""
+    reward's name (a completion that scores 1 on it solved the task). Episodes: each one's
+    `turns` and the limit that ended it (`truncated_by`)."""
     out = []
     for g in range(min(keep, len(prompts))):
         rows = range(g * group_size, (g + 1) * group_size)
         out.append(SampleGroup(item=g, prompt=capped(prompt_text(prompts[g])), completions=[
             SampleCompletion(text=capped(texts[i]), rewards={k: float(v[i]) for k, v in by_reward.items()},
                              reward=float(totals[i]), advantage=float(advantages[i]), length=int(lengths[i]),
-                             truncated=bool(truncated[i])) for i in rows],
+                             truncated=bool(truncated[i]), turns=None if turns is None else int(turns[i]),
+                             truncatedBy=None if truncated_by is None else truncated_by[i]) for i in rows],
             solved=all(by_reward[primary][i] == 1.0 for i in rows)))
     return out
 
 
 def eval_items(first: int, prompts: Sequence[Prompt], texts: Sequence[str], by_reward: Mapping[str, Sequence[float]],
                totals: Sequence[float], lengths: Sequence[int], truncated: Sequence[bool],
-               keep: int, primary: str) -> list[SampleGroup]:
+               keep: int, primary: str, turns: Sequence[int] | None = None,
+               truncated_by: Sequence[str | None] | None = None) -> list[SampleGroup]:
     """The held-out tasks of one evaluation batch that are among the first `keep` of all held-out
-    tasks; `first` is the batch's first task's place among them. One completion per task."""
+    tasks; `first` is the batch's first task's place among them. One completion per task (an
+    episode: with its `turns` and the limit that ended it)."""
     out = []
     for j in range(min(len(prompts), max(0, keep - first))):
         out.append(SampleGroup(item=first + j, prompt=capped(prompt_text(prompts[j])), completions=[
             SampleCompletion(text=capped(texts[j]), rewards={k: float(v[j]) for k, v in by_reward.items()},
-                             reward=float(totals[j]), length=int(lengths[j]), truncated=bool(truncated[j]))],
+                             reward=float(totals[j]), length=int(lengths[j]), truncated=bool(truncated[j]),
+                             turns=None if turns is None else int(turns[j]),
+                             truncatedBy=None if truncated_by is None else truncated_by[j])],
             solved=by_reward[primary][j] == 1.0))
     return out

@@ -41,6 +41,8 @@ from grpo_run.trainer.config import GRPOParams, default_micro_batch
 from grpo_run.trainer.distributed import World, shard_fsdp, unsharded, wrap_ddp
 from grpo_run.trainer.envs.catalog import Environment
 from grpo_run.trainer.envs.tasks import Task
+from grpo_run.trainer.episodes.loop import Episodes, episode_seed, run_episodes
+from grpo_run.trainer.episodes.tokens import TurnRenderer
 from grpo_run.trainer.grader.scoring import Scorer
 from grpo_run.trainer.model.missing import loading
 from grpo_run.trainer.model.policy import (compute_dtype, eos_token_ids, load_policy, load_reference, load_tokenizer, pick_device, trainable_parameters)
@@ -133,7 +135,15 @@ class GRPOTrainer:
         # reward functions in sandboxed graders; a reward model (on this device, outside the optimizer) or judge here
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
-                             retries=params.rewardRetries, strict=sandbox_strict)
+                             retries=params.rewardRetries, strict=sandbox_strict, episodes=env.episodes is not None)
+        # multi-turn: the environment's objects in a sandboxed worker of their own, as a reward's
+        self.environment = None
+        if env.episodes is not None:
+            from grpo_run.trainer.episodes.host import EnvironmentHost
+
+            self.environment = EnvironmentHost(env.episodes.ref, search_path=env.search_path,
+                                               timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
+                                               retries=0, strict=sandbox_strict)
         self._work, self._scratch = work, None
         self.sampler: Sampler = self._start_sampler(model_path)
 
@@ -142,8 +152,20 @@ class GRPOTrainer:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
         self.scorer.close()
+        if self.environment is not None:
+            self.environment.close()
         if self.cpu is not None:
             self.cpu.close()
+
+    @property
+    def sandbox_mode(self) -> dict[str, str]:
+        """The reward sandbox's layers in force (Scorer.sandbox_mode), the episodes environment's
+        worker's among them."""
+        modes = dict(self.scorer.sandbox_mode)
+        if self.environment is not None:
+            for layer, value in self.environment.sandbox_mode.items():
+                modes[layer] = "|".join(sorted({value, *modes.get(layer, value).split("|")}))
+        return modes
 
     @property
     def cpu_threads(self) -> int:
@@ -226,6 +248,17 @@ class GRPOTrainer:
         return self.sampler.sample(prompt_ids, prompt_mask, seeds, temperature=temperature,
                                    should_stop=lambda: self.stop.is_set())
 
+    def _play(self, tasks: Sequence[Task], seeds: Sequence[int], temperature: float) -> Episodes:
+        """One episode per task to its end (trainer.episodes.loop), episode i seeded seeds[i]:
+        the environment's reset gets it, and each turn draws from a generator made from it. The
+        token budget is the model's context (max_position_embeddings)."""
+        def sample(ids: torch.Tensor, mask: torch.Tensor, row_seeds: Sequence[int]) -> sampler.Completions:
+            return self._generate(ids.to(self.device), mask.to(self.device), temperature, row_seeds)
+
+        context = int(getattr(self.model.config, "max_position_embeddings", None) or 2**31 - 1)
+        return run_episodes(sample, TurnRenderer(self.prompts, self.eos_ids), self.environment, tasks, seeds,
+                            max_turns=self.env.episodes.max_turns, context=context, pad_id=self.tokenizer.pad_token_id)
+
     def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
         """sampler.sample's `finished` for stopStrings (None without any): a running row is finished
         once one of them appears in the text of its newest tokens. Only that tail is decoded: as
@@ -260,7 +293,7 @@ class GRPOTrainer:
         The completions for the first sampleEvalTasks tasks go to `on_samples` before their
         batch's `on_batch`, and into the result's `samples` (those computed here)."""
         p, done, world = self.params, done or {}, self.world
-        by_reward: dict[str, list[float]] = {r.name: [] for r in self.scorer.rewards}
+        by_reward: dict[str, list[float]] = {name: [] for name in self.scorer.names}
         starts = range(0, len(tasks), p.evalBatchSize)
         computed: dict[int, dict[str, list[float]]] = {}
         kept: dict[int, list[SampleGroup]] = {}      # batch -> its tasks among the first sampleEvalTasks
@@ -274,13 +307,20 @@ class GRPOTrainer:
                     if self.stop.is_set():               # preemption honoured between evaluation batches
                         raise sampler.GenerationInterrupted()
                     chunk = list(tasks[start:start + p.evalBatchSize])
-                    ids, mask = self._encode([t["prompt"] for t in chunk])
-                    comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, [step_seed(p.seed, -1 - i)])[:3]
+                    if self.environment is not None:      # an episode per task, each seeded from the batch's seed
+                        played = self._play(chunk, [episode_seed(step_seed(p.seed, -1 - i), j)
+                                                    for j in range(len(chunk))], p.evalTemperature)
+                        comp, cmask, cut = played.ids, played.mask, torch.tensor([t is not None for t in played.truncated])
+                        firsts, episode, turns = played.prompts, played.rewards, (played.turns, played.truncated)
+                    else:
+                        ids, mask = self._encode([t["prompt"] for t in chunk])
+                        comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, [step_seed(p.seed, -1 - i)])[:3]
+                        firsts, episode, turns = [t["prompt"] for t in chunk], None, (None, None)
                     texts = self._decode(comp, cmask)
-                    computed[i] = self.scorer.score(texts, chunk)    # {reward: [scores]}
-                    kept[i] = samples.eval_items(start, [t["prompt"] for t in chunk], texts, computed[i],
+                    computed[i] = self.scorer.score(texts, chunk, episode=episode)    # {reward: [scores]}
+                    kept[i] = samples.eval_items(start, firsts, texts, computed[i],
                                                  self.scorer.total(computed[i]), cmask.sum(1).tolist(),
-                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary)
+                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary, *turns)
                     if on_samples is not None and kept[i]:
                         on_samples(kept[i])
                     if on_batch is not None:
@@ -333,25 +373,38 @@ class GRPOTrainer:
         # sample a group
         # (topK, topP and repetitionPenalty shape the draws only: the update's log-probabilities are
         # of the temperature-scaled distribution, as in TRL)
-        prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [b*G, P]
+        # (episodes: a group is G episodes of the task, each its prompt's seed and its own place)
+        played: Episodes | None = None
+        if self.environment is None:
+            prompt_ids, prompt_mask = self._encode([t["prompt"] for t in group])  # [b*G, P]
         interrupted = False
         engine_logps = None
         try:
             with self._whole_weights():
                 self.sampler.load_policy(self.model)       # vLLM: the adapter (or weights) of the step before
-                comp_ids, comp_mask, truncated, entropy, engine_logps = self._generate(
-                    prompt_ids, prompt_mask, p.temperature, seeds)      # [b*G, T], [b*G, T], [b*G], [b*G], [b*G, T]
+                if self.environment is not None:
+                    played = self._play(group, [episode_seed(s, k) for s in seeds for k in range(p.numGenerations)],
+                                        p.temperature)
+                    (prompt_ids, prompt_mask, comp_ids, comp_mask, entropy, truncated,
+                     engine_logps) = played.tensors(self.device)
+                else:
+                    comp_ids, comp_mask, truncated, entropy, engine_logps = self._generate(
+                        prompt_ids, prompt_mask, p.temperature, seeds)      # [b*G, T], [b*G, T], [b*G], [b*G], [b*G, T]
         except sampler.GenerationInterrupted:
             if not world.distributed:
                 raise
             interrupted = True
         # maskTruncatedCompletions (DAPO's overlong filtering): a completion cut at maxCompletionLength
-        # gets no loss, since its end was never seen; it was scored and counts in the metrics. As in
-        # TRL, it still counts among the n completions that grpo and dr_grpo divide by.
+        # (an episode ended by a limit) gets no loss, since its end was never seen; it was scored and
+        # counts in the metrics. As in TRL, it still counts among the n completions that grpo and
+        # dr_grpo divide by. An episode's observations are never trained: its loss mask is its
+        # sampled tokens' only.
         if interrupted:
             loss_mask = None
         else:
-            loss_mask = comp_mask * (~truncated).long().unsqueeze(1) if p.maskTruncatedCompletions else comp_mask
+            loss_mask = played.loss_mask.to(self.device) if played is not None else comp_mask    # [b*G, T]
+            if p.maskTruncatedCompletions:
+                loss_mask = loss_mask * (~truncated).long().unsqueeze(1)
         # several processes: abandoned on every rank if on any, and the whole step's token count
         stopping, tokens = world.total(float(interrupted), 0.0 if loss_mask is None else float(loss_mask.sum()))
         if stopping:
@@ -361,7 +414,8 @@ class GRPOTrainer:
         t_sampled = time.perf_counter()
 
         # score (in the graders' processes; a failure raises, never becomes a 0)
-        by_reward = self.scorer.score(texts, group, [p.numGenerations] * len(tasks))  # {name: [b*G]}
+        by_reward = self.scorer.score(texts, group, [p.numGenerations] * len(tasks),
+                                      episode=None if played is None else played.rewards)  # {name: [b*G]}
         rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
         # each reward is finite and within MAX_ABS_REWARD (the grader checks), but a weight can
         # still carry the sum past float32's range: checked with the loss, before the update
@@ -407,8 +461,9 @@ class GRPOTrainer:
                             olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
                             if engine_logps is not None:
                                 eng = engine_logps[sl, :c_mask.size(1)]                          # [m, T]
-                                mismatch[0] += float(((olds[j] - eng).abs() * c_mask).sum())
-                                mismatch[1] += int(c_mask.sum())
+                                sampled = c_mask if played is None else l_mask   # an episode's observations: not drawn
+                                mismatch[0] += float(((olds[j] - eng).abs() * sampled).sum())
+                                mismatch[1] += int(sampled.sum())
                                 if cap > 0:
                                     is_weights[j] = grpo.truncated_is_weights(olds[j], eng, cap)
                         per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
@@ -418,7 +473,7 @@ class GRPOTrainer:
                             kl = grpo.k3_kl(logps, refs[j])
                             per_token = per_token + p.beta * kl
                             kl_sum += (kl.detach() * l_mask).sum().item()
-                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, p.maxCompletionLength,
+                        part_loss = grpo.reduce_loss(per_token, l_mask, p.lossType, self.sampled_tokens_at_most,
                                                      completions=n, tokens=tokens)
                         (part_loss * world.size if world.distributed else part_loss).backward()
                     loss += part_loss.item()
@@ -434,13 +489,20 @@ class GRPOTrainer:
 
         local = {"rewards": rewards.tolist(), "byReward": {k: list(v) for k, v in by_reward.items()},
                  "entropy": float(entropy.sum()),
-                 "lengths": comp_mask.sum(1).tolist(), "truncated": truncated.tolist(), "loss": loss,
+                 # tokens the model wrote (an episode's observations are not its)
+                 "lengths": (comp_mask if played is None else played.loss_mask).sum(1).tolist(),
+                 "truncated": truncated.tolist(), "loss": loss,
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
+        if played is not None:
+            local.update(turns=played.turns, truncatedBy=played.truncated)
         # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
-        self.samples = samples.step_groups([t["prompt"] for t in tasks], texts, by_reward, local["rewards"],
+        firsts = [t["prompt"] for t in tasks] if played is None else played.prompts[::p.numGenerations]
+        self.samples = samples.step_groups(firsts, texts, by_reward, local["rewards"],
                                            adv.tolist(), local["lengths"], local["truncated"], p.numGenerations,
-                                           p.sampleGroups if world.main else 0, self.scorer.primary)
+                                           p.sampleGroups if world.main else 0, self.scorer.primary,
+                                           turns=None if played is None else played.turns,
+                                           truncated_by=None if played is None else played.truncated)
         metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens,
                                primary=self.scorer.primary, iterations=p.numIterations)
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
@@ -503,6 +565,14 @@ class GRPOTrainer:
         logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, self.params.temperature)
         (logps.sum() * 0.0).backward()
 
+    @property
+    def sampled_tokens_at_most(self) -> int:
+        """The most tokens a completion samples: maxCompletionLength, times maxTurns for an
+        episode (its observations come besides: they are not counted here). Dr. GRPO's constant
+        divisor, and the length the default micro-batch is sized for."""
+        turns = self.env.episodes.max_turns if self.env.episodes is not None else 1
+        return self.params.maxCompletionLength * turns
+
     @functools.cached_property
     def micro_batch_size(self) -> int:
         """Completions per forward/backward, one figure for the whole run:
@@ -516,7 +586,7 @@ class GRPOTrainer:
         vocab = self.model.get_output_embeddings().weight.size(0)
         device_bytes = (torch.cuda.get_device_properties(self.device).total_memory
                         if self.device.type == "cuda" else None)
-        return default_micro_batch(completions, p.maxCompletionLength + 1, vocab,
+        return default_micro_batch(completions, self.sampled_tokens_at_most + 1, vocab,
                                    compute_dtype(self.device).itemsize, device_bytes)
 
     @staticmethod

@@ -57,7 +57,8 @@ def _judge_identity(judge: JudgeSettings) -> dict[str, Any]:
 
 def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
     """sha256 over everything the baseline evaluation depends on: the model's identity, the
-    environment's rewards (with their weights) and eval tasks, the generation settings, the batching and the seed."""
+    environment's rewards (with their weights), its episodes environment (by content) and maxTurns,
+    and eval tasks, the generation settings, the batching and the seed."""
     payload = {
         "model": model_identity(model), "method": p.method, "environment": env.name,
         # a group reward (scored with its group) is another reward than the same function per completion
@@ -72,6 +73,8 @@ def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
         "systemPrompt": p.systemPrompt, "chatTemplateKwargs": p.chatTemplateKwargs,
         "repetitionPenalty": p.repetitionPenalty, "stopStrings": list(p.stopStrings),
     }
+    if env.episodes is not None:        # the environment that answers, by its file's content, and its turns
+        payload["episodes"] = [reward_identity(env.episodes.ref), env.episodes.max_turns]
     if p.compileDecode:                 # compiled kernels may round differently
         payload["compileDecode"] = True
     if p.evalTemperature > 0:           # greedy evaluation draws nothing: top-k / top-p do not matter

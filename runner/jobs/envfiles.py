@@ -1,7 +1,7 @@
 """A user environment's files travel with the job, so a fresh node can resume it from storage.
 
 `apply` (and `apply --detach`) reads every file the environment names (a reward given as
-`file.py:function`, the tasks / evalTasks / dataset files, the dataFiles), resolved against the
+`file.py:function`, an episodes environment as `file.py:Class`, the tasks / evalTasks / dataset files, the dataFiles), resolved against the
 job file's folder, records each one's sha256 in the spec (`spec.environment.sha256`) and, once it
 holds the job's lease, copies them to the job's folder in storage (`environment/`).
 
@@ -55,6 +55,8 @@ def _files(env: EnvironmentSpec) -> dict[str, str]:
     files.update({f"dataFiles.{split}": path for split, path in (env.dataFiles or {}).items()})
     if _reward_file(env.reward):
         files["reward"] = _reward_file(env.reward)
+    if _reward_file(env.episodes):
+        files["episodes"] = _reward_file(env.episodes)
     files.update({f"rewards.{i}": _reward_file(r.function) for i, r in enumerate(env.rewards) if _reward_file(r.function)})
     return files
 
@@ -156,11 +158,13 @@ def localize_environment(job: TrainingJob, store: Store, work: Path) -> Training
         update["dataFiles"] = {s: fetched.get(f"dataFiles.{s}", p) for s, p in env.dataFiles.items()}
     if env.reward:
         update["reward"] = moved(env.reward, "reward")
+    if env.episodes:
+        update["episodes"] = moved(env.episodes, "episodes")
     if env.rewards:
         update["rewards"] = tuple(r.model_copy(update={"function": moved(r.function, f"rewards.{i}")})
                                   for i, r in enumerate(env.rewards))
     # The reward imports from its own stored folder only: the stored `path` is whatever the bucket
     # says (`~/.aws`, GRPO_RUN_HOME/runs), and named the applying machine's folders anyway.
     update["path"] = tuple(dict.fromkeys(str(Path(fetched[k]).parent) for k in fetched
-                                         if k == "reward" or k.startswith("rewards.")))
+                                         if k in ("reward", "episodes") or k.startswith("rewards.")))
     return job.model_copy(update={"environment": env.model_copy(update=update)})

@@ -77,6 +77,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_folders(job, mode, found)
     _check_tasks(job, found)
     _check_rewards(job, found)
+    _check_episodes(job, found)
     _check_judges(job, mode, found)
     _check_sampler(job, mode, found)
     return found
@@ -463,6 +464,31 @@ def _check_rewards(job: TrainingJob, found: Findings) -> None:
             return
         except RewardFunctionError as e:
             found.problems.append(f"{where}: {_reward_fix(e.summary, ref)}")
+
+
+def _check_episodes(job: TrainingJob, found: Findings) -> None:
+    """The job's episodes environment loaded by the grader's sandboxed worker, as the trainer's
+    EnvironmentHost will load it, strict as the rewards are (`_check_rewards`), and checked to be
+    a class with reset(task, seed) and step(reply)."""
+    from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost
+    from grpo_run.trainer.grader.grader import SandboxUnavailable
+
+    env, p = job.environment, job.parameters
+    if env.episodes is None:
+        return
+    try:
+        with _quiet_grader():
+            EnvironmentHost(env.episodes, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
+                            memory_mb=p.rewardMemoryMB, retries=0, strict=True).close()
+    except SandboxUnavailable as e:
+        found.notes.append(f"spec.environment.episodes: not loaded on this machine, which cannot sandbox it fully "
+                           f"(missing: {', '.join(e.missing)}); the node loads it in its sandbox when the job starts")
+    except EnvironmentFailed as e:
+        summary = e.summary.removeprefix("TypeError: ")
+        name = e.ref.rpartition(":")[2]
+        if not summary.startswith((name + " ", name + ".", name + "(")):      # not the class check's own words
+            summary = _reward_fix(e.summary, env.episodes).replace(":FUNCTION)", ":CLASS)")
+        found.problems.append(f"spec.environment.episodes: {summary}")
 
 
 def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:

@@ -44,11 +44,12 @@ def resolve_path(path: str, base: Path) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def _ref(ref: str, info: ValidationInfo) -> str:
-    """`module:function` as is; `file.py:function` with the file resolved (and checked)."""
+def _ref(ref: str, info: ValidationInfo, what: str = "function") -> str:
+    """`module:function` as is; `file.py:function` with the file resolved (and checked); `what`
+    names the attribute in the message (an episodes environment's Class)."""
     module, sep, func = ref.rpartition(":")
     if not sep or not module or not func.isidentifier():
-        raise problem(f"must be module:function or file.py:function (got {ref!r})")
+        raise problem(f"must be module:{what} or file.py:{what} (got {ref!r})")
     if not module.endswith(".py"):
         return ref
     path = Path(resolve_path(module, base_folder(info)))
@@ -90,6 +91,7 @@ def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False, label:
     return path
 
 
+DEFAULT_MAX_TURNS = 6        # spec.environment.maxTurns when a job with episodes leaves it out
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 OWN_DATA = ("tasks", "evalTasks", "dataset", "datasetConfig", "trainSplit", "evalSplit", "columns",
@@ -192,6 +194,10 @@ class EnvironmentSpec(Strict):
     columns: dict[str, str] = {}     # task key -> column, e.g. {prompt: question, answer: answer}
     heldOutFraction: float | None = Field(None, gt=0, lt=1)   # held out from train when no eval split/file
     path: tuple[str, ...] = ()       # folders put on the grader's sys.path
+    # multi-turn: "file.py:Class" or "module:Class", one object per episode, reset(task, seed) and
+    # step(reply) -> grpo_run.Step (docs/environments.md); each task is handed to reset
+    episodes: str | None = None
+    maxTurns: int | None = Field(None, ge=1)   # with episodes: replies per episode at most (default DEFAULT_MAX_TURNS)
     # {file's field (reward, tasks, dataFiles.train, ...): sha256 of its bytes}, recorded by `apply`
     # from the files it uploads; a resuming node uses the stored copies only if they still match
     sha256: dict[str, str] = {}
@@ -205,10 +211,10 @@ class EnvironmentSpec(Strict):
                               "apply records these itself: leave sha256 out of a job file")
         return hashes
 
-    @field_validator("reward")
+    @field_validator("reward", "episodes")
     @classmethod
     def _reward(cls, ref: str | None, info: ValidationInfo) -> str | None:
-        return None if ref is None else _ref(ref, info)
+        return None if ref is None else _ref(ref, info, "Class" if info.field_name == "episodes" else "function")
 
     @field_validator("tasks", "evalTasks")
     @classmethod
@@ -321,6 +327,12 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     if not isinstance(name, str) or not name:
         return found
     has = {k for k, v in given.items() if v not in (None, (), {}, [])}
+    if "maxTurns" in has and "episodes" not in has:
+        found.append((("maxTurns",), "goes with episodes (file.py:Class, the environment that talks back)"))
+    if name in CATALOG and "reward" not in has and "episodes" in has:
+        found.append((("episodes",), f"goes with your own tasks, and {name!r} is a catalog environment's name: give "
+                      "the environment a name of its own, and tasks (each one handed to reset)"))
+        return found
     if name in CATALOG and "reward" not in has:
         entry = CATALOG[name]
         own_data = sorted(has & set(OWN_DATA), key=OWN_DATA.index)
@@ -350,9 +362,9 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
         return found
     if "reward" in has and "rewards" in has:
         found.append((("rewards",), "give reward (one function) or rewards (several, weighted), not both"))
-    elif not has & {"reward", "rewards"}:
+    elif not has & {"reward", "rewards", "episodes"}:
         found.append((("reward",), "required: module:function or file.py:function, or rewards: "
-                      "[{function: ..., weight: ...}]"))
+                      "[{function: ..., weight: ...}], or episodes: file.py:Class (an environment that talks back)"))
     for i, r in enumerate(given.get("rewards") or ()):
         fn = r.get("function") if isinstance(r, dict) else None
         if isinstance(fn, str) and ":" not in fn:
@@ -408,8 +420,12 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
                                     data_files=None if own else env.dataFiles, tasks=own)
         return replace(built, rewards=rewards_of(env))      # the job's rewards, by the job's names
+    from grpo_run.trainer.envs.catalog import EpisodeSettings
+
     train, held = _own_tasks(env, p.seed)
-    return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path)
+    episodes = EpisodeSettings(env.episodes, env.maxTurns or DEFAULT_MAX_TURNS) if env.episodes else None
+    return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path,
+                            episodes=episodes)
 
 
 def rewards_of(env: EnvironmentSpec) -> tuple:
@@ -419,6 +435,8 @@ def rewards_of(env: EnvironmentSpec) -> tuple:
 
     if env.reward is not None:
         return (Reward(reward_name(env.reward), env.reward, 1.0),)
+    if not env.rewards and env.episodes is not None:     # the episode's own rewards alone
+        return ()
     if not env.rewards:                     # a catalog environment's default
         return catalog_rewards(env.name)
     offered = CATALOG[env.name].rewards if env.is_catalog else {}

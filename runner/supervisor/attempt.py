@@ -36,7 +36,7 @@ from grpo_run.runner.supervisor.diskfull import unless_disk_full
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.runspec import RunSpec
 from grpo_run.runner.supervisor.threads import trainer_threads
-from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s
+from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s, sandboxed_calls
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.config import model_config
 from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, choose as choose_sampler, node_has_gpu, vllm_version
@@ -134,7 +134,7 @@ class TrainerProcess:
         self._wake = wake                 # the supervisor's: set with `done`
         self._proc: subprocess.Popen | None = None
         self._listens = False
-        functions = sum(1 for r in spec.env.rewards if not r.model and r.judge is None)
+        functions = sandboxed_calls(spec.env)
         judges = [r.judge for r in spec.env.rewards if r.judge is not None]
         self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}

@@ -47,6 +47,14 @@ def reward_bound_s(params: GRPOParams, functions: int, judges: Sequence[Any] = (
     return bound + sum(items * j.timeout_s * (j.retries + 1) / max(j.concurrency, 1) for j in judges)
 
 
+def sandboxed_calls(env: Any) -> int:
+    """How many sandboxed calls per item a step's scoring makes (the trainer's Environment): one
+    per reward function (reward models and judges are not in the sandbox), and an episode's
+    environment calls: making its object, reset, and each of its maxTurns steps."""
+    calls = sum(1 for r in env.rewards if not r.model and r.judge is None)
+    return calls + (env.episodes.max_turns + 2 if env.episodes is not None else 0)
+
+
 def configured_bound_s(environ: dict[str, str] | None = None) -> float | None:
     """GRPO_RUN_HANG_SECONDS, or None: unset, or not a positive number (said in a warning that
     names the variable; the derived bound holds then)."""

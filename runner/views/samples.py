@@ -55,7 +55,7 @@ def _pick(record: Record, kind: str, what: str, *, step: int | None = None, last
 
 def rows(groups: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     """One object per completion: prompt, completion, rewards (by name), reward (their weighted
-    sum), length (tokens), truncated, and where it came from (step, group or task, counted from
+    sum), length (tokens), truncated (an episode's: turns and truncatedBy too), and where it came from (step, group or task, counted from
     1 as the text shows them); a training
     step's with its advantage and best/worst in its group, an evaluation's with the other
     evaluation's answer to the task."""
@@ -66,6 +66,8 @@ def rows(groups: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
             row = {"step": g["step"], ("group" if kind == "step" else "task"): g["item"] + 1, "prompt": g["prompt"],
                    "completion": c["text"], "rewards": c["rewards"], "reward": c["reward"], "length": c["length"],
                    "truncated": c["truncated"], "solved": g["solved"]}
+            if c.get("turns") is not None:          # an episode: its replies, and the limit that ended it
+                row.update(turns=c["turns"], truncatedBy=c.get("truncatedBy"))
             if kind == "step":
                 row.update(advantage=c["advantage"], mark=mark)
             else:
@@ -131,6 +133,10 @@ def _by_name(c: dict) -> str:
 
 def _length(c: dict) -> str:
     n = c["length"]
+    if c.get("turns") is not None:          # an episode: the tokens the model wrote over its turns
+        turns, ended = c["turns"], c.get("truncatedBy")
+        return (f"{turns} turn{'' if turns == 1 else 's'}, {n} token{'' if n == 1 else 's'} written"
+                f"{f' (ended at {ended})' if ended else ''}")
     return f"{n} token{'' if n == 1 else 's'}{' (truncated)' if c['truncated'] else ''}"
 
 

@@ -155,7 +155,7 @@ def test_a_phase_the_record_cannot_move_to_ends_the_attempt_failed_with_the_reas
 
     from grpo_run.trainer.config import GRPOParams
 
-    spec = SimpleNamespace(params=GRPOParams(), env=SimpleNamespace(rewards=[]))    # what the watchdog's bound reads
+    spec = SimpleNamespace(params=GRPOParams(), env=SimpleNamespace(rewards=[], episodes=None))    # what the watchdog's bound reads
     trainer = TrainerProcess(spec, tmp_path / "node", books, None, checkpoints=CheckpointRequest(),
                              wake=threading.Event())
     trainer._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # a live trainer

@@ -100,3 +100,16 @@ def test_a_trainer_held_past_max_cost_is_stopped_by_the_supervisor(tmp_path, fig
     assert took < 150, took
     figures.add("trust", actor="reward author", tried="hold the trainer inside a step past maxCostUSD",
                 protection="the supervisor's own budget check", outcome=f"BudgetExceeded in {took:.0f} s", held=True)
+
+
+def test_an_episodes_environment_calls_count_in_the_bound_as_reward_functions_do():
+    from grpo_run.runner.supervisor.watchdog import sandboxed_calls
+    from grpo_run.trainer.envs.catalog import EpisodeSettings, Reward, user_environment
+
+    tasks = [{"prompt": "1"}]
+    rewards = (Reward("a", "a.py:a"), Reward("m", "org/rm", model=True))
+    plain = user_environment(name="x", rewards=rewards, tasks=tasks, eval_tasks=tasks)
+    talking = user_environment(name="x", rewards=rewards, tasks=tasks, eval_tasks=tasks,
+                               episodes=EpisodeSettings("env.py:Guess", max_turns=6))
+    assert sandboxed_calls(plain) == 1                             # the reward model runs outside the sandbox
+    assert sandboxed_calls(talking) == 1 + 6 + 2                   # its object, reset, 6 steps

@@ -83,7 +83,7 @@ class _Books:
 
 
 def _process(books, params):
-    spec = SimpleNamespace(params=params, model="unused", processes=1, env=SimpleNamespace(rewards=[]))
+    spec = SimpleNamespace(params=params, model="unused", processes=1, env=SimpleNamespace(rewards=[], episodes=None))
     return attempt.TrainerProcess(spec, "/nonexistent", books, None, checkpoints=None, wake=threading.Event())
 
 

@@ -55,12 +55,20 @@ class Reward:
 
 
 @dataclass(frozen=True)
+class EpisodeSettings:
+    """Multi-turn episodes (trainer.episodes): the environment's class, run in the grader's sandbox."""
+    ref: str                   # "module:Class" or "/path/file.py:Class": reset(task, seed), step(reply)
+    max_turns: int = 6         # replies per episode at most (spec.environment.maxTurns)
+
+
+@dataclass(frozen=True)
 class Environment:
     name: str
-    rewards: tuple[Reward, ...]      # the first is the primary one: `solved` counts its 1.0s
+    rewards: tuple[Reward, ...]      # the first is the primary one: `solved` counts its 1.0s (may be () with episodes)
     train_tasks: tuple[Task, ...]
     eval_tasks: tuple[Task, ...]
     search_path: tuple[str, ...] = ()  # prepended to sys.path in the grader for user modules
+    episodes: EpisodeSettings | None = None   # each task is an episode's (handed to reset); None: single-turn
 
 
 # --- arithmetic: (a + b) mod 10 ------------------------------------------------------------
@@ -223,11 +231,13 @@ def reward_name(ref: str) -> str:
 # --- user environments -----------------------------------------------------------------------
 
 def user_environment(*, name: str, rewards: tuple[Reward, ...] | None = None, reward_ref: str | None = None,
-                     tasks: list[Task], eval_tasks: list[Task], search_path: tuple[str, ...] = ()) -> Environment:
-    """Your own environment: `rewards`, or one `reward_ref` (weight 1)."""
+                     tasks: list[Task], eval_tasks: list[Task], search_path: tuple[str, ...] = (),
+                     episodes: EpisodeSettings | None = None) -> Environment:
+    """Your own environment: `rewards`, or one `reward_ref` (weight 1); with `episodes`, neither
+    is needed (the episode's reward is the sum of its steps' rewards, plus any rewards')."""
     if rewards is None:
-        if reward_ref is None:
-            raise ValueError("an environment needs rewards or a reward_ref")
-        rewards = (Reward(reward_name(reward_ref), reward_ref, 1.0),)
+        if reward_ref is None and episodes is None:
+            raise ValueError("an environment needs rewards or a reward_ref (or episodes)")
+        rewards = (Reward(reward_name(reward_ref), reward_ref, 1.0),) if reward_ref is not None else ()
     return Environment(name=name, rewards=tuple(rewards), train_tasks=tuple(tasks),
-                       eval_tasks=tuple(eval_tasks), search_path=search_path)
+                       eval_tasks=tuple(eval_tasks), search_path=search_path, episodes=episodes)

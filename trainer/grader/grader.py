@@ -103,6 +103,8 @@ class Grader:
     group: the function scores one prompt's group at a time, `fn(completions, task) -> [G numbers]`
         (relative judges, ranking, diversity): `score` gets the groups' sizes. timeout_s is per
         group; a group is retried whole, and one that fails never becomes scores.
+    episodes: the ref is an episodes environment's class, served by the worker one object per
+        episode (`grpo_run.trainer.episodes.host.EnvironmentHost` speaks to it; `score` does not).
 
     Raises RewardFunctionError at once when the ref cannot be loaded, SandboxUnavailable when a
     layer that had to be in force is not, ValueError for bad settings.
@@ -121,6 +123,7 @@ class Grader:
         signals: SignalsSandbox = "auto",
         strict: bool = False,
         group: bool = False,
+        episodes: bool = False,
         kill_grace_s: float = 2.0,
         load_timeout_s: float = 60.0,
         retry_wait_s: float = 0.05,
@@ -164,6 +167,7 @@ class Grader:
         self._signals = signals
         self._strict = strict
         self.group = group
+        self.episodes = episodes
         self._kill_grace_s = kill_grace_s
         self._load_timeout_s = load_timeout_s
         self._retry_wait_s = retry_wait_s
@@ -313,6 +317,7 @@ class Grader:
                 "signals": self._signals,
                 "strict": self._strict,
                 "group": self.group,
+                "episodes": self.episodes,
             }
         )
         deadline = time.monotonic() + self._load_timeout_s

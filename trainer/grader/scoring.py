@@ -16,20 +16,28 @@ from grpo_run.trainer.envs.catalog import Reward
 from grpo_run.trainer.grader.grader import Grader
 
 
+# An episode's summed step rewards, among the step's rewards by name (trainer.episodes)
+EPISODE = "episode"
+
+
 class Scorer:
     """Owns one Grader per reward function. Raises what Grader raises (RewardFunctionError
     when a function fails on every try: never a score)."""
 
     def __init__(self, rewards: Sequence[Reward], *, search_path: Sequence[str] = (), device: Any = "cpu",
                  judge_calls: Mapping[str, int] | None = None, judge_usd: Mapping[str, float] | None = None,
-                 **grader_settings: Any) -> None:
+                 episodes: bool = False, **grader_settings: Any) -> None:
         """A reward model (Reward.model) is loaded here, on `device` (rewardmodel.RewardModel); a
         judge (Reward.judge) counts on from `judge_calls` and `judge_usd` (its name: the run's calls
-        and their price so far)."""
-        names = [r.name for r in rewards]
-        if not rewards or len(set(names)) != len(names):
-            raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'})")
+        and their price so far). `episodes`: the completions are episodes, whose summed step
+        rewards `score` is given as the reward named EPISODE (weight 1, the primary one); the
+        reward functions, if any, score each whole episode besides."""
+        names = [r.name for r in rewards] + ([EPISODE] if episodes else [])
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"rewards need distinct names (got {', '.join(names) or 'none'}"
+                             f"{'; ' + EPISODE + ' is the episode reward' if episodes else ''})")
         self.rewards = tuple(rewards)
+        self.episodes = episodes
         self._graders: list[Any] = []       # a Grader per function, a RewardModel per model, a Judge per judge
         try:
             for r in self.rewards:
@@ -58,16 +66,27 @@ class Scorer:
 
     @property
     def primary(self) -> str:
-        """The first reward's name: an evaluation's `solved` counts the tasks it scores 1.0."""
-        return self.rewards[0].name
+        """The first reward's name (EPISODE for episodes): an evaluation's `solved` counts the
+        tasks it scores 1.0."""
+        return EPISODE if self.episodes else self.rewards[0].name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every reward's name, in the order `score` and `total` take them."""
+        return ((EPISODE,) if self.episodes else ()) + tuple(r.name for r in self.rewards)
 
     def score(self, completions: Sequence[str], tasks: Sequence[Mapping[str, Any]],
-              groups: Sequence[int] | None = None) -> dict[str, list[float]]:
+              groups: Sequence[int] | None = None, episode: Sequence[float] | None = None) -> dict[str, list[float]]:
         """{reward name: one score per completion}, in the environment's order. `groups`: the sizes
         of the consecutive groups (a prompt's G completions) that group rewards see together
-        (None: each completion alone)."""
-        return {r.name: g.score(completions, tasks) if r.model or r.judge else g.score(completions, tasks, groups)
-                for r, g in zip(self.rewards, self._graders)}
+        (None: each completion alone). `episode`: each episode's summed step rewards (episodes
+        only, required then)."""
+        if self.episodes != (episode is not None):
+            raise ValueError("episode rewards go with episodes (Scorer(episodes=True)), and only there")
+        out = {EPISODE: [float(r) for r in episode]} if episode is not None else {}
+        out.update({r.name: g.score(completions, tasks) if r.model or r.judge else g.score(completions, tasks, groups)
+                    for r, g in zip(self.rewards, self._graders)})
+        return out
 
     @property
     def judge_calls(self) -> dict[str, int]:
@@ -82,7 +101,8 @@ class Scorer:
     def total(self, by_name: Mapping[str, Sequence[float]]) -> list[float]:
         """The weighted sum per completion, summed in the environment's order (so it is the same
         float on every run)."""
-        columns = [(r.weight, by_name[r.name]) for r in self.rewards]
+        columns = [(1.0, by_name[EPISODE])] if self.episodes else []
+        columns += [(r.weight, by_name[r.name]) for r in self.rewards]
         return [sum(w * scores[i] for w, scores in columns) for i in range(len(columns[0][1]))]
 
     def close(self) -> None:

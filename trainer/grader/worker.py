@@ -20,6 +20,8 @@ Conversation:
                                                                        (then the worker exits)
     parent -> worker  {"items": [[completion, task], ...]}             (one request per batch)
                    or {"items": [...], "groups": [G, ...]}   (a group reward: consecutive items, G at a time)
+                   or {"op": "reset" | "step", "items": [...]}  (an episodes environment, "episodes": true in
+                      its config: the conversation is in grpo_run.trainer.episodes.serve)
     worker -> parent  one frame per item, in order, as soon as it is scored, up to and including
                       the first failure:
                       {"ok": FLOAT} or {"kind": "exception"|"timeout"|"invalid"|"refused", "error": TEXT}
@@ -280,6 +282,11 @@ def main(argv: list[str]) -> int:
         if missing:
             return 1  # never import the reward with a layer missing that had to be in force
         fn = load_reward_fn(config["ref"], config["search_path"])
+        if config.get("episodes"):
+            from grpo_run.trainer.episodes.serve import class_problem
+
+            if class_problem(fn):
+                raise TypeError(class_problem(fn))
     except BaseException as error:
         kind, text = _describe(error)
         write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text, "summary": load_summary(error)})
@@ -288,7 +295,13 @@ def main(argv: list[str]) -> int:
     helpers = frozenset(_children())
     write_frame(response_fd, {"type": "ready", "pid": os.getpid()})
     try:
-        serve(fn, request_fd, response_fd, config["timeout_s"], helpers, group=config.get("group", False))
+        if config.get("episodes"):          # an environment's objects, one per episode (trainer.episodes)
+            from grpo_run.trainer.episodes.serve import serve_episodes
+
+            serve_episodes(fn, lambda: read_frame(request_fd), lambda frame: write_frame(response_fd, frame),
+                           config["timeout_s"], lambda: _end_leftover_processes(helpers))
+        else:
+            serve(fn, request_fd, response_fd, config["timeout_s"], helpers, group=config.get("group", False))
     except BrokenPipeError:
         pass  # the parent went away mid-batch: nothing left to report to
     _end_leftover_processes(frozenset())

@@ -1,0 +1,83 @@
+"""An episode's ids at each turn boundary: the first prompt's, then, after each sampled reply, the
+ids the environment's observation adds, rendered once and never re-tokenized with the history.
+
+Text (a tokenizer without a chat template): the observation's text tokenized on its own, without
+special tokens, and appended as it is.
+
+Chat messages (a chat template): the template rendered with the conversation so far and the
+reply as the assistant's message, once without the observation (`without`) and once with it and
+the generation prompt (`with_`); `with_` must begin with `without`, and what it adds is the
+observation's turn. What the template puts after the assistant's end-of-turn token (Qwen's
+"\\n" after `<|im_end|>`) belongs to the boundary too and is kept (the newline a peer dropped at
+every assistant-to-tool boundary); a reply cut before its end-of-turn token gets the template's
+own end of turn, as environment tokens. The reply's text (derived from its sampled ids) is only
+what the template is rendered with to find the boundary: the trained ids are the sampled ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from grpo_run.trainer.model.prompts import Message, Prompt, PromptEncoder, chat_messages
+
+
+class BoundaryMismatch(ValueError):
+    """The chat template renders the conversation so far differently once a turn is added, so the
+    added turn's ids cannot be told apart from the history's without re-tokenizing it."""
+
+
+class TurnRenderer:
+    """Renders one tokenizer's prompts and observations to ids (through `encoder`, which holds
+    the system prompt and the template's arguments)."""
+
+    def __init__(self, encoder: PromptEncoder, eos_ids: Sequence[int]) -> None:
+        self.encoder, self.tokenizer = encoder, encoder.tokenizer
+        self.eos_ids = tuple(eos_ids)
+
+    def first(self, prompt: Prompt) -> tuple[list[int], list[Message] | None]:
+        """The first prompt's ids, and the conversation it stands for (None without a template).
+        Raises ValueError as PromptEncoder does (messages without a chat template)."""
+        ids, mask = self.encoder.encode([prompt])            # exactly as a single-turn prompt's
+        ids = ids[0][mask[0].bool()].tolist()
+        return ids, (chat_messages(prompt, self.encoder.system_prompt) if self.encoder.templated else None)
+
+    def observation(self, conversation: list[Message] | None, reply_ids: Sequence[int], reply: str,
+                    observation: str | list[Mapping[str, Any]]) -> tuple[list[int], list[Message] | None]:
+        """The ids appended after a reply (`reply_ids`, sampled; `reply`, their text) for the
+        environment's `observation`, and the conversation afterwards."""
+        if conversation is None:
+            return self._text_ids(observation, "step's observation"), None
+        added = [{"role": "user", "content": observation}] if isinstance(observation, str) else \
+            [dict(m) for m in observation]
+        talked = [*conversation, {"role": "assistant", "content": reply}]
+        without = self._render(talked, generation_prompt=False)
+        with_ = self._render([*talked, *added], generation_prompt=True)
+        if with_[:len(without)] != without:
+            raise BoundaryMismatch(
+                "the chat template renders the conversation so far differently once the environment's turn is "
+                "added (it is not prefix-stable), so the turn's ids cannot be appended without re-tokenizing the "
+                "history; use a template that renders earlier turns the same way whatever follows them")
+        return self._after_reply(without, reply_ids) + with_[len(without):], [*talked, *added]
+
+    def _after_reply(self, without: list[int], reply_ids: Sequence[int]) -> list[int]:
+        """What the template renders after the assistant's reply, from its end-of-turn token on:
+        the part after the sampled end-of-turn token, or (a reply cut short, or ended by another
+        stop token) the template's end of turn itself and what follows it."""
+        ended = bool(reply_ids) and reply_ids[-1] in self.eos_ids
+        if ended and reply_ids[-1] in without:
+            at = len(without) - 1 - without[::-1].index(reply_ids[-1])
+            return without[at + 1:]
+        ends = [i for i, t in enumerate(without) if t in self.eos_ids]
+        return without[ends[-1]:] if ends else []
+
+    def _render(self, messages: list[Message], *, generation_prompt: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                 return_dict=False, **self.encoder.template_kwargs)
+        return [int(t) for t in out]
+
+    def _text_ids(self, text: Any, what: str) -> list[int]:
+        if not isinstance(text, str):
+            name = getattr(self.tokenizer, "name_or_path", "") or "this model"
+            raise ValueError(f"the environment's {what} is chat messages, but the tokenizer of {name} has no chat "
+                             "template to render them: return text, or use a model with a chat template")
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
