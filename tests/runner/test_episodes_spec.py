@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_USAGE, main
-from grpo_run.runner.envfiles import local_files, with_file_hashes
+from grpo_run.runner.jobs.envfiles import local_files, with_file_hashes
 from grpo_run.runner.spec.job import load_job, build_environment
 
 GUESS = '''
