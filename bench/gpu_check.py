@@ -66,7 +66,7 @@ class Budget:
 def detect_gpu(name: str, memory_bytes: int) -> str | None:
     """The GPU table's name for torch's device name (`NVIDIA H200`, `NVIDIA A100-SXM4-80GB`,
     `Tesla T4`, `NVIDIA GeForce RTX 4090`), or None."""
-    from grpo_run.runner.estimate.gpus import GPUS
+    from grpo_run.runner.spec.gpus import GPUS
 
     squashed = "".join(ch for ch in name.lower() if ch.isalnum())
     if "a100" in squashed:

@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
-from grpo_run.runner.estimate.gpus import ALIASES
+from grpo_run.runner.spec.gpus import ALIASES
 from grpo_run.runner.wheel import DIST_PREFIX, Wheel
 
 DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
@@ -486,7 +486,7 @@ _BlockDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
     "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
 
 
-# spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.estimate.gpus), and
+# spec.gpu as SkyPilot's accelerators: the GPU table's names are SkyPilot's own (runner.spec.gpus), and
 # the earlier names are aliases of them.
 SKYPILOT_GPUS = {name: f"{table_name}:1" for name, table_name in ALIASES.items()}
 

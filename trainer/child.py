@@ -27,7 +27,7 @@ from grpo_run.trainer.distributed import World
 from grpo_run.trainer.episodes.host import EnvironmentFailed
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
-from grpo_run.trainer.sampling.vllm_server import EngineRefused, EngineUnavailable
+from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable
 from grpo_run.trainer.logs import REPORTED, trainer_logging
 from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,

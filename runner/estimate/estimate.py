@@ -4,7 +4,7 @@ long it will take and whether it fits its GPU, before anything is spent.
 The numbers come from `memory.py` (memory from the model's config.json alone), `steptime.py`
 (a step's and an evaluation's time from the job and the card), `workload.py` (prompt lengths
 and held-out tasks), `measured.py` (the user's own step times), `preemption.py` (what notices
-add), `liveprices.py` (`--live`) and `runner.estimate.gpus` (the cards, the cost arithmetic), the model's
+add), `liveprices.py` (`--live`) and `runner.spec.gpus` (the cards, the cost arithmetic), the model's
 config.json found by `config.py`. This module shapes the answer:
 
     estimate(job)                            the status.estimate dict
@@ -31,7 +31,7 @@ from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estim
 from grpo_run.runner.estimate.preemption import count_preemptions
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
-from grpo_run.runner.estimate.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
+from grpo_run.runner.spec.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
 from grpo_run.runner.spec.job import TrainingJob
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ the table's, with a note saying why.
   this is the GPU alone (AWS's and Azure's are whole instances divided by their GPUs).
 
 Instances are named only where the table already names them (AWS: the instance its rate comes
-from, runner/estimate/gpus.py) or where the cloud's own documentation makes the card unambiguous (Azure's
+from, runner/spec/gpus.py) or where the cloud's own documentation makes the card unambiguous (Azure's
 ND and NCas_T4 sizes, Compute Engine's GPU names); a card without one is left at the table's price,
 said so. The endpoints can be pointed elsewhere (GRPO_RUN_AZURE_PRICES_URL, GRPO_RUN_GCP_BILLING_URL;
 botocore's AWS_ENDPOINT_URL_EC2), as the tests do at a local server with recorded answers.
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
-from grpo_run.runner.estimate.gpus import Gpu
+from grpo_run.runner.spec.gpus import Gpu
 
 __all__ = ["AWS_INSTANCES", "AZURE_SIZES", "CLOUDS", "GCP_GPUS", "LiveUnavailable", "LivePrices"]
 
@@ -41,7 +41,7 @@ DEFAULT_REGIONS = {"aws": "us-east-1", "azure": "eastus", "gcp": "us-central1"}
 TIMEOUT_S = 15.0
 MAX_PAGES = 40                   # GCP's Compute Engine catalog is a few thousand SKUs: pages of up to 5,000
 
-# The instances runner/estimate/gpus.py prices each card from (its rate_source names them): (type, GPUs).
+# The instances runner/spec/gpus.py prices each card from (its rate_source names them): (type, GPUs).
 AWS_INSTANCES = {
     "H100": ("p5.48xlarge", 8), "H200": ("p5en.48xlarge", 8), "B200": ("p6-b200.48xlarge", 8),
     "A100-80GB": ("p4de.24xlarge", 8), "A100": ("p4d.24xlarge", 8), "L40S": ("g6e.xlarge", 1),

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from grpo_run.checkpoint.storage.fsio import atomic_write_text
-from grpo_run.runner.estimate.gpus import canonical_name
+from grpo_run.runner.spec.gpus import canonical_name
 from grpo_run.runner.home import grpo_run_home
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Memory estimate for a run, from a model's ``config.json`` alone (no weights).
 
 This fills ``status.estimate.memory`` for ``grpo-run apply --dry-run`` (SPEC §3, §6); the GPU
-table and the cost arithmetic are in ``runner.estimate.gpus``, a step's time in ``runner.estimate.steptime``.
+table and the cost arithmetic are in ``runner.spec.gpus``, a step's time in ``runner.estimate.steptime``.
 
 Memory (SPEC §3): weights and trainable state only -- activations and the generation cache are
 reported separately (``kvCacheGB`` for one group, ``samplingGB`` for the step's completions,
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
-from grpo_run.runner.estimate.gpus import Gpu, lookup_gpu
+from grpo_run.runner.spec.gpus import Gpu, lookup_gpu
 from grpo_run.trainer.config import LOGPROB_CHUNK_ELEMENTS, METHODS, default_micro_batch
 
 __all__ = [

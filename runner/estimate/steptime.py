@@ -64,7 +64,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from grpo_run.runner.estimate.memory import ModelShape, model_shape
-from grpo_run.runner.estimate.gpus import GPUS, Gpu
+from grpo_run.runner.spec.gpus import GPUS, Gpu
 
 __all__ = [
     "CALIBRATION",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
-from grpo_run.runner.estimate.gpus import STAND_IN
+from grpo_run.runner.spec.gpus import STAND_IN
 
 __all__ = ["budget_stop", "budget_warning", "duration", "summary"]
 

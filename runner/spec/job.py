@@ -24,7 +24,7 @@ from pydantic import (
 
 from grpo_run.runner.spec.hardware import Pricing, Resources, positive_number
 from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
-from grpo_run.runner.estimate.gpus import GPUS, canonical_name, spelled_like, suggestion
+from grpo_run.runner.spec.gpus import GPUS, canonical_name, spelled_like, suggestion
 from grpo_run.runner.spec.yamlfile import FileRefused, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
 from grpo_run.runner.spec.tracking import Tracking
@@ -127,7 +127,7 @@ class TrainingJob(Strict):
                                    json_schema_extra={"like": "{numGenerations: 8, maxSteps: 100}"})
     runtime: Literal[RUNTIMES] = "grpo-lora"
     maxCostUSD: float | None = None
-    gpu: str | None = None            # SkyPilot's name (runner.estimate.gpus), or any card spec.pricing describes
+    gpu: str | None = None            # SkyPilot's name (runner.spec.gpus), or any card spec.pricing describes
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
     resources: Resources | None = None  # processes per node (default 1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
-from grpo_run.runner.estimate.gpus import canonical_name
+from grpo_run.runner.spec.gpus import canonical_name
 from grpo_run.runner.spec import hardware
 from grpo_run.runner.spec.hardware import node_processes
 from grpo_run.runner.spec.job import JobError, TrainingJob, build_environment
@@ -116,7 +116,7 @@ def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
     if job.pricing is not None and job.pricing.usdPerHour is not None:
         return job.pricing.usdPerHour * gpus
     if job.gpu is not None and canonical_name(job.gpu) is not None:
-        from grpo_run.runner.estimate.gpus import lookup_gpu
+        from grpo_run.runner.spec.gpus import lookup_gpu
 
         rate = lookup_gpu(job.gpu).usd_per_hour
         return None if rate is None else rate * gpus

@@ -394,7 +394,7 @@ def test_a_reward_model_s_weights_and_forward_are_in_the_memory_and_the_step_tim
 def test_one_reward_model_forward_is_a_one_logit_pass_computed_by_hand():
     from grpo_run.runner.estimate.memory import model_shape
     from grpo_run.runner.estimate.steptime import COMPUTE_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY, score_seconds
-    from grpo_run.runner.estimate.gpus import lookup_gpu
+    from grpo_run.runner.spec.gpus import lookup_gpu
 
     config = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 1000}

@@ -11,7 +11,7 @@ import pytest
 from grpo_run.runner.estimate.estimate import VLLM_START_SECONDS, check_fits, estimate, record_measured_step_seconds
 from grpo_run.runner.estimate.memory import memory_estimate
 from grpo_run.runner.estimate.steptime import REFERENCE_WORK, VLLM_ANCHOR, step_time
-from grpo_run.runner.estimate.gpus import GPUS
+from grpo_run.runner.spec.gpus import GPUS
 from grpo_run.runner.spec.job import parse_job
 from tests.runner.test_estimate_jobs import QWEN3_0_6B, QWEN3_8B, doc, model_folder
 

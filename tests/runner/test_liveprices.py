@@ -21,7 +21,7 @@ from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.estimate.liveprices import AWS_INSTANCES, LivePrices
 from grpo_run.runner.estimate.summary import summary
-from grpo_run.runner.estimate.gpus import GPUS, lookup_gpu
+from grpo_run.runner.spec.gpus import GPUS, lookup_gpu
 from grpo_run.runner.spec.job import parse_job
 from tests.runner.test_estimate_jobs import QWEN3_0_6B, doc, model_folder
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_run.runner.estimate.gpus import GPUS
+from grpo_run.runner.spec.gpus import GPUS
 from grpo_run.runner.estimate.memory import fits, format_count, memory_estimate
 
 # Qwen/Qwen3-8B config.json (the keys the estimate reads, plus some it must ignore).

@@ -11,7 +11,7 @@ from grpo_run.runner.estimate.memory import model_shape
 from grpo_run.runner.estimate.steptime import (CALIBRATION, COMPUTE_EFFICIENCY, LAUNCH_SECONDS, MEMORY_EFFICIENCY,
                                                REFERENCE_WORK, StepWork, eval_seconds, matmul_parameters, step_time,
                                                update_seconds)
-from grpo_run.runner.estimate.gpus import GPUS, Gpu
+from grpo_run.runner.spec.gpus import GPUS, Gpu
 
 SMALL = model_shape({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "tie_word_embeddings": True})

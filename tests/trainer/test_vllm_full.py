@@ -44,7 +44,7 @@ def test_a_full_fine_tune_s_weights_reach_the_engine_every_sync(tiny64, tmp_path
 
 def test_a_share_too_small_for_the_engine_fails_naming_the_field_and_the_fix(tiny64, tmp_path):
     from grpo_run.trainer.sampling.vllm_engine import VllmSampler
-    from grpo_run.trainer.sampling.vllm_server import EngineRefused
+    from grpo_run.trainer.sampling.engines import EngineRefused
 
     with pytest.raises(EngineRefused, match=r"spec.parameters.vllm.gpuMemoryUtilization: 0.001: vLLM could not start "
                                             r"with it .*raise it, or use sampler: native"):

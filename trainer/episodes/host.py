@@ -1,6 +1,6 @@
 """The trainer's side of an episodes environment: its objects live in a sandboxed grader worker
 (the same process, sandbox and limits as a reward function's: `grpo_run.trainer.grader`), and
-this class asks them to `reset` and `step` (the conversation: `grpo_run.trainer.episodes.serve`).
+this class asks them to `reset` and `step` (the conversation: `grpo_run.trainer.grader.episodes`).
 
     with EnvironmentHost("/job/env.py:Guess", timeout_s=10) as host:
         prompts = host.reset(tasks, seeds)            # one episode per task
@@ -86,7 +86,7 @@ class EnvironmentHost(Grader):
 def frame_problem(op: str, frame: dict) -> Failure | None:
     """A reply frame checked as if a stranger wrote it (the environment's code runs in the
     worker and can write frames itself): None when it is a prompt (reset) or a Step (step)."""
-    from grpo_run.trainer.episodes.serve import prompt_problem
+    from grpo_run.trainer.grader.episodes import prompt_problem
     from grpo_run.trainer.grader.replies import outcome
 
     if frame.keys() != {"ok"}:

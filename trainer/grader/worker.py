@@ -21,7 +21,7 @@ Conversation:
     parent -> worker  {"items": [[completion, task], ...]}             (one request per batch)
                    or {"items": [...], "groups": [G, ...]}   (a group reward: consecutive items, G at a time)
                    or {"op": "reset" | "step", "items": [...]}  (an episodes environment, "episodes": true in
-                      its config: the conversation is in grpo_run.trainer.episodes.serve)
+                      its config: the conversation is in grpo_run.trainer.grader.episodes)
     worker -> parent  one frame per item, in order, as soon as it is scored, up to and including
                       the first failure:
                       {"ok": FLOAT} or {"kind": "exception"|"timeout"|"invalid"|"refused", "error": TEXT}
@@ -283,7 +283,7 @@ def main(argv: list[str]) -> int:
             return 1  # never import the reward with a layer missing that had to be in force
         fn = load_reward_fn(config["ref"], config["search_path"])
         if config.get("episodes"):
-            from grpo_run.trainer.episodes.serve import class_problem
+            from grpo_run.trainer.grader.episodes import class_problem
 
             if class_problem(fn):
                 raise TypeError(class_problem(fn))
@@ -296,7 +296,7 @@ def main(argv: list[str]) -> int:
     write_frame(response_fd, {"type": "ready", "pid": os.getpid()})
     try:
         if config.get("episodes"):          # an environment's objects, one per episode (trainer.episodes)
-            from grpo_run.trainer.episodes.serve import serve_episodes
+            from grpo_run.trainer.grader.episodes import serve_episodes
 
             serve_episodes(fn, lambda: read_frame(request_fd), lambda frame: write_frame(response_fd, frame),
                            config["timeout_s"], lambda: _end_leftover_processes(helpers))

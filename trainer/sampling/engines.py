@@ -19,6 +19,16 @@ from torch import Tensor
 from grpo_run.trainer.sampling import sampler
 from grpo_run.trainer.sampling.sampler import Completions
 
+class EngineUnavailable(RuntimeError):
+    """The vLLM server did not answer, failed, or took too long: an infrastructure failure."""
+
+
+class EngineRefused(RuntimeError):
+    """The engine cannot sample this job as it was started or configured (a server's method or
+    adapter rank, a memory share too small): restarting the trainer cannot help; the message
+    says how to fix it."""
+
+
 class Sampler(Protocol):
     """What the trainer asks of an engine."""
     engine: str

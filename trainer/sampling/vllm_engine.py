@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from grpo_run.trainer.sampling.sampler import Completions, GenerationInterrupted
-from grpo_run.trainer.sampling.vllm_server import EngineRefused
+from grpo_run.trainer.sampling.engines import EngineRefused
 
 log = logging.getLogger(__name__)
 

@@ -38,21 +38,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05                 # how often the client asks the stop request while the server samples
 # How long a trainer starting waits for its server to answer /health: one started at the same time
 # (a launcher starting both), or one its operator is bringing back after it died, is waited for.
 SERVER_START_WAIT_S = 120.0
-
-
-class EngineUnavailable(RuntimeError):
-    """The vLLM server did not answer, failed, or took too long: an infrastructure failure."""
-
-
-class EngineRefused(RuntimeError):
-    """The vLLM server cannot sample this job as it was started (its method, its adapter rank):
-    restarting the trainer cannot help; the message says how to start it."""
 
 
 # --- the server -----------------------------------------------------------------------------------
