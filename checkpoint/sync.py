@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
+import errno
 import re
+import shutil
 import threading
 import uuid
 from collections.abc import Callable
@@ -220,8 +221,14 @@ class Uploader:
     network.
 
     Every file goes up, then manifest.json last; then the remote is pruned to the newest `keep`
-    durable checkpoints. When several checkpoints are queued, only the newest is uploaded: an
-    older one is superseded the moment a newer one is durable.
+    durable checkpoints. One upload runs at a time and one more waits: a checkpoint submitted
+    while another waits replaces it (superseded: the newer one is what a resume wants).
+
+    `pin`: a folder where each submitted checkpoint is hard-linked before it waits, so the
+    trainer pruning its own local checkpoints (it keeps only its newest few) never removes a file
+    from under an upload. Without it, an upload slower than two save intervals lost its files
+    mid-way, again and again, and nothing became durable. A checkpoint already pruned when it
+    is submitted is skipped: a newer one follows.
 
     Retries and their stop event are the store's. A StorageConfigError is kept in `error` and
     re-raised by the next `submit`: a run without durable checkpoints should stop, not train on.
@@ -229,11 +236,12 @@ class Uploader:
 
     def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
                  on_upload: Callable[[int, list[int], BaseException | None], None] | None = None,
-                 accept: Accept | None = None) -> None:
+                 accept: Accept | None = None, pin: Path | None = None) -> None:
         """`on_upload(step, durable steps newest first, error or None)` is called from the
         upload thread after each upload of a checkpoint ends, well or not. `accept`: as
         restore_latest's; a checkpoint found under the prefix that it refuses (another run's) is
-        neither counted durable nor ever deleted.
+        neither counted durable nor ever deleted. `pin`: see the class; emptied here (what a
+        killed process left is stale).
 
         Pruning keeps the newest `keep` durable checkpoints and, when none of them says its
         weights were checked finite (FINITE_META), the newest that does, whatever its age."""
@@ -244,11 +252,14 @@ class Uploader:
         self.keep = keep
         self._on_upload = on_upload
         self._accept = accept
+        self._pin = None if pin is None else Path(pin)
+        if self._pin is not None:
+            shutil.rmtree(self._pin, ignore_errors=True)
         # The last upload's error; cleared when a later upload succeeds.
         self.error: BaseException | None = None
-        self._queue: queue.Queue[tuple[Path, Manifest | None] | None] = queue.Queue()
         self._cond = threading.Condition()
-        self._pending = 0
+        self._waiting: tuple[Path, Manifest | None, bool] | None = None    # (folder, manifest, pinned)
+        self._uploading = False
         self._closed = False
         self._last_submitted: int | None = None
         self._durable: list[int] = []
@@ -278,15 +289,29 @@ class Uploader:
                 raise RuntimeError("Uploader is closed")
             if isinstance(self.error, StorageConfigError):
                 raise self.error
-            self._pending += 1
+        folder, pinned = ckpt_dir, False
+        if self._pin is not None:
+            folder = _pin(ckpt_dir, self._pin)
+            if folder is None:
+                log.info("checkpoint %s was removed locally (a newer one superseded it) before its upload "
+                         "began", ckpt_dir)
+                return
+            pinned = True
+        with self._cond:
+            superseded = self._waiting
+            self._waiting = (folder, manifest, pinned)
             self._last_submitted = step
-        self._queue.put((ckpt_dir, manifest))
+            self._cond.notify_all()
+        if superseded is not None:
+            log.info("checkpoint %s superseded by %s before upload", superseded[0].name, ckpt_dir.name)
+            if superseded[2]:
+                shutil.rmtree(superseded[0], ignore_errors=True)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the queue is drained or `timeout` passes. True when nothing is pending
-        and the newest submitted checkpoint is durable (older ones it superseded may not be)."""
+        """Block until nothing waits or uploads, or `timeout` passes. True when the newest
+        submitted checkpoint is durable (older ones it superseded may not be)."""
         with self._cond:
-            drained = self._cond.wait_for(lambda: self._pending == 0, timeout)
+            drained = self._cond.wait_for(lambda: self._waiting is None and not self._uploading, timeout)
             return bool(drained) and (self._last_submitted is None
                                       or self._last_submitted in self._durable)
 
@@ -301,8 +326,10 @@ class Uploader:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
+            self._cond.notify_all()
         self._thread.join(timeout)
+        if self._pin is not None and not self._thread.is_alive():
+            shutil.rmtree(self._pin, ignore_errors=True)
 
     def __enter__(self) -> Uploader:
         return self
@@ -314,40 +341,31 @@ class Uploader:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            batch = [item]
-            while True:  # coalesce: whatever else is queued right now
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in batch
-            dirs = [d for d in batch if d is not None]
-            if dirs:
-                newest = max(dirs, key=lambda d: step_of(d[0]) or -1)
-                for skipped, _ in dirs:
-                    if skipped is not newest[0]:
-                        log.info("checkpoint %s superseded by %s before upload", skipped, newest[0])
-                error: BaseException | None = None
-                try:
-                    self._upload(*newest)
-                except BaseException as exc:  # kept for the trainer; the thread lives on
-                    log.error("uploading checkpoint %s to %s failed: %s", newest[0], self.store.url,
-                              exc)
-                    error = exc
-                    with self._cond:
-                        self.error = exc
-                finally:
-                    if self._on_upload is not None:
-                        try:
-                            self._on_upload(step_of(newest[0]) or 0, self.durable_steps(), error)
-                        except Exception:   # the caller's bug must neither stop uploads nor hang wait()
-                            log.exception("the upload callback failed for %s", newest[0])
-                    with self._cond:
-                        self._pending -= len(dirs)
-                        self._cond.notify_all()
-            if stop:
-                return
+            with self._cond:
+                self._cond.wait_for(lambda: self._waiting is not None or self._closed)
+                if self._waiting is None:
+                    return                              # closed, nothing left
+                (folder, manifest, pinned), self._waiting = self._waiting, None
+                self._uploading = True
+            error: BaseException | None = None
+            try:
+                self._upload(folder, manifest)
+            except BaseException as exc:  # kept for the trainer; the thread lives on
+                log.error("uploading checkpoint %s to %s failed: %s", folder.name, self.store.url, exc)
+                error = exc
+                with self._cond:
+                    self.error = exc
+            finally:
+                if pinned:
+                    shutil.rmtree(folder, ignore_errors=True)
+                if self._on_upload is not None:
+                    try:
+                        self._on_upload(step_of(folder) or 0, self.durable_steps(), error)
+                    except Exception:   # the caller's bug must neither stop uploads nor hang wait()
+                        log.exception("the upload callback failed for %s", folder)
+                with self._cond:
+                    self._uploading = False
+                    self._cond.notify_all()
 
     def _upload(self, folder: Path, manifest: Manifest | None) -> None:
         if manifest is None:
@@ -449,3 +467,31 @@ def _matches_local(folder: Path, manifest: Manifest) -> bool:
 
 
 __all__ = ["CHECKPOINTS", "FINAL", "Uploader", "download_latest", "remote_discover", "restore_latest", "run_prefix"]
+
+
+def _pin(folder: Path, into: Path) -> Path | None:
+    """Hard links to every file of checkpoint `folder` in `into/<its name>` (copies where the
+    filesystem has no hard links): the trainer's pruning then removes names, never the data
+    an upload reads. None when the folder is already gone, or goes while it is linked (pruned:
+    a newer checkpoint superseded it)."""
+    pinned = into / folder.name
+    shutil.rmtree(pinned, ignore_errors=True)
+    try:
+        if not folder.is_dir():
+            return None
+        for dirpath, _, files in os.walk(folder):
+            here = pinned / Path(dirpath).relative_to(folder)
+            here.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                try:
+                    os.link(Path(dirpath) / name, here / name)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                        raise
+                    shutil.copy2(Path(dirpath) / name, here / name)
+        if not folder.is_dir():        # pruned while walked: what was linked may be partial
+            raise FileNotFoundError(folder)
+    except FileNotFoundError:
+        shutil.rmtree(pinned, ignore_errors=True)
+        return None
+    return pinned

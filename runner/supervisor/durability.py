@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from grpo_run.checkpoint.manifest import FINITE_META, Manifest, newest_sealed, read_manifest, sealed
+from grpo_run.checkpoint.manifest import (FINITE_META, CheckpointInvalid, Manifest, newest_sealed, read_manifest,
+                                          sealed)
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError
 from grpo_run.checkpoint.sync import (CHECKPOINTS, FINAL, RestoreStopped, Uploader, download_latest, restore_latest,
@@ -28,6 +29,9 @@ from grpo_run.trainer.protocol import CHECKPOINTS_DIR, STEP_METRICS, STEP_SAMPLE
 # trainer_state.json holds the optimizer's layout, the scheduler and the RNG's small parts: kB to
 # a few MB for the biggest optimizers; anything past this is not a trainer's and is not parsed.
 MAX_TRAINER_STATE_BYTES = 64 << 20
+
+# Under the run's work folder: hard links to the checkpoints being uploaded (see Uploader's `pin`).
+UPLOADING_DIR = "uploading"
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,8 @@ class Durability:
         self._noted: set[int] = set()              # steps noted durable in the books
         self._reported: set[int] = set()           # steps this attempt's trainer sealed (and were submitted)
         self._on_lease_lost, self._on_fatal = on_lease_lost, on_fatal
-        self.uploads = Uploader(store, self.prefix, keep=keep, on_upload=self._uploaded, accept=self._whose)
+        self.uploads = Uploader(store, self.prefix, keep=keep, on_upload=self._uploaded, accept=self._whose,
+                                pin=Path(work) / UPLOADING_DIR)
 
     def restore(self, *, verify_local: bool = False) -> int:
         """The newest durable checkpoint into work/checkpoints before the trainer starts (a newer
@@ -130,7 +135,16 @@ class Durability:
         """The trainer sealed checkpoint `step` in `folder`: noted, and its upload begins."""
         self.books.note_sealed(step)
         self._reported.add(step)
-        self.uploads.submit(folder, sealed(folder))     # hashed once, when sealed: trusted here
+        try:
+            manifest = sealed(folder)                   # hashed once, when sealed: trusted here
+        except CheckpointInvalid:
+            if folder.exists():
+                raise
+            # The trainer keeps only its newest few and reported this one before we read it (a
+            # busy node): a newer one is sealed, and reported, after it.
+            log.info("checkpoint %d was pruned locally before its upload began; a newer one follows", step)
+            return
+        self.uploads.submit(folder, manifest)
 
     def wait(self, timeout: float | None = None) -> int:
         """The newest sealed local checkpoint made durable; its step (or the newest durable one

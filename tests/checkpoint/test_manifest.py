@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import threading
 from pathlib import Path
 
@@ -293,6 +294,63 @@ def test_a_newer_checkpoint_supersedes_queued_older_ones(tmp_path):
 
     assert newest == 75
     assert remote_discover(store)[0] == 75
+
+
+class GatedStore(Store):
+    """A real store whose uploads wait at the first file until `release` is set (`started` says one waits)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.started, self.release = threading.Event(), threading.Event()
+        self.uploaded: list[str] = []
+
+    def put_file(self, local, key):
+        self.started.set()
+        assert self.release.wait(30)
+        super().put_file(local, key)
+        self.uploaded.append(key)
+
+
+def test_a_checkpoint_pruned_locally_while_it_uploads_still_becomes_durable(tmp_path):
+    # The trainer keeps only its newest few checkpoints: on a busy node or a slow store the one
+    # being uploaded is pruned mid-way. Its pinned hard links keep the bytes the upload reads.
+    store = GatedStore("memory://bucket/run")
+    local = tmp_path / "run" / "checkpoints"
+    ckpt = make_checkpoint(local, 4)
+    files = tree(ckpt)
+    with Uploader(store, pin=tmp_path / "run" / "uploading") as uploader:
+        uploader.submit(ckpt)
+        assert store.started.wait(30)
+        make_checkpoint(local, 8), make_checkpoint(local, 12)
+        assert prune(local, keep=2) == [12, 8]           # what the trainer's writer does
+        assert not ckpt.exists()
+        store.release.set()
+        assert uploader.wait(timeout=30)
+        assert uploader.durable_steps() == [4]
+    assert remote_discover(store) == [4]
+    got = download_latest(store, tmp_path / "resume")
+    assert got is not None and tree(got[1]) == files
+    assert not (tmp_path / "run" / "uploading").exists()   # the pins go with the uploader
+
+
+def test_one_checkpoint_waits_while_another_uploads_and_a_pruned_one_is_skipped(tmp_path, caplog):
+    store = GatedStore("memory://bucket/run")
+    local, pins = tmp_path / "checkpoints", tmp_path / "uploading"
+    with Uploader(store, pin=pins) as uploader:
+        uploader.submit(make_checkpoint(local, 4))
+        assert store.started.wait(30)
+        for step in (8, 12):
+            uploader.submit(make_checkpoint(local, step))
+        assert sorted(p.name for p in pins.iterdir()) == ["ckpt-00000004", "ckpt-00000012"]   # 8: superseded
+        gone = make_checkpoint(local, 16)
+        shutil.rmtree(gone)
+        with caplog.at_level(logging.INFO, logger="grpo_run.checkpoint.sync"):
+            uploader.submit(gone)                        # pruned before it was reported: skipped
+        assert "removed locally" in caplog.text
+        store.release.set()
+        assert uploader.wait(timeout=30)
+    assert remote_discover(store) == [12, 4]
+    assert not any("ckpt-00000008" in key for key in store.uploaded)
 
 
 def test_a_checkpoint_that_no_longer_verifies_locally_is_not_uploaded(tmp_path):

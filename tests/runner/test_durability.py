@@ -6,11 +6,13 @@ its weights were not sealed non-finite."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
-from grpo_run.checkpoint.manifest import checkpoint_dir, finalize_checkpoint, staging_dir
+from grpo_run.checkpoint.manifest import CheckpointInvalid, checkpoint_dir, finalize_checkpoint, staging_dir
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.checkpoint.sync import CHECKPOINTS, FINAL, Uploader, remote_discover
 from grpo_run.runner.books.books import Books
@@ -151,3 +153,24 @@ def test_a_checkpoint_not_of_this_run_or_out_of_bounds_is_never_trained_from(tmp
     figures.add("trust", actor="bucket writer", tried=f"plant a checkpoint: {says}",
                 protection="a checkpoint must name this run, be finite and be at most maxSteps",
                 outcome="skipped in storage, set aside on the node; resumed from the good one", held=True)
+
+
+def test_a_checkpoint_reported_after_the_trainer_pruned_it_is_skipped_and_the_next_one_uploads(
+        tmp_path, durability, caplog):
+    # A busy node reads the trainer's events late: by then the writer (keeping its newest few)
+    # may have pruned the checkpoint reported. Not an error, and never a traceback: a newer one follows.
+    d = durability()
+    assert d.restore() == 0
+    ours = tmp_path / "node-b" / "checkpoints"
+    pruned = make_checkpoint(ours, 4, run=d.books.run_id, finite=True)
+    shutil.rmtree(pruned)
+    with caplog.at_level(logging.INFO):
+        d.sealed(4, pruned)
+    assert "pruned locally" in caplog.text and "Traceback" not in caplog.text
+    d.sealed(8, make_checkpoint(ours, 8, run=d.books.run_id, finite=True))
+    assert d.uploads.wait(timeout=30) and d.uploads.durable_steps() == [8]
+
+    damaged = make_checkpoint(ours, 12, run=d.books.run_id, finite=True)
+    (damaged / "manifest.json").unlink()
+    with pytest.raises(CheckpointInvalid):                 # there but broken: still an error
+        d.sealed(12, damaged)
