@@ -1,2 +1,2 @@
 """The deploy templates (systemd unit, cloud-init user-data), shipped as package data and read with
-importlib.resources by runner/deploy.py."""
+importlib.resources by runner/deploy/."""

@@ -1,6 +1,6 @@
-"""`grpo-run deploy KIND`: the launch files for a job's spot nodes (runner/deploy.py makes them),
+"""`grpo-run deploy KIND`: the launch files for a job's spot nodes (runner/deploy/ makes them),
 filled in from the job file or the options; cloud-init and SkyPilot nodes install the wheel of the
-grpo-run installed here, which this command puts into the job's storage (runner/wheel.py)."""
+grpo-run installed here, which this command puts into the job's storage (runner/deploy/wheel.py)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
       grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
     """
-    from grpo_run.runner.deploy import NodeSettings, cloud_init, iam_policy, kubernetes_job, systemd_unit
+    from grpo_run.runner.deploy.node import NodeSettings, cloud_init, systemd_unit
+    from grpo_run.runner.deploy.iam import iam_policy
+    from grpo_run.runner.deploy.kubernetes import kubernetes_job
 
     if all_jobs and kind not in ("skypilot", "k8s"):
         _error(f"--all is for skypilot and k8s; {kind} runs one job (--job, or the only one under --storage)")
@@ -135,7 +137,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         if spec.storage is None and storage is None:
             _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
             return EXIT_USAGE
-        from grpo_run.runner.deploy import samples_with_vllm
+        from grpo_run.runner.deploy.node import samples_with_vllm
 
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         with_vllm = with_vllm or samples_with_vllm(spec)
@@ -163,7 +165,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(str(e))
         return EXIT_USAGE
     if kind == "skypilot":                  # refused before anything is put into storage
-        from grpo_run.runner.deploy import skypilot_accelerators
+        from grpo_run.runner.deploy.skypilot import skypilot_accelerators
 
         try:
             accelerators = skypilot_accelerators(accelerators, gpu, file)
@@ -173,7 +175,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     if kind in ("cloud-init", "skypilot") and repo is None:     # these nodes install the wheel from storage
         from dataclasses import replace
 
-        from grpo_run.runner.wheel import WheelError, ship_or_pin
+        from grpo_run.runner.deploy.wheel import WheelError, ship_or_pin
 
         try:
             wheel, unshipped = ship_or_pin(storage)
@@ -188,7 +190,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                   f"put it there before a node boots by running {again} where you can write to {storage}",
                   file=sys.stderr)
     if kind == "skypilot":
-        from grpo_run.runner.deploy import skypilot_task
+        from grpo_run.runner.deploy.skypilot import skypilot_task
 
         print(skypilot_task(settings, accelerators=accelerators, all_jobs=all_jobs, wait=wait), end="")
         return EXIT_OK
@@ -246,11 +248,11 @@ def refuse_local_files(file: str, spec, storage: str) -> bool:
 
 
 def deploy_image(out: str | None, torch: str, *, vllm: bool = False) -> int:
-    """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.
+    """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.node.
     image_context) with this grpo-run's wheel, then the two commands that build and push it.
     Returns the exit status, after one line on stderr for a refusal."""
-    from grpo_run.runner.deploy import image_context
-    from grpo_run.runner.wheel import WheelError, build_wheel
+    from grpo_run.runner.deploy.node import image_context
+    from grpo_run.runner.deploy.wheel import WheelError, build_wheel
 
     if not out:
         _error("image: give --out DIR, a new folder for the image's build context")

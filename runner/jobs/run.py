@@ -116,7 +116,7 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
     from grpo_run.runner.jobs.submit import SubmitRefused, remember, submit
     from grpo_run.runner.supervisor.supervisor import node_name
-    from grpo_run.runner.wheel import WheelError, build_wheel
+    from grpo_run.runner.deploy.wheel import WheelError, build_wheel
 
     storage = job.storage
     if storage is None:
@@ -125,7 +125,7 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
                       EXIT_USAGE)
     with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
         try:
-            wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/wheel.py)
+            wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/deploy/wheel.py)
             done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel)
         except SubmitRefused as e:
             raise Refused(printable(str(e)), EXIT_USAGE) from None       # it names the phase storage holds

@@ -26,7 +26,7 @@ from grpo_run.runner.books.replica import fetch_record
 from grpo_run.runner.jobs.envfiles import environment_uploads, upload_environment
 from grpo_run.runner.spec.job import TrainingJob
 from grpo_run.runner.supervisor.runspec import usd_per_hour
-from grpo_run.runner.wheel import Wheel, publish
+from grpo_run.runner.deploy.wheel import Wheel, publish
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record
 
@@ -46,7 +46,7 @@ class Submitted:
 
 def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = None) -> Submitted:
     """Write `job` into its storage folder `url` (Pending) without starting it; with `wheel` (the
-    grpo-run installed here) also that, under the storage URL's _dist/ (runner/wheel.py), for the
+    grpo-run installed here) also that, under the storage URL's _dist/ (runner/deploy/wheel.py), for the
     nodes to install: put like the environment's files, under the lease, only when the job is
     written (submitted or its Pending spec replaced). Raises SubmitRefused when storage holds the
     job with another spec that cannot change now; StorageConfigError / StorageUnavailable for

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.deploy import (JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, iam_policy, skypilot_task,
-                                    systemd_unit)
-from grpo_run.runner.wheel import build_wheel
+from grpo_run.runner.deploy.node import JOB_FILE, TORCH_INDEXES, NodeSettings, cloud_init, systemd_unit
+from grpo_run.runner.deploy.iam import iam_policy
+from grpo_run.runner.deploy.skypilot import skypilot_task
+from grpo_run.runner.deploy.wheel import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = Path(__file__).parent / "data" / "schema-cloud-config-v1.json"
@@ -31,7 +32,7 @@ def printed(capsys, *args) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    """The wheel of the grpo-run under test (runner/wheel.py), built once."""
+    """The wheel of the grpo-run under test (runner/deploy/wheel.py), built once."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 
@@ -506,7 +507,7 @@ def test_a_job_that_samples_with_vllm_gets_a_node_that_installs_the_engine(tmp_p
 
 
 def test_a_repository_install_asks_its_setup_for_the_engine(tmp_path):
-    from grpo_run.runner.deploy import install_script
+    from grpo_run.runner.deploy.node import install_script
 
     script = install_script(NodeSettings(storage="s3://bucket/grpo", repo="https://example.invalid/grpo-run.git",
                                          vllm=True))

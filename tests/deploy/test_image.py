@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.deploy import IMAGE_SOURCE, image_context
-from grpo_run.runner.wheel import build_wheel
+from grpo_run.runner.deploy.node import IMAGE_SOURCE, image_context
+from grpo_run.runner.deploy.wheel import build_wheel
 
 
 def test_the_context_holds_the_dockerfile_the_wheel_and_its_install_step(tmp_path, capsys):

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
-from grpo_run.runner.deploy import NodeSettings, cloud_init
-from grpo_run.runner.wheel import build_wheel
+from grpo_run.runner.deploy.node import NodeSettings, cloud_init
+from grpo_run.runner.deploy.wheel import build_wheel
 
 K8S = ["deploy", "k8s", "--storage", "s3://bucket/grpo", "--job", "my-job", "--image", "registry/grpo-run:1"]
 
@@ -145,7 +145,7 @@ def test_the_generated_containers_settings_leave_the_strict_sandbox_in_force(tmp
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    """The wheel the nodes install (runner/wheel.py), built once."""
+    """The wheel the nodes install (runner/deploy/wheel.py), built once."""
     return build_wheel(tmp_path_factory.mktemp("wheel"))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_run.runner.deploy import SKYPILOT_GPUS
+from grpo_run.runner.deploy.skypilot import SKYPILOT_GPUS
 from grpo_run.runner.spec.gpus import GPUS, CostEstimate, cost_estimate, custom_gpu, lookup_gpu, suggestion
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_run.runner.deploy import NodeSettings, cloud_init, systemd_unit
-from grpo_run.runner.wheel import build_wheel, publish
+from grpo_run.runner.deploy.node import NodeSettings, cloud_init, systemd_unit
+from grpo_run.runner.deploy.wheel import build_wheel, publish
 from tests.runner.test_resume import STEPS, exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 ENV_FILE = "/etc/grpo-run/env"
@@ -207,7 +207,7 @@ def test_a_fresh_node_from_the_generated_files_trains_and_a_killed_one_is_replac
     assert Path(where).is_relative_to(prefix / ".venv")            # the wheel, not this checkout
     # Installed from a wheel, grpo-run rebuilds that wheel from its RECORD: the same files, the same key
     (key,) = {line.split('"')[1] for line in written(user_data, INSTALL_SH).splitlines() if line.startswith("WHEEL_URL=")}
-    rebuilt = subprocess.run([python, "-c", "import sys, pathlib; from grpo_run.runner.wheel import build_wheel; "
+    rebuilt = subprocess.run([python, "-c", "import sys, pathlib; from grpo_run.runner.deploy.wheel import build_wheel; "
                               "print(build_wheel(pathlib.Path(sys.argv[1])).folder)", str(tmp_path / "rebuilt")],
                              cwd=tmp_path, capture_output=True, text=True)
     assert rebuilt.returncode == 0, rebuilt.stderr

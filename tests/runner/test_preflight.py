@@ -376,7 +376,7 @@ def test_detach_to_a_bucket_that_works_leaves_only_the_job_there(capsys, folder,
 
     assert code == EXIT_OK, err
     keys = [o["Key"] for o in s3_env.server.client().list_objects_v2(Bucket=s3_env.bucket).get("Contents", [])]
-    # the job's folder, and the grpo-run wheel the nodes install (runner/wheel.py), nothing else
+    # the job's folder, and the grpo-run wheel the nodes install (runner/deploy/wheel.py), nothing else
     assert keys and all(k.startswith(("run/mine/", "run/_dist/")) for k in keys)
     assert not any("probe" in k for k in keys)     # the preflight's object was deleted
 

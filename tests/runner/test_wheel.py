@@ -1,4 +1,4 @@
-"""The wheel nodes install (runner/wheel.py): built from what is installed here, keyed by its
+"""The wheel nodes install (runner/deploy/wheel.py): built from what is installed here, keyed by its
 content, put into the job's storage only where the job's other files may go."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from grpo_run.runner.jobs.envfiles import with_file_hashes
 from grpo_run.runner.jobs.find import jobs_in
 from grpo_run.runner.spec.job import load_job
 from grpo_run.runner.jobs.submit import SubmitRefused, submit
-from grpo_run.runner.wheel import (DIST_PREFIX, WheelError, _build_from_source, _check_setuptools, _digest,
+from grpo_run.runner.deploy.wheel import (DIST_PREFIX, WheelError, _build_from_source, _check_setuptools, _digest,
                                    build_wheel, publish)
 from tests.runner.test_resume import REPO, grpo_run, write_job
 
@@ -58,7 +58,7 @@ def test_the_same_code_gets_the_same_key_and_changed_code_another(tmp_path, whee
     tree = source_copy(tmp_path / "tree")
     same = _build_from_source(tree, tmp_path / "same")
     assert _digest(same, wheel.constraints) == wheel.digest
-    (tree / "runner" / "wheel.py").write_text((tree / "runner" / "wheel.py").read_text() + "\n# changed\n")
+    (tree / "runner" / "deploy" / "wheel.py").write_text((tree / "runner" / "deploy" / "wheel.py").read_text() + "\n# changed\n")
     changed = _build_from_source(tree, tmp_path / "changed")
     assert _digest(changed, wheel.constraints) != wheel.digest
     assert _digest(same, wheel.constraints + b"numpy==1.0\n") != wheel.digest    # other pins: another key

