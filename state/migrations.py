@@ -62,7 +62,7 @@ MIGRATIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("0004_attempt_sandbox", (
         "ALTER TABLE attempts ADD COLUMN sandbox TEXT",
     )),
-    # what the model wrote (runner.books.samples): a step's first groups, an evaluation's first
+    # what the model wrote (runner.books.sample_books): a step's first groups, an evaluation's first
     # held-out tasks; one row per group or task, its JSON in `data`
     ("0005_samples", (
         """CREATE TABLE samples (

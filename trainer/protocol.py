@@ -184,14 +184,14 @@ class Evaluated(_Event):
 
 
 # A kept prompt's or completion's text is at most SAMPLE_CHARS characters, and a note of how many
-# more there were (trainer.samples.capped); one longer did not come from a trainer (a cached
+# more there were (trainer.kept_samples.capped); one longer did not come from a trainer (a cached
 # baseline's samples are read back from storage) and does not validate.
 SAMPLE_CHARS = 1000
 CappedText = Annotated[str, Field(max_length=SAMPLE_CHARS + 40)]
 
 
 class SampleCompletion(_Event):
-    text: CappedText                      # capped (trainer.samples.capped)
+    text: CappedText                      # capped (trainer.kept_samples.capped)
     rewards: dict[str, float]             # by reward name
     reward: float                         # the weighted sum
     advantage: float | None = None        # training steps only

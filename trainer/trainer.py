@@ -32,7 +32,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from grpo_run.trainer import grpo, samples
+from grpo_run.trainer import grpo, kept_samples
 from grpo_run.trainer.metrics import EvalResult, step_metrics
 from grpo_run.trainer.sampling import sampler
 from grpo_run.trainer.sampling.choice import choose
@@ -131,7 +131,7 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
-        self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.samples)
+        self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.kept_samples)
         # reward functions in sandboxed graders; a reward model (on this device, outside the optimizer) or judge here
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
@@ -318,7 +318,7 @@ class GRPOTrainer:
                         firsts, episode, turns = [t["prompt"] for t in chunk], None, (None, None)
                     texts = self._decode(comp, cmask)
                     computed[i] = self.scorer.score(texts, chunk, episode=episode)    # {reward: [scores]}
-                    kept[i] = samples.eval_items(start, firsts, texts, computed[i],
+                    kept[i] = kept_samples.eval_items(start, firsts, texts, computed[i],
                                                  self.scorer.total(computed[i]), cmask.sum(1).tolist(),
                                                  cut.tolist(), p.sampleEvalTasks, self.scorer.primary, *turns)
                     if on_samples is not None and kept[i]:
@@ -498,7 +498,7 @@ class GRPOTrainer:
             local.update(turns=played.turns, truncatedBy=played.truncated)
         # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
         firsts = [t["prompt"] for t in tasks] if played is None else played.prompts[::p.numGenerations]
-        self.samples = samples.step_groups(firsts, texts, by_reward, local["rewards"],
+        self.samples = kept_samples.step_groups(firsts, texts, by_reward, local["rewards"],
                                            adv.tolist(), local["lengths"], local["truncated"], p.numGenerations,
                                            p.sampleGroups if world.main else 0, self.scorer.primary,
                                            turns=None if played is None else played.turns,

@@ -27,7 +27,7 @@ from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.replica import StaleRecord, fetch_record, generation_of, upload_number
-from grpo_run.runner.books.samples import SampleBooks
+from grpo_run.runner.books.sample_books import SampleBooks
 from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
 from grpo_run.state.phases import ALLOWED_TRANSITIONS, AttemptEnd, Phase
@@ -329,7 +329,7 @@ class Books:
             self.sync_soon()
 
     def add_samples(self, kind: str, step: int, groups: list[dict[str, Any]]) -> None:
-        """What the model wrote (runner.books.samples); uploaded with the record, and to the trackers."""
+        """What the model wrote (runner.books.sample_books); uploaded with the record, and to the trackers."""
         self.samples.add(kind, step, groups)
         self.trackers.samples(kind, step, groups)
 

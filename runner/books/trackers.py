@@ -63,7 +63,7 @@ def eval_scalars(kind: str, result: dict[str, Any]) -> dict[str, float]:
 
 
 def samples_markdown(kind: str, step: int, groups: list[dict[str, Any]]) -> str:
-    """What the model wrote (runner.books.samples) as Markdown: each prompt, then a table of its
+    """What the model wrote (runner.books.sample_books) as Markdown: each prompt, then a table of its
     completions with their rewards by name (and advantage, for a training step's)."""
     def cell(text: Any) -> str:
         return "`" + str(text).replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
@@ -89,7 +89,7 @@ class Tracker(Protocol):
         """Each (tag, step) once: what the tracker already holds is skipped."""
 
     def samples(self, kind: str, step: int, tag: str, groups: list[dict[str, Any]]) -> None:
-        """What the model wrote (runner.books.samples) at `step`, under `tag`, once."""
+        """What the model wrote (runner.books.sample_books) at `step`, under `tag`, once."""
 
     def flush(self) -> None: ...
 

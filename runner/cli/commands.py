@@ -17,11 +17,10 @@ from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as 
 from grpo_run.runner.jobs.find import find_job as _find_job
 from grpo_run.runner.home import default_storage
 from grpo_run.runner.jobs.stored import TRUST_STORED_URLS_ENV, trusts_stored_urls
-from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report
+from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report, cmd_samples
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
 from grpo_run.runner.cli.score import cmd_score
-from grpo_run.runner.cli.samples import cmd_samples
 
 
 
@@ -383,7 +382,7 @@ def cmd_vllm_server(**options) -> int:
 cli.add_command(cmd_get)
 cli.add_command(cmd_logs)
 cli.add_command(cmd_report)
-cli.add_command(cmd_samples)      # runner/cli/samples.py
+cli.add_command(cmd_samples)      # runner/cli/look.py
 # the commands that end a job: cancel, delete (runner/cli/lifecycle.py)
 cli.add_command(cmd_cancel)
 cli.add_command(cmd_delete)

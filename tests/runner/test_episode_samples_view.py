@@ -1,7 +1,7 @@
 """`grpo-run samples` on a job with episodes: each episode with its turns and the limit that ended
 it (the whole episode's text as the completion); single-turn samples read as before."""
 
-from grpo_run.runner.views.samples import render, rows
+from grpo_run.runner.views.completions import render, rows
 
 
 def group(**episode):

@@ -4,9 +4,9 @@ import os
 
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
-from grpo_run.runner.books.samples import OLDER_STEPS, RECENT_STEPS, steps_to_drop
+from grpo_run.runner.books.sample_books import OLDER_STEPS, RECENT_STEPS, steps_to_drop
 from grpo_run.state.record import Record
-from grpo_run.trainer.samples import MAX_CHARS, capped
+from grpo_run.trainer.kept_samples import MAX_CHARS, capped
 
 
 def books(store: Store, work) -> Books:

@@ -91,7 +91,7 @@ class Checkpointer:
         self._metrics[step] = dict(metrics)
 
     def add_samples(self, step: int, groups: list[dict[str, Any]]) -> None:
-        """Step `step`'s kept groups (trainer.samples), for the checkpoints from here on; only the
+        """Step `step`'s kept groups (trainer.kept_samples), for the checkpoints from here on; only the
         newest CHECKPOINT_SAMPLE_STEPS steps' are kept."""
         self._samples[step] = groups
         for old in sorted(self._samples)[:-CHECKPOINT_SAMPLE_STEPS]:

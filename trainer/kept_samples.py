@@ -5,7 +5,7 @@ same tasks each time, so the baseline's and the final answer to one task sit sid
 
 They reach the supervisor as the `Samples` event (trainer.protocol) and the run's record through
 its books. Text is capped at MAX_CHARS characters per prompt and per completion; the books bound
-how many steps are kept (runner.books.samples)."""
+how many steps are kept (runner.books.sample_books)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the model wrote, from the run's record (runner.books.samples keeps it): what `grpo-run
+"""What the model wrote, from the run's record (runner.books.sample_books keeps it): what `grpo-run
 samples` shows, as text for a terminal or as one object per completion."""
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The samples' books: what the model wrote, in the run's record (state.record's `samples`
-table), from the trainer's `Samples` events (trainer.samples says what one holds).
+table), from the trainer's `Samples` events (trainer.kept_samples says what one holds).
 
     step       a training step's first groups; a redone step (after a preemption) replaces its own
     heldOut    the first held-out tasks at an evaluation every evalSteps, by step
     baseline   the same tasks before training (one set)
     final      ... and after it (one set: a final evaluation computed again replaces it)
 
-The bound: text is capped where it is written (trainer.samples.MAX_CHARS characters per prompt
+The bound: text is capped where it is written (trainer.kept_samples.MAX_CHARS characters per prompt
 and per completion), groups per step and tasks per evaluation by sampleGroups (at most 8) and
 sampleEvalTasks (at most 32), and steps kept by `steps_to_drop`: the newest RECENT_STEPS steps
 with samples, and of the older ones at most OLDER_STEPS, evenly spaced (every 2^k-th step)."""
