@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from grpo_run.trainer.protocol import HOME_ENV
+
 TINY_PREFIX = "tiny:"
 TINY_NAMES = ("char", "chat")
 
 
 def grpo_run_home() -> Path:
-    return Path(os.environ.get("GRPO_RUN_HOME", Path.home() / ".grpo-run")).expanduser()
+    """GRPO_RUN_HOME, or ~/.grpo-run when it is unset or empty (as the reward sandbox reads it:
+    trainer.grader.reach keeps rewards out of the same folder)."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".grpo-run").expanduser()
 
 
 home = grpo_run_home

@@ -63,6 +63,7 @@ EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inher
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)
 PROGRESS_ENV = "GRPO_RUN_PROGRESS"          # "1": a progress bar on the terminal (also a user's switch for the CLI)
+HOME_ENV = "GRPO_RUN_HOME"                  # the node's grpo-run folder (runner.home); an empty value: ~/.grpo-run
 SHARE_ENV = "GRPO_RUN_CPU_SHARE"            # the node's pool of threads to share (trainer.threads); absent: torch's own
 WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # torchrun's
 

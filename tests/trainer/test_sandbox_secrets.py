@@ -529,3 +529,17 @@ def test_a_credential_files_secret_in_a_reward_functions_error_comes_back_redact
     assert f"[redacted {node['aws']}] and [redacted {adc}]" in message
     reward_author(figures, "raise the text of ~/.aws/credentials", "credential files' secrets scrubbed too",
                   f"[redacted {'~/.aws/credentials'}]")
+
+
+@pytest.mark.parametrize("value", ["", None])
+def test_the_sandbox_keeps_rewards_out_of_the_very_grpo_run_home_the_runner_uses(tmp_path, monkeypatch, value):
+    # An empty GRPO_RUN_HOME made the runner work in the current folder while the sandbox kept
+    # rewards out of ~/.grpo-run: the two read it one way now (HOME_ENV, unset or empty: the default).
+    from grpo_run.runner.home import grpo_run_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("GRPO_RUN_HOME", raising=False)
+    else:
+        monkeypatch.setenv("GRPO_RUN_HOME", value)
+    assert node_places().grpo_run_home == os.path.realpath(grpo_run_home()) == str(tmp_path / ".grpo-run")

@@ -17,7 +17,7 @@ where `resume` fetches them) and the folder the Python API writes a job's reward
 (GRPO_RUN_HOME/python/NAME/, api/training.py). A reward file whose folder is not granted is given its own file alone
 (a job file in the home folder or in /tmp). A job folder that holds GRPO_RUN_HOME is granted (the
 default, ~/.grpo-run, is in the home folder, which is never granted; elsewhere it is the operator's
-own layout, and `resume` never uses a stored folder). Stdlib only: it runs in the trainer.
+own layout, and `resume` never uses a stored folder). Stdlib and the protocol's names only: it runs in the trainer.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
+
+from grpo_run.trainer.protocol import HOME_ENV
 
 TEMP_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
 SECRETS = ("/var/run/secrets", "/run/secrets")
@@ -47,7 +49,7 @@ class Places:
 def node_places(environ: Mapping[str, str] | None = None) -> Places:
     env = os.environ if environ is None else environ
     home = os.path.realpath(os.path.expanduser(env.get("HOME") or "~"))
-    grpo_home = os.path.realpath(os.path.expanduser(env.get("GRPO_RUN_HOME") or os.path.join(home, ".grpo-run")))
+    grpo_home = os.path.realpath(os.path.expanduser(env.get(HOME_ENV) or os.path.join(home, ".grpo-run")))
     temp = {os.path.realpath(p) for p in (*TEMP_ROOTS, tempfile.gettempdir())}
     return Places(home=home, temp=tuple(sorted(temp)), grpo_run_home=grpo_home,
                   secrets=tuple(sorted({os.path.realpath(p) for p in SECRETS})))
