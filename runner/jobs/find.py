@@ -47,44 +47,36 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     return job, store
 
 
-def already_succeeded(job, store) -> dict[str, Any] | None:
-    """The job as `get tj` shows it when storage's record says it finished (here or on another
-    node) with this very spec; None otherwise. Storage's, never this node's copy, which may be
-    older; the supervisor asks again once it holds the lease (Books.succeeded)."""
+def before_the_lease(job, store) -> tuple[tuple[Phase, dict[str, Any]] | None, str | None]:
+    """What storage's record says before a node takes the job's lease, in one read of it (never
+    this node's copy, which may be older; the supervisor asks again once it holds the lease):
+    (already_finished's answer, engine_missing's)."""
     from grpo_run.runner.books.replica import stored_record
 
     with stored_record(store) as record:
-        done = record.job() if record is not None else None
-        if done and done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict():
-            return as_doc(record)
+        return already_finished(job, record), engine_missing(job, record)
+
+
+def already_finished(job, record) -> tuple[Phase, dict[str, Any]] | None:
+    """(the phase, the job as `get tj` shows it) when the record (storage's; None: none there)
+    says the job is over: it succeeded with this very spec, or it was cancelled (with any spec:
+    `grpo-run delete` clears the name); None otherwise."""
+    done = record.job() if record is not None else None
+    if done and (done["phase"] == Phase.CANCELLED
+                 or (done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict())):
+        return done["phase"], as_doc(record)
     return None
 
 
-def already_finished(job, store) -> tuple[Phase, dict[str, Any]] | None:
-    """(the phase, the job as `get tj` shows it) when storage's record says the job is over: it
-    succeeded with this very spec (as already_succeeded), or it was cancelled (with any spec:
-    `grpo-run delete` clears the name); None otherwise. One read of storage's record."""
-    from grpo_run.runner.books.replica import stored_record
-
-    with stored_record(store) as record:
-        done = record.job() if record is not None else None
-        if done and (done["phase"] == Phase.CANCELLED
-                     or (done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict())):
-            return done["phase"], as_doc(record)
-    return None
-
-
-def engine_missing(job, store) -> str | None:
+def engine_missing(job, record) -> str | None:
     """Why this node cannot sample the run (its first start chose vLLM, colocated, and this node
-    has none), from storage's record before the lease is taken; None when it can."""
-    from grpo_run.runner.books.replica import stored_record
+    has none), from the record (storage's; None: none there); None when it can."""
     from grpo_run.state import values
     from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, vllm_version
 
     if job.parameters.vllm.mode != "colocate" or vllm_version() is not None:
         return None
-    with stored_record(store) as record:
-        chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
+    chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
     if chosen != "vllm":
         return None
     return f"{job.name}: {NO_ENGINE_HERE}; the job is left as it was"

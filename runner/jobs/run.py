@@ -22,7 +22,7 @@ from typing import Any
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import home, job_store_url, work_dir
-from grpo_run.runner.jobs.find import already_finished, engine_missing, get_job, job_doc
+from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc
 from grpo_run.runner.text import dump, printable, printable_lines
 from grpo_run.state.phases import STOPPED, Phase
 
@@ -195,7 +195,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
             local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
             uploads = ()
         spec = build_run_spec(job, url, local=local, uploads=uploads)
-        over = already_finished(job, store)
+        over, missing = before_the_lease(job, store)
         if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
             phase, done = over
             print(f"{job.name}: already succeeded; nothing to do" if phase == Phase.SUCCEEDED else
@@ -203,7 +203,6 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
                   f"`grpo-run delete {job.name} --yes` clears the name to train it again")
             print(dump(done, output), end="") if output else None
             return EXIT_OK
-        missing = engine_missing(job, store)
         if missing is not None:             # before the lease: the job stays for a node that has the engine
             raise Refused(missing, EXIT_FAILED)
         if progress is None:

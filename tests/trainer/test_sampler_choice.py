@@ -139,11 +139,11 @@ def test_a_node_without_vllm_is_told_before_the_lease_and_leaves_the_job_as_it_w
     before = store.get_bytes("state.db")
     job = SimpleNamespace(name="job", parameters=GRPOParams(sampler="auto"))
     monkeypatch.setattr(choice, "vllm_version", lambda: None)
-    said = jobs.engine_missing(job, store)
+    said = jobs.before_the_lease(job, store)[1]
     assert said and "this node has no vLLM: install grpo-run[vllm]" in said and said.startswith("job: spec.parameters.sampler")
     assert store.get_bytes("state.db") == before and not store.exists("lease.json")
     monkeypatch.setattr(choice, "vllm_version", lambda: "0.32.0")
-    assert jobs.engine_missing(job, store) is None
+    assert jobs.before_the_lease(job, store)[1] is None
     server = SimpleNamespace(name="job", parameters=GRPOParams(vllm={"mode": "server", "server": "http://127.0.0.1:1"}))
     monkeypatch.setattr(choice, "vllm_version", lambda: None)
-    assert jobs.engine_missing(server, store) is None          # a server's node needs no engine of its own
+    assert jobs.before_the_lease(server, store)[1] is None          # a server's node needs no engine of its own
