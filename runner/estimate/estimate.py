@@ -32,6 +32,7 @@ from grpo_run.runner.estimate.preemption import count_preemptions
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.spec.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
+from grpo_run.runner.spec.environment import DEFAULT_MAX_TURNS
 from grpo_run.runner.spec.job import TrainingJob
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     config = model_config(job.model)
     scorer_configs = reward_model_configs(job)
     targets = p.lora.targetModules
+    env = job.environment
+    episodes = env.episodes is not None
+    turns = (env.maxTurns or DEFAULT_MAX_TURNS) if episodes else 1
     memory = memory_estimate(
         config,
         method=p.method,
@@ -136,7 +140,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
         # kvCacheGB is one group: numGenerations x maxCompletionLength tokens; prompt tokens are
         # left out of memory, as SPEC §3 counts it.
         num_generations=p.numGenerations,
-        max_completion_length=p.maxCompletionLength,
+        # an episode's replies are one sequence: up to maxTurns x maxCompletionLength sampled
+        # tokens (the environment's observations not counted: their length is the environment's)
+        max_completion_length=p.maxCompletionLength * turns,
         prompts_per_step=prompts,
         micro_batch_size=p.microBatchSize,
         gradient_checkpointing=p.gradientCheckpointing,
@@ -151,7 +157,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     step = StepWork(shape=shape, method=p.method, prompts=prompts, generations=p.numGenerations,
                     prompt_tokens=work.prompt_tokens or 0.0, completion_tokens=p.maxCompletionLength,
                     num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing,
-                    scorers=tuple(model_shape(c) for c in scorer_configs), engine=engine)
+                    scorers=tuple(model_shape(c) for c in scorer_configs), engine=engine, turns=turns)
     out: dict[str, Any] = {
         "costToCompletionUSD": None,
         "firstHoldUSD": None,
@@ -171,7 +177,9 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
         "trainingUSD": None,
         "evalUSD": None,
         "tokens": {"prompt": work.prompt_tokens, "promptIs": "expected (mean of the tasks)",
-                   "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)"},
+                   "completion": p.maxCompletionLength, "completionIs": "maximum (maxCompletionLength)",
+                   **({"turns": turns, "turnsIs": "maximum (spec.environment.maxTurns): replies per episode, "
+                       "the environment's observations not counted"} if episodes else {})},
         "memory": memory.to_dict(),
         "sampler": engine,
         **({"livePrices": live_note} if live_note else {}),
@@ -206,7 +214,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     maxCostUSD stops the run."""
     p, pricing = job.parameters, job.pricing
     timed = step_time(step, card)
-    runs = measured_runs(card.name, job.model, p.maxCompletionLength, step.engine)
+    runs = measured_runs(card.name, job.model, p.maxCompletionLength * step.turns, step.engine)
     start, start_source = 0.0, None
     if step.engine == "vllm" and p.vllm.mode == "colocate":
         measured_start = measured_start_seconds(card.name, job.model)
@@ -217,7 +225,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
         eval_prompt = work.eval_prompt_tokens if work.eval_prompt_tokens is not None else step.prompt_tokens
         one_eval = eval_seconds(step.shape, p.method, tasks=work.eval_tasks, batch_size=p.evalBatchSize,
                                 prompt_tokens=eval_prompt, completion_tokens=p.maxCompletionLength, gpu=card,
-                                scorers=step.scorers, engine=step.engine)
+                                scorers=step.scorers, engine=step.engine, turns=step.turns)
     evals = round(one_eval * work.evaluations, 1)
     priced = dict(gpu=card, steps=p.maxSteps, step_seconds=pricing.stepSeconds if pricing else None,
                   measured_step_seconds=statistics.median(runs) if runs else None,

@@ -15,7 +15,8 @@ $GRPO_RUN_HOME/measured-steps.json, version 2:
 
 A run is kept under (GPU, model, completion-length bucket, sampler): a step time says little about
 another model, about completions eight times as long, or about another engine's sampling. The
-bucket is maxCompletionLength rounded up to a power of two (64, 128, ..., 512, 1024); a run
+bucket is maxCompletionLength (times maxTurns for episodes: sampled_length) rounded up to a power
+of two (64, 128, ..., 512, 1024); a run
 without "sampler" (written before vLLM) was sampled natively. Oldest first, at most
 MEASURED_WINDOW runs per key. A vLLM run also keeps its engine's start-up, which later estimates
 of the same GPU and model count (measured_start_seconds).
@@ -69,6 +70,21 @@ def measured_steps_path() -> Path:
     return grpo_run_home() / "measured-steps.json"
 
 
+def sampled_length(spec: dict[str, Any]) -> int | None:
+    """The tokens a sequence of the job samples at most, from its spec (`spec:` of the job file):
+    maxCompletionLength, times maxTurns for an episode (spec.environment.episodes; its default
+    when left out), so an episodes run and a single-turn one are kept under the buckets of what
+    they decode. None when the spec gives no maxCompletionLength."""
+    from grpo_run.runner.spec.environment import DEFAULT_MAX_TURNS
+
+    length = (spec.get("parameters") or {}).get("maxCompletionLength")
+    env = spec.get("environment") or {}
+    if not isinstance(length, int) or not isinstance(env, dict) or not env.get("episodes"):
+        return length if isinstance(length, int) else None
+    turns = env.get("maxTurns")
+    return length * (turns if isinstance(turns, int) and turns > 0 else DEFAULT_MAX_TURNS)
+
+
 def completion_bucket(max_completion_length: int | None) -> int | None:
     """maxCompletionLength rounded up to a power of two (None stays None)."""
     if max_completion_length is None:
@@ -119,7 +135,7 @@ def _recorded_runs(gpu: str, key: tuple[str | None, int | None, str]) -> dict[st
                 if job is None or not (values.DEVICE.get(record) or "").startswith("cuda"):
                     continue
                 spec = (job["spec"] or {}).get("spec") or {}
-                length = (spec.get("parameters") or {}).get("maxCompletionLength")
+                length = sampled_length(spec)
                 sampler = (values.SAMPLER.get(record) or {}).get("engine") or "native"
                 if (_gpu_key(str(spec.get("gpu"))) != gpu
                         or (spec.get("model"), completion_bucket(length), sampler) != key):

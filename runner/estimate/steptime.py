@@ -32,7 +32,10 @@ Token counts: P is the *expected* prompt length (the mean over the tasks, worklo
 maxCompletionLength, the *maximum*: a batch decodes until its longest completion ends and, in
 training, some completion of B x G nearly always runs to the limit; the update pads each
 micro-batch to its longest. Every completion is counted as learning (groups whose rewards are
-all equal are skipped by the update): an upper bound.
+all equal are skipped by the update): an upper bound. An episode (spec.environment.episodes) is
+maxTurns replies of T tokens at most, decoded one turn after another, each turn prefilling the
+episode so far; the update passes over P + maxTurns x T. The environment's observations are not
+counted: their length is the environment's, known only when it runs.
 
 Sampled by vLLM (``StepWork.engine``): the same roofline for every pass, but CUDA graphs replace
 eager PyTorch's per-layer kernel launches with one fixed cost a pass, VLLM_PASS_SECONDS (the
@@ -111,10 +114,17 @@ class StepWork:
     gradient_checkpointing: bool = True
     scorers: tuple[ModelShape, ...] = ()   # the reward models' shapes (scored once per step)
     engine: str = "native"         # what samples: native (eager PyTorch) | vllm
+    turns: int = 1                 # an episode's replies at most (spec.environment.maxTurns); 1: no episodes
 
     @property
     def sequences(self) -> int:
         return self.prompts * self.generations
+
+    @property
+    def trained_tokens(self) -> float:
+        """A sequence the update passes over: the prompt and every reply (an episode's
+        observations are the environment's, of a length known only when it runs: not counted)."""
+        return self.prompt_tokens + self.turns * self.completion_tokens
 
 
 @dataclass(frozen=True)
@@ -189,9 +199,17 @@ def decode_seconds(shape: ModelShape, method: str, sequences: int, prompt_tokens
     return (1 + new_tokens) * per_pass + prefill + new_tokens * step
 
 
+def turns_seconds(shape: ModelShape, method: str, sequences: int, prompt_tokens: float, new_tokens: int,
+                  gpu: Gpu, engine: str = "native", turns: int = 1) -> float:
+    """decode_seconds for each of an episode's `turns` replies, one after another: each turn
+    prefills the episode so far (the prompt and the replies before it) and decodes `new_tokens`."""
+    return sum(decode_seconds(shape, method, sequences, prompt_tokens + t * new_tokens, new_tokens, gpu, engine)
+               for t in range(turns))
+
+
 def update_seconds(work: StepWork, gpu: Gpu) -> float:
     """Seconds of the update's forward and backward passes (uncalibrated)."""
-    length = work.prompt_tokens + work.completion_tokens
+    length = work.trained_tokens
     token_flops = work.sequences * length * forward_flops_per_token(work.shape, length / 2)  # one pass
     passes = 1 + (2 if work.method == "Full" else 1) + (1 if work.gradient_checkpointing else 0)
     total = work.num_iterations * passes * token_flops + (token_flops if work.beta > 0 else 0.0)
@@ -206,9 +224,9 @@ def score_seconds(scorer: ModelShape, sequences: int, tokens: float, gpu: Gpu) -
 
 
 def _uncalibrated(work: StepWork, gpu: Gpu) -> tuple[float, float]:
-    sample = decode_seconds(work.shape, work.method, work.sequences, work.prompt_tokens,
-                            work.completion_tokens, gpu, work.engine)
-    length = work.prompt_tokens + work.completion_tokens
+    sample = turns_seconds(work.shape, work.method, work.sequences, work.prompt_tokens,
+                           work.completion_tokens, gpu, work.engine, work.turns)
+    length = work.trained_tokens
     scoring = sum(score_seconds(s, work.sequences, length, gpu) for s in work.scorers)
     return sample, update_seconds(work, gpu) + scoring
 
@@ -255,16 +273,16 @@ def step_time(work: StepWork, gpu: Gpu) -> StepTime:
 
 def eval_seconds(shape: ModelShape, method: str, *, tasks: int, batch_size: int, prompt_tokens: float,
                  completion_tokens: int, gpu: Gpu, scorers: tuple[ModelShape, ...] = (),
-                 engine: str = "native") -> float:
-    """One evaluation: `tasks` held-out prompts, one greedy completion each, `batch_size` at a
-    time, each batch decoding to `completion_tokens` and scored by each reward model
-    (calibrated like a step)."""
+                 engine: str = "native", turns: int = 1) -> float:
+    """One evaluation: `tasks` held-out prompts, one greedy completion each (an episode of up to
+    `turns` replies), `batch_size` at a time, each batch decoding to `completion_tokens` a reply
+    and scored by each reward model (calibrated like a step)."""
     if tasks <= 0:
         return 0.0
 
     def batch(n: int) -> float:
-        return decode_seconds(shape, method, n, prompt_tokens, completion_tokens, gpu, engine) + sum(
-            score_seconds(s, n, prompt_tokens + completion_tokens, gpu) for s in scorers)
+        return turns_seconds(shape, method, n, prompt_tokens, completion_tokens, gpu, engine, turns) + sum(
+            score_seconds(s, n, prompt_tokens + turns * completion_tokens, gpu) for s in scorers)
 
     full, rest = divmod(tasks, batch_size)
     seconds = full * batch(batch_size)

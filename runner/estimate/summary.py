@@ -71,8 +71,11 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     lines += _preemption_lines(est)
     tokens, model = est.get("tokens") or {}, est.get("stepModel") or {}
     prompt = tokens.get("prompt")
-    shape = (f"{tokens.get('completion')} completion tokens at most, prompts ~{prompt:g} tokens" if prompt is not None
-             else f"{tokens.get('completion')} completion tokens at most, prompts not counted")
+    turns = tokens.get("turns")
+    n = tokens.get("completion")
+    replies = (f"{turns} replies x {n} token{'' if n == 1 else 's'} at most (the environment's answers not "
+               f"counted)" if turns else f"{n} completion token{'' if n == 1 else 's'} at most")
+    shape = f"{replies}, prompts ~{prompt:g} tokens" if prompt is not None else f"{replies}, prompts not counted"
     lines.append(f"  step time   {_source(est, gpu, model)} ({_modelled(est, model)}{shape})")
     if model and model.get("cardFigures", "").startswith("stand-in"):
         lines.append(f"  card        {gpu} is not in the table: the slowest listed figures with bf16 tensor cores stand "

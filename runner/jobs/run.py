@@ -247,13 +247,14 @@ def remember_step_time(job, status: dict) -> None:
     """A finished run on a GPU teaches the estimates its measured step time (runs on a CPU, or
     on a GPU other than spec.gpu says, would teach them wrong)."""
     from grpo_run.runner.estimate.estimate import record_measured_step_seconds
+    from grpo_run.runner.estimate.measured import sampled_length
 
     device = status.get("device") or ""
     seconds = status.get("medianStepSeconds")
     sampler = status.get("sampler") or {}
     if device.startswith("cuda") and seconds:
         record_measured_step_seconds(job.gpu, seconds, job.name, model=job.model,
-                                     completion_length=job.parameters.maxCompletionLength,
+                                     completion_length=sampled_length(job.to_dict()["spec"]),
                                      sampler=sampler.get("engine") or "native",
                                      engine_start_seconds=sampler.get("startSeconds"))
 

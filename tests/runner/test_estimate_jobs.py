@@ -462,3 +462,35 @@ def test_the_dry_run_says_a_judge_s_calls_and_their_cost(capsys, tmp_path):
     assert rc == EXIT_OK, err
     assert "  judge       quality: 6,440 calls, $6.44 (in the total)" in out
 
+
+
+# --- episodes (spec.environment.episodes) ---------------------------------------------------------
+
+def test_an_episode_is_estimated_as_max_turns_replies_decoded_one_after_another(tmp_path):
+    from grpo_run.runner.estimate.measured import sampled_length
+    from grpo_run.runner.estimate.summary import summary
+
+    model = model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    (tmp_path / "env.py").write_text("class Guess:\n    def reset(self, task, seed):\n        return 'guess'\n"
+                                     "    def step(self, reply):\n        return None\n")
+    for name, first in (("tasks.jsonl", 0), ("eval.jsonl", 10)):
+        (tmp_path / name).write_text("".join(json.dumps({"prompt": f"a range: {i}-99"}) + "\n"
+                                             for i in range(first, first + 8)))
+    env = {"name": "guess", "episodes": str(tmp_path / "env.py") + ":Guess", "tasks": str(tmp_path / "tasks.jsonl"),
+           "evalTasks": str(tmp_path / "eval.jsonl")}
+    params = {"maxCompletionLength": 16}
+    one = estimate(parse_job(doc(model, gpu="H100", parameters=params, environment={**env, "maxTurns": 1})))
+    four = estimate(parse_job(doc(model, gpu="H100", parameters=params, environment={**env, "maxTurns": 4})))
+    plain = {k: v for k, v in env.items() if k != "episodes"} | {"reward": str(tmp_path / "env.py") + ":Guess"}
+    single = estimate(parse_job(doc(model, gpu="H100", parameters=params, environment=plain)))
+    assert one["stepSeconds"] == pytest.approx(single["stepSeconds"])          # one turn: a completion
+    # four turns: each prefills the episode so far and decodes 16 tokens; the update passes over 4 x 16
+    assert 3.5 * one["stepSeconds"] < four["stepSeconds"] < 5 * one["stepSeconds"]
+    assert four["evalSeconds"] > 3.5 * one["evalSeconds"]
+    assert four["tokens"]["turns"] == 4 and "turns" not in single["tokens"]
+    assert four["memory"]["samplingGB"] > one["memory"]["samplingGB"]            # an episode is one sequence
+    assert "4 replies x 16 tokens at most (the environment's answers not counted)" in summary("est", four)
+    defaults = parse_job(doc(model, gpu="H100", parameters=params, environment=env))   # maxTurns left out: 6
+    assert estimate(defaults)["tokens"]["turns"] == 6
+    assert sampled_length(defaults.to_dict()["spec"]) == 96                  # measured runs: by what they decode
+    assert sampled_length({"parameters": params, "environment": plain}) == 16
