@@ -11,6 +11,8 @@ import os
 import re
 import select
 import socket
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -737,3 +739,36 @@ def test_a_huge_error_message_is_shortened_and_keeps_the_users_line(rewards_file
     assert 'raise ValueError("x" * (task["mib"] << 20))' in message  # the traceback survived
     assert "ValueError: xxxx" in message and "message shortened" in message
     assert len(message) < 25_000
+
+
+def test_the_workers_children_are_read_from_its_open_proc_files_while_it_has_one_thread():
+    # After every reward call the worker looks for processes it left running: with one thread,
+    # two preads of files it opened once (a path lookup per call cost most of a cheap reward's
+    # time); with more threads, each thread's list. Checked in a fresh one-thread process.
+    if not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        pytest.skip("needs /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
+    script = textwrap.dedent("""
+        import os, subprocess, threading
+        from grpo_run.trainer.grader import sandbox
+        me = os.getpid()
+        assert threading.active_count() == 1
+        child = subprocess.Popen(["sleep", "60"])
+        try:
+            assert sandbox._children_of_one_thread(me) == {child.pid} == sandbox._children()
+        finally:
+            child.kill()
+            child.wait()
+        assert sandbox._children_of_one_thread(me) == set()
+        done = threading.Event()
+        thread = threading.Thread(target=done.wait)
+        thread.start()
+        try:
+            assert sandbox._children_of_one_thread(me) is None      # two threads: the full scan
+            assert sandbox._children() == set()
+        finally:
+            done.set()
+            thread.join()
+        print("ok")
+    """)
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout == "ok\n", ran.stderr[-2000:]

@@ -107,9 +107,14 @@ def test_a_step_of_repeated_raw_prompts_encodes_as_one_batch_of_them_all_would()
     # a step repeats each prompt G times; each distinct one is tokenized once, rows unchanged
     tok = load_tokenizer(ensure_model("tiny:char"))
     group = [p for p in ("3+5=", "12+7=", "9+9=") for _ in range(4)] + ["3+5="]
-    ids, mask = PromptEncoder(tok).encode(group)
+    encoder = PromptEncoder(tok)
+    ids, mask = encoder.encode(group)
     enc = tok(group, return_tensors="pt", padding=True)
     assert torch.equal(ids, enc.input_ids) and torch.equal(mask, enc.attention_mask)
+    again = encoder.encode(["9+9=", "123+456=", "3+5="])     # the next step: known texts are not tokenized again
+    enc = tok(["9+9=", "123+456=", "3+5="], return_tensors="pt", padding=True)
+    assert torch.equal(again[0], enc.input_ids) and torch.equal(again[1], enc.attention_mask)
+    assert encoder._tokenized.cache_info().misses == 4
 
 
 def test_messages_without_a_chat_template_are_refused_naming_the_fix():

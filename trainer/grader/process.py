@@ -42,6 +42,7 @@ from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the w
 __all__ = ["WorkerGone", "WorkerOverdue", "WorkerProcess"]
 
 _MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
+_READ_AHEAD = 64 * 1024               # bytes a read of the worker's answers takes at most beyond the frame asked for
 _MAX_CRASH_LOG_CHARS = 8_000
 _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
 _OUTPUT_DRAIN_S = 2.0  # release() waits this long for the output pipe's EOF after the kill
@@ -83,6 +84,7 @@ class WorkerProcess:
         self._output = output
         self._scratch = scratch
         self._group_killed = False
+        self._unread = bytearray()      # read from the worker, not yet taken as a frame
 
     @classmethod
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
@@ -175,18 +177,25 @@ class WorkerProcess:
             raise WorkerGone() from None
 
     def _read_exactly(self, n: int, deadline: float) -> bytes:
-        buffer = bytearray()
-        poller = select.poll()  # not select.select: a trainer can hold more than 1024 fds
-        poller.register(self._response_fd, select.POLLIN)
+        # What the worker wrote is read as it comes, up to _READ_AHEAD bytes a read: a batch's
+        # frames, written one after another, come in a few reads instead of two each (each a
+        # wait for the worker: most of what scoring a cheap reward cost the trainer).
+        buffer = self._unread
+        poller = None
         while len(buffer) < n:
+            if poller is None:
+                poller = select.poll()  # not select.select: a trainer can hold more than 1024 fds
+                poller.register(self._response_fd, select.POLLIN)
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not poller.poll(remaining_ms):
                 raise WorkerOverdue()
-            chunk = os.read(self._response_fd, n - len(buffer))
+            chunk = os.read(self._response_fd, max(n - len(buffer), _READ_AHEAD))
             if not chunk:
                 raise WorkerGone()
             buffer += chunk
-        return bytes(buffer)
+        taken = bytes(buffer[:n])
+        del buffer[:n]
+        return taken
 
     def crash_log(self) -> str:
         """What faulthandler wrote in the worker (stack dumps on fatal signals), if anything,

@@ -271,6 +271,35 @@ def _become_subreaper() -> None:
     libc.prctl(_PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
 
 
+# The worker's own /proc files, opened once (pid, its stat, its main thread's children): while it
+# runs one thread, its children are read with two preads, no path looked up. Looking them up (and
+# the sandbox's audit hook resolving each path) after every reward call cost about 60 us a call,
+# most of what scoring a completion of the arithmetic environment costs.
+_own_proc: tuple[int, int, int] | None = None
+_CHILDREN_READ = 1 << 16
+
+
+def _children_of_one_thread(me: int) -> set[int] | None:
+    """This process's children when it has one thread, from its pre-opened /proc files; None when
+    it has more (each thread has its own children) or the files cannot be read as expected."""
+    global _own_proc
+    try:
+        if _own_proc is None or _own_proc[0] != me:
+            stat = os.open(f"/proc/{me}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            children = os.open(f"/proc/{me}/task/{me}/children", os.O_RDONLY | os.O_CLOEXEC)
+            _own_proc = (me, stat, children)
+        _, stat, children = _own_proc
+        after_name = os.pread(stat, 4096, 0).rsplit(b")", 1)[1].split()
+        if int(after_name[17]) != 1:         # num_threads, stat's 20th field (state is the 3rd)
+            return None
+        listed = os.pread(children, _CHILDREN_READ, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(listed) >= _CHILDREN_READ:         # more than one read holds: the full scan below
+        return None
+    return {int(pid) for pid in listed.split()}
+
+
 def _children() -> set[int]:
     """This process's children, running or not yet reaped. Empty in a PID namespace whose /proc is
     the host's: its pids are not ours to kill (`_end_leftover_processes` kills the whole namespace)."""
@@ -278,6 +307,9 @@ def _children() -> set[int]:
     pids: set[int] = set()
     if namespaces.foreign_proc:
         return pids
+    one_thread = _children_of_one_thread(me)
+    if one_thread is not None:
+        return one_thread
     if os.path.exists(f"/proc/{me}/task/{me}/children"):
         for tid in os.listdir(f"/proc/{me}/task"):
             try:
