@@ -19,9 +19,9 @@ the manifest before a checkpoint is used.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import errno
 import re
 import shutil
 import threading
@@ -466,9 +466,6 @@ def _matches_local(folder: Path, manifest: Manifest) -> bool:
     return local.files == manifest.files and local.step == manifest.step
 
 
-__all__ = ["CHECKPOINTS", "FINAL", "Uploader", "download_latest", "remote_discover", "restore_latest", "run_prefix"]
-
-
 def _pin(folder: Path, into: Path) -> Path | None:
     """Hard links to every file of checkpoint `folder` in `into/<its name>` (copies where the
     filesystem has no hard links): the trainer's pruning then removes names, never the data
@@ -495,3 +492,6 @@ def _pin(folder: Path, into: Path) -> Path | None:
         shutil.rmtree(pinned, ignore_errors=True)
         return None
     return pinned
+
+
+__all__ = ["CHECKPOINTS", "FINAL", "Uploader", "download_latest", "remote_discover", "restore_latest", "run_prefix"]
