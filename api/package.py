@@ -45,14 +45,14 @@ class Unpackable(ValueError):
     to write instead."""
 
 
-def package_reward(fn: Any) -> str:
+def package_reward(fn: Any, kind: str = "reward") -> str:
     """The source of a module that defines `fn` (under its own name) and everything it uses from
-    its module. Raises Unpackable."""
-    label = _label(fn)
+    its module; `kind`: what it is to the job, in messages ("reward", "tool"). Raises Unpackable."""
+    label = _label(fn, kind)
     _check_function(fn, label)
     found = _Found(fn.__globals__, label)
     found.visit(fn)
-    return _module_text(found, f"reward {fn.__name__}", fn)
+    return _module_text(found, f"{kind} {fn.__name__}", fn)
 
 
 def package_environment(cls: Any) -> str:
@@ -87,9 +87,9 @@ def _module_text(found: _Found, what: str, obj: Any) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _label(fn: Any) -> str:
+def _label(fn: Any, kind: str = "reward") -> str:
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
-    return f"reward {name}"
+    return f"{kind} {name}"
 
 
 def _check_function(fn: Any, label: str) -> None:

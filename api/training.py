@@ -28,7 +28,8 @@ FOLDER = "python"                  # under GRPO_RUN_HOME: what train() wrote for
 def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None, eval_tasks: Any = None,
           held_out_fraction: float | None = None, storage: str | None = None, gpu: str | None = None,
           max_cost_usd: float | None = None, system_prompt: str | None = None, detach: bool = False,
-          episodes: type | None = None, max_turns: int | None = None, **parameters: Any) -> Job:
+          episodes: type | None = None, max_turns: int | None = None, tools: list[Any] | None = None,
+          **parameters: Any) -> Job:
     """Train `model` with GRPO on `tasks`, scored by `rewards`, as the job file
 
         metadata: {name: NAME}
@@ -56,6 +57,10 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
       (spec.environment.episodes); `rewards` may then be left out (the episode's reward is the
       sum of its steps' rewards, plus the rewards', applied to the whole episode).
       max_turns: replies per episode at most (spec.environment.maxTurns, default 6).
+    tools: typed functions with docstrings a chat model may call (spec.environment.tools): their
+      schemas go to the chat template, a reply's calls (Qwen's <tool_call> JSON) are answered with
+      their results, and the first reply that calls none is the answer (or goes to `episodes`).
+      Each is packaged with its source as a reward function is.
     tasks, eval_tasks: a list of dicts (each with a "prompt": text or chat messages, and the
       columns the rewards read), a datasets.Dataset, or a task file's path (.jsonl, .json, .csv,
       .parquet); give eval_tasks or held_out_fraction.
@@ -89,6 +94,7 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
             environment = package_environment(episodes)
         except Unpackable as e:
             raise JobError(f"{SOURCE}: episodes: {e}") from None
+    packaged_tools = _packaged_tools(tools)
     folder = home() / FOLDER / name
     folder.mkdir(parents=True, exist_ok=True)
     env: dict[str, Any] = {"name": name, "path": [str(folder)], "rewards": []}
@@ -98,6 +104,13 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
         env["episodes"] = f"{path}:{episodes.__name__}"
     if max_turns is not None:
         env["maxTurns"] = max_turns
+    if packaged_tools:
+        (folder / "tools").mkdir(exist_ok=True)
+        env["tools"] = []
+        for fn_name, source in packaged_tools:
+            path = folder / "tools" / f"{fn_name}.py"
+            _write_if_changed(path, source.encode())
+            env["tools"].append(f"{path}:{fn_name}")
     for item in packaged:
         if isinstance(item, dict):                  # a reward model or a judge: the job file's entry
             env["rewards"].append(item)
@@ -172,16 +185,38 @@ def _packaged_rewards(rewards: list[Any] | None, episodes: bool = False) -> list
         if not callable(fn) or isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise JobError(f"{SOURCE}: rewards[{i}]: give a function, (function, weight) or {{\"function\": f, "
                            f"\"weight\": w, \"group\": True}} (got {item!r:.80})")
-        try:
-            source = package_reward(fn)
-        except Unpackable as e:
-            raise JobError(f"{SOURCE}: rewards[{i}]: {e}") from None
-        if fn.__name__ in names:
-            raise JobError(f"{SOURCE}: rewards[{i}]: two rewards are named {fn.__name__}; each reward's mean is "
-                           "recorded under its function's name: rename one")
-        names.add(fn.__name__)
+        source = _packaged_one(fn, f"rewards[{i}]", "reward", names,
+                               "each reward's mean is recorded under its function's name: rename one")
         out.append((fn.__name__, source, float(weight), group))
     return out
+
+
+def _packaged_tools(tools: list[Any] | None) -> list[tuple[str, str]]:
+    """(function name, its packaged module's source) of each tool; JobError for one that is not a
+    function, two of one name, or one that cannot travel. Its schema is read in the sandbox."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not tools:
+        raise JobError(f"{SOURCE}: tools: give a list of typed functions with docstrings, e.g. tools=[add] "
+                       f"(got {type(tools).__name__})")
+    out, names = [], set()
+    for i, fn in enumerate(tools):
+        out.append((fn.__name__, _packaged_one(fn, f"tools[{i}]", "tool", names,
+                                               "the model calls a tool by its name: rename one")))
+    return out
+
+
+def _packaged_one(fn: Any, where: str, kind: str, names: set[str], unique: str) -> str:
+    """`fn`'s packaged module source (grpo_run.package), its name added to `names`; JobError at
+    `where` for one that cannot travel or whose name is taken (`unique`: why names must differ)."""
+    try:
+        source = package_reward(fn, kind)
+    except Unpackable as e:
+        raise JobError(f"{SOURCE}: {where}: {e}") from None
+    if fn.__name__ in names:
+        raise JobError(f"{SOURCE}: {where}: two {kind}s are named {fn.__name__}; {unique}")
+    names.add(fn.__name__)
+    return source
 
 
 def _model_or_judge(item: str | Path | dict[str, Any], i: int) -> dict[str, Any]:

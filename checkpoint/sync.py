@@ -44,7 +44,7 @@ from .manifest import (
     step_of,
     verify,
 )
-from .storage.store import Store, StorageConfigError, StorageUnavailable
+from .storage.store import ObjectStore, StorageConfigError, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,14 @@ def run_prefix(kind: str, run: str) -> str:
     return f"{kind}/{run}"
 
 
-def remote_discover(store: Store, prefix: str = "checkpoints") -> list[int]:
+def remote_discover(store: ObjectStore, prefix: str = "checkpoints") -> list[int]:
     """Steps whose manifest.json exists under `prefix` in the store, newest first.
 
     Presence only: download_latest checks the manifest and the files."""
     return sorted(_remote_checkpoints(store, prefix)[0], reverse=True)
 
 
-def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, accept: Accept | None = None,
+def restore_latest(store: ObjectStore, root: Path, prefix: str = "checkpoints", *, accept: Accept | None = None,
                    stop: threading.Event | None = None, verify_local: bool = False, inspect: Inspect | None = None
                    ) -> tuple[int, Path, Manifest, bool] | None:
     """The newest checkpoint to continue from, in `root` on this node: (step, folder, manifest,
@@ -134,7 +134,7 @@ def restore_latest(store: Store, root: Path, prefix: str = "checkpoints", *, acc
     return None
 
 
-def download_latest(store: Store, dest_root: Path, prefix: str = "checkpoints", *,
+def download_latest(store: ObjectStore, dest_root: Path, prefix: str = "checkpoints", *,
                     listed: tuple[set[int], set[int]] | None = None, accept: Accept | None = None,
                     stop: threading.Event | None = None, above: int = -1,
                     inspect: Inspect | None = None) -> tuple[int, Path] | None:
@@ -234,7 +234,7 @@ class Uploader:
     re-raised by the next `submit`: a run without durable checkpoints should stop, not train on.
     """
 
-    def __init__(self, store: Store, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
+    def __init__(self, store: ObjectStore, remote_prefix: str = "checkpoints", keep: int = KEEP_CHECKPOINTS, *,
                  on_upload: Callable[[int, list[int], BaseException | None], None] | None = None,
                  accept: Accept | None = None, pin: Path | None = None) -> None:
         """`on_upload(step, durable steps newest first, error or None)` is called from the
@@ -438,7 +438,7 @@ class Uploader:
         return found
 
 
-def _remote_checkpoints(store: Store, prefix: str) -> tuple[set[int], set[int]]:
+def _remote_checkpoints(store: ObjectStore, prefix: str) -> tuple[set[int], set[int]]:
     """({steps with manifest.json}, {steps with files but no manifest}) under prefix."""
     prefix = prefix.strip("/")
     seen: set[int] = set()

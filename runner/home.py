@@ -33,6 +33,11 @@ def work_dir(name: str) -> Path:
     return home() / "runs" / name
 
 
+# A tiny model rebuilt differently gets a folder of its own: a home built before keeps working
+# (tiny-chat-2: its chat template renders tools and their results, as Qwen's does).
+_TINY_FOLDERS = {"chat": "tiny-chat-2"}
+
+
 def is_tiny(model: str) -> bool:
     return model.startswith(TINY_PREFIX)
 
@@ -42,7 +47,7 @@ def tiny_model_path(model: str) -> Path:
     name = model[len(TINY_PREFIX):]
     if name not in TINY_NAMES:
         raise ValueError(f"unknown tiny model {model!r}; available: " + ", ".join(TINY_PREFIX + n for n in TINY_NAMES))
-    return grpo_run_home() / "models" / f"tiny-{name}"
+    return grpo_run_home() / "models" / _TINY_FOLDERS.get(name, f"tiny-{name}")
 
 
 def ensure_model(model: str) -> str:

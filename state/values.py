@@ -107,6 +107,9 @@ LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot noti
 JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
 # {priced judge reward: the run's spend on its calls, USD}, likewise: part of the run's cost (spent_usd)
 JUDGE_USD: Value[dict[str, float]] = Value("judgeCostUSD", dict)
+# Episodes: each step's episode digests ({step (as text): ["REPLIES:WHOLE", ...]}) until a durable
+# checkpoint holds the step: a resume replays those steps and checks its environment answers alike.
+EPISODE_DIGESTS: Value[dict[str, list[str]]] = Value("episodeDigests", dict)
 # Evaluation batches a stopped attempt finished, kept for a resume to reuse.
 EVAL_BATCHES: dict[str, Value[SavedBatches]] = {kind: Value(f"evalBatches.{kind}") for kind in EVAL_KINDS}
 # The trackers' own continuity across attempts (runner.books.trackers).

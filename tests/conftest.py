@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+
 # Before torch is imported anywhere: one thread per trainer, in-process or started by a supervisor
 # (a user's setting, which the supervisor keeps). Tests run next to SeaweedFS, graders and other
 # trainers, where threads that wait for a busy core make them crawl; see trainer/threads.py.
@@ -34,6 +35,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `tests.emulators` and the like; grpo_run itself comes from the install
     sys.path.insert(0, str(REPO))
+
+from tests.cloud_stores import (az_env, azurite, gcs_env, gcs_server, make_azurite,  # noqa: E402,F401 (fixtures)
+                                make_gcs_server, store_env)
 
 _STARTUP_TIMES: list[float] = []
 
@@ -66,6 +70,14 @@ def _isolated_environment(tmp_path, monkeypatch):
     # the real link-local metadata services; tests that want notices start an emulator.
     for var in _METADATA_URL_VARS:
         monkeypatch.setenv(var, f"http://127.0.0.1:{_CLOSED_PORT}")
+    # Nor does google-auth look for a GCE metadata server, or azure-identity for Azure's IMDS, to
+    # find credentials: both are pointed at the closed port too.
+    for var in ("GCE_METADATA_HOST", "GCE_METADATA_IP"):
+        monkeypatch.setenv(var, f"127.0.0.1:{_CLOSED_PORT}")
+    monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", f"http://127.0.0.1:{_CLOSED_PORT}")
+    for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "AZURE_STORAGE_CONNECTION_STRING",
+                "AZURE_STORAGE_ACCOUNT"):
+        monkeypatch.delenv(var, raising=False)
     from fsspec.implementations.memory import MemoryFileSystem
 
     monkeypatch.setattr(MemoryFileSystem, "store", {})

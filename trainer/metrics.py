@@ -1,5 +1,4 @@
-"""A training step's metrics, over all B x G completions (every process's share gathered), and
-an evaluation's result (EvalResult).
+"""A training step's metrics, over all B x G completions (every process's share gathered).
 
 Only what is cheap and exact: reward mean and spread (each reward's mean by name), the groups
 that taught nothing split into solved (every completion scored 1 on the first reward: fine) and
@@ -13,15 +12,13 @@ learning shows in the reward and the gradient norm, not the loss."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from grpo_run.trainer import grpo
 from grpo_run.trainer.distributed import concat
-from grpo_run.trainer.protocol import SampleGroup
 
 LOSS_NOTE = "loss ~0 by construction when numIterations is 1: advantages average 0 in each group"
 
@@ -61,28 +58,10 @@ def step_metrics(shares: list[dict[str, Any]], group_size: int, tokens: int, *, 
         out["episodeTurns"] = float(np.mean(concat([s["turns"] for s in shares])))
         out["truncatedByMaxTurns"] = sum(1 for t in ended if t == "maxTurns") / len(ended)
         out["truncatedByContext"] = sum(1 for t in ended if t == "context") / len(ended)
+        out["truncatedByStepTime"] = sum(1 for t in ended if t == "stepTime") / len(ended)
+    if "toolCalls" in shares[0]:                   # tools: how often they were called, and answered with an error
+        calls, errors = concat([s["toolCalls"] for s in shares]), concat([s["toolErrors"] for s in shares])
+        out["toolCalls"] = float(np.mean(calls))
+        out["toolErrorRate"] = sum(errors) / max(sum(calls), 1)
+        out["truncatedByToolTime"] = sum(1 for t in ended if t == "toolTime") / len(ended)
     return out
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    meanReward: float           # of the weighted sum
-    tasks: int
-    solved: int                 # tasks the primary (first) reward scored 1.0
-    rewards: tuple[float, ...]  # the weighted sum per task
-    batches: int = 1            # evaluation batches in all
-    reusedBatches: int = 0      # of them, finished by an earlier attempt and not computed again
-    byReward: Mapping[str, float] | None = None   # each reward function's mean
-    samples: tuple[SampleGroup, ...] = ()         # the completions for the first sampleEvalTasks tasks computed here
-
-    @property
-    def no_signal(self) -> bool:
-        """All held-out rewards equal: at 0% or 100% GRPO's groups would all be identical."""
-        return len(set(self.rewards)) <= 1
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {"meanReward": round(self.meanReward, 6), "tasks": self.tasks, "solved": self.solved,
-               "batches": self.batches, "reusedBatches": self.reusedBatches}
-        if self.byReward is not None:
-            out["rewards"] = {k: round(v, 6) for k, v in self.byReward.items()}
-        return out

@@ -39,7 +39,7 @@ import signal
 import threading
 from typing import IO, Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_serializer, model_validator
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.trainer.config import GRPOParams
@@ -98,6 +98,32 @@ class TrainerPhase(str, enum.Enum):
 EvalKind = Literal["baseline", "final"]
 
 
+class EvalSummary(BaseModel):
+    """A held-out evaluation's figures, one model wherever they go: what the trainer reports
+    (Evaluated, HeldOut), what the record and storage's baseline.json keep, and what a cached
+    baseline must read as before it is reused. Whoever can write the job's prefix is not trusted
+    (docs/security.md): a baseline.json that does not validate is evaluated again."""
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    meanReward: float                     # of the weighted sum of the rewards
+    tasks: int = Field(ge=1)
+    solved: int = Field(ge=0)             # tasks the primary (first) reward scored 1.0
+    batches: int = Field(1, ge=1)         # evaluation batches in all
+    reusedBatches: int = Field(0, ge=0)   # of them, finished by an earlier attempt and not computed again
+    rewards: dict[Annotated[str, StringConstraints(min_length=1, max_length=200)], float] | None = Field(
+        None, max_length=64)              # each reward function's mean, by name
+
+    @model_validator(mode="after")
+    def _counts(self) -> "EvalSummary":
+        if self.solved > self.tasks or self.reusedBatches > self.batches:
+            raise ValueError("solved must be at most tasks, reusedBatches at most batches")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the record, the trackers and storage's baseline.json hold it."""
+        return self.model_dump(exclude_none=True)
+
+
 # --- the plan ------------------------------------------------------------------------------------
 
 class Budget(BaseModel):
@@ -137,6 +163,8 @@ class Plan(BaseModel):
     sandbox_strict: bool = False
     judge_calls: dict[str, int] = Field(default_factory=dict)   # {judge reward: the run's answered calls so far}
     judge_usd: dict[str, float] = Field(default_factory=dict)   # {priced judge reward: the run's spend on it so far}
+    # episodes: the digests recorded for the steps this attempt may replay ({step: [digest, ...]})
+    episode_digests: dict[int, list[str]] = Field(default_factory=dict)
 
     def to_json(self) -> str:
         return self.model_dump_json()
@@ -180,7 +208,7 @@ class EvalBatch(_Event):
 class Evaluated(_Event):
     event: Literal["eval"] = "eval"
     kind: EvalKind
-    result: dict[str, Any]                # meanReward, rewards, tasks, solved, batches, reusedBatches
+    result: EvalSummary
     noSignal: bool                        # every held-out reward equal: GRPO's groups would all be identical
 
 
@@ -199,7 +227,11 @@ class SampleCompletion(_Event):
     length: int                           # tokens
     truncated: bool                       # cut at maxCompletionLength; an episode: ended by a limit
     turns: int | None = None              # an episode's replies (None: single-turn)
-    truncatedBy: Literal["maxTurns", "context"] | None = None   # the limit that ended an episode
+    truncatedBy: Literal["maxTurns", "context", "toolTime", "stepTime"] | None = None   # the limit that ended an episode
+    toolCalls: int | None = None          # an episode with tools: the calls it made
+    toolErrors: int | None = None         # ... and how many were answered with an error
+    # an episode turn by turn: its replies and the environment's answers, alternating, each capped
+    exchange: list[CappedText] | None = Field(None, max_length=64)
 
     @model_serializer(mode="wrap")
     def _single_turn_as_before(self, handler: Any) -> dict[str, Any]:
@@ -209,6 +241,11 @@ class SampleCompletion(_Event):
         if self.turns is None:
             out.pop("turns", None)
             out.pop("truncatedBy", None)
+        if self.exchange is None:
+            out.pop("exchange", None)
+        if self.toolCalls is None:
+            out.pop("toolCalls", None)
+            out.pop("toolErrors", None)
         return out
 
 
@@ -239,12 +276,14 @@ class Step(_Event):
     event: Literal["step"] = "step"
     step: int                             # completed steps
     metrics: dict[str, Any]
+    # episodes: each one's "REPLIES:WHOLE" digests, in the step's order (trainer.episodes.replay)
+    episodeDigests: list[str] | None = None
 
 
 class HeldOut(_Event):
     event: Literal["heldOut"] = "heldOut"
     step: int
-    result: dict[str, Any]                # as Evaluated's
+    result: EvalSummary
 
 
 class Sealed(_Event):

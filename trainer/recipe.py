@@ -30,9 +30,9 @@ from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.metrics import LOSS_NOTE
-from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, Events, Final, HeldOut,
-                                       JudgeCalls, PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started, Step,
-                                       Stopped, TrainerPhase)
+from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, EvalKind, EvalSummary, Events, Final,
+                                       HeldOut, JudgeCalls, PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started,
+                                       Step, Stopped, TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
 from grpo_run.trainer.trainer import GRPOTrainer
 
@@ -69,6 +69,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
                               sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls,
                               judge_usd=plan.judge_usd, work=work)
         checkpoints.attach(trainer)
+        trainer.replays = plan.episode_digests     # a replayed step's episodes must be those recorded
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
         if plan.baseline:
@@ -136,7 +137,7 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
             if calls:                                  # this step's answered calls of each judge
                 metrics["judgeCalls"] = {k: n - calls[k] for k, n in trainer.scorer.judge_calls.items()}
             _report_judge_calls(events, trainer)      # before its Step: the step's costUSD counts its calls
-            events.emit(Step(step=step, metrics=metrics))
+            events.emit(Step(step=step, metrics=metrics, episodeDigests=trainer.episode_digests))
             checkpoints.add_metrics(step, metrics)     # every checkpoint holds the metrics so far
             bar.update(step, metrics)
             if step < p.maxSteps:
@@ -157,14 +158,14 @@ def train(trainer: GRPOTrainer, plan: Plan, start: int, checkpoints: Checkpointe
                 eval_seconds, eval_usd = time.monotonic() - t0, _judges_usd(trainer) - usd
                 if ev.samples:
                     events.emit(Samples(kind="heldOut", step=step, groups=list(ev.samples)))
-                events.emit(HeldOut(step=step, result=ev.to_dict()))
+                events.emit(HeldOut(step=step, result=ev.summary()))
                 _report_judge_calls(events, trainer)
         return step, None
     finally:
         bar.close()
 
 
-def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, step: int = 0) -> dict[str, Any] | None:
+def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, step: int = 0) -> EvalSummary | None:
     """The held-out evaluation `kind` (after training step `step`), each batch reported as it is
     finished, its samples just before it; batches an earlier attempt finished are reused. None
     when a stop request interrupted it."""
@@ -180,7 +181,7 @@ def evaluate(trainer: GRPOTrainer, plan: Plan, kind: EvalKind, events: Events, s
                               on_samples=on_samples)
     except GenerationInterrupted:
         return None
-    result = ev.to_dict()
+    result = ev.summary()
     if ev.reusedBatches:
         log.info("%s evaluation: %d of %d batches reused from an earlier attempt", kind, ev.reusedBatches, ev.batches)
     log.info("%s held-out mean reward %.3f (%d of %d tasks solved)", kind, ev.meanReward, ev.solved, ev.tasks)

@@ -19,6 +19,7 @@ whether the step is abandoned, so they never disagree about which collective com
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -27,20 +28,22 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from grpo_run.trainer import grpo, kept_samples
-from grpo_run.trainer.metrics import EvalResult, step_metrics
+from grpo_run.trainer import evaluation, grpo, kept_samples
+from grpo_run.trainer.evaluation import Answers, EvalResult
+from grpo_run.trainer.metrics import step_metrics
 from grpo_run.trainer.sampling import sampler
-from grpo_run.trainer.sampling.choice import choose
 from grpo_run.trainer.sampling.engines import NativeSampler, Sampler
+from grpo_run.trainer.sampling.start import resolved_engine, start_vllm, stop_strings_check
 from grpo_run.trainer.config import GRPOParams, default_micro_batch
-from grpo_run.trainer.distributed import World, shard_fsdp, unsharded, wrap_ddp
+from grpo_run.trainer.distributed import World, full_state, load_full_state, shard_fsdp, unsharded, wrap_ddp
 from grpo_run.trainer.envs.catalog import Environment
 from grpo_run.trainer.envs.tasks import Task
+from grpo_run.trainer.episodes import replay
 from grpo_run.trainer.episodes.loop import Episodes, episode_seed, run_episodes
 from grpo_run.trainer.episodes.tokens import TurnRenderer
 from grpo_run.trainer.grader.scoring import Scorer
@@ -131,11 +134,16 @@ class GRPOTrainer:
         self.scheduler = get_scheduler(params.lrScheduler, self.optimizer, num_warmup_steps=params.warmupSteps,
                                        num_training_steps=params.maxSteps)
         self._adapter: dict[str, torch.Tensor] | None = None   # snapshot's view of the adapter (LoRA, QLoRA)
+        # episodes: the digests recorded for steps a resume replays ({step: [digest, ...]}: the plan's), and
+        # the newest step's (rank 0; trainer.episodes.replay)
+        self.replays: Mapping[int, Sequence[str]] = {}
+        self.episode_digests: list[str] | None = None
         self.samples: list[SampleGroup] = []      # the newest step's first groups (trainer.kept_samples)
         # reward functions in sandboxed graders; a reward model (on this device, outside the optimizer) or judge here
         self.scorer = Scorer(env.rewards, search_path=env.search_path, device=self.device, judge_calls=judge_calls,
                              judge_usd=judge_usd, timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
-                             retries=params.rewardRetries, strict=sandbox_strict, episodes=env.episodes is not None)
+                             retries=params.rewardRetries, strict=sandbox_strict,
+                             episodes=env.episodes is not None and env.episodes.rewards_itself)
         # multi-turn: the environment's objects in a sandboxed worker of their own, as a reward's
         self.environment = None
         if env.episodes is not None:
@@ -143,7 +151,9 @@ class GRPOTrainer:
 
             self.environment = EnvironmentHost(env.episodes.ref, search_path=env.search_path,
                                                timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
-                                               retries=0, strict=sandbox_strict)
+                                               retries=0, strict=sandbox_strict, tools=env.episodes.tools,
+                                               tool_timeout_s=env.episodes.tool_timeout_s,
+                                               step_timeout_s=env.episodes.step_timeout_s)
         self._work, self._scratch = work, None
         self.sampler: Sampler = self._start_sampler(model_path)
 
@@ -181,8 +191,9 @@ class GRPOTrainer:
     @functools.cached_property
     def prompts(self) -> PromptEncoder:
         """Task prompts (text or chat messages) to ids, through the tokenizer's chat template."""
+        tools = self.environment.tool_schemas if self.environment is not None else []
         return PromptEncoder(self.tokenizer, system_prompt=self.params.systemPrompt,
-                             template_kwargs=self.params.chatTemplateKwargs)
+                             template_kwargs={**self.params.chatTemplateKwargs, **({"tools": tools} if tools else {})})
 
     @functools.cached_property
     def eos_ids(self) -> tuple[int, ...]:
@@ -195,40 +206,25 @@ class GRPOTrainer:
         ids, mask = self.prompts.encode(prompts)
         return ids.to(self.device), mask.to(self.device)
 
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
         return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
 
     def _start_sampler(self, model_path: str) -> Sampler:
-        """The engine that samples for this run: spec.parameters.sampler as the supervisor resolved
-        it (`auto` resolved here when the trainer runs on its own)."""
+        """The engine that samples for this run (trainer.sampling.start): the native decoder reads
+        the model and the generation settings as they are at each sampling; vLLM gets the work folder
+        (a trainer built without one, for benchmarks and the API's tests: a scratch folder)."""
         p = self.params
-        engine = p.sampler
-        if engine == "auto":
-            engine = choose("auto", p.method, self.model.config.to_dict, self.device.type == "cuda",
-                            server=p.vllm.mode == "server", processes=self.world.size).engine
-        if engine == "native":
+        if resolved_engine(p, self.model.config.to_dict, self.device, self.world) == "native":
             return NativeSampler(self.device, lambda: dict(
-                model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id,
-                top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                finished=self._stop_strings_check(), compiled=p.compileDecode))
-        if self._work is None:         # a trainer built without a work folder (benchmarks, the API's tests)
+                model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids,
+                pad_id=self.tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                finished=stop_strings_check(self.tokenizer, p.stopStrings), compiled=p.compileDecode))
+        if self._work is None:
             self._work = self._scratch = Path(tempfile.mkdtemp(prefix="grpo-run-vllm-"))
-        if p.vllm.mode == "server":
-            from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
-
-            return VllmServerSampler(p.vllm.server, method=p.method, lora_rank=p.lora.r,
-                                     timeout_s=p.vllm.serverTimeoutSeconds, max_new_tokens=p.maxCompletionLength,
-                                     eos_ids=self.eos_ids, pad_id=self.tokenizer.pad_token_id, top_k=p.topK,
-                                     top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                                     stop_strings=p.stopStrings, work=self._work)
-        from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
-
-        return VllmSampler(model_path, method=p.method, lora_rank=p.lora.r, dtype=compute_dtype(self.device),
-                           device=self.device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization,
-                           max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids,
-                           pad_id=self.tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP,
-                           repetition_penalty=p.repetitionPenalty, stop_strings=p.stopStrings, seed=p.seed,
-                           work=self._work)
+        return start_vllm(model_path, self.tokenizer, self.eos_ids, p, self.device, self._work)
 
     @property
     def sampler_status(self) -> dict[str, str | float]:
@@ -259,99 +255,36 @@ class GRPOTrainer:
         return run_episodes(sample, TurnRenderer(self.prompts, self.eos_ids), self.environment, tasks, seeds,
                             max_turns=self.env.episodes.max_turns, context=context, pad_id=self.tokenizer.pad_token_id)
 
-    def _stop_strings_check(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-        """sampler.sample's `finished` for stopStrings (None without any): a running row is finished
-        once one of them appears in the text of its newest tokens. Only that tail is decoded: as
-        many tokens as the longest stop string has UTF-8 bytes, plus one, because every token
-        (special tokens aside, which decoding skips) decodes to at least one byte, so a stop string
-        completed by the newest token lies inside it. Only the completion counts, not the prompt."""
-        stops = self.params.stopStrings
-        if not stops:
-            return None
-        window = max(len(s.encode("utf-8")) for s in stops) + 1
-
-        def finished(tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:   # [N, t], [N] -> [N]
-            tails = self.tokenizer.batch_decode(tokens[running][:, -window:].tolist(), skip_special_tokens=True)
-            out = torch.zeros_like(running)
-            out[running] = torch.tensor([any(s in text for s in stops) for text in tails], device=running.device)
-            return out
-        return finished
-
-    # --- evaluation ----------------------------------------------------------------------
+    # --- evaluation (trainer.evaluation) ---------------------------------------------------
 
     def evaluate(self, tasks: Sequence[Task], *, done: Mapping[int, Mapping[str, Sequence[float]]] | None = None,
                  on_batch: Callable[[int, dict[str, list[float]]], None] | None = None,
                  on_samples: Callable[[list[SampleGroup]], None] | None = None) -> EvalResult:
-        """Mean reward on held-out tasks (greedy by default), scored by the graders, in batches
-        of evalBatchSize. Batch i's scores in `done` (from an attempt that was stopped part-way)
-        are taken as they are; every batch computed here goes to `on_batch(i, {reward: scores})`.
-        Each batch draws from its own generator, seeded from (seed, i), so a batch computes the
-        same whichever batches came before it. Raises GenerationInterrupted on a stop request
-        between batches or between two tokens; the batches finished before it were reported.
-        Several processes: batch i is computed by rank i mod world size, all are gathered at the
-        end (a stop request on any rank stops all there) and rank 0's `on_batch` gets each.
-        The completions for the first sampleEvalTasks tasks go to `on_samples` before their
-        batch's `on_batch`, and into the result's `samples` (those computed here)."""
-        p, done, world = self.params, done or {}, self.world
-        by_reward: dict[str, list[float]] = {name: [] for name in self.scorer.names}
-        starts = range(0, len(tasks), p.evalBatchSize)
-        computed: dict[int, dict[str, list[float]]] = {}
-        kept: dict[int, list[SampleGroup]] = {}      # batch -> its tasks among the first sampleEvalTasks
-        stopped = False
-        try:
-            with self._whole_weights():          # FSDP: every rank gathers, whatever it computes
-                self.sampler.load_policy(self.model)      # the engine samples with the weights as they are
-                for i, start in enumerate(starts):
-                    if i in done or i % world.size != world.rank:
-                        continue
-                    if self.stop.is_set():               # preemption honoured between evaluation batches
-                        raise sampler.GenerationInterrupted()
-                    chunk = list(tasks[start:start + p.evalBatchSize])
-                    if self.environment is not None:      # an episode per task, each seeded from the batch's seed
-                        played = self._play(chunk, [episode_seed(step_seed(p.seed, -1 - i), j)
-                                                    for j in range(len(chunk))], p.evalTemperature)
-                        comp, cmask, cut = played.ids, played.mask, torch.tensor([t is not None for t in played.truncated])
-                        firsts, episode, turns = played.prompts, played.rewards, (played.turns, played.truncated)
-                    else:
-                        ids, mask = self._encode([t["prompt"] for t in chunk])
-                        comp, cmask, cut = self._generate(ids, mask, p.evalTemperature, [step_seed(p.seed, -1 - i)])[:3]
-                        firsts, episode, turns = [t["prompt"] for t in chunk], None, (None, None)
-                    texts = self._decode(comp, cmask)
-                    computed[i] = self.scorer.score(texts, chunk, episode=episode)    # {reward: [scores]}
-                    kept[i] = kept_samples.eval_items(start, firsts, texts, computed[i],
-                                                 self.scorer.total(computed[i]), cmask.sum(1).tolist(),
-                                                 cut.tolist(), p.sampleEvalTasks, self.scorer.primary, *turns)
-                    if on_samples is not None and kept[i]:
-                        on_samples(kept[i])
-                    if on_batch is not None:
-                        on_batch(i, computed[i])
-        except sampler.GenerationInterrupted:
-            if not world.distributed:
-                raise
-            stopped = True                           # the others still come to the gather below
-        if world.distributed:
-            shares = world.gather((stopped, computed, kept))
-            for rank, (_, theirs, their_samples) in enumerate(shares):
-                if rank != world.rank:
-                    computed.update(theirs)
-                    kept.update(their_samples)
-                    for i, batch in theirs.items():
-                        if on_samples is not None and their_samples.get(i):
-                            on_samples(their_samples[i])
-                        if on_batch is not None:
-                            on_batch(i, batch)
-            if any(s for s, _, _ in shares):
-                raise sampler.GenerationInterrupted()
-        for i in range(len(starts)):
-            batch = done[i] if i in done else computed[i]
-            for name in by_reward:
-                by_reward[name] += list(batch[name])
-        totals = self.scorer.total(by_reward)
-        return EvalResult(meanReward=float(np.mean(totals)), tasks=len(tasks),
-                          solved=sum(1 for r in by_reward[self.scorer.primary] if r == 1.0), rewards=tuple(totals),
-                          batches=len(starts), reusedBatches=sum(1 for i in range(len(starts)) if i in done),
-                          byReward={k: float(np.mean(v)) for k, v in by_reward.items()},
-                          samples=tuple(g for i in sorted(kept) for g in kept[i]))
+        """Mean reward on held-out tasks: trainer.evaluation.evaluate with this trainer."""
+        return evaluation.evaluate(self, tasks, done=done, on_batch=on_batch, on_samples=on_samples)
+
+    @contextlib.contextmanager
+    def sampling_weights(self) -> Iterator[None]:
+        """The policy's weights as they are, in the engine, for the block (FSDP: every rank
+        gathers its whole weights, whatever it computes)."""
+        with self._whole_weights():
+            self.sampler.load_policy(self.model)
+            yield
+
+    def answer_once(self, tasks: Sequence[Task], temperature: float, *, batch: int) -> Answers:
+        """Each of `tasks` answered once (an episode played to its end), inside `sampling_weights`;
+        evaluation batch `batch` draws from generators seeded from (seed, batch) alone."""
+        seed = step_seed(self.params.seed, -1 - batch)
+        if self.environment is not None:          # an episode per task, each seeded from the batch's seed
+            played = self._play(tasks, [episode_seed(seed, j) for j in range(len(tasks))], temperature)
+            return Answers(prompts=played.prompts, texts=self._decode(played.ids, played.mask),
+                           lengths=played.mask.sum(1).tolist(), truncated=[t is not None for t in played.truncated],
+                           episode_rewards=played.rewards, turns=played.turns, truncated_by=played.truncated,
+                           tools=_tools_of(played), exchanges=played.exchanges(self._decode_ids))
+        ids, mask = self._encode([t["prompt"] for t in tasks])
+        comp, cmask, cut = self._generate(ids, mask, temperature, [seed])[:3]
+        return Answers(prompts=[t["prompt"] for t in tasks], texts=self._decode(comp, cmask),
+                       lengths=cmask.sum(1).tolist(), truncated=cut.tolist())
 
     # --- one GRPO step -------------------------------------------------------------------
 
@@ -409,13 +342,17 @@ class GRPOTrainer:
         stopping, tokens = world.total(float(interrupted), 0.0 if loss_mask is None else float(loss_mask.sum()))
         if stopping:
             raise sampler.GenerationInterrupted()
+        digests = None
+        if played is not None:                 # a replayed step's episodes must be those recorded
+            digests = replay.checked_digests(step, played, mine, p.numGenerations, self.replays, world,
+                                             self.env.episodes.ref)
         n, tokens = p.promptsPerStep * p.numGenerations, int(tokens)               # the whole step's
         texts = self._decode(comp_ids, comp_mask)
         t_sampled = time.perf_counter()
 
         # score (in the graders' processes; a failure raises, never becomes a 0)
         by_reward = self.scorer.score(texts, group, [p.numGenerations] * len(tasks),
-                                      episode=None if played is None else played.rewards)  # {name: [b*G]}
+                                      episode=played.rewards if played is not None and self.scorer.episodes else None)
         rewards = torch.tensor(self.scorer.total(by_reward), dtype=torch.float32)      # [b*G], weighted sum
         # each reward is finite and within MAX_ABS_REWARD (the grader checks), but a weight can
         # still carry the sum past float32's range: checked with the loss, before the update
@@ -495,16 +432,24 @@ class GRPOTrainer:
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
         if played is not None:
-            local.update(turns=played.turns, truncatedBy=played.truncated)
+            local.update(turns=played.turns, truncatedBy=played.truncated, digests=digests)
+            if played.tool_calls is not None:
+                local.update(toolCalls=played.tool_calls, toolErrors=played.tool_errors)
         # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
         firsts = [t["prompt"] for t in tasks] if played is None else played.prompts[::p.numGenerations]
         self.samples = kept_samples.step_groups(firsts, texts, by_reward, local["rewards"],
                                            adv.tolist(), local["lengths"], local["truncated"], p.numGenerations,
                                            p.sampleGroups if world.main else 0, self.scorer.primary,
                                            turns=None if played is None else played.turns,
-                                           truncated_by=None if played is None else played.truncated)
-        metrics = step_metrics(world.gather(local) if world.distributed else [local], p.numGenerations, tokens,
-                               primary=self.scorer.primary, iterations=p.numIterations)
+                                           truncated_by=None if played is None else played.truncated,
+                                           tools=_tools_of(played),
+                                           exchanges=None if played is None else played.exchanges(
+                                               self._decode_ids, p.sampleGroups * p.numGenerations if world.main else 0))
+        shares = world.gather(local) if world.distributed else [local]
+        metrics = step_metrics(shares, p.numGenerations, tokens, primary=self.scorer.primary,
+                               iterations=p.numIterations)
+        if played is not None and world.main:      # every episode's digests, in the step's order (rank 0 reports)
+            self.episode_digests = [d for _, d in sorted(kv for share in shares for kv in share["digests"].items())]
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
         if engine_logps is not None:
@@ -532,8 +477,6 @@ class GRPOTrainer:
 
     def _whole_weights(self):
         """Full fine-tunes on several processes (FSDP): every unit's whole weights for the block."""
-        import contextlib
-
         return unsharded(self.model) if self.fsdp else contextlib.nullcontext()
 
     def _update_model(self) -> torch.nn.Module:
@@ -548,8 +491,6 @@ class GRPOTrainer:
 
     def _sync_gradients(self, *, last: bool):
         """DDP's all-reduce on the step's last micro-batch only; the others accumulate locally."""
-        import contextlib
-
         if self.fsdp:
             self.model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
@@ -608,15 +549,69 @@ class GRPOTrainer:
             return grpo.completion_logprobs(self.model, prompt_ids, prompt_mask, comp_ids, comp_mask,
                                             self.params.temperature)
 
-    # --- state for checkpoints (trainer.snapshot reads it) ----------------------------
+    # --- its state, for checkpoints (trainer.checkpointing.snapshot writes and reads it) ------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this trainer besides the RNGs (torchtitan's Stateful):
+        "weights", the trainable weights (LoRA, QLoRA: the adapter's tensors as PEFT files name
+        them; Full: the whole model's, each storage once, as safetensors stores tied weights);
+        "optimizer", its "param_groups" and its "state" as one dict of moments per trainable
+        parameter, in the optimizer's order; "scheduler", the learning-rate schedule's state.
+        Live tensors: copy them before the next step changes them (snapshot.pack). A full
+        fine-tune sharded by FSDP: a collective every rank calls, the whole state on rank 0's CPU
+        and empty on the others."""
+        param_groups = self.optimizer.state_dict()["param_groups"]
+        if self.fsdp:
+            weights, moments = full_state(self.model, self.optimizer)
+        else:
+            moments = [self.optimizer.state.get(p, {}) for p in self.trainable]
+            weights = dict(self.adapter_state()) if self.params.method != "Full" else self.model.state_dict()
+        if self.params.method == "Full":
+            unique, seen = {}, set()
+            for name, tensor in weights.items():
+                if tensor.data_ptr() not in seen:     # tied weights: the first name of each storage
+                    seen.add(tensor.data_ptr())
+                    unique[name] = tensor
+            weights = unique
+        return {"weights": weights, "optimizer": {"param_groups": param_groups, "state": moments},
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The inverse of `state_dict` (every rank passes the same whole state; FSDP shards it).
+        Raises ValueError when the weights or moments do not fit this trainer's trainable
+        parameters (the job's lora settings or method changed since they were saved)."""
+        weights, optimizer = state["weights"], state["optimizer"]
+        if self.fsdp:
+            load_full_state(self.model, self.optimizer, weights, optimizer["state"], optimizer["param_groups"])
+        else:
+            try:
+                if self.params.method == "Full":
+                    self.model.load_state_dict(weights, strict=False)
+                else:
+                    from peft import set_peft_model_state_dict
+
+                    set_peft_model_state_dict(self.model, weights)
+            except RuntimeError as exc:       # torch: "size mismatch for ...": say what it means here
+                raise ValueError(f"weights do not fit this run's trainable parameters ({str(exc).strip()[:300]})") from None
+            if len(optimizer["state"]) != len(self.trainable) or any(
+                    m.shape != p.shape for p, s in zip(self.trainable, optimizer["state"]) for m in s.values() if m.dim()):
+                raise ValueError("optimizer state does not fit this run's trainable parameters")
+            self.optimizer.load_state_dict({"state": {i: s for i, s in enumerate(optimizer["state"]) if s},
+                                            "param_groups": optimizer["param_groups"]})
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors by their names in PEFT files (LoRA, QLoRA). Resolved once:
         walking the whole model's state dict at every checkpoint cost more than copying the
         adapter. The values share storage with the parameters, which the optimizer and
-        `load_state` update in place."""
+        `load_state_dict` update in place."""
         if self._adapter is None:
             from peft import get_peft_model_state_dict
 
             self._adapter = get_peft_model_state_dict(self.model, save_embedding_layers=False)
         return self._adapter
+
+
+def _tools_of(played: Episodes | None) -> tuple[list[int], list[int]] | None:
+    """Each episode's (tool calls, tool errors), with tools."""
+    return None if played is None or played.tool_calls is None else (played.tool_calls, played.tool_errors or [])

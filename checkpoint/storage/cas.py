@@ -20,11 +20,11 @@ folder this machine's time minus the file's modification time.
   `os.link` from a complete temporary file (EEXIST like O_EXCL, and a reader never sees half of
   it), a replacement with fsync + rename. Atomic between processes on one machine; over NFS only
   as good as the server's lock support.
+* gs://: generation preconditions on uploads (checkpoint.storage.gcs, which says why a release
+  is an upload there too).
+* az://: ETag conditions on uploads and deletes (checkpoint.storage.azure).
 * memory:// (or any other) is refused: unit tests bring their own double
   (tests/checkpoint/memory_cas.py).
-* gs:// is refused: gcsfs writes conditionally only to create (`mode="create"`, i.e.
-  `ifGenerationMatch=0`, marked experimental in gcsfs itself); it has no precondition for
-  replacing or deleting a given generation, which renewing and releasing a lease need.
 
 These calls make one attempt each; the lease retries them under the package's retry policy.
 """
@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 from .fsio import TMP_MARKER, fsync_dir, temp_sibling
 from .retry import StorageConfigError, describe, s3_code, s3_status
-from .store import Store
+from .store import SUPPORTED_URLS, Store
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +81,21 @@ class Cas(Protocol):
 
 def open_cas(url: str, key: str) -> Cas:
     """The compare-and-swap object `key` under the storage URL. StorageConfigError for a bad or
-    unsupported URL (gs:// among them), ValueError for a key that is not a relative path."""
+    unsupported URL, ValueError for a key that is not a relative path."""
     scheme = urlsplit(url).scheme.lower() if isinstance(url, str) and "://" in url else ""
     if scheme in ("gs", "gcs"):
-        raise StorageConfigError(
-            f"lease on {url}: gs:// has no compare-and-swap here: gcsfs can only create an "
-            f"object if absent (ifGenerationMatch=0), not replace or delete the generation that "
-            f"was read, which renewing, taking over and releasing a lease need; keep the "
-            f"job's storage on s3:// or a local folder")
+        from .gcs import GcsCas
+        return GcsCas(url, key)
+    if scheme == "az":
+        from .azure import AzureCas
+        return AzureCas(url, key)
     store = Store(url)  # validates the URL: StorageConfigError for a bad or unsupported one
     if store.protocol == "s3":
         return S3Cas(store, key)
     if store.protocol == "file":
         return LocalCas(Path(store.fs_path(key)[1]))
     raise StorageConfigError(f"lease on {url}: {store.protocol}:// has no compare-and-swap here; "
-                             f"keep the job on s3:// or a local folder")
+                             f"keep the job on {SUPPORTED_URLS}")
 
 
 class S3Cas:
@@ -113,7 +113,7 @@ class S3Cas:
         "win". StorageConfigError if it does not."""
         if self._checked:
             return
-        probe = f"{self.path.rpartition('/')[0]}/{TMP_MARKER}lease-probe-{secrets.token_hex(8)}"
+        probe = probe_beside(self.path)
         try:
             self.fs.pipe_file(probe, b"1", mode="create")
             for condition in ({"mode": "create"}, {"IfMatch": '"' + "0" * 32 + '"'}):
@@ -197,21 +197,35 @@ class S3Cas:
 
 
 def _s3_age(reply: dict) -> float | None:
-    """The object's age on the server's clock: the response's `Date` header minus the object's
+    """The object's age on the server's clock from a GetObject reply (see http_age)."""
+    modified = reply.get("LastModified")
+    served = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if not isinstance(modified, dt.datetime):
+        return None
+    return http_age(served, modified)
+
+
+def http_age(served: str | None, modified: str | dt.datetime | None) -> float | None:
+    """An object's age on the server's clock: the response's `Date` header minus the object's
     `Last-Modified`, both stamped by the server. Both are HTTP dates in whole seconds (each cut
     down, by up to a second), so one second is taken off: the result never overstates the age.
     None when the server sends either one not at all or unreadable."""
-    modified = reply.get("LastModified")
-    served = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    if not isinstance(modified, dt.datetime) or not isinstance(served, str):
-        return None
     try:
-        served_at = email.utils.parsedate_to_datetime(served)
+        served_at = email.utils.parsedate_to_datetime(served)            # type: ignore[arg-type]
+        if not isinstance(modified, dt.datetime):
+            modified = email.utils.parsedate_to_datetime(modified)       # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
     if served_at.tzinfo is None or modified.tzinfo is None:
         return None
     return (served_at - modified).total_seconds() - 1.0
+
+
+def probe_beside(path: str) -> str:
+    """A fresh name for a conditional-write probe in the folder of `path`, hidden from listings."""
+    folder = path.rpartition("/")[0]
+    return f"{folder}/{TMP_MARKER}lease-probe-{secrets.token_hex(8)}" if folder else \
+        f"{TMP_MARKER}lease-probe-{secrets.token_hex(8)}"
 
 
 def _is_conflict(exc: BaseException) -> bool:

@@ -5,7 +5,7 @@ training, or renewals fail until the self-fencing margin is used up. Another nod
 job by then, and a checkpoint, a record or a prune from the stale holder would overwrite or
 delete what the new holder wrote. So every write checks `Lease.held` right before it starts:
 
-    store = FencedStore(Store(url), lease)
+    store = FencedStore(open_store(url), lease)
     Uploader(store, "checkpoints")           # each file, the manifest, each prune: fenced
     store.put_file(snapshot, "state.db")     # LeaseLost once the lease is lost
 
@@ -17,17 +17,16 @@ single write already under way, and it knows of a takeover only once a renewal h
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from .lease import Lease, LeaseLost
-from .store import ObjectStore, Store
+from .store import ObjectStore
 
 
 class FencedStore(ObjectStore):
     """A Store whose put_file, put_bytes and delete raise LeaseLost, writing nothing, once
     `lease` is no longer held. Reads, `url`, `protocol` and the deadline are the wrapped Store's."""
 
-    def __init__(self, store: Store, lease: Lease) -> None:
+    def __init__(self, store: ObjectStore, lease: Lease) -> None:
         self.store = store
         self.lease = lease
         self.url = store.url
@@ -52,9 +51,6 @@ class FencedStore(ObjectStore):
 
     def check(self) -> None:
         self.store.check()
-
-    def fs_path(self, key: str) -> tuple[Any, str]:
-        return self.store.fs_path(key)
 
     def finish_by(self, deadline: float | None) -> None:
         self.store.finish_by(deadline)

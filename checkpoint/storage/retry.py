@@ -226,8 +226,11 @@ def config_reason(exc: BaseException) -> str | None:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if status in (401, 403):
             return f"access denied (HTTP {status})"
-    code = getattr(exc, "code", None)  # gcsfs HttpError and friends
-    if isinstance(code, int) and code in (401, 403):
+    cloud = _cloud_config_reason(exc)
+    if cloud is not None:
+        return cloud
+    code = _http_status(exc)  # google-api-core's and azure-core's errors
+    if code in (401, 403):
         return f"access denied (HTTP {code})"
     if isinstance(exc, PermissionError):
         return "access denied"
@@ -258,12 +261,82 @@ def is_transient(exc: BaseException) -> bool:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
         if code in _THROTTLE_CODES or status >= 500 or status == 429:
             return True
-    code = getattr(exc, "code", None)
-    if isinstance(code, int) and (code >= 500 or code == 429):
+    code = _http_status(exc)
+    if code is not None and (code >= 500 or code in (408, 429)):
+        return True
+    if _cloud_transient(exc):
         return True
     if isinstance(exc, OSError) and exc.errno in (errno.ECONNRESET, errno.ECONNREFUSED,
                                                    errno.ETIMEDOUT, errno.EPIPE):
         return True
+    return False
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a google-api-core error (`.code`) or an azure-core one (`.status_code`)."""
+    for attribute in ("code", "status_code"):
+        value = getattr(exc, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value < 600:
+            return value
+    return None
+
+
+def _azure_code(exc: BaseException) -> str:
+    """azure-core's `error_code` ("AuthorizationFailure", "BlobNotFound"), a str or an enum; ""."""
+    code = getattr(exc, "error_code", None)
+    return str(getattr(code, "value", code) or "")
+
+
+def _cloud_config_reason(exc: BaseException) -> str | None:
+    """Credentials errors of google-auth and azure-core / azure-identity, in words to act on."""
+    try:
+        from google.auth import exceptions as gax
+    except ImportError:
+        gax = None
+    if gax is not None:
+        if isinstance(exc, gax.DefaultCredentialsError):
+            return ("no Google credentials found (attach a service account to the node, use workload "
+                    "identity on GKE, set GOOGLE_APPLICATION_CREDENTIALS, or run "
+                    "`gcloud auth application-default login`)")
+        if isinstance(exc, gax.RefreshError):
+            return "Google credentials could not be refreshed (revoked, expired or not allowed)"
+    try:
+        from azure.core import exceptions as ax
+    except ImportError:
+        ax = None
+    if ax is not None and isinstance(exc, ax.HttpResponseError) and _azure_code(exc) in (
+            "AuthenticationFailed", "AuthorizationFailure", "InvalidAuthenticationInfo"):
+        return "Azure refused the credentials (check the account key, or the identity's role on the container)"
+    if ax is not None and isinstance(exc, ax.ClientAuthenticationError):
+        if type(exc).__name__ == "CredentialUnavailableError":       # azure-identity's
+            return ("no Azure credential found (a managed identity on the VM or AKS pod, `az login`, "
+                    "or AZURE_STORAGE_CONNECTION_STRING)")
+        return "Azure refused the credentials (check the account key, or the identity's role on the container)"
+    return None
+
+
+def _cloud_transient(exc: BaseException) -> bool:
+    """A connection that failed or timed out under google-cloud-storage (requests, google-auth's
+    transport) or azure-core."""
+    try:
+        import requests
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout,
+                            requests.exceptions.ChunkedEncodingError)):
+            return True
+    except ImportError:  # pragma: no cover - a dependency of google-auth
+        pass
+    try:
+        from google.auth import exceptions as gax
+        if isinstance(exc, gax.TransportError):
+            return True
+    except ImportError:
+        pass
+    try:
+        from azure.core import exceptions as ax
+        if isinstance(exc, (ax.ServiceRequestError, ax.ServiceResponseError, ax.IncompleteReadError)):
+            return True
+    except ImportError:
+        pass
     return False
 
 
@@ -276,4 +349,9 @@ def describe(exc: BaseException | None) -> str:
         code = response["Error"].get("Code")
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return f"{text} (S3 {code}, HTTP {status})"
+    status = _http_status(exc)
+    if status is not None:                 # google-api-core's and azure-core's: their first line
+        code = _azure_code(exc)
+        first = (str(exc).strip().splitlines() or ["-"])[0][:200]
+        return f"{exc.__class__.__name__}: {first} ({f'{code}, ' if code else ''}HTTP {status})"
     return text

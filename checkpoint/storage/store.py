@@ -1,20 +1,28 @@
 """Object storage for a job's folder (checkpoints, the record, the lease, the baseline, the
-environment files): one `Store` over fsspec for a storage URL.
+environment files): one `ObjectStore` per storage URL, made by `open_store(url)`.
 
-URLs: `s3://bucket/prefix` (s3fs; the standard AWS credential chain, and `AWS_ENDPOINT_URL` /
-`AWS_ENDPOINT_URL_S3` for MinIO, SeaweedFS or R2 -- botocore reads those itself), `gs://bucket/prefix`
-(needs gcsfs), `file:///abs/path` or a plain local path, and `memory://name` for unit tests.
+URLs and what serves them:
+
+* `s3://bucket/prefix`: `Store` over s3fs; the standard AWS credential chain, and
+  `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3` for MinIO, SeaweedFS or R2 (botocore reads those).
+* `gs://bucket/prefix`: `GcsStore` (checkpoint.storage.gcs) over google-cloud-storage;
+  Application Default Credentials, `STORAGE_EMULATOR_HOST` as the library honours it.
+* `az://container/prefix`: `AzureStore` (checkpoint.storage.azure) over azure-storage-blob;
+  `AZURE_STORAGE_CONNECTION_STRING`, or `AZURE_STORAGE_ACCOUNT` with DefaultAzureCredential.
+* `file:///abs/path` or a plain local path: `Store` over the local file system; `memory://name`
+  for unit tests.
 
 Every call goes through the package's one retry policy (checkpoint.retry): configuration errors
 (bucket missing, access denied, bad or missing credentials, bad URL) raise `StorageConfigError`
 at once; transient errors (connection refused or reset, timeouts, 5xx, throttling) are retried
 with exponential backoff and jitter until `retry_seconds` have passed or the `stop` event is set
 (the node is being preempted), then raise `StorageUnavailable`. Anything else (a missing key, a
-bug) propagates unchanged. botocore's and s3fs's own retry loops are switched off here so that
-the stop event and the injectable sleep govern every wait.
+bug) propagates unchanged. The libraries' own retry loops (botocore's, s3fs's, google-cloud-
+storage's, azure-core's) are switched off where the clients are made, so that the stop event and
+the injectable sleep govern every wait.
 
 A notice also bounds every call in time (`finish_by`): a stalled server holds a request until
-botocore's 60 s read timeout, longer than a 30 s notice, so a call still unanswered when the
+the client's read timeout (60 s), longer than a 30 s notice, so a call still unanswered when the
 notice window ends is left to its thread and reported as StorageUnavailable.
 """
 
@@ -38,16 +46,20 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["ObjectStore", "Store", "StorageConfigError", "StorageUnavailable"]
+__all__ = ["ObjectStore", "Store", "StorageConfigError", "StorageUnavailable", "open_store"]
+
+# What spec.storage may be, for messages.
+SUPPORTED_URLS = ("s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path "
+                  "or a local folder")
 
 
 class ObjectStore(abc.ABC):
     """What the runner asks of a job's storage: keys relative to `url`, read and written whole.
-    Implemented by Store (a filesystem through fsspec) and FencedStore (a Store whose writes need
-    the job's lease)."""
+    Implemented by Store (a filesystem through fsspec), GcsStore, AzureStore, and FencedStore (a
+    store whose writes need the job's lease)."""
 
     url: str
-    protocol: str                       # fsspec's: "s3", "file", "memory", ...
+    protocol: str                       # "s3", "gs", "az", "file", "memory"
 
     @abc.abstractmethod
     def put_file(self, local: Path, key: str) -> None: ...
@@ -75,31 +87,17 @@ class ObjectStore(abc.ABC):
         """Raise StorageConfigError or StorageUnavailable when the store cannot be used."""
 
     @abc.abstractmethod
-    def fs_path(self, key: str) -> tuple[Any, str]:
-        """(the fsspec filesystem, the path of `key` on it), for streaming readers."""
-
-    @abc.abstractmethod
     def finish_by(self, deadline: float | None) -> None:
         """Every call from now on gives up at `deadline` (time.monotonic()); None: no deadline."""
 
 
-class Store(ObjectStore):
-    """Keys ("/"-separated, relative to the URL's root) mapped onto an fsspec filesystem.
+class RetriedStore(ObjectStore):
+    """What every store shares: the retry policy around each call, the notice's deadline, the
+    keys' rules and the check before a run. A subclass does one attempt per operation and says
+    how it confirms that its bucket (container) exists (`_confirm_bucket`)."""
 
-    Owns one filesystem instance (never shared through fsspec's instance cache, listings cache
-    off) so listings are never stale and concurrent use from the uploader thread is safe.
-
-    Raises `StorageConfigError` from the constructor for a bad URL or a missing driver.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        stop: threading.Event | None = None,
-        retry_seconds: float = 60.0,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
+    def __init__(self, url: str, *, stop: threading.Event | None = None, retry_seconds: float = 60.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.url = url
         if retry_seconds < 0:
             raise ValueError(f"retry_seconds must be >= 0 (got {retry_seconds})")
@@ -109,11 +107,134 @@ class Store(ObjectStore):
                                   sleep=sleep, logger=log)
         self._bucket_confirmed = False
         self._deadline: float | None = None
-        self.protocol, self._root, self._fs = _open_filesystem(url)
-        self._local = self.protocol == "file"
 
     def __repr__(self) -> str:
-        return f"Store({self.url!r})"
+        return f"{type(self).__name__}({self.url!r})"
+
+    def check(self) -> None:
+        """Fail fast, before a run starts, if this store cannot be written, read and listed.
+
+        Writes, reads back and deletes a small probe object under the root.
+        Raises StorageConfigError (bucket missing, access denied, credentials) or
+        StorageUnavailable (the service did not answer within the retry budget)."""
+        probe = f"{TMP_MARKER}probe-{uuid.uuid4().hex}"
+        payload = b"grpo-run storage check\n"
+        self.put_bytes(probe, payload)
+        try:
+            if self.get_bytes(probe) != payload:
+                raise StorageConfigError(
+                    f"storage {self.url}: a probe object read back different bytes than written"
+                )
+            self._bucket_confirmed = False
+            self._confirm_bucket()  # listing permission too
+        finally:
+            self.delete(probe)
+
+    def _confirm_bucket(self) -> None:
+        """Prove once that the bucket exists and can be listed under our prefix (a one-key
+        listing), where a missing bucket and a missing key look alike; StorageConfigError when
+        it cannot. Nothing to prove by default."""
+
+    def finish_by(self, deadline: float | None) -> None:
+        """From now on every call ends by `deadline` (a time.monotonic() value; None: no bound),
+        the ones already in flight included: one not answered by then is abandoned to its thread
+        with StorageUnavailable, and none is started after it. For a notice window: what is not
+        in storage when the node goes away never will be, and the exit must not wait for it."""
+        self._deadline = deadline
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run `fn` under the retry policy (checkpoint.retry): StorageConfigError at once,
+        StorageUnavailable once transient errors outlast the budget, the stop event or the
+        deadline (finish_by)."""
+        what = f"{op} {key!r}"
+        if self._retry.stop is None:         # nothing can set a deadline that matters here
+            return self._retry.call(what, fn)
+        if self._deadline is not None and self._deadline <= time.monotonic():
+            raise StorageUnavailable(f"storage {self.url}: {what} not tried: the notice window is over")
+        return self._within_deadline(lambda: self._retry.call(what, fn), f"storage {self.url}: {what}")
+
+    def _within_deadline(self, fn: Callable[[], T], what: str) -> T:
+        """fn() in a daemon thread, waited for until it ends or the deadline passes (a deadline
+        set while it runs counts: a notice can come mid-call); then StorageUnavailable, the
+        thread left to finish or to die with the process."""
+        done: list[tuple[bool, Any]] = []
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                done.append((True, fn()))
+            except BaseException as e:      # handed to the caller's thread
+                done.append((False, e))
+            finished.set()
+
+        threading.Thread(target=run, name="storage-call", daemon=True).start()
+        while not finished.wait(_DEADLINE_POLL_S):
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise StorageUnavailable(f"{what}: no answer by the end of the notice window; given up")
+        ok, value = done[0]
+        if ok:
+            return value
+        raise value
+
+
+def check_key(key: str) -> str:
+    """`key` when it is a relative "/"-separated path with no empty, "." or ".." parts;
+    ValueError otherwise."""
+    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"storage key must be a relative '/'-separated path (got {key!r})")
+    if any(p in ("", ".", "..") for p in key.split("/")):
+        raise ValueError(f"storage key must not contain empty, '.' or '..' parts (got {key!r})")
+    return key
+
+
+def relative_keys(root: str, names: list[str]) -> list[str]:
+    """Object names under `root` ("" or a prefix without slashes) as sorted keys relative to it,
+    temporaries (TMP_MARKER) left out: a listing of a bucket-backed store."""
+    cut = len(root) + 1 if root else 0
+    return sorted(n[cut:] for n in names if TMP_MARKER not in n.rsplit("/", 1)[-1])
+
+
+def in_folder(name: str, each: str) -> bool:
+    """Whether object `each` is `name` itself or under the folder `name`: never NAME-2 for NAME."""
+    return each == name or each.startswith(f"{name}/")
+
+
+def open_store(url: str, *, stop: threading.Event | None = None, retry_seconds: float = 60.0,
+               sleep: Callable[[float], None] = time.sleep) -> RetriedStore:
+    """The store for a storage URL (see the module's list). StorageConfigError for a bad URL,
+    an unsupported scheme, or a store whose client library is not installed (naming the extra)."""
+    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) and "://" in url else ""
+    kwargs: dict[str, Any] = dict(stop=stop, retry_seconds=retry_seconds, sleep=sleep)
+    if scheme in ("gs", "gcs"):
+        from .gcs import GcsStore
+        return GcsStore(url, **kwargs)
+    if scheme == "az":
+        from .azure import AzureStore
+        return AzureStore(url, **kwargs)
+    return Store(url, **kwargs)
+
+
+def needs_extra(url: str, module: str, extra: str) -> StorageConfigError:
+    """The error for a store whose client library is missing: the extra that installs it."""
+    return StorageConfigError(
+        f"storage {url}: {url.split(':', 1)[0]}:// needs the {module} package, which is not installed "
+        f"here: pip install 'grpo-run[{extra}]' (in a checkout: scripts/setup --test installs it)")
+
+
+class Store(RetriedStore):
+    """Keys ("/"-separated, relative to the URL's root) mapped onto an fsspec filesystem.
+
+    Owns one filesystem instance (never shared through fsspec's instance cache, listings cache
+    off) so listings are never stale and concurrent use from the uploader thread is safe.
+
+    Raises `StorageConfigError` from the constructor for a bad URL or a missing driver.
+    """
+
+    def __init__(self, url: str, *, stop: threading.Event | None = None, retry_seconds: float = 60.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        super().__init__(url, stop=stop, retry_seconds=retry_seconds, sleep=sleep)
+        self.protocol, self._root, self._fs = _open_filesystem(url)
+        self._local = self.protocol == "file"
 
     # --- public operations ---------------------------------------------------------------------
 
@@ -187,25 +308,6 @@ class Store(ObjectStore):
         path = self._path(prefix_or_key)
         self._call("delete", prefix_or_key, lambda: self._rm(path))
 
-    def check(self) -> None:
-        """Fail fast, before a run starts, if this store cannot be written, read and listed.
-
-        Writes, reads back and deletes a small probe object under the root.
-        Raises StorageConfigError (bucket missing, access denied, credentials) or
-        StorageUnavailable (the service did not answer within the retry budget)."""
-        probe = f"{TMP_MARKER}probe-{uuid.uuid4().hex}"
-        payload = b"grpo-run storage check\n"
-        self.put_bytes(probe, payload)
-        try:
-            if self.get_bytes(probe) != payload:
-                raise StorageConfigError(
-                    f"storage {self.url}: a probe object read back different bytes than written"
-                )
-            self._bucket_confirmed = False
-            self._confirm_bucket()  # listing permission too
-        finally:
-            self.delete(probe)
-
     def fs_path(self, key: str) -> tuple[Any, str]:
         """(this store's fsspec filesystem, its path for `key`), for a primitive this class does
         not wrap: the lease's compare-and-swap (checkpoint.cas). Calls made on them bypass the
@@ -215,11 +317,7 @@ class Store(ObjectStore):
     # --- helpers --------------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
-            raise ValueError(f"storage key must be a relative '/'-separated path (got {key!r})")
-        parts = key.split("/")
-        if any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"storage key must not contain empty, '.' or '..' parts (got {key!r})")
+        check_key(key)
         return f"{self._root.rstrip('/')}/{key}" if self._root.rstrip("/") else f"/{key}"
 
     def _relative(self, path: str) -> str:
@@ -265,48 +363,6 @@ class Store(ObjectStore):
         self._call("list", "", lambda: self._fs.call_s3(
             "list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1))
         self._bucket_confirmed = True
-
-    def finish_by(self, deadline: float | None) -> None:
-        """From now on every call ends by `deadline` (a time.monotonic() value; None: no bound),
-        the ones already in flight included: one not answered by then is abandoned to its thread
-        with StorageUnavailable, and none is started after it. For a notice window: what is not
-        in storage when the node goes away never will be, and the exit must not wait for it."""
-        self._deadline = deadline
-
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
-        """Run `fn` under the retry policy (checkpoint.retry): StorageConfigError at once,
-        StorageUnavailable once transient errors outlast the budget, the stop event or the
-        deadline (finish_by)."""
-        what = f"{op} {key!r}"
-        if self._retry.stop is None:         # nothing can set a deadline that matters here
-            return self._retry.call(what, fn)
-        if self._deadline is not None and self._deadline <= time.monotonic():
-            raise StorageUnavailable(f"storage {self.url}: {what} not tried: the notice window is over")
-        return self._within_deadline(lambda: self._retry.call(what, fn), f"storage {self.url}: {what}")
-
-    def _within_deadline(self, fn: Callable[[], T], what: str) -> T:
-        """fn() in a daemon thread, waited for until it ends or the deadline passes (a deadline
-        set while it runs counts: a notice can come mid-call); then StorageUnavailable, the
-        thread left to finish or to die with the process."""
-        done: list[tuple[bool, Any]] = []
-        finished = threading.Event()
-
-        def run() -> None:
-            try:
-                done.append((True, fn()))
-            except BaseException as e:      # handed to the caller's thread
-                done.append((False, e))
-            finished.set()
-
-        threading.Thread(target=run, name="storage-call", daemon=True).start()
-        while not finished.wait(_DEADLINE_POLL_S):
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                raise StorageUnavailable(f"{what}: no answer by the end of the notice window; given up")
-        ok, value = done[0]
-        if ok:
-            return value
-        raise value
-
 
 _DEADLINE_POLL_S = 0.1       # how soon a call in flight notices that the window ended
 
@@ -382,19 +438,7 @@ def _open_filesystem(url: str) -> tuple[str, str, Any]:
         fs.retries = 1  # s3fs's own retry loop: one attempt; ours does the retrying
         return "s3", f"{bucket}{parts.path.rstrip('/')}", fs
 
-    if scheme in ("gs", "gcs"):
-        bucket = parts.netloc
-        if not bucket:
-            raise StorageConfigError(f"storage URL {url} names no bucket (expected gs://bucket/prefix)")
-        try:
-            fs = fsspec.filesystem("gs", skip_instance_cache=True, use_listings_cache=False)
-        except ImportError as exc:
-            raise StorageConfigError(
-                f"storage {url}: gs:// needs the gcsfs package (pip install gcsfs)"
-            ) from exc
-        return "gs", f"{bucket}{parts.path.rstrip('/')}", fs
-
     raise StorageConfigError(
         f"storage URL {url}: unsupported scheme {scheme!r} "
-        f"(use s3://bucket/prefix, gs://bucket/prefix, file:///path or a local path)"
+        f"(use {SUPPORTED_URLS})"
     )

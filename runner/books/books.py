@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from grpo_run.checkpoint.storage.store import ObjectStore
+from grpo_run.runner.books import replays
 from grpo_run.runner.books.evals import Evals
 from grpo_run.runner.books.ledger import Ledger
 from grpo_run.runner.books.replica import StaleRecord, fetch_record, generation_of, upload_number
@@ -32,7 +33,7 @@ from grpo_run.runner.books.trackers import Trackers, open_trackers
 from grpo_run.state import values
 from grpo_run.state.phases import ALLOWED_TRANSITIONS, AttemptEnd, Phase
 from grpo_run.state.record import RECORD_FILE, Record
-from grpo_run.trainer.protocol import Budget
+from grpo_run.trainer.protocol import Budget, EvalSummary
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,10 @@ class Books:
         return CarryOver(cpu_threads=values.CPU_THREADS.get(self.record) or None,
                          micro_batch_size=values.MICRO_BATCH_SIZE.get(self.record) or None)
 
+    def episode_digests(self) -> dict[int, list[str]]:
+        """The digests of the steps a resume may replay (runner.books.replays), for the trainer's plan."""
+        return replays.recorded(self.record)
+
     def judge_calls(self) -> dict[str, int]:
         """{judge reward: the run's answered calls so far}, for the next trainer to count on from."""
         return values.JUDGE_CALLS.get(self.record)
@@ -317,10 +322,14 @@ class Books:
 
     # --- steps and checkpoints -------------------------------------------------------------------
 
-    def log_step(self, step: int, metrics: dict[str, Any]) -> None:
-        """A completed step, with what the run has cost so far; uploaded within RECORD_SYNC_S."""
+    def log_step(self, step: int, metrics: dict[str, Any], episode_digests: list[str] | None = None) -> None:
+        """A completed step, with what the run has cost so far (and its episodes' digests, for a
+        resume that replays it: runner.books.replays); uploaded within RECORD_SYNC_S."""
         metrics = {**metrics, "costUSD": round(self.spent_usd(), 6)}
-        self.record.log_step(step, metrics)
+        with self.record.transaction():
+            self.record.log_step(step, metrics)
+            if episode_digests:
+                replays.keep(self.record, step, episode_digests)
         self.trackers.step(step, metrics)
         if self._first_step_due:     # storage hears at once that this attempt made progress: a node lost
             self._first_step_due = False     # later is not counted as lost without it (lost_without_progress)
@@ -358,6 +367,7 @@ class Books:
         with self.record.transaction():
             for step in steps:
                 self.record.add_checkpoint(step, durable=True)
+                replays.forget_through(self.record, step)
         self._durable_waits = True
         self.sync_soon(DURABLE_SYNC_S)
 
@@ -388,7 +398,7 @@ class Books:
 
     # --- evaluations (evals.py) -----------------------------------------------------------------
 
-    def cached_baseline(self, fingerprint: str, sample_tasks: int) -> dict[str, Any] | None:
+    def cached_baseline(self, fingerprint: str, sample_tasks: int) -> EvalSummary | None:
         """The baseline computed earlier for this fingerprint, recorded as reused; None: compute it.
         Reused from storage's cache (the record was deleted), the samples it kept come back into
         the record: those of the first `sample_tasks` held-out tasks (sampleEvalTasks now), or
@@ -403,18 +413,19 @@ class Books:
                 self.samples.replace("baseline", 0, groups)
         if groups:
             self.trackers.samples("baseline", 0, groups)
-        wanted = min(sample_tasks, result.get("tasks", sample_tasks))
+        wanted = min(sample_tasks, result.tasks)
         if stored is not None and len(groups) < wanted:
             log.info("the cached baseline kept the completions of %d of the %d held-out tasks sampleEvalTasks now "
                      "keeps: the final evaluation's others have no baseline answer beside them (the baseline is "
                      "not run again for them)", len(groups), wanted)
-        self.trackers.evaluation("baseline", 0, result)
+        self.trackers.evaluation("baseline", 0, result.to_dict())
         return result
 
-    def record_eval(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
+    def record_eval(self, kind: str, result: EvalSummary, fingerprint: str, *, no_signal: bool) -> None:
         self.evals.record_computed(kind, result, fingerprint, no_signal=no_signal)
         last = self.record.steps(last=1)
-        self.trackers.evaluation(kind, 0 if kind == "baseline" else (last[0]["step"] if last else 0), result)
+        self.trackers.evaluation(kind, 0 if kind == "baseline" else (last[0]["step"] if last else 0),
+                                 result.to_dict())
         self.sync(wait=True)     # the record first: it counts the computation (status.baseline.runs)
         if kind == "baseline":
             # then the cache beside it; a node lost between the two leaves the baseline in the
@@ -424,9 +435,9 @@ class Books:
     def evaluation(self, kind: str) -> dict[str, Any] | None:
         return self.record.eval(kind)
 
-    def add_held_out(self, step: int, result: dict[str, Any]) -> None:
+    def add_held_out(self, step: int, result: EvalSummary) -> None:
         self.evals.add_held_out(step, result)
-        self.trackers.evaluation("heldOut", step, result)
+        self.trackers.evaluation("heldOut", step, result.to_dict())
         self.sync_soon()
 
     def eval_batches(self, kind: str, fingerprint: str) -> dict[int, dict[str, list[float]]]:

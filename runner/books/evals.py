@@ -7,51 +7,28 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import ValidationError
 
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.state import values
 from grpo_run.state.record import Record
-from grpo_run.trainer.protocol import SampleGroup
+from grpo_run.trainer.protocol import EvalSummary, SampleGroup
 
 log = logging.getLogger(__name__)
 
 BASELINE = "baseline.json"
-RESULT_KEYS = ("meanReward", "rewards", "tasks", "solved", "batches", "reusedBatches")
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
                   "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
 
 
-class CachedResult(BaseModel):
-    """A baseline's result as a trainer reports it (trainer.metrics.EvalResult.to_dict): what
-    storage's baseline.json must read as before it is reused. Whoever can write the job's prefix is
-    not trusted (docs/security.md): a cache that does not read as one is evaluated again rather
-    than put into the record, the status and the report."""
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    meanReward: float
-    tasks: int = Field(ge=1)
-    solved: int = Field(ge=0)
-    batches: int = Field(1, ge=1)
-    reusedBatches: int = Field(0, ge=0)
-    rewards: dict[Annotated[str, StringConstraints(min_length=1, max_length=200)], float] | None = Field(
-        None, max_length=64)                     # each reward's mean, by name
-
-    @model_validator(mode="after")
-    def _counts(self) -> "CachedResult":
-        if self.solved > self.tasks or self.reusedBatches > self.batches:
-            raise ValueError("solved must be at most tasks, reusedBatches at most batches")
-        return self
-
-
 class Evals:
-    def __init__(self, record: Record, store: Store) -> None:
+    def __init__(self, record: Record, store: ObjectStore) -> None:
         self.record = record
         self.store = store
 
-    def cached_baseline(self, fingerprint: str) -> tuple[dict[str, Any], list[dict[str, Any]] | None] | None:
+    def cached_baseline(self, fingerprint: str) -> tuple[EvalSummary, list[dict[str, Any]] | None] | None:
         """The baseline computed earlier for this very fingerprint (the record's, else the one in
         storage), recorded as reused, with the samples to put back in the record: storage's
         cache's ([] when it has none), None for the record's own (its samples are still there);
@@ -68,17 +45,16 @@ class Evals:
             except ValueError:                 # not JSON (UnicodeDecodeError is a ValueError too)
                 log.warning("storage's %s is not JSON: ignored; the baseline is evaluated again", BASELINE)
         if cached is not None and cached.get("fingerprint") == fingerprint:
-            result = {k: cached[k] for k in RESULT_KEYS if k in cached}
-            if stored is not None:
-                try:
-                    result = CachedResult.model_validate(result).model_dump(exclude_unset=True)
-                except ValidationError as e:
-                    problem = e.errors()[0]
-                    where = str(problem["loc"][0]) if problem["loc"] else "the document"  # a field, never a key
-                    log.warning("storage's %s does not read as a baseline (%s: %s): ignored; the baseline is "
-                                "evaluated again", BASELINE, where, problem["msg"])
-                    return None
-            self.record.record_eval("baseline", result, computed=False, fingerprint=fingerprint)
+            try:
+                result = EvalSummary.model_validate({k: cached[k] for k in EvalSummary.model_fields if k in cached})
+            except ValidationError as e:
+                problem = e.errors()[0]
+                where = str(problem["loc"][0]) if problem["loc"] else "the document"  # a field, never a key
+                log.warning("%s does not read as a baseline (%s: %s): ignored; the baseline is evaluated again",
+                            f"storage's {BASELINE}" if stored is not None else "the record's baseline", where,
+                            problem["msg"])
+                return None
+            self.record.record_eval("baseline", result.to_dict(), computed=False, fingerprint=fingerprint)
             log.info("baseline evaluation reused from the cache (fingerprint %s)", fingerprint[:12])
             return result, _stored_samples(stored) if stored is not None else None
         if cached is not None:
@@ -86,26 +62,26 @@ class Evals:
                         "generation settings; evaluating again")
         return None
 
-    def record_computed(self, kind: str, result: dict[str, Any], fingerprint: str, *, no_signal: bool) -> None:
+    def record_computed(self, kind: str, result: EvalSummary, fingerprint: str, *, no_signal: bool) -> None:
         """An evaluation the trainer just ran (counted: status.baseline.runs)."""
-        self.record.record_eval(kind, result, computed=True, fingerprint=fingerprint)
+        self.record.record_eval(kind, result.to_dict(), computed=True, fingerprint=fingerprint)
         if kind == "baseline" and no_signal:
-            warning = f"baseline held-out reward is {result['meanReward']:.0%} on every task: {NO_SIGNAL_HINT}"
+            warning = f"baseline held-out reward is {result.meanReward:.0%} on every task: {NO_SIGNAL_HINT}"
             log.warning(warning)
             values.BASELINE_WARNING.set(self.record, warning)
 
-    def cache_baseline(self, result: dict[str, Any], fingerprint: str) -> None:
+    def cache_baseline(self, result: EvalSummary, fingerprint: str) -> None:
         """The baseline beside the record in storage, with the samples it kept (the record's), for
         a job submitted again after its record was deleted."""
         kept = [{k: v for k, v in g.items() if k != "step"}
                 for g in self.record.samples("baseline", self.record.sample_steps("baseline"))]
-        self.store.put_bytes(BASELINE, json.dumps({**result, "fingerprint": fingerprint, "samples": kept}).encode())
+        self.store.put_bytes(BASELINE, json.dumps({**result.to_dict(), "fingerprint": fingerprint, "samples": kept}).encode())
 
-    def add_held_out(self, step: int, result: dict[str, Any]) -> None:
+    def add_held_out(self, step: int, result: EvalSummary) -> None:
         """An evaluation on the held-out tasks after `step` (every evalSteps): the curve `get tj`
         shows as status.heldOut while the job runs."""
         curve = [e for e in values.HELD_OUT.get(self.record) if e["step"] != step]
-        curve.append({"step": step, **{k: result[k] for k in ("meanReward", "rewards", "solved") if k in result}})
+        curve.append({"step": step, **result.model_dump(include={"meanReward", "rewards", "solved"}, exclude_none=True)})
         values.HELD_OUT.set(self.record, sorted(curve, key=lambda e: e["step"]))
 
     def batches(self, kind: str, fingerprint: str) -> dict[int, dict[str, list[float]]]:

@@ -75,6 +75,10 @@ def baseline_fingerprint(model: str, env: Environment, p: GRPOParams) -> str:
     }
     if env.episodes is not None:        # the environment that answers, by its file's content, and its turns
         payload["episodes"] = [reward_identity(env.episodes.ref), env.episodes.max_turns]
+        if env.episodes.step_timeout_s:  # a slow step ends its episode there
+            payload["stepTimeoutSeconds"] = env.episodes.step_timeout_s
+        if env.episodes.tools:          # the tools that answer, by content, and how long one may take
+            payload["tools"] = [[reward_identity(t) for t in env.episodes.tools], env.episodes.tool_timeout_s]
     if p.compileDecode:                 # compiled kernels may round differently
         payload["compileDecode"] = True
     if p.evalTemperature > 0:           # greedy evaluation draws nothing: top-k / top-p do not matter

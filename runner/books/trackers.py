@@ -210,13 +210,13 @@ class Trackers:
 def open_trackers(tracking: dict[str, Any] | None, *, job_store, work: Path, name: str, run_id: str,
                   attempt: int, record) -> Trackers:
     """The trackers `tracking` (spec.tracking as a dict) names, opened for this attempt."""
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
 
     opened: list[Tracker] = []
     tracking = tracking or {}
     makers = {
         "tensorboard": lambda spec: TensorBoard(
-            work / TB_FOLDER, *((job_store, TB_FOLDER) if spec is True else (Store(str(spec)), name)),
+            work / TB_FOLDER, *((job_store, TB_FOLDER) if spec is True else (open_store(str(spec)), name)),
             suffix=f".{run_id[:8]}.attempt{attempt}"),
         "mlflow": lambda spec: MLflow(spec, name=name, run_id=run_id, record=record),
         "wandb": lambda spec: Wandb(spec, name=name, run_id=run_id, record=record),

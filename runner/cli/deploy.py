@@ -4,6 +4,7 @@ grpo-run installed here, which this command puts into the job's storage (runner/
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -49,10 +50,14 @@ def _takes(param: click.Parameter, kind: str) -> bool:
               help="the job file: every kind takes --storage (spec.storage) and --job (metadata.name) from it, skypilot "
                    "also --accelerators (spec.gpu); cloud-init also carries the file and the node submits it at boot, "
                    "while for k8s and skypilot submit it first: grpo-run apply -f FILE --detach (systemd: not used)")
-@click.option("--storage", metavar="URL", help="the job's storage (spec.storage), e.g. s3://bucket/prefix")
+@click.option("--storage", metavar="URL", help="the job's storage (spec.storage): s3://bucket/prefix, gs://bucket/prefix "
+              "or az://container/prefix (image: gs:// or az:// puts that store's client library in)")
 @click.option("--job", metavar="NAME", callback=job_name, help="the job's metadata.name (default: the only job under --storage)")
 @click.option("--region", metavar="REGION", help="the bucket's region (AWS_DEFAULT_REGION on the node)")
 @click.option("--endpoint", metavar="URL", help="AWS_ENDPOINT_URL on the node, for S3-compatible stores (MinIO, R2)")
+@click.option("--account", metavar="NAME",
+              help="az:// storage: the Azure storage account that holds the container; nodes get it as "
+                   "AZURE_STORAGE_ACCOUNT and sign in with their managed identity (default: $AZURE_STORAGE_ACCOUNT)")
 @click.option("--repo", metavar="URL", help="install grpo-run on the node from this git repository (scripts/setup) "
               "instead of the wheel of the grpo-run installed here, which is put into --storage")
 @click.option("--ref", metavar="REF", help="--repo's branch or tag (default: the repository's default branch)")
@@ -88,7 +93,7 @@ def _takes(param: click.Parameter, kind: str) -> bool:
               help="skypilot, and k8s with --all: the node waits for jobs to be submitted instead of ending when there "
                    "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
 def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None, region: str | None,
-               endpoint: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
+               endpoint: str | None, account: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int | None, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
                wait: bool, with_vllm: bool = False) -> int:
@@ -97,8 +102,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
     the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
-    SkyPilot relaunches), `iam` (the AWS policy a node needs: read, write,
-    list and delete under the job's prefix only, never a write under its _dist/, the wheel nodes install), `image` (the build context of the container image for
+    SkyPilot relaunches), `iam` (what a node may do: read, write,
+    list and delete under the job's prefix only, never a write under its _dist/, the wheel nodes install: for s3://
+    the AWS policy to attach to the nodes' role; for gs:// and az:// a shell script of the gcloud or az commands
+    that make the roles and bind them with conditions on the prefix, to review and run with PROJECT and NODES, or
+    NODES, set as its comments say), `image` (the build context of the container image for
     `k8s --image`: a Dockerfile, this grpo-run's wheel and constraints, torch for --torch). With --all, the
     k8s Job or SkyPilot task serves every job under --storage (N of them drain a sweep); a SkyPilot task
     ends when there is nothing to do unless --wait.
@@ -112,6 +120,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
       grpo-run deploy skypilot -f job.yaml > task.yaml && sky jobs launch task.yaml
       grpo-run deploy skypilot --storage s3://my-bucket/grpo --all --accelerators L4:1 > sweep.yaml   # drains every job
       grpo-run deploy iam --storage s3://my-bucket/grpo > policy.json
+      grpo-run deploy iam --storage gs://my-bucket/grpo > grant-nodes.sh   # then: PROJECT=... NODES=... sh grant-nodes.sh
+      grpo-run deploy cloud-init --storage az://my-container/grpo --account mystorage --job my-grpo-lora > user-data.yaml
       grpo-run deploy image --out grpo-run-image && docker build -t REGISTRY/grpo-run:TAG grpo-run-image
     """
     from grpo_run.runner.deploy.node import NodeSettings, cloud_init, systemd_unit
@@ -135,7 +145,8 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             print(str(e) if isinstance(e, JobError) else f"error: no such job file: {file}", file=sys.stderr)
             return EXIT_USAGE
         if spec.storage is None and storage is None:
-            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix)")
+            _error(f"{file}: spec.storage is not set; a node needs storage it can reach (s3://bucket/prefix, "
+                   f"gs://bucket/prefix or az://container/prefix)")
             return EXIT_USAGE
         from grpo_run.runner.deploy.node import samples_with_vllm
 
@@ -146,21 +157,27 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
     if kind == "image":                     # a build context: the image has no storage or job in it
-        return deploy_image(out_dir, torch_build, vllm=with_vllm)
+        return deploy_image(out_dir, torch_build, vllm=with_vllm, storage=storage)
     if all_jobs:
         job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
         print(systemd_unit(prefix), end="")
         return EXIT_OK
     if storage is None:
-        _error("give --storage s3://bucket/prefix (or -f JOB with spec.storage)")
+        _error("give --storage s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (or -f JOB with "
+               "spec.storage)")
         return EXIT_USAGE
     try:
+        if account is None and storage.startswith("az://"):   # not for another store: it says nothing of that one
+            account = os.environ.get("AZURE_STORAGE_ACCOUNT") or None
         if kind == "iam":
-            print(iam_policy(storage), end="")
+            print(iam_policy(storage, account=account), end="")
             return EXIT_OK
-        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, repo=repo, ref=ref,
-                                torch=torch_build, prefix=prefix, job_file=job_text, vllm=with_vllm)
+        settings = NodeSettings(storage=storage, job=job, region=region, endpoint=endpoint, account=account,
+                                repo=repo, ref=ref, torch=torch_build, prefix=prefix, job_file=job_text,
+                                vllm=with_vllm)
+        # refused before anything is put into storage: the nodes could not reach it
+        settings.require_account(elsewhere=secret if kind == "k8s" else None)
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
@@ -247,16 +264,25 @@ def refuse_local_files(file: str, spec, storage: str) -> bool:
     return True
 
 
-def deploy_image(out: str | None, torch: str, *, vllm: bool = False) -> int:
+def deploy_image(out: str | None, torch: str, *, vllm: bool = False, storage: str | None = None) -> int:
     """`grpo-run deploy image --out DIR`: the container image's build context (runner.deploy.node.
-    image_context) with this grpo-run's wheel, then the two commands that build and push it.
-    Returns the exit status, after one line on stderr for a refusal."""
+    image_context) with this grpo-run's wheel, then the two commands that build and push it; with
+    gs:// or az:// `storage`, the store's client library too. Returns the exit status, after one
+    line on stderr for a refusal."""
     from grpo_run.runner.deploy.node import image_context
     from grpo_run.runner.deploy.wheel import WheelError, build_wheel
 
     if not out:
         _error("image: give --out DIR, a new folder for the image's build context")
         return EXIT_USAGE
+    if storage is not None:
+        from grpo_run.runner.deploy.stores import scheme
+
+        try:
+            scheme(storage)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
     folder = Path(out)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         _error(f"--out {out}: not an empty folder; the image is built from everything in it: give a new one")
@@ -268,7 +294,7 @@ def deploy_image(out: str | None, torch: str, *, vllm: bool = False) -> int:
             _error(str(e))
             return EXIT_FAILED
         image_context(wheel, folder, torch=torch, python=f"{sys.version_info.major}.{sys.version_info.minor}",
-                      vllm=vllm)
+                      vllm=vllm, storage=storage)
     print(f"wrote the build context of grpo-run {wheel.version} ({wheel.digest}) to {folder}; build and push it:")
     print(f"  docker build -t REGISTRY/grpo-run:{wheel.version}-{wheel.digest} {folder}")
     print(f"  docker push REGISTRY/grpo-run:{wheel.version}-{wheel.digest}")

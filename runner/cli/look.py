@@ -143,8 +143,8 @@ def cmd_report(name: str, storage: str | None, out: str) -> int:
     """Draw a job's run into a PNG from its record: the train reward (raw and smoothed) with the
     held-out baseline, periodic and final evaluations; the groups with identical rewards, solved or
     without signal; completion length and the truncated fraction; the gradient norm (with KL when
-    beta > 0, the clip ratio when numIterations > 1); the spend over wall time when the job has a
-    rate. Every attempt boundary is marked with why it ended and the steps the next attempt redid.
+    beta > 0, the clip ratio when numIterations > 1); turns per episode and the share of tool calls
+    answered with an error for episodes; the spend over wall time when the job has a rate. Every attempt boundary is marked with why it ended and the steps the next attempt redid.
     A Markdown summary with one row per attempt is written beside it (same name, .md).
 
     \b

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import yaml
 
+from grpo_run.runner.deploy import stores
 from grpo_run.runner.deploy.node import NodeSettings
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
 from grpo_run.runner.spec.gpus import ALIASES
@@ -143,7 +144,12 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     The pod asks for `gpus` GPUs (nvidia.com/gpu, one per trainer process), tolerates the
     nvidia.com/gpu taint GPU node pools carry, and with `gpu` (spec.gpu) selects that card by the
     pool's own label where it has one (gpu_selector; a comment at the top says which or why not).
-    ValueError for a bad pool, seccomp choice or uid."""
+    The image must hold the client library of the job's store (`grpo-run deploy image --storage
+    gs://... or az://...` puts the extra in): a comment at the top says which.
+
+    ValueError for a bad pool, seccomp choice or uid, or for az:// storage with neither an account
+    nor a Secret (whose keys may carry AZURE_STORAGE_ACCOUNT or AZURE_STORAGE_CONNECTION_STRING)."""
+    s.require_account(elsewhere=secret)
     if pool not in SPOT_POOLS:
         raise ValueError(f"--pool {pool!r}: expected one of {', '.join(SPOT_POOLS)}")
     if isinstance(uid, bool) or not isinstance(uid, int) or uid <= 0:
@@ -159,7 +165,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     env = [{"name": "GRPO_RUN_HOME", "value": "/work"}, {"name": "GRPO_RUN_NOTICES", "value": "auto"},
            {"name": "GRPO_RUN_SANDBOX", "value": "strict"},      # reward functions only in the full sandbox
            {"name": "HOME", "value": "/work"}, {"name": "HF_HOME", "value": "/work/huggingface"}]
-    env += [{"name": k, "value": v} for k, v in (("AWS_DEFAULT_REGION", s.region), ("AWS_ENDPOINT_URL", s.endpoint)) if v]
+    env += [{"name": k, "value": v} for k, v in s.env() if v]       # the store's settings: S3's, or Azure's account
     container = {
         "name": "grpo-run", "image": image,
         "command": ["grpo-run", "resume", "--storage", s.storage, "--all", *(["--wait"] if wait else [])] if all_jobs
@@ -209,4 +215,14 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         },
     }
     note = K8S_SECURITY_NOTE.replace("@UID@", str(uid)).replace("@SECCOMP@", profile["type"])
-    return note + said + "\n" + yaml.safe_dump(job, sort_keys=False)
+    return note + said + "\n" + _store_note(s) + yaml.safe_dump(job, sort_keys=False)
+
+
+def _store_note(s: NodeSettings) -> str:
+    """A comment line saying what the image needs for the job's store ("" for S3 and folders,
+    whose client is grpo-run's own dependency)."""
+    extra = stores.EXTRAS.get(s.store)
+    if extra is None:
+        return ""
+    return (f"# Storage {s.store}://: --image must hold grpo-run[{extra}] (grpo-run deploy image --storage "
+            f"{s.storage} puts it in); it signs in with --service-account's workload identity, or --secret's keys\n")

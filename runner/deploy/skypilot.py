@@ -22,17 +22,17 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
     The run ends when there is nothing to do: `resume NAME` exits 2 for a job that was never
     submitted, `resume --all` (`all_jobs`: every job under the prefix, runner/jobs/queue.py) exits once
     none is left. Only with `wait` does it wait for submissions, on a GPU paid meanwhile.
-    With all_jobs, s.job is not used. ValueError without accelerators."""
+    With all_jobs, s.job is not used. The store's settings are envs (S3's region and endpoint,
+    Azure's account; GCS needs none). ValueError without accelerators, or for az:// storage without
+    an account."""
     if not accelerators:
         raise ValueError("skypilot: give --accelerators GPU:N (e.g. H100:1), or -f JOB with spec.gpu: "
                          "a task without accelerators runs on a CPU node")
+    s.require_account()
     envs = {"GRPO_RUN_STORAGE": s.storage, "GRPO_RUN_SANDBOX": "strict"}
     if s.job and not all_jobs:
         envs["GRPO_RUN_JOB"] = s.job
-    if s.region:
-        envs["AWS_DEFAULT_REGION"] = s.region
-    if s.endpoint:
-        envs["AWS_ENDPOINT_URL"] = s.endpoint
+    envs.update((k, v) for k, v in s.env() if v)
     resources: dict = {"use_spot": True, "job_recovery": {"strategy": "EAGER_NEXT_REGION", "max_restarts_on_errors": 0},
                        "accelerators": accelerators}
     if cloud:
@@ -60,7 +60,7 @@ SKYPILOT_PREFIX = "$HOME/grpo-run"
 
 def skypilot_setup(s: NodeSettings) -> str:
     """SkyPilot's `setup:`: python3-venv where the image lacks it (Ubuntu's python3 comes without),
-    then install_script into SKYPILOT_PREFIX, run with the task's envs (the store's endpoint, region)."""
+    then install_script into SKYPILOT_PREFIX, run with the task's envs (the store's settings)."""
     script = install_script(replace(s, prefix=SKYPILOT_PREFIX))
     return ('python3 -c "import ensurepip" 2>/dev/null || { sudo apt-get update -q && sudo apt-get install -y -q python3-venv; }\n'
             f"cat > install-node.sh <<'INSTALL'\n{script}INSTALL\n"

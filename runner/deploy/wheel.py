@@ -156,9 +156,9 @@ def publish(wheel: Wheel, storage: str) -> Wheel:
     Raises StorageConfigError / StorageUnavailable."""
     from dataclasses import replace
 
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
 
-    store = Store(storage)
+    store = open_store(storage)
     sha256 = wheel.sha256
     if not store.exists(wheel.wheel_key):
         store.put_file(wheel.path, wheel.wheel_key)

@@ -129,7 +129,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     scorer_configs = reward_model_configs(job)
     targets = p.lora.targetModules
     env = job.environment
-    episodes = env.episodes is not None
+    episodes = env.plays_episodes
     turns = (env.maxTurns or DEFAULT_MAX_TURNS) if episodes else 1
     memory = memory_estimate(
         config,

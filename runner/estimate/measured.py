@@ -79,7 +79,7 @@ def sampled_length(spec: dict[str, Any]) -> int | None:
 
     length = (spec.get("parameters") or {}).get("maxCompletionLength")
     env = spec.get("environment") or {}
-    if not isinstance(length, int) or not isinstance(env, dict) or not env.get("episodes"):
+    if not isinstance(length, int) or not isinstance(env, dict) or not (env.get("episodes") or env.get("tools")):
         return length if isinstance(length, int) else None
     turns = env.get("maxTurns")
     return length * (turns if isinstance(turns, int) and turns > 0 else DEFAULT_MAX_TURNS)

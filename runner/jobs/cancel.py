@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_run.checkpoint.storage.lease import LEASE_KEY, LeaseHeld, held
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import open_store
 from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.state.phases import FINISHED, AttemptEnd, Phase
 from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401
@@ -61,7 +61,7 @@ def cancel_job(name: str, storage: str | None) -> Cancelled:
     from grpo_run.runner.books.replica import stored_record
 
     url = job_store_url(storage, name)
-    store = Store(url)
+    store = open_store(url)
     with stored_record(store) as record:
         stored = record.job() if record is not None else None
     if stored is None:
@@ -95,7 +95,7 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
     from grpo_run.runner.jobs.submit import SUBMITTED
 
     url = job_store_url(storage, name)
-    job_store = Store(url)
+    job_store = open_store(url)
     keys = job_store.list("")
     local = [p for p in (work_dir(name), home() / SUBMITTED / name, home() / "cache" / "records" / f"{name}.db")
              if p.exists()]
@@ -108,7 +108,7 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
         try:
             with guard:
                 parent, _, folder = url.rpartition("/")
-                Store(parent).delete(folder)     # the whole folder, whole path components: never NAME-2
+                open_store(parent).delete(folder)     # the whole folder, whole path components: never NAME-2
         except LeaseHeld as taken:
             raise StillHeld(f"{taken}; delete refuses a job a node is running: `grpo-run cancel {name}` "
                             f"stops it, or add --force if that node is gone") from None

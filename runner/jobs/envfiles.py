@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.runner.spec.environment import EnvironmentSpec
 from grpo_run.runner.spec.job import TrainingJob
 from grpo_run.runner.supervisor.uploads import sha256_of, upload_environment  # noqa: F401  (apply's copy)
@@ -58,6 +58,7 @@ def _files(env: EnvironmentSpec) -> dict[str, str]:
     if _reward_file(env.episodes):
         files["episodes"] = _reward_file(env.episodes)
     files.update({f"rewards.{i}": _reward_file(r.function) for i, r in enumerate(env.rewards) if _reward_file(r.function)})
+    files.update({f"tools.{i}": _reward_file(t) for i, t in enumerate(env.tools) if _reward_file(t)})
     return files
 
 
@@ -114,7 +115,7 @@ def environment_uploads(job: TrainingJob) -> tuple[tuple[str, str, str], ...]:
     return tuple((path, _key(field, path), env.sha256[field]) for field, path in _files(env).items())
 
 
-def localize_environment(job: TrainingJob, store: Store, work: Path) -> TrainingJob:
+def localize_environment(job: TrainingJob, store: ObjectStore, work: Path) -> TrainingJob:
     """On `resume`: the job with its environment files fetched from storage into
     `work/environment`, each checked against the sha256 the spec records; the paths the stored
     spec names are never opened on this node. Raises LookupError when a file is not in storage
@@ -163,8 +164,10 @@ def localize_environment(job: TrainingJob, store: Store, work: Path) -> Training
     if env.rewards:
         update["rewards"] = tuple(r.model_copy(update={"function": moved(r.function, f"rewards.{i}")})
                                   for i, r in enumerate(env.rewards))
+    if env.tools:
+        update["tools"] = tuple(moved(t, f"tools.{i}") for i, t in enumerate(env.tools))
     # The reward imports from its own stored folder only: the stored `path` is whatever the bucket
     # says (`~/.aws`, GRPO_RUN_HOME/runs), and named the applying machine's folders anyway.
     update["path"] = tuple(dict.fromkeys(str(Path(fetched[k]).parent) for k in fetched
-                                         if k in ("reward", "episodes") or k.startswith("rewards.")))
+                                         if k in ("reward", "episodes") or k.startswith(("rewards.", "tools."))))
     return job.model_copy(update={"environment": env.model_copy(update=update)})

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_run.checkpoint.manifest import Manifest
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore, open_store
 from grpo_run.checkpoint.sync import CHECKPOINTS, FINAL, download_latest, run_prefix
 from grpo_run.runner.books.replica import stored_record
 from grpo_run.state import values
@@ -24,7 +24,7 @@ def export_weights(job_url: str, out: Path) -> str:
 
     Raises LookupError when the job has no record in storage, its run id is not one, or it has
     neither final weights nor a durable checkpoint of its run."""
-    store = Store(job_url)
+    store = open_store(job_url)
     with tempfile.TemporaryDirectory(prefix="grpo-run-export.") as tmp:
         tmp = Path(tmp)
         run, succeeded = _run_of(store, job_url)
@@ -57,7 +57,7 @@ def export_weights(job_url: str, out: Path) -> str:
     return what
 
 
-def _run_of(store: Store, job_url: str) -> tuple[str | None, bool]:
+def _run_of(store: ObjectStore, job_url: str) -> tuple[str | None, bool]:
     """(the run id, whether it succeeded) from the job's record in storage; the run id is None
     in a record written before run ids."""
     with stored_record(store) as record:

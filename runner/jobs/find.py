@@ -22,7 +22,7 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     when storage holds several jobs and none is named, or a job whose stored name is not its
     folder's (runner.jobs.stored), JobError for a stored spec that no longer parses,
     StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
     from grpo_run.runner.books.replica import stored_record
     from grpo_run.runner.spec.job import parse_job
     from grpo_run.runner.jobs.stored import check_folder_name, check_stored_name
@@ -36,7 +36,7 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
                          f"grpo-run resume --storage {storage} --all")
     name = names[0]
     check_folder_name(name, storage)            # a folder from storage becomes a work folder here
-    store = Store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
+    store = open_store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
     store.check()
     with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
         job_doc = record.job() if record is not None else None
@@ -83,15 +83,15 @@ def engine_missing(job, record) -> str | None:
 
 
 def jobs_in(storage: str) -> list[str]:
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
 
-    store = Store(storage)
+    store = open_store(storage)
     return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
 
 
 def open_record(name: str, storage: str | None):
     """The job's record: the local work folder's when no storage is named, else the store's."""
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
     from grpo_run.state.record import Record
 
     local = work_dir(name) / RECORD_FILE
@@ -101,7 +101,7 @@ def open_record(name: str, storage: str | None):
         from grpo_run.runner.jobs.submit import submitted_storage
 
         storage = submitted_storage(home(), name)
-    store = Store(job_store_url(storage, name))
+    store = open_store(job_store_url(storage, name))
     # A read-only copy, refreshed on every call (get_file replaces it atomically).
     copy = home() / "cache" / "records" / f"{name}.db"
     for leftover in (copy.with_name(copy.name + "-wal"), copy.with_name(copy.name + "-shm")):

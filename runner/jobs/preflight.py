@@ -43,7 +43,8 @@ Mode = Literal["dry-run", "apply", "detach"]
 FIRST_ROWS = 5                  # rows read of each task file: enough to catch a wrong column or format
 PROBE_RETRY_S = 15.0            # how long the storage probe retries a store that does not answer
 SUPPORTED_STORAGE = ("s3://bucket/prefix (AWS S3, or MinIO, SeaweedFS, R2 and other S3-compatible stores "
-                     "through AWS_ENDPOINT_URL) or a local folder")
+                     "through AWS_ENDPOINT_URL), gs://bucket/prefix (Google Cloud Storage), az://container/prefix "
+                     "(Azure Blob Storage) or a local folder")
 # columns that usually hold a data set's prompt, in the order a hint tries them
 _PROMPT_LIKE = ("prompt", "question", "problem", "instruction", "input", "query", "messages", "text")
 
@@ -176,11 +177,8 @@ def _check_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
         found.problems.append(f"spec.storage: not a URL (got {url}): {e}; write it as s3://bucket/prefix")
         return
     scheme = parts.scheme.lower() if parts is not None else ""
-    if scheme in ("gs", "gcs"):
-        # gcsfs could be installed, but the lease would refuse the job next (checkpoint.cas):
-        # GCS through gcsfs cannot replace or delete only the generation that was read
-        found.problems.append(f"spec.storage: gs:// is not supported (got {url}): a job's lease needs conditional "
-                              "replace and delete, which gcsfs does not offer; use " + SUPPORTED_STORAGE)
+    if scheme in ("gs", "gcs", "az"):
+        _check_cloud_storage(job, mode, found)
         return
     if scheme not in ("", "file", "s3", "s3a"):
         found.problems.append(f"spec.storage: {scheme}:// is not supported (got {url}): use " + SUPPORTED_STORAGE)
@@ -208,6 +206,27 @@ def _check_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
     _probe(where, found)
 
 
+def _check_cloud_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """gs:// and az://: the URL, the client library (its extra named when missing), the account
+    for Azure; the probe unless a dry run (it meets the credentials: a missing or refused one is
+    a StorageConfigError that says what to set)."""
+    from grpo_run.checkpoint.storage.store import StorageConfigError, open_store
+    from grpo_run.runner.home import job_store_url
+
+    url = job.storage
+    where = job_store_url(url, job.name)
+    try:
+        open_store(where)           # the URL's form, the library, the account: nothing sent yet
+    except StorageConfigError as e:
+        found.problems.append(f"spec.storage: {_first_line(e)}")
+        return
+    if mode == "dry-run":
+        found.notes.append(f"spec.storage: credentials not tried on a dry run: apply and --detach first write, "
+                           f"read and delete a small object under {where}")
+        return
+    _probe(where, found)
+
+
 def aws_credentials_source() -> str | None:
     """How botocore would sign requests here ('env', 'shared-credentials-file', 'iam-role', ...),
     or None when it finds no credentials: the chain s3:// storage uses. Raises what botocore
@@ -220,10 +239,10 @@ def aws_credentials_source() -> str | None:
 
 def _probe(url: str, found: Findings) -> None:
     """Write, read back and delete a small object under `url` (Store.check)."""
-    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
 
     try:
-        Store(url, retry_seconds=PROBE_RETRY_S).check()
+        open_store(url, retry_seconds=PROBE_RETRY_S).check()
     except StorageConfigError as e:         # no such bucket, access denied, credentials refused
         found.problems.append(f"spec.storage: {_first_line(e)}")
     except StorageUnavailable as e:
@@ -470,20 +489,25 @@ def _check_episodes(job: TrainingJob, found: Findings) -> None:
     """The job's episodes environment loaded by the grader's sandboxed worker, as the trainer's
     EnvironmentHost will load it, strict as the rewards are (`_check_rewards`), and checked to be
     a class with reset(task, seed) and step(reply)."""
+    from grpo_run.trainer.envs.catalog import ANSWER_AFTER_TOOLS
     from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost
     from grpo_run.trainer.grader.grader import SandboxUnavailable
 
     env, p = job.environment, job.parameters
-    if env.episodes is None:
+    if not env.plays_episodes:
         return
+    field = "episodes" if env.episodes else "tools"
     try:
         with _quiet_grader():
-            EnvironmentHost(env.episodes, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
-                            memory_mb=p.rewardMemoryMB, retries=0, strict=True).close()
+            EnvironmentHost(env.episodes or ANSWER_AFTER_TOOLS, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
+                            memory_mb=p.rewardMemoryMB, retries=0, strict=True, tools=env.tools).close()
     except SandboxUnavailable as e:
-        found.notes.append(f"spec.environment.episodes: not loaded on this machine, which cannot sandbox it fully "
+        found.notes.append(f"spec.environment.{field}: not loaded on this machine, which cannot sandbox it fully "
                            f"(missing: {', '.join(e.missing)}); the node loads it in its sandbox when the job starts")
     except EnvironmentFailed as e:
+        if e.summary.startswith("ToolProblem: ") or env.episodes is None:
+            found.problems.append(f"spec.environment.tools: {e.summary.removeprefix('ToolProblem: ')}")
+            return
         summary = e.summary.removeprefix("TypeError: ")
         name = e.ref.rpartition(":")[2]
         if not summary.startswith((name + " ", name + ".", name + "(")):      # not the class check's own words

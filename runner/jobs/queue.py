@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_run.checkpoint.storage.lease import describe_holder, read_lease
-from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, Store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, open_store
 from grpo_run.runner.text import error, printable
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.home import job_store_url
@@ -65,7 +65,7 @@ SKIPPED = {
 HOW_IT_ENDED = {EXIT_FAILED: "failed", EXIT_BUDGET: "stopped at its maxCostUSD"}
 
 # (job, its checked store) -> the exit status of one supervised run of it (runner.cli's resume)
-RunJob = Callable[[Any, Store], int]
+RunJob = Callable[[Any, ObjectStore], int]
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Queue:
             if self.stop.is_set():
                 return ran
             url = job_store_url(self.storage, name)
-            looked = _look(Store(url, stop=self.stop))
+            looked = _look(open_store(url, stop=self.stop))
             if looked is None:                       # its record went away meanwhile (deleted)
                 continue
             phase, created = looked
@@ -254,7 +254,7 @@ class Queue:
         return code
 
 
-def _attempts(store: Store) -> int:
+def _attempts(store: ObjectStore) -> int:
     """How many attempts storage's record holds: a run that adds none trained nothing here."""
     from grpo_run.runner.books.replica import stored_record
 
@@ -262,7 +262,7 @@ def _attempts(store: Store) -> int:
         return len(record.attempts()) if record is not None else 0
 
 
-def _look(store: Store) -> tuple[Phase, str] | None:
+def _look(store: ObjectStore) -> tuple[Phase, str] | None:
     """(The job's phase, when its record was created) as storage's record says; None when there
     is no record."""
     from grpo_run.runner.books.replica import stored_record

@@ -174,7 +174,7 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
              trust_urls: bool | None, progress: bool | None, job_file: str | None) -> int:
     """run_job's work, with the hub token as run_job decided."""
-    from grpo_run.checkpoint.storage.store import Store, StorageConfigError, StorageUnavailable
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
     from grpo_run.runner.jobs.envfiles import environment_uploads, localize_environment
     from grpo_run.runner.supervisor.runspec import build_run_spec
     from grpo_run.runner.jobs.stored import as_this_node_runs_it
@@ -187,7 +187,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     work = work_dir(job.name)
     try:
         if store is None:
-            store = Store(url, stop=stop)       # a notice stops its retries and bounds its calls
+            store = open_store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
         if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
             local, uploads = job, environment_uploads(job)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_run.checkpoint.storage.lease import LeaseHeld, held
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore, open_store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.replica import fetch_record
 from grpo_run.runner.jobs.envfiles import environment_uploads, upload_environment
@@ -51,7 +51,7 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
     written (submitted or its Pending spec replaced). Raises SubmitRefused when storage holds the
     job with another spec that cannot change now; StorageConfigError / StorageUnavailable for
     storage that cannot be used."""
-    store = Store(url)
+    store = open_store(url)
     store.check()                                   # a bad bucket or credentials fail before anything is written
     manifest = job.to_dict()
     try:
@@ -89,7 +89,7 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
                      str(stored["phase"]) if existing is not None else str(Phase.PENDING), url)
 
 
-def _stored(store: Store) -> dict | None:
+def _stored(store: ObjectStore) -> dict | None:
     """The job as stored (its record's job row), read into a scratch folder; None when there is none."""
     with tempfile.TemporaryDirectory(prefix="grpo-run-submit-") as tmp:
         local = fetch_record(store, Path(tmp))

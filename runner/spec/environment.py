@@ -92,6 +92,7 @@ def _data_path(value: str, info: ValidationInfo, *, hub_ok: bool = False, label:
 
 
 DEFAULT_MAX_TURNS = 6        # spec.environment.maxTurns when a job with episodes leaves it out
+
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 OWN_DATA = ("tasks", "evalTasks", "dataset", "datasetConfig", "trainSplit", "evalSplit", "columns",
@@ -198,6 +199,14 @@ class EnvironmentSpec(Strict):
     # step(reply) -> grpo_run.Step (docs/environments.md); each task is handed to reset
     episodes: str | None = None
     maxTurns: int | None = Field(None, ge=1)   # with episodes: replies per episode at most (default DEFAULT_MAX_TURNS)
+    # tools for chat models: typed functions, "file.py:function" or "module:function"; a reply that
+    # calls them (Qwen's <tool_call> JSON) is answered with their results, rendered by the chat
+    # template; the first reply that calls none ends the episode, or goes to `episodes` when given
+    tools: tuple[str, ...] = ()
+    toolTimeoutSeconds: float | None = Field(None, gt=0)   # one tool call at most (default rewardTimeoutSeconds)
+    # one step call at most; a step past it ends its episode ("stepTime"); unset, a step past
+    # rewardTimeoutSeconds fails the job as the environment's failure
+    stepTimeoutSeconds: float | None = Field(None, gt=0)
     # {file's field (reward, tasks, dataFiles.train, ...): sha256 of its bytes}, recorded by `apply`
     # from the files it uploads; a resuming node uses the stored copies only if they still match
     sha256: dict[str, str] = {}
@@ -215,6 +224,16 @@ class EnvironmentSpec(Strict):
     @classmethod
     def _reward(cls, ref: str | None, info: ValidationInfo) -> str | None:
         return None if ref is None else _ref(ref, info, "Class" if info.field_name == "episodes" else "function")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, refs: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        return tuple(_ref(ref, info, "function") for ref in refs)
+
+    @property
+    def plays_episodes(self) -> bool:
+        """Episodes: an environment that talks back, or tools that answer the model's calls."""
+        return self.episodes is not None or bool(self.tools)
 
     @field_validator("tasks", "evalTasks")
     @classmethod
@@ -248,7 +267,7 @@ class EnvironmentSpec(Strict):
             raw = {"name": raw}
         if isinstance(raw, dict):
             raw = {**raw, **{k: tuple([raw[k]] if isinstance(raw[k], str) else raw[k])
-                             for k in ("path", "rewards") if isinstance(raw.get(k), (str, list))}}
+                             for k in ("path", "rewards", "tools") if isinstance(raw.get(k), (str, list))}}
             if isinstance(raw.get("rewards"), tuple):
                 raw["rewards"] = tuple({"function": r} if isinstance(r, str) else r for r in raw["rewards"])
         try:
@@ -293,6 +312,8 @@ class EnvironmentSpec(Strict):
                               for r in self.rewards]
         if self.path:
             out["path"] = list(self.path)
+        if self.tools:
+            out["tools"] = list(self.tools)
         return out
 
 
@@ -327,8 +348,16 @@ def _environment_problems(given: dict[str, Any]) -> list[tuple[tuple[str, ...], 
     if not isinstance(name, str) or not name:
         return found
     has = {k for k, v in given.items() if v not in (None, (), {}, [])}
-    if "maxTurns" in has and "episodes" not in has:
-        found.append((("maxTurns",), "goes with episodes (file.py:Class, the environment that talks back)"))
+    if "maxTurns" in has and not has & {"episodes", "tools"}:
+        found.append((("maxTurns",), "goes with episodes (file.py:Class, the environment that talks back) or tools"))
+    if "stepTimeoutSeconds" in has and "episodes" not in has:
+        found.append((("stepTimeoutSeconds",), "goes with episodes (file.py:Class, whose step it limits)"))
+    if "toolTimeoutSeconds" in has and "tools" not in has:
+        found.append((("toolTimeoutSeconds",), "goes with tools (file.py:function, each a tool the model may call)"))
+    if name in CATALOG and "reward" not in has and "tools" in has:
+        found.append((("tools",), f"go with your own tasks and rewards, and {name!r} is a catalog environment's name: "
+                      "give the environment a name of its own, tasks with chat prompts, and a reward"))
+        return found
     if name in CATALOG and "reward" not in has and "episodes" in has:
         found.append((("episodes",), f"goes with your own tasks, and {name!r} is a catalog environment's name: give "
                       "the environment a name of its own, and tasks (each one handed to reset)"))
@@ -420,10 +449,12 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
                                     data_files=None if own else env.dataFiles, tasks=own)
         return replace(built, rewards=rewards_of(env))      # the job's rewards, by the job's names
-    from grpo_run.trainer.envs.catalog import EpisodeSettings
+    from grpo_run.trainer.envs.catalog import ANSWER_AFTER_TOOLS, EpisodeSettings
 
     train, held = _own_tasks(env, p.seed)
-    episodes = EpisodeSettings(env.episodes, env.maxTurns or DEFAULT_MAX_TURNS) if env.episodes else None
+    episodes = EpisodeSettings(env.episodes or ANSWER_AFTER_TOOLS, env.maxTurns or DEFAULT_MAX_TURNS,
+                               tools=env.tools, tool_timeout_s=env.toolTimeoutSeconds,
+                               step_timeout_s=env.stepTimeoutSeconds) if env.plays_episodes else None
     return user_environment(name=env.name, rewards=rewards_of(env), tasks=train, eval_tasks=held, search_path=env.path,
                             episodes=episodes)
 

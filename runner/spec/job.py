@@ -35,7 +35,7 @@ from grpo_run.runner.home import TINY_NAMES, TINY_PREFIX, is_tiny
 API_VERSION = "grpo-run/v1"
 KIND = "TrainingJob"
 RUNTIMES = ("grpo-lora",)
-STORAGE_SCHEMES = ("s3", "s3a", "gs", "gcs", "file", "local", "memory")   # what checkpoint.storage.store opens
+STORAGE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "file", "local", "memory")   # what checkpoint.storage.store opens
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 NOTICE_URLS = {"awsMetadataURL": AWS_METADATA_URL_ENV, "gcpMetadataURL": GCP_METADATA_URL_ENV,
                "azureMetadataURL": AZURE_METADATA_URL_ENV}
@@ -196,7 +196,7 @@ class TrainingJob(Strict):
         scheme = v.split("://", 1)[0].lower() if v and "://" in v else ""
         if scheme and scheme not in STORAGE_SCHEMES:     # checkpoint.storage.store opens only these
             raise problem(f"unsupported scheme {scheme!r} in {v!r}: use s3://bucket/prefix (AWS, MinIO, "
-                          f"SeaweedFS, R2), gs://bucket/prefix, file:///path or a folder")
+                          f"SeaweedFS, R2), gs://bucket/prefix, az://container/prefix, file:///path or a folder")
         try:
             return v if v is None or "://" in v else resolve_path(v, base_folder(info))
         except Exception as e:

@@ -134,7 +134,7 @@ class TrainerProcess:
         self._wake = wake                 # the supervisor's: set with `done`
         self._proc: subprocess.Popen | None = None
         self._listens = False
-        functions = sandboxed_calls(spec.env)
+        functions = sandboxed_calls(spec.env, spec.params.rewardTimeoutSeconds)
         judges = [r.judge for r in spec.env.rewards if r.judge is not None]
         self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}
@@ -159,7 +159,7 @@ class TrainerProcess:
                     eval_done={kind: batches for kind, batches in done.items() if batches},
                     budget=books.budget(), run_id=books.run_id, sandbox_strict=spec.sandbox_strict,
                     judge_calls=books.judge_calls(),
-                    judge_usd=books.judge_usd())
+                    judge_usd=books.judge_usd(), episode_digests=books.episode_digests())
 
     def _sampler(self) -> str:
         """The engine the run samples with: the one its first attempt chose (a resume never switches
@@ -241,7 +241,7 @@ class TrainerProcess:
             case Samples():          # a step's come before it, an evaluation batch's before it
                 books.add_samples(ev.kind, ev.step, [g.model_dump() for g in ev.groups])
             case Step():
-                books.log_step(ev.step, ev.metrics)
+                books.log_step(ev.step, ev.metrics, ev.episodeDigests)
             case Sealed():
                 self.durability.sealed(ev.step, Path(ev.path))
             case PhaseStarted():

@@ -8,18 +8,18 @@ import json
 import time
 from typing import Any
 
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.store import ObjectStore
 
 CANCEL_KEY = "cancel.json"      # in the job's storage folder: {"by": "cancel@HOST", "at": ISO time}
 
 
-def request_cancel(store: Store, by: str) -> None:
+def request_cancel(store: ObjectStore, by: str) -> None:
     """Leave the cancel request in the job's folder (replacing an earlier one)."""
     body = {"by": by, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     store.put_bytes(CANCEL_KEY, (json.dumps(body) + "\n").encode())
 
 
-def cancel_requested(store: Store) -> dict[str, Any] | None:
+def cancel_requested(store: ObjectStore) -> dict[str, Any] | None:
     """The job's cancel request, or None. A request whose body is unreadable still counts (someone
     who can write the folder asked), named by who wrote it as unknown. Raises StorageConfigError /
     StorageUnavailable as the store does."""

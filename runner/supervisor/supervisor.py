@@ -32,7 +32,7 @@ from typing import Any, Callable
 from grpo_run.checkpoint.storage.fenced import FencedStore
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
-from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, Store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, open_store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_HELD, EXIT_OK
@@ -85,13 +85,13 @@ class _Restart(Exception):
 class Supervisor:
     """Owns the lease, the notice monitor, the run's books, the uploads and the attempts."""
 
-    def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher], store: Store | None = None,
+    def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher], store: ObjectStore | None = None,
                  notice_window_s: float = DEFAULT_NOTICE_WINDOW_S, limits: RestartLimits = RestartLimits(),
                  poll_interval_s: float = 1.0, progress: bool = False,
                  sleep: Callable[[float], None] | None = None, preempt: threading.Event | None = None) -> None:
         self.spec = spec
         self.work = Path(work)
-        self.store: ObjectStore = store or Store(spec.storage)   # fenced by the lease once it is held (run)
+        self.store: ObjectStore = store or open_store(spec.storage)   # fenced by the lease once it is held (run)
         self.watchers = watchers
         self.notice_window_s = notice_window_s
         self.limits = limits

@@ -22,11 +22,13 @@ GRPO_RUN_HANG_SECONDS on the node sets it instead (a number of seconds).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from typing import Any, Callable, Sequence
 
 from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.grader.tools import MAX_TOOL_CALLS
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +49,21 @@ def reward_bound_s(params: GRPOParams, functions: int, judges: Sequence[Any] = (
     return bound + sum(items * j.timeout_s * (j.retries + 1) / max(j.concurrency, 1) for j in judges)
 
 
-def sandboxed_calls(env: Any) -> int:
-    """How many sandboxed calls per item a step's scoring makes (the trainer's Environment): one
-    per reward function (reward models and judges are not in the sandbox), and an episode's
-    environment calls: making its object, reset, and each of its maxTurns steps."""
+def sandboxed_calls(env: Any, reward_timeout_s: float) -> int:
+    """How many sandboxed calls (each up to rewardTimeoutSeconds) per item a step's scoring makes
+    (the trainer's Environment): one per reward function (reward models and judges are not in the
+    sandbox), and an episode's environment calls: making its object, reset, each of its maxTurns
+    steps (as many calls' worth as stepTimeoutSeconds is, when it is longer), and with tools, as
+    many calls' worth as the most tool calls a reply may make can take."""
     calls = sum(1 for r in env.rewards if not r.model and r.judge is None)
-    return calls + (env.episodes.max_turns + 2 if env.episodes is not None else 0)
+    if env.episodes is None:
+        return calls
+    per_step = math.ceil(max(env.episodes.step_timeout_s or 0, reward_timeout_s) / reward_timeout_s)
+    calls += 2 + env.episodes.max_turns * per_step
+    if env.episodes.tools:
+        per_tool = math.ceil((env.episodes.tool_timeout_s or reward_timeout_s) / reward_timeout_s)
+        calls += env.episodes.max_turns * MAX_TOOL_CALLS * per_tool
+    return calls
 
 
 def configured_bound_s(environ: dict[str, str] | None = None) -> float | None:

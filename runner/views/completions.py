@@ -68,6 +68,10 @@ def rows(groups: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
                    "truncated": c["truncated"], "solved": g["solved"]}
             if c.get("turns") is not None:          # an episode: its replies, and the limit that ended it
                 row.update(turns=c["turns"], truncatedBy=c.get("truncatedBy"))
+            if c.get("toolCalls") is not None:      # with tools: the calls it made, and those answered with an error
+                row.update(toolCalls=c["toolCalls"], toolErrors=c.get("toolErrors", 0))
+            if c.get("exchange") is not None:       # an episode turn by turn
+                row["exchange"] = exchange(c["exchange"])
             if kind == "step":
                 row.update(advantage=c["advantage"], mark=mark)
             else:
@@ -79,6 +83,32 @@ def rows(groups: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
                                       "reward": theirs["reward"], "solved": g[other]["solved"]}
             out.append(row)
     return out
+
+
+def exchange(parts: list[str]) -> list[dict[str, Any]]:
+    """An episode's replies and answers (alternating, as kept) as rows: {"from": "model", "turn": n,
+    "text", "toolCall": true when it calls a tool} and {"from": "tools" | "environment", "text"}."""
+    out: list[dict[str, Any]] = []
+    for k, text in enumerate(parts):
+        if k % 2 == 0:
+            out.append({"from": "model", "turn": k // 2 + 1, "text": text,
+                        **({"toolCall": True} if "<tool_call>" in text else {})})
+        elif text:
+            out.append({"from": "tools" if "<tool_response>" in text else "environment", "text": text})
+    return out
+
+
+def _completion(head: str, c: dict[str, Any]) -> list[str]:
+    """A completion under its `head`: its text, or an episode turn by turn, each reply and answer
+    on lines of its own, labelled (a reply that calls a tool, and the tools' results, marked)."""
+    if c.get("exchange") is None:
+        return _text(head, c["text"])
+    lines = [head.rstrip()]
+    for row in exchange(c["exchange"]):
+        label = (f"reply {row['turn']}{' (tool call)' if row.get('toolCall') else ''}: " if row["from"] == "model"
+                 else "tool results: " if row["from"] == "tools" else "environment: ")
+        lines += _text(f"      {label:22}", row["text"])
+    return lines
 
 
 def render(groups: list[dict[str, Any]], kind: str) -> str:
@@ -98,7 +128,7 @@ def render(groups: list[dict[str, Any]], kind: str) -> str:
             lines += _text("prompt: ", g["prompt"])
             for c, mark in zip(g["completions"], _marks(g["completions"])):
                 head = f"  {mark or '':5} {c['reward']:7.3f}  {_by_name(c)}  adv {c['advantage']:+.2f}  {_length(c)}  "
-                lines += _text(head, c["text"])
+                lines += _completion(head, c)
             lines.append("")
     else:
         for g in groups:
@@ -113,7 +143,7 @@ def render(groups: list[dict[str, Any]], kind: str) -> str:
                     continue
                 c = theirs["completions"][0]
                 head = f"  {label:9} {c['reward']:7.3f}  {_by_name(c)}  {'solved' if theirs['solved'] else 'unsolved'}  "
-                lines += _text(head, c["text"])
+                lines += _completion(head, c)
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -135,7 +165,10 @@ def _length(c: dict) -> str:
     n = c["length"]
     if c.get("turns") is not None:          # an episode: the tokens the model wrote over its turns
         turns, ended = c["turns"], c.get("truncatedBy")
-        return (f"{turns} turn{'' if turns == 1 else 's'}, {n} token{'' if n == 1 else 's'} written"
+        calls, errors = c.get("toolCalls"), c.get("toolErrors") or 0
+        tools = "" if calls is None else f", {calls} tool call{'' if calls == 1 else 's'}" + \
+            (f" ({errors} answered with an error)" if errors else "")
+        return (f"{turns} turn{'' if turns == 1 else 's'}, {n} token{'' if n == 1 else 's'} written{tools}"
                 f"{f' (ended at {ended})' if ended else ''}")
     return f"{n} token{'' if n == 1 else 's'}{' (truncated)' if c['truncated'] else ''}"
 

@@ -115,7 +115,8 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     """Draw `run` (from `gather`) into the PNG `out`; what was drawn: {"boundaries", "panels" (the
     series drawn, by metric), "segments", "figure"} (the tests compare the figure's boundary
     lines with the record). Only panels with data: the spend needs a rate, KL needs beta > 0,
-    the clip ratio numIterations > 1, the group outcomes steps that recorded them."""
+    the clip ratio numIterations > 1, the group outcomes steps that recorded them, turns per
+    episode episodes, the tool error rate tools."""
     from matplotlib.figure import Figure      # no pyplot: no GUI backend, nothing global
 
     steps = run["steps"]
@@ -127,9 +128,14 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
     extra = [(key, name, label) for key, name, label, on in (
         ("kl", "KL", f"KL to the reference (beta {beta:g})", beta > 0),
         ("clipRatio", "clip ratio", "fraction of tokens clipped", int(params.get("numIterations", 1)) > 1)) if on]
-    # four panels, a fifth for KL and the clip ratio when they apply, one more for the spend with a
-    # rate; an odd one out takes a whole row: no empty box
-    count = 4 + bool(extra) + bool(rate)
+    # episodes: how many replies they ran to, and with tools how often a call was answered with an error
+    talked = [(key, name, label) for key, name, label in (
+        ("episodeTurns", "turns per episode", "replies per episode"),
+        ("toolErrorRate", "tool errors", "share of tool calls answered with an error"))
+        if any(isinstance(s.get(key), (int, float)) for s in steps)]
+    # four panels, one for KL and the clip ratio when they apply, one for episodes, one more for the
+    # spend with a rate; an odd one out takes a whole row: no empty box
+    count = 4 + bool(extra) + bool(talked) + bool(rate)
     rows = -(-count // 2)
     fig = Figure(figsize=(13, 3.5 * rows), dpi=100, layout="constrained")
     grid = fig.add_gridspec(rows, 2)
@@ -208,17 +214,18 @@ def render(run: dict[str, Any], out: Path) -> dict[str, Any]:
         twins[update_ax] = twin
         title += ", entropy of sampling (per token)"
     update_ax.set_title(title)
-    # the KL to the reference when beta > 0, the clip ratio when numIterations > 1
-    if extra:
-        policy_ax = fig.add_subplot(cells[4])
-        step_axes.append(policy_ax)
-        for i, (key, _, label) in enumerate(extra):
-            ax = policy_ax if i == 0 else policy_ax.twinx()
+    # the KL to the reference when beta > 0, the clip ratio when numIterations > 1; episodes' turns
+    # and tool errors: one or two series a panel, the second on its own scale at the right
+    for cell, shown in zip(cells[4:], [items for items in (extra, talked) if items]):
+        panel_ax = fig.add_subplot(cell)
+        step_axes.append(panel_ax)
+        for i, (key, _, label) in enumerate(shown):
+            ax = panel_ax if i == 0 else panel_ax.twinx()
             series(ax, key, label, color=f"C{5 + i}", smooth=True)
             ax.set_ylabel(label)
             if i:
-                twins[policy_ax] = ax
-        policy_ax.set_title(" and ".join(name for _, name, _ in extra))
+                twins[panel_ax] = ax
+        panel_ax.set_title(" and ".join(name for _, name, _ in shown))
 
     for ax in step_axes:
         ax.set_xlabel("step")

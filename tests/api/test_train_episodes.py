@@ -92,3 +92,47 @@ def test_a_script_trains_an_environment_class_in_the_foreground(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "Succeeded ['episode'] True"
     packaged = (tmp_path / "home" / "python" / "guess-api" / "Guess.py").read_text()
     assert "class Guess:" in packaged
+
+
+TOOLS_SCRIPT = textwrap.dedent('''
+    import grpo_run
+
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b
+
+
+    def answered(completion: str, task: dict) -> float:
+        return float(completion.rstrip().endswith(str(task["answer"])))
+
+
+    tasks = [{"prompt": [{"role": "user", "content": f"{a} + 2?"}], "answer": a + 2} for a in range(8)]
+    job = grpo_run.train(model="tiny:chat", name="tools-api", tasks=tasks[:6], eval_tasks=tasks[6:],
+                         rewards=[answered], tools=[add], max_turns=2, num_generations=2, prompts_per_step=2,
+                         max_completion_length=8, max_steps=1, seed=1)
+    status = job.status()
+    print(status["phase"], sorted(status["lastStep"]["rewards"]), "toolCalls" in status["lastStep"])
+''')
+
+
+def test_a_script_trains_with_tools_each_packaged_with_its_source(tmp_path):
+    (tmp_path / "script.py").write_text(TOOLS_SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "home")}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "Succeeded ['answered'] True"
+    assert "def add(a: int, b: int) -> int:" in (tmp_path / "home" / "python" / "tools-api" / "tools" / "add.py").read_text()
+
+
+def test_a_tool_that_is_not_a_function_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "home"))
+    with pytest.raises(grpo_run.JobError, match=r"tools\[0\]: tool .* is a"):
+        grpo_run.train(model="tiny:chat", name="x", tasks=[{"prompt": "1"}], held_out_fraction=0.5,
+                       rewards=[_answer], tools=[print])
+    assert not (tmp_path / "home" / "python" / "x").exists()

@@ -13,18 +13,18 @@ import pytest
 
 import grpo_run.checkpoint.storage.cas as storage_cas
 from grpo_run.checkpoint.storage.cas import Conflict
-from grpo_run.checkpoint.storage.store import StorageConfigError
+from grpo_run.checkpoint.storage.store import StorageConfigError, open_store
 from tests.checkpoint.memory_cas import use_memory_cas
 
 
-@pytest.fixture(params=["memory", "local", "s3"])
+@pytest.fixture(params=["memory", "local", "s3", "gs", "az"])
 def url(request, tmp_path, monkeypatch) -> str:
     if request.param == "memory":
         use_memory_cas(monkeypatch)       # the unit tests' double, held to the same contract
         return "memory://jobs/cas"
     if request.param == "local":
         return str(tmp_path / "jobs" / "cas")
-    return request.getfixturevalue("s3_env").url + "/cas"
+    return request.getfixturevalue({"s3": "s3_env", "gs": "gcs_env", "az": "az_env"}[request.param]).url + "/cas"
 
 
 def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
@@ -67,14 +67,6 @@ def test_a_local_object_is_as_old_as_its_last_write(tmp_path):
     assert 119 <= cas.read().age_s < 125
 
 
-def test_an_s3_object_is_aged_on_the_servers_clock_not_ours(s3_env, monkeypatch):
-    cas = storage_cas.open_cas(s3_env.url + "/cas", "lease.json")
-    cas.create(b"one")
-    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)   # our wall clock is years off
-    age = cas.read().age_s
-    assert age is not None and -1 <= age < 5                     # the server's Date and Last-Modified
-
-
 def test_the_s3_age_is_date_minus_last_modified_less_a_second_for_whole_second_dates():
     modified = dt.datetime(2026, 1, 1, 10, 0, 0, tzinfo=dt.timezone.utc)
     reply = {"LastModified": modified,
@@ -84,15 +76,80 @@ def test_the_s3_age_is_date_minus_last_modified_less_a_second_for_whole_second_d
     assert storage_cas._s3_age(dict(reply, ResponseMetadata={"HTTPHeaders": {"date": "soon"}})) is None
 
 
-@pytest.mark.parametrize("gs_url", ["gs://bucket/job", "gcs://bucket/job"])
-def test_gcs_is_refused_with_the_reason_and_what_to_use(gs_url):
-    # Whether or not gcsfs is installed: it writes conditionally only to create an object.
-    with pytest.raises(StorageConfigError, match=r"ifGenerationMatch=0.*s3:// or a local folder"):
-        storage_cas.open_cas(gs_url, "lease.json")
+@pytest.mark.parametrize("env", ["s3_env", "gcs_env", "az_env"])
+def test_an_object_is_aged_on_the_servers_clock_not_ours(request, env, monkeypatch):
+    cas = storage_cas.open_cas(request.getfixturevalue(env).url + "/cas", "lease.json")
+    cas.create(b"one")
+    monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)   # our wall clock is years off
+    age = cas.read().age_s
+    assert age is not None and -1 <= age < 5                     # the server's Date and Last-Modified
+
+
+def test_the_age_is_date_minus_last_modified_less_a_second_for_whole_second_dates():
+    assert storage_cas.http_age("Thu, 01 Jan 2026 10:01:05 GMT", "Thu, 01 Jan 2026 10:00:00 GMT") == 64.0
+    assert storage_cas.http_age(None, "Thu, 01 Jan 2026 10:00:00 GMT") is None
+    assert storage_cas.http_age("soon", "Thu, 01 Jan 2026 10:00:00 GMT") is None
+
+
+def test_a_released_gcs_lease_reads_as_none_and_is_created_over(gcs_env):
+    # GCS releases by a conditional upload of an empty body (checkpoint.storage.gcs says why)
+    cas = storage_cas.open_cas(gcs_env.url, "lease.json")
+    version = cas.create(b"mine")
+    cas.delete(version)
+    assert cas.read() is None
+    other = storage_cas.open_cas(gcs_env.url, "lease.json")      # a node that never saw it:
+    with pytest.raises(Conflict):
+        other.create(b"theirs")                                   # a create in the dark loses,
+    assert other.read() is None                                   # the lease reads again (as it does)
+    assert other.create(b"theirs") is not None                    # and takes the released one
+    with pytest.raises(Conflict):
+        cas.create(b"mine again")                                 # the release it saw is gone
+    assert cas.read().data == b"theirs"
+
+
+def test_fake_gcs_server_ignores_the_precondition_of_a_delete_which_the_lease_never_uses(gcs_env):
+    # Why a GCS lease is released by an upload: the emulator deletes whatever generation a DELETE
+    # names. If this starts failing, the emulator honours it now (docs/reliability.md says so).
+    from google.cloud import storage
+
+    blob = storage.Client(project=None).bucket(gcs_env.bucket).blob("run/x")
+    blob.upload_from_string(b"1", if_generation_match=0)
+    stale = int(blob.generation) - 1
+    blob.delete(if_generation_match=stale, retry=None)           # GCS itself: 412
+    assert not blob.exists()
+
+
+@pytest.mark.parametrize("env, says", [("gcs_env", "does not honour generation preconditions"),
+                                       ("az_env", "does not honour conditional requests")])
+def test_a_server_that_ignores_preconditions_is_refused_before_the_first_write(request, env, says):
+    cloud = request.getfixturevalue(env)
+    cas = storage_cas.open_cas(cloud.url, "lease.json")
+    with pytest.MonkeyPatch.context() as patch:
+        if env == "gcs_env":
+            from google.cloud.storage import Blob
+
+            real = Blob.upload_from_string
+
+            def unconditional(self, data, *args, if_generation_match=None, **kwargs):
+                return real(self, data, *args, **kwargs)              # as a server that ignores it
+            patch.setattr(Blob, "upload_from_string", unconditional)
+        else:
+            from azure.storage.blob import BlobClient
+
+            real = BlobClient.upload_blob
+
+            def unconditional(self, data, *args, **kwargs):
+                kwargs.pop("etag", None), kwargs.pop("match_condition", None)
+                return real(self, data, *args, **{**kwargs, "overwrite": True})
+            patch.setattr(BlobClient, "upload_blob", unconditional)
+        with pytest.raises(StorageConfigError, match=says):
+            cas.create(b"mine")
+    assert cas.read() is None
+    assert open_store(cloud.url).list() == []                      # the probe is gone too
 
 
 def test_memory_storage_has_no_compare_and_swap():
-    with pytest.raises(StorageConfigError, match=r"memory:// has no compare-and-swap.*s3:// or a local folder"):
+    with pytest.raises(StorageConfigError, match=r"memory:// has no compare-and-swap.*s3://bucket/prefix, gs://"):
         storage_cas.open_cas("memory://jobs/cas", "lease.json")
 
 

@@ -154,16 +154,6 @@ def test_credentials_in_the_url_are_refused_and_never_echoed():
     assert "s3://bucket/prefix" in str(info.value)
 
 
-def test_gcs_without_gcsfs_is_a_configuration_error():
-    try:
-        import gcsfs  # noqa: F401
-    except ImportError:
-        with pytest.raises(StorageConfigError, match="gcsfs"):
-            Store("gs://bucket/prefix")
-    else:
-        pytest.skip("gcsfs is installed")
-
-
 def test_check_passes_on_a_writable_store_and_leaves_nothing_behind():
     store = Store("memory://unit")
     store.check()

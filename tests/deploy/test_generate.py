@@ -433,7 +433,9 @@ def test_no_generated_file_names_a_repository_by_default(tmp_path, capsys, s3_en
     files = generated_files(capsys, tmp_path, s3_env.url)
     for kind, text in files.items():
         urls = set(re.findall(r"https?://[^\s\"'\\]+", text))    # up to a quote or a YAML escape
-        assert urls <= set(TORCH_INDEXES.values()), (kind, urls)      # PyTorch's index only, for the node's torch
+        # PyTorch's index only, for the node's torch (and Azure's blob endpoint of the node's account, for
+        # az:// storage: the store itself, in the install step's fetch)
+        assert urls <= {*TORCH_INDEXES.values(), "https://{account}.blob.core.windows.net"}, (kind, urls)
         assert "git clone" not in text and ".git" not in text, kind
     # the nodes that install grpo-run install the wheel from the job's storage instead
     assert all("_dist/" in files[kind] for kind in ("cloud-init", "cloud-init -f", "skypilot", "skypilot -f"))

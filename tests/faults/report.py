@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+S3 = "S3 (SeaweedFS)"            # the store of figures that name none
 
 
 def _git(*args: str) -> str:
@@ -117,9 +118,16 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
                         [[n["phase"], n["source"], _s(n["exit_seconds"]), _s(n["notice_to_durable_seconds"]),
                           n["steps_lost"], n["outcome"]] for n in sorted(notices, key=lambda n: (n["phase"], n["source"]))])
     if store:
-        lines += ["", "## Object store faults", ""]
-        lines += _table(["fault", "outage (s)", "outcome", "detail"],
-                        [[s["fault"], _s(s.get("outage_seconds", 0)), s["outcome"], s.get("detail", "")] for s in store])
+        lines += ["", "## Object store faults", "",
+                  "The same faults on each store: S3 (SeaweedFS), Google Cloud Storage (fake-gcs-server) and Azure "
+                  "Blob (Azurite), each a real server on 127.0.0.1.", ""]
+        lines += _table(["store", "fault", "outage (s)", "outcome", "detail"],
+                        [[s.get("store", S3), s["fault"], _s(s.get("outage_seconds", 0)), s["outcome"],
+                          s.get("detail", "")] for s in sorted(store, key=lambda s: s.get("store", S3))])
+    if by["cloud"]:
+        lines += ["", "## Runs on the other clouds' stores", ""]
+        lines += _table(["store", "case", "identical to the uninterrupted run"],
+                        [[c["store"], c["case"], c["identical"]] for c in by["cloud"]])
     if corrupt:
         lines += ["", "## Corrupt checkpoints in storage", ""]
         lines += _table(["damage", "refused", "resumed from", "said"],
@@ -138,8 +146,8 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
         lines += _table(["test", *keys], [[f["test"].split("::")[-1], *[f.get(k, "") for k in keys]] for f in by["fuzz"]])
     if by["split"]:
         lines += ["", "## Split brain", ""]
-        lines += _table(["nodes resuming at once", "trained", "refused (exit 5, held by another node)"],
-                        [[s["nodes"], s["trained"], s["refused"]] for s in by["split"]])
+        lines += _table(["store", "nodes resuming at once", "trained", "refused (exit 5, held by another node)"],
+                        [[s.get("store", S3), s["nodes"], s["trained"], s["refused"]] for s in by["split"]])
     if by["trust"]:
         lines += ["", "## Trust boundaries", "",
                   "What a bucket writer, a reward function's author and ordinary failures (a node back with its "

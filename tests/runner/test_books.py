@@ -7,8 +7,10 @@ import pytest
 from grpo_run.checkpoint.storage.store import Store
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.evals import BASELINE
+from grpo_run.trainer.protocol import EvalSummary
 
 RESULT = {"meanReward": 0.25, "rewards": {"correct": 0.25}, "tasks": 2, "solved": 0, "batches": 1, "reusedBatches": 0}
+SUMMARY = EvalSummary(**RESULT)          # as the trainer reports it (Evaluated)
 
 
 def books(store: Store, work) -> Books:
@@ -32,13 +34,13 @@ def test_a_node_lost_between_its_baseline_and_the_cache_file_leaves_the_baseline
     a = books(store, tmp_path / "node-a")
     store.put_bytes = dies_at_the_cache
     with pytest.raises(NodeLost):
-        a.record_eval("baseline", RESULT, "fp", no_signal=False)
+        a.record_eval("baseline", SUMMARY, "fp", no_signal=False)
     a.close()
     store.put_bytes = put_bytes
 
     b = books(store, tmp_path / "node-b")                      # a fresh node: the record from storage
     try:
-        assert b.cached_baseline("fp", 8) == RESULT            # reused, not computed again
+        assert b.cached_baseline("fp", 8) == SUMMARY            # reused, not computed again
         assert b.record.eval("baseline")["runs"] == 1          # and the one computation still counted
     finally:
         b.close()
@@ -56,7 +58,7 @@ def baseline_ran(store: Store, work, groups: list[dict]) -> list[dict]:
     a = books(store, work)
     try:
         a.add_samples("baseline", 0, groups)
-        a.record_eval("baseline", RESULT, "fp", no_signal=False)
+        a.record_eval("baseline", SUMMARY, "fp", no_signal=False)
         ran = a.record.samples("baseline", [0])
     finally:
         a.close()
@@ -70,13 +72,13 @@ def test_a_baseline_reused_from_storage_s_cache_brings_back_the_samples_it_kept(
     assert len(ran) == 2
     b = books(store, tmp_path / "node-b")                      # a new record: only baseline.json to go on
     try:
-        assert b.cached_baseline("fp", sample_tasks=8) == RESULT
+        assert b.cached_baseline("fp", sample_tasks=8) == SUMMARY
         assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
     finally:
         b.close()
     c = books(store, tmp_path / "node-c")                      # sampleEvalTasks now 1: the first task's
     try:
-        assert c.cached_baseline("fp", sample_tasks=1) == RESULT
+        assert c.cached_baseline("fp", sample_tasks=1) == SUMMARY
         assert c.record.samples("baseline", c.record.sample_steps("baseline")) == ran[:1]
     finally:
         c.close()
@@ -88,7 +90,7 @@ def test_a_cached_baseline_that_kept_fewer_tasks_than_now_asked_gives_those_and_
     b = books(store, tmp_path / "node-b")
     try:
         with caplog.at_level("INFO", logger="grpo_run.runner.books.books"):
-            assert b.cached_baseline("fp", sample_tasks=8) == RESULT      # reused, not run again
+            assert b.cached_baseline("fp", sample_tasks=8) == SUMMARY      # reused, not run again
         assert b.record.samples("baseline", b.record.sample_steps("baseline")) == ran
         assert "kept the completions of 1 of the 2 held-out tasks sampleEvalTasks now keeps" in caplog.text
     finally:
@@ -109,7 +111,7 @@ def test_a_cached_baseline_without_readable_samples_is_reused_without_them(tmp_p
                                           **({} if samples is None else {"samples": samples})}).encode())
     b = books(store, tmp_path / "node-b")
     try:
-        assert b.cached_baseline("fp", sample_tasks=8) == RESULT
+        assert b.cached_baseline("fp", sample_tasks=8) == SUMMARY
         assert b.record.sample_steps("baseline") == []
     finally:
         b.close()
@@ -146,6 +148,43 @@ def test_a_cached_baseline_whose_scores_do_not_read_as_a_trainer_s_is_evaluated_
         assert f"storage's baseline.json does not read as a baseline ({where}: " in caplog.text, caplog.text
     finally:
         b.close()
+
+
+def test_a_baseline_in_a_record_restored_from_storage_reads_as_a_trainer_s_or_is_evaluated_again(tmp_path, caplog):
+    """The record comes back from the same untrusted prefix as baseline.json: its baseline is
+    held to the same model (trainer.protocol.EvalSummary) before the status and report show it."""
+    store = Store(str(tmp_path / "store"))
+    a = books(store, tmp_path / "node-a")
+    a.record.record_eval("baseline", {**RESULT, "solved": 5}, computed=True, fingerprint="fp")   # 5 of 2 tasks
+    a.sync(wait=True)
+    a.close()
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("WARNING"):
+            assert b.cached_baseline("fp", sample_tasks=8) is None
+        assert "the record's baseline does not read as a baseline (the document: " in caplog.text, caplog.text
+    finally:
+        b.close()
+
+
+def test_episode_digests_are_kept_until_a_durable_checkpoint_holds_their_step_and_planted_ones_are_dropped(tmp_path):
+    """What a resume's trainer is handed to check its replayed steps against (runner.books.replays)."""
+    from grpo_run.state import values
+
+    store = Store(str(tmp_path / "store"))
+    a = books(store, tmp_path / "node-a")
+    try:
+        digest = ":".join(["0123456789abcdef"] * 3)
+        for step in (1, 2, 3):
+            a.log_step(step, {"rewardMean": 0.5, "identicalGroups": 0.0}, [digest] * 4)
+        assert a.episode_digests() == {1: [digest] * 4, 2: [digest] * 4, 3: [digest] * 4}
+        a.note_durable([2])
+        assert a.episode_digests() == {3: [digest] * 4}
+        saved = values.EPISODE_DIGESTS.get(a.record)
+        values.EPISODE_DIGESTS.set(a.record, {**saved, "4": ["not a digest"], "x": [digest], "5": "nope"})
+        assert a.episode_digests() == {3: [digest] * 4}
+    finally:
+        a.close()
 
 
 def test_a_node_lost_without_a_word_is_charged_up_to_its_newest_step_and_each_upload_carries_the_spend(tmp_path):

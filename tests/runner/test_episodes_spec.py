@@ -74,6 +74,11 @@ def test_a_dry_run_of_a_job_with_episodes_passes(capsys, folder):
     ({"episodes": "env.py"}, "spec.environment.episodes: must be module:Class or file.py:Class (got 'env.py')"),
     ({"episodes": None, "maxTurns": 3, "reward": "env.py:Guess"}, "spec.environment.maxTurns: goes with episodes"),
     ({"name": "arithmetic"}, "spec.environment.episodes: goes with your own tasks"),
+    ({"stepTimeoutSeconds": 0}, "spec.environment.stepTimeoutSeconds: must be > 0 (got 0)"),
+    ({"episodes": None, "stepTimeoutSeconds": 3, "reward": "env.py:Guess"},
+     "spec.environment.stepTimeoutSeconds: goes with episodes"),
+    ({"toolTimeoutSeconds": 3}, "spec.environment.toolTimeoutSeconds: goes with tools"),
+    ({"tools": ["env.py"]}, "spec.environment.tools: must be module:function or file.py:function (got 'env.py')"),
 ])
 def test_bad_episodes_fields_are_refused_naming_the_field(capsys, folder, environment, said):
     code, _, err = dry_run(capsys, write_job(folder, **environment))

@@ -256,15 +256,38 @@ def test_a_task_folder_written_by_save_to_disk_is_read_through_the_columns(capsy
     assert code == EXIT_OK, err
 
 
-def test_gs_storage_is_refused_saying_plainly_what_is_supported(capsys, folder):
+def test_gs_and_az_storage_pass_the_dry_run_with_a_note_that_credentials_were_not_tried(capsys, folder, monkeypatch):
+    code, _, err = dry_run(capsys, write_job(folder, storage="gs://my-bucket/grpo"))
+    assert code == EXIT_OK, err
+    assert "spec.storage: credentials not tried on a dry run" in err and "gs://my-bucket/grpo/mine" in err
+
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT", "myaccount")
+    code, _, err = dry_run(capsys, write_job(folder, storage="az://my-container/grpo"))
+    assert code == EXIT_OK, err
+
+
+def test_az_storage_without_an_account_is_refused_naming_the_variables(capsys, folder):
+    code, _, err = dry_run(capsys, write_job(folder, storage="az://my-container/grpo"))
+
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert "spec.storage: storage az://my-container/grpo/mine: no Azure storage account: set AZURE_STORAGE_ACCOUNT" in err
+
+
+def test_a_cloud_store_whose_library_is_missing_names_the_extra(capsys, folder, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "google.cloud.storage", None)
     code, _, err = dry_run(capsys, write_job(folder, storage="gs://my-bucket/grpo"))
 
-    assert code == EXIT_USAGE
-    assert "spec.storage: gs:// is not supported (got gs://my-bucket/grpo)" in err
-    # why, so that installing gcsfs is not the next thing tried (the lease would refuse it next)
-    assert "a job's lease needs conditional replace and delete, which gcsfs does not offer" in err
-    assert "use s3://bucket/prefix (AWS S3, or MinIO, SeaweedFS, R2" in err and "or a local folder" in err
-    assert "pip install" not in err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert "pip install 'grpo-run[gcs]'" in err
+
+
+def test_a_missing_bucket_is_refused_before_anything_is_submitted(capsys, folder, gcs_env):
+    code, _, err = run(capsys, "apply", "-f", str(write_job(folder, storage=f"gs://no-{gcs_env.bucket}/grpo")),
+                       "--detach")
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert f"bucket 'no-{gcs_env.bucket}' does not exist (create it, or fix spec.storage)" in err
 
 
 def test_a_storage_url_that_does_not_parse_is_a_problem_not_a_traceback(capsys, folder):

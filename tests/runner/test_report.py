@@ -210,6 +210,24 @@ def test_without_a_rate_there_is_no_spend_box_and_the_clip_ratio_comes_with_seve
     assert drawn["figure"].texts[0].get_text() == "no-rate: Succeeded at step 59 of 59; 1 attempt"
 
 
+def test_a_run_with_tools_gets_a_panel_of_its_turns_per_episode_and_tool_errors(tmp_path):
+    from grpo_run.runner.views.report import render
+
+    steps = [{**s, "episodeTurns": 1.5 + s["step"] / 60, "toolCalls": 1.0, "toolErrorRate": 0.5 - s["step"] / 200}
+             for s in synthetic_steps()]
+    run = {"name": "tools", "phase": "Succeeded", "spec": {}, "params": {"maxSteps": 59}, "steps": steps,
+           "attempts": [{"id": 1, "node": "n", "started": "2026-12-01T12:00:00+00:00",
+                         "ended": "2026-12-01T12:01:00+00:00", "reason": "Succeeded", "notice": None, "from_step": 0,
+                         "to_step": 59}],
+           "ledger": {"1": {"seconds": 60.0, "usd": 0.0, "usdPerHour": None}}, "spendUSD": 0.0, "judgeUSD": {},
+           "baseline": None, "final": None, "heldOut": []}
+    drawn = render(run, tmp_path / "tools.png")
+    assert drawn["panels"][-2:] == ["episodeTurns", "toolErrorRate"]
+    panel = [ax for ax in drawn["figure"].axes if ax.get_title() == "turns per episode and tool errors"]
+    assert panel and panel[0].get_ylabel() == "replies per episode"
+    assert png_size(tmp_path / "tools.png") == (1300, 1050)
+
+
 def test_the_summary_puts_the_baseline_and_final_answers_side_by_side_and_the_newest_step_s_groups(tmp_path):
     from grpo_run.runner.views.report import summary
 

@@ -72,12 +72,12 @@ def kill_and_resume(tmp_path, storage, fault):
     """(The exported bytes after the kill and the resume, whether the baseline was in storage
     when the node was killed (the kill may come before the supervisor stored it: its reports
     trail the trainer, which trains on))."""
-    from grpo_run.checkpoint.storage.store import Store
+    from grpo_run.checkpoint.storage.store import open_store
 
     job = write_job(tmp_path, storage)
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=fault, check=False)
     assert killed.returncode == -signal.SIGKILL, (fault, killed.stderr[-2000:])
-    stored = Store(f"{storage}/resumable").exists("baseline.json")
+    stored = open_store(f"{storage}/resumable").exists("baseline.json")
     # a fresh node: nothing on its disk but what `resume` fetches from storage
     (tmp_path / "job.yaml").unlink()
     grpo_run(tmp_path / "node-b", "resume", "resumable", "--storage", storage)
@@ -97,7 +97,9 @@ def test_a_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(tmp_path, 
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
     # computed once: reused on resume when it was stored before the kill, else computed there
     assert st["baseline"]["runs"] == 1
-    assert st["baseline"]["source"] == ("cache" if baseline_stored else "computed")
+    # Seen in storage right after the kill: reused. Not seen: computed there, or reused when an upload
+    # the killed node had already sent landed a moment after the look (CI on 8bb5bb9 saw that once).
+    assert st["baseline"]["source"] == "cache" if baseline_stored else st["baseline"]["source"] in ("computed", "cache")
     assert [a["reason"] for a in st["attempts"]] == ["Crashed", "Succeeded"]
 
 

@@ -111,5 +111,9 @@ def test_an_episodes_environment_calls_count_in_the_bound_as_reward_functions_do
     plain = user_environment(name="x", rewards=rewards, tasks=tasks, eval_tasks=tasks)
     talking = user_environment(name="x", rewards=rewards, tasks=tasks, eval_tasks=tasks,
                                episodes=EpisodeSettings("env.py:Guess", max_turns=6))
-    assert sandboxed_calls(plain) == 1                             # the reward model runs outside the sandbox
-    assert sandboxed_calls(talking) == 1 + 6 + 2                   # its object, reset, 6 steps
+    assert sandboxed_calls(plain, 10) == 1                             # the reward model runs outside the sandbox
+    assert sandboxed_calls(talking, 10) == 1 + 6 + 2                   # its object, reset, 6 steps
+    tooled = user_environment(name="x", rewards=rewards, tasks=tasks, eval_tasks=tasks,
+                              episodes=EpisodeSettings("env.py:Guess", max_turns=6, tools=("t.py:add",),
+                                                       tool_timeout_s=25))
+    assert sandboxed_calls(tooled, 10) == 1 + 6 + 2 + 6 * 8 * 3        # 8 calls a reply, each up to 25 s: 3 x 10 s

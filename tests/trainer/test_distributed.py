@@ -109,6 +109,29 @@ def test_two_processes_take_the_steps_one_process_takes(tmp_path, loss_type):
 
 
 @pytest.mark.slow
+def test_two_processes_play_and_train_the_episodes_one_process_does(tmp_path):
+    """Episodes on several processes: each rank plays its share of the step's groups (G episodes of
+    a task, seeded by the task's place in the step), and the adapter after two steps, the metrics,
+    every episode's digests and the held-out scores are those of one process."""
+    env = tmp_path / "talk.py"
+    env.write_text("from grpo_run import Step\n\n\nclass Echo:\n"
+                   "    def reset(self, task, seed):\n        self.turns = 0\n        return task['prompt']\n\n"
+                   "    def step(self, reply):\n        self.turns += 1\n"
+                   "        return Step(observation=None if self.turns == 2 else '=' + reply[:2], "
+                   "reward=float(len(reply) % 3), done=self.turns == 2)\n")
+    one, m1 = _steps(tmp_path, 1, f"episodes={env}:Echo", "grpo")
+    two, m2 = _steps(tmp_path, 2, f"episodes={env}:Echo", "grpo")
+    assert one.keys() == two.keys() and one
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6)
+    assert m2["digests"] == m1["digests"] and len(m1["digests"][0]) == 16        # 4 prompts x 4 episodes
+    for a, b in zip(m1["metrics"], m2["metrics"]):
+        assert a["rewardMean"] == b["rewardMean"] and a["episodeTurns"] == b["episodeTurns"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    assert m1["eval"] == m2["eval"]
+
+
+@pytest.mark.slow
 def test_a_full_fine_tune_sharded_over_two_processes_takes_the_steps_one_process_takes(tmp_path):
     """Method Full on two processes: FSDP shards the weights, their gradients and Adam's moments;
     after two steps the whole model, gathered, equals the one-process model up to float rounding."""

@@ -204,3 +204,31 @@ def test_a_forged_reply_frame_is_the_environments_failure_never_training_data():
                       ("reset", {"ok": 3}), ("reset", {"ok": [{"role": "user"}]}), ("reset", {"nothing": 1})]:
         failure = frame_problem(op, frame)
         assert failure is not None and failure.kind == "invalid", frame
+
+
+SLOW_STEP = '''
+import time
+from grpo_run import Step
+
+class Slow:
+    def reset(self, task, seed):
+        return task["prompt"]
+
+    def step(self, reply):
+        time.sleep(float(reply))
+        return Step(observation="more", reward=1.0, done=False)
+'''
+
+
+def test_a_step_past_step_timeout_seconds_ends_its_episode_and_the_others_go_on(tmp_path):
+    ref = env_file(tmp_path, SLOW_STEP) + ":Slow"
+    with EnvironmentHost(ref, timeout_s=5, step_timeout_s=0.3) as host:
+        host.reset([{"prompt": "a"}, {"prompt": "b"}], [1, 2])
+        assert host.step([0, 1], ["30", "0"]) == [
+            {"observation": None, "reward": 0.0, "done": True, "truncated": "stepTime"},
+            {"observation": "more", "reward": 1.0, "done": False}]
+        assert host.step([1], ["0"]) == [{"observation": "more", "reward": 1.0, "done": False}]
+    with EnvironmentHost(ref, timeout_s=0.3) as host:              # no stepTimeoutSeconds: the job's failure
+        host.reset([{"prompt": "a"}], [1])
+        with pytest.raises(EnvironmentFailed, match="timed out"):
+            host.step([0], ["30"])

@@ -202,3 +202,54 @@ def test_an_evaluations_samples_say_how_each_episode_ended_and_single_turn_ones_
     assert {(c.turns, c.truncatedBy) for g in result.samples for c in g.completions} == {(2, "maxTurns")}
     single = SampleCompletion(text="8", rewards={"correct": 1.0}, reward=1.0, length=1, truncated=False)
     assert set(single.model_dump()) == {"text", "rewards", "reward", "advantage", "length", "truncated"}
+
+
+UNSEEDED_ENV = '''
+import random
+from grpo_run import Step
+
+class Roll:
+    """Answers with a number it draws without the episode's seed: not deterministic."""
+    def reset(self, task, seed):
+        return task["prompt"]
+
+    def step(self, reply):
+        return Step(observation=str(random.randint(0, 9)), reward=float(len(reply) % 3), done=False)
+'''
+
+SEEDED_ENV = UNSEEDED_ENV.replace("        return task", "        self.rng = random.Random(seed)\n        return task") \
+    .replace("random.randint(0, 9)", "self.rng.randint(0, 9)")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["seeded", "unseeded"])
+def test_a_replayed_step_whose_environment_answers_differently_fails_saying_so(make, deterministic):
+    """A resume replays the steps after its checkpoint: a fresh trainer given the first play's
+    digests (as the supervisor's plan gives them) goes on when the environment is deterministic
+    given its seed, and fails as the environment's failure when it is not."""
+    source = SEEDED_ENV if deterministic else UNSEEDED_ENV
+    assert ("self.rng" in source) == deterministic
+    first = make(source, "Roll", model="tiny:char", max_turns=4)
+    first.train_step(0)
+    recorded = list(first.episode_digests)
+    assert len(recorded) == 8 and all(len(d) == 50 for d in recorded)
+    again = make(source, "Roll", model="tiny:char", max_turns=4)
+    again.replays = {1: recorded}
+    if deterministic:
+        again.train_step(0)
+        assert again.episode_digests == recorded
+        return
+    with pytest.raises(EnvironmentFailed, match="step 1 was replayed after a resume, and episode .* got another "
+                                                "answer from step to the same first reply than the first time"):
+        again.train_step(0)
+
+
+def test_a_replayed_episode_is_compared_by_its_first_prompt_and_its_first_answer():
+    from grpo_run.trainer.episodes.replay import replay_problem
+
+    a, b, c = "a" * 16, "b" * 16, "c" * 16
+    before = [f"{a}:{b}:{c}", f"{a}:{b}:{c}"]
+    assert replay_problem(3, {0: f"{a}:{b}:{c}", 1: f"{a}:{c}:{a}"}, before, 2) == ""   # a reply differs: not compared
+    assert "episode 2 of its group 1 got another first prompt from reset" in \
+        replay_problem(3, {1: f"{b}:{b}:{c}"}, before, 2)
+    assert "episode 1 of its group 1 got another answer from step" in replay_problem(3, {0: f"{a}:{b}:{a}"}, before, 2)
+    assert replay_problem(3, {0: f"{b}:{b}:{b}"}, None, 2) == ""                        # never recorded

@@ -24,9 +24,9 @@ def test_every_event_the_trainer_sends_reads_back_as_the_same_event():
     sent = [p.Started(step=4, device="cpu", microBatchSize=8, cpuThreads=2),
             p.PhaseStarted(phase=TrainerPhase.TRAINING),
             p.EvalBatch(kind="baseline", batch=1, rewards={"correct": [1.0, 0.0]}),
-            p.Evaluated(kind="final", result={"meanReward": 0.5, "tasks": 2}, noSignal=False),
+            p.Evaluated(kind="final", result={"meanReward": 0.5, "tasks": 2, "solved": 1}, noSignal=False),
             p.Step(step=5, metrics={"loss": float("nan"), "rewardMean": 0.25}),
-            p.HeldOut(step=5, result={"meanReward": 0.5}),
+            p.HeldOut(step=5, result={"meanReward": 0.5, "tasks": 2, "solved": 1, "rewards": {"correct": 0.5}}),
             p.Sealed(step=5, path="/w/checkpoints/ckpt-5"), p.Final(step=6, path="/w/final"),
             p.Stopped(step=None, phase=TrainerPhase.BASELINE_EVAL, reason="requested"),
             p.Failed(message="disk", code=False, diskFull=True)]

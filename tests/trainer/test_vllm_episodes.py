@@ -84,3 +84,34 @@ def test_a_seeded_vllm_episode_replays_the_same_tokens(trainer):
     first = trainer._play(tasks, [5, 6], 1.0)
     again = trainer._play(tasks, [5, 6], 1.0)
     assert torch.equal(first.ids, again.ids) and first.rewards == again.rewards
+
+
+@pytest.mark.slow
+def test_a_vllm_server_draws_each_turn_as_the_colocated_engine_does(trainer, tmp_path):
+    """spec.parameters.vllm.mode: server plays episodes too: each turn's ids go to the server as
+    token ids (never text), and a seeded episode draws there what the colocated engine draws, with
+    its log-probabilities beside the sampled tokens only."""
+    from tests.runner.test_vllm_server import start_server, stop
+
+    model = trainer.tokenizer.name_or_path
+    proc, url = start_server(model)
+    try:
+        params = trainer.params.model_copy(update={"vllm": trainer.params.vllm.model_copy(
+            update={"mode": "server", "server": url})})
+        remote = GRPOTrainer(model, trainer.env, params, work=tmp_path)
+        try:
+            assert remote.sampler_status["mode"] == "server"
+            trainer.load_state_dict(remote.state_dict())       # the same (fresh) adapter on both
+            tasks, seeds = list(trainer.env.train_tasks[:2]), [11, 12]
+            with trainer.sampling_weights():
+                here = trainer._play(tasks, seeds, 1.0)
+            with remote.sampling_weights():
+                there = remote._play(tasks, seeds, 1.0)
+        finally:
+            remote.close()
+    finally:
+        stop(proc)
+    assert torch.equal(here.ids, there.ids) and torch.equal(here.loss_mask, there.loss_mask)
+    assert here.rewards == there.rewards and here.turns == there.turns
+    sampled = there.loss_mask.bool()
+    assert torch.all(there.engine_logprobs[~sampled] == 0) and torch.all(there.engine_logprobs[sampled] < 0)

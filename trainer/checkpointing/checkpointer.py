@@ -31,7 +31,7 @@ from typing import Any
 from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint,
                                           newest_sealed, staging_dir)
 from grpo_run.checkpoint.writer import CheckpointWriter, Failed, Sealed, weights_finite, write_files
-from grpo_run.trainer.distributed import World, full_state
+from grpo_run.trainer.distributed import World
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
 from grpo_run.trainer.protocol import CHECKPOINT_SAMPLE_STEPS, STEP_METRICS, STEP_SAMPLES
 
@@ -106,11 +106,11 @@ class Checkpointer:
         if not due or step == self._last_saved:
             return False
         ranks = self.world.gather(rng_state(self._trainer.device)) if self.world.distributed else [None]
-        full = self._gather_full()
+        state = self._trainer.state_dict()        # FSDP: every rank gathers, rank 0 gets the whole state
         if self._writer is None:          # not rank 0: its RNG states are in rank 0's checkpoint
             self._last_saved = step
             return True
-        files = state_files(self._trainer, step, other_ranks=ranks[1:] or None, full=full)
+        files = state_files(self._trainer, step, state=state, other_ranks=ranks[1:] or None)
         files[STEP_METRICS] = json.dumps([{"step": s, **m} for s, m in sorted(self._metrics.items()) if s <= step])
         files[STEP_SAMPLES] = json.dumps({str(s): g for s, g in sorted(self._samples.items()) if s <= step})
         layout, _ = pack(files, self._writer.buffer)
@@ -133,24 +133,18 @@ class Checkpointer:
     def last_saved(self) -> int | None:
         return self._last_saved
 
-    def _gather_full(self) -> tuple[dict, list[dict]] | None:
-        """A full fine-tune sharded by FSDP: its whole state, gathered on rank 0 (every rank calls this)."""
-        if not getattr(self._trainer, "fsdp", False):
-            return None
-        return full_state(self._trainer.model, self._trainer.optimizer)
-
     def save_final(self, root: Path, step: int, meta: dict[str, Any]) -> Path | None:
         """The final weights (adapter or model alone), sealed like a checkpoint under `root`
         in this process (the writer's buffer is not needed for a one-off). Several processes:
         every rank calls it (a sharded model is gathered), rank 0 writes; None on the others."""
-        full = self._gather_full()
+        state = self._trainer.state_dict()        # FSDP: every rank gathers, rank 0 gets the whole state
         if not self.world.main:
             return None
         staging = staging_dir(root, step)
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-        layout, buffer = pack(state_files(self._trainer, -1, weights_only=True, full=full), bytearray)
+        layout, buffer = pack(state_files(self._trainer, -1, state=state, weights_only=True), bytearray)
         write_files(staging, layout, buffer)
         finite = weights_finite(layout, buffer)
         final = checkpoint_dir(root, step)

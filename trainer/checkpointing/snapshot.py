@@ -21,10 +21,12 @@ them (k < N) and leaves the others as seeded: nothing a step draws depends on th
 step re-seeds its prompts' generators from (seed, step, prompt) and torch's RNG from (seed, step,
 rank).
 
-`state_files` describes them with the trainer's *live* tensors, at a step boundary. `pack`
+`state_files` describes them with the trainer's *live* tensors (its `state_dict()`: weights,
+optimizer, scheduler; the RNGs are this module's), at a step boundary. `pack`
 copies those tensors into one buffer -- the only pause of the training thread -- and returns
 the layout from which `checkpoint.writer.write_files` writes the files, in this process (the
-final weights) or in the checkpoint writer's (every saveSteps). `load_state` reads them back.
+final weights) or in the checkpoint writer's (every saveSteps). `load_state` reads them back into
+the trainer's `load_state_dict()`.
 
 The data position and the sampling generator are derived from (seed, step): the step is all a
 resumed run needs to see the same prompts and draw the same completions.
@@ -62,34 +64,25 @@ def rng_state(device: torch.device) -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
-def state_files(trainer, step: int, *, weights_only: bool = False,
-                other_ranks: list[dict[str, Any]] | None = None,
-                full: tuple[dict, list[dict]] | None = None) -> dict[str, TensorFile | str]:
+def state_files(trainer, step: int, *, state: dict[str, Any] | None = None, weights_only: bool = False,
+                other_ranks: list[dict[str, Any]] | None = None) -> dict[str, TensorFile | str]:
     """The checkpoint of `trainer` after `step` completed steps, by relative path: text, or a
-    TensorFile of live tensors (copy them before the next step changes them: `pack`).
-    `weights_only`: the adapter or model alone (the final weights, an export). `other_ranks`:
-    ranks 1..N-1's `rng_state()`s, with several processes. `full`: a full fine-tune sharded by FSDP,
-    its whole weights and optimizer state per parameter (trainer.distributed.full_state, on rank 0):
-    the files are the ones one process writes."""
+    TensorFile of live tensors (copy them before the next step changes them: `pack`). `state`:
+    the trainer's `state_dict()` when the caller already took it (with FSDP every rank takes it
+    together, and rank 0 writes). `weights_only`: the adapter or model alone (the final weights, an
+    export). `other_ranks`: ranks 1..N-1's `rng_state()`s, with several processes."""
+    state = trainer.state_dict() if state is None else state
     files: dict[str, TensorFile | str] = {}
     if trainer.params.method == "Full":
         files["model/config.json"] = trainer.model.config.to_json_string(use_diff=True)
-        unique, seen = {}, set()
-        for name, tensor in (full[0] if full else trainer.model.state_dict()).items():
-            if tensor.data_ptr() in seen:   # tied weights: safetensors stores each storage once
-                continue
-            seen.add(tensor.data_ptr())
-            unique[name] = tensor
-        files["model/model.safetensors"] = TensorFile(unique)
+        files["model/model.safetensors"] = TensorFile(dict(state["weights"]))
     else:
         files["adapter/adapter_config.json"] = adapter_config_json(trainer.model.peft_config["default"])
-        files["adapter/adapter_model.safetensors"] = TensorFile(dict(trainer.adapter_state()))
+        files["adapter/adapter_model.safetensors"] = TensorFile(dict(state["weights"]))
     if weights_only:
         return files
 
-    optimizer = trainer.optimizer
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    states = full[1] if full else [optimizer.state.get(p, {}) for p in params]
+    states = state["optimizer"]["state"]
     tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     stacked = []
     for kind in sorted(states[0]) if states and states[0] else []:
@@ -108,8 +101,8 @@ def state_files(trainer, step: int, *, weights_only: bool = False,
                            "python": [python_state[0], python_state[2]], "cuda": len(cuda)}
     state: dict[str, Any] = {
         "step": step, "seed": trainer.params.seed, "method": trainer.params.method,
-        "optimizer": {"param_groups": optimizer.state_dict()["param_groups"], "stacked": stacked},
-        "scheduler": trainer.scheduler.state_dict(), "rng": rng}
+        "optimizer": {"param_groups": state["optimizer"]["param_groups"], "stacked": stacked},
+        "scheduler": state["scheduler"], "rng": rng}
     if other_ranks:
         rng["ranks"] = {}
         for k, st in enumerate(other_ranks, start=1):
@@ -177,33 +170,29 @@ def pack(files: dict[str, TensorFile | str], buffer_for: Callable[[int], Any]) -
 
 
 def load_state(trainer, folder: Path, rank: int = 0) -> int:
-    """Restore a checkpoint folder written from `state_files` (into rank `rank` of several
-    processes: the same weights and optimizer, that rank's RNG states if it has them); returns
-    the number of completed steps. ValueError when it was written for other trainable
-    parameters (the job's lora settings or method changed since)."""
+    """Restore a checkpoint folder written from `state_files` into `trainer` (its
+    `load_state_dict`; rank `rank` of several processes: the same weights and optimizer, that
+    rank's RNG states if it has them); returns the number of completed steps. ValueError when it
+    was written for other trainable parameters (the job's lora settings or method changed since)."""
     from safetensors.torch import load_file
 
     if not (folder / TRAINING_STATE).exists() and (folder / "optimizer.pt").exists():
         raise ValueError(f"checkpoint {folder} was written by an earlier grpo-run (optimizer.pt, rng.pt), whose "
                          "format this version does not read; run the job again under a new metadata.name")
-    device = str(trainer.device)
-    if getattr(trainer, "fsdp", False):
-        return _load_sharded(trainer, folder, rank)
-    try:
-        if trainer.params.method == "Full":
-            for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
-                trainer.model.load_state_dict(load_file(shard, device=device), strict=False)
-        else:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(trainer.model, load_file(folder / "adapter" / "adapter_model.safetensors",
-                                                               device=device))
-    except RuntimeError as exc:       # torch: "size mismatch for ...": say what it means here
-        raise ValueError(_MISFIT.format(folder=folder, what="weights do not fit") + f" ({str(exc).strip()[:300]})") from None
+    if trainer.params.method == "Full":
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted((folder / "model").glob("*.safetensors")):   # one file, or shards
+            weights.update(load_file(shard, device=str(trainer.device)))
+    else:
+        weights = load_file(folder / "adapter" / "adapter_model.safetensors", device=str(trainer.device))
     meta = json.loads((folder / TRAINER_STATE).read_text())
     tensors = load_file(folder / TRAINING_STATE)
-    trainer.optimizer.load_state_dict(_optimizer_state_dict(trainer.optimizer, tensors, meta["optimizer"], folder))
-    trainer.scheduler.load_state_dict(meta["scheduler"])
+    optimizer = {"param_groups": meta["optimizer"]["param_groups"],
+                 "state": _moments(trainer.optimizer, tensors, meta["optimizer"]["stacked"], folder)}
+    try:
+        trainer.load_state_dict({"weights": weights, "optimizer": optimizer, "scheduler": meta["scheduler"]})
+    except ValueError as exc:
+        raise ValueError(f"checkpoint {folder}: its {exc}; {_CHANGED}") from None
     rng = meta["rng"]
     if rank:
         _load_rank_rng(tensors, rng.get("ranks", {}).get(str(rank)), rank, trainer.device)
@@ -214,33 +203,6 @@ def load_state(trainer, folder: Path, rank: int = 0) -> int:
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(rng["cuda"])]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
-    return int(meta["step"])
-
-
-def _load_sharded(trainer, folder: Path, rank: int) -> int:
-    """load_state for a full fine-tune sharded by FSDP: the whole weights and optimizer state
-    (the files one process writes), sharded into this rank."""
-    from safetensors.torch import load_file
-
-    from grpo_run.trainer.distributed import load_full_state
-
-    weights: dict[str, torch.Tensor] = {}
-    for shard in sorted((folder / "model").glob("*.safetensors")):
-        weights.update(load_file(shard, device=str(trainer.device)))
-    meta = json.loads((folder / TRAINER_STATE).read_text())
-    tensors = load_file(folder / TRAINING_STATE)
-    optimizer_state = _optimizer_state_dict(trainer.optimizer, tensors, meta["optimizer"], folder)
-    n = sum(len(g["params"]) for g in trainer.optimizer.param_groups)
-    load_full_state(trainer.model, trainer.optimizer, weights, [optimizer_state["state"].get(i, {}) for i in range(n)],
-                    meta["optimizer"]["param_groups"])
-    trainer.scheduler.load_state_dict(meta["scheduler"])
-    rng = meta["rng"]
-    if rank:
-        _load_rank_rng(tensors, rng.get("ranks", {}).get(str(rank)), rank, trainer.device)
-    else:
-        torch.set_rng_state(tensors["rng.torch"])
-        np.random.set_state(("MT19937", tensors["rng.numpy"].numpy().astype(np.uint32), *rng["numpy"]))
-        random.setstate((rng["python"][0], tuple(tensors["rng.python"].tolist()), rng["python"][1]))
     return int(meta["step"])
 
 
@@ -255,25 +217,26 @@ def _load_rank_rng(tensors: dict[str, torch.Tensor], small: dict | None, rank: i
         torch.cuda.set_rng_state(tensors[f"rng.rank{rank}.cuda"], device)
 
 
-_MISFIT = ("checkpoint {folder}: its {what} this run's trainable parameters; the job's lora "
-           "settings or method changed since it was written (resume with the settings it was written with)")
+_CHANGED = ("the job's lora settings or method changed since it was written (resume with the settings it was "
+            "written with)")
 
 
-def _optimizer_state_dict(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
-                          folder: Path) -> dict:
-    """The optimizer's state dict from its flat tensors in a checkpoint. ValueError naming the
-    checkpoint when their sizes do not fit this optimizer's parameters."""
+def _moments(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], stacked: list[str],
+             folder: Path) -> list[dict[str, torch.Tensor]]:
+    """The optimizer's moments per trainable parameter, in its order, from their flat tensors in a
+    checkpoint. ValueError naming the checkpoint when their sizes do not fit this optimizer's
+    parameters."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sizes = [p.numel() for p in params]
-    state: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(len(params))}
+    state: list[dict[str, torch.Tensor]] = [{} for _ in params]
     for name, flat in tensors.items():
         if not name.startswith("optimizer."):
             continue
         kind = name.removeprefix("optimizer.")
-        stacked = kind in meta["stacked"]
-        if flat.numel() != (len(params) if stacked else sum(sizes)):
-            raise ValueError(_MISFIT.format(folder=folder, what="optimizer state does not fit"))
-        parts = flat.unbind() if stacked else torch.split(flat, sizes)
+        if flat.numel() != (len(params) if kind in stacked else sum(sizes)):
+            raise ValueError(f"checkpoint {folder}: its optimizer state does not fit this run's trainable "
+                             f"parameters; {_CHANGED}")
+        parts = flat.unbind() if kind in stacked else torch.split(flat, sizes)
         for i, part in enumerate(parts):
-            state[i][kind] = part.clone() if stacked else part.view(params[i].shape)
-    return {"state": {i: s for i, s in state.items() if s}, "param_groups": meta["param_groups"]}
+            state[i][kind] = part.clone() if kind in stacked else part.view(params[i].shape)
+    return state

@@ -54,11 +54,25 @@ class Reward:
     judge: JudgeSettings | None = None   # an LLM judge over HTTP, called from the trainer's process (ref: its url)
 
 
+# The environment of a job with tools and no episodes class: the first reply that calls no tool is
+# the answer (grpo_run.trainer.grader.tools, which the sandboxed worker imports).
+ANSWER_AFTER_TOOLS = "grpo_run.trainer.grader.tools:AnswerAfterTools"
+
+
 @dataclass(frozen=True)
 class EpisodeSettings:
     """Multi-turn episodes (trainer.episodes): the environment's class, run in the grader's sandbox."""
     ref: str                   # "module:Class" or "/path/file.py:Class": reset(task, seed), step(reply)
     max_turns: int = 6         # replies per episode at most (spec.environment.maxTurns)
+    tools: tuple[str, ...] = ()            # "file.py:function" each, answering the model's tool calls
+    tool_timeout_s: float | None = None    # one tool call at most (None: rewardTimeoutSeconds)
+    step_timeout_s: float | None = None    # one step at most, past it the episode ends (None: the job fails)
+
+    @property
+    def rewards_itself(self) -> bool:
+        """The environment's step rewards are a reward of the run ("episode"); not tools' own loop,
+        whose episodes only the job's reward functions score."""
+        return self.ref != ANSWER_AFTER_TOOLS
 
 
 @dataclass(frozen=True)

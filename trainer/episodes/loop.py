@@ -29,7 +29,8 @@ from torch import Tensor
 
 from grpo_run.trainer.episodes.tokens import TurnRenderer
 
-Truncation = str          # "maxTurns" | "context"
+# "maxTurns" | "context" | "toolTime" (a tool past its time limit) | "stepTime" (a step past stepTimeoutSeconds)
+Truncation = str
 
 
 def episode_seed(prompt_seed: int, completion: int) -> int:
@@ -57,10 +58,31 @@ class Episodes:
     turns: list[int]            # replies each episode made
     truncated: list[Truncation | None]   # the limit that ended it, None when its environment said done
     prompts: list[Any]          # what reset returned (text or messages), for people to read
-    replies: list[list[str]]    # each reply's text, as the environment read it
+    replies: list[list[str]]    # each reply's text, as the environment (or its tools) read it
     # [N, T] the engine's log-probability of each sampled token (vLLM's; 0 on observations and
     # padding), None from the native decoder, whose are the trainer's own
     engine_logprobs: Tensor | None = None
+    tool_calls: list[int] | None = None      # with tools: the calls each episode made
+    tool_errors: list[int] | None = None     # ... and how many of them were answered with an error
+
+    def exchanges(self, decode: Callable[[list[int]], str], first: int | None = None) -> list[list[str]]:
+        """Each episode turn by turn (the `first` ones only, when given), as text: its replies and
+        the environment's answers (the ids its turns added: an observation, tool results),
+        alternating, reply first."""
+        out = []
+        for i in range(min(self.ids.size(0), self.ids.size(0) if first is None else first)):
+            used = self.mask[i].bool()
+            ids, learnt = self.ids[i][used].tolist(), self.loss_mask[i][used].tolist()
+            parts: list[str] = []
+            start = 0
+            for k in range(1, len(ids) + 1):
+                if k == len(ids) or learnt[k] != learnt[start]:
+                    if learnt[start] == (len(parts) % 2 == 1):     # an answer before any reply: none here
+                        parts.append("")
+                    parts.append(decode(ids[start:k]).strip())
+                    start = k
+            out.append(parts)
+        return out
 
     def tensors(self, device: torch.device) -> tuple[Tensor, ...]:
         """As a step's tensors, on `device`: first prompts [N, P] and their mask, the rest [N, T]
@@ -89,6 +111,7 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     tails: list[list[int]] = [[] for _ in range(n)]
     learn: list[list[int]] = [[] for _ in range(n)]
     rewards, turns = [0.0] * n, [0] * n
+    calls, errors = [0] * n, [0] * n
     truncated: list[Truncation | None] = [None] * n
     replies: list[list[str]] = [[] for _ in range(n)]
     entropy = torch.zeros(n)
@@ -129,6 +152,11 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
         for i, text, answer in zip(told, texts, answers):
             replies[i].append(text)
             rewards[i] += float(answer["reward"])
+            calls[i] += answer.get("toolCalls", 0)
+            errors[i] += answer.get("toolErrors", 0)
+            if answer.get("truncated"):                        # a tool, or the step, past its time limit
+                truncated[i] = answer["truncated"]
+                continue
             if answer["done"]:
                 running.remove(i)
                 continue
@@ -154,8 +182,9 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
         engine_logprobs = torch.zeros(ids.shape, dtype=torch.float32)
         for i, row in enumerate(engine):
             engine_logprobs[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    tooled = bool(getattr(host, "tool_schemas", None))
     return Episodes(prompt_ids, prompt_mask, ids, mask, loss_mask, entropy, rewards, turns, truncated,
-                    list(prompts), replies, engine_logprobs)
+                    list(prompts), replies, engine_logprobs, calls if tooled else None, errors if tooled else None)
 
 
 @contextmanager

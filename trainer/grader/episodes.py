@@ -9,6 +9,9 @@ Conversation (after the worker's "sandbox" and "ready" frames, as for rewards):
     worker -> parent  {"ok": PROMPT} per item (text, or [{"role", "content"}, ...]), in order
     parent -> worker  {"op": "step", "items": [[i, reply], ...]}       the running episodes' replies
     worker -> parent  {"ok": {"observation": TEXT | MESSAGES | null, "reward": FLOAT, "done": BOOL}}
+                      (a reply the tools answered: and "toolCalls": N, "toolErrors": N; a tool past its
+                      time limit: "done": true, "truncated": "toolTime"; a step past stepTimeoutSeconds,
+                      when the job sets it: "done": true, "truncated": "stepTime")
 Either answer stops at the first failure, {"kind": "exception"|"timeout"|"invalid"|"refused",
 "error": TEXT}, as a reward's does; the parent never goes on with that batch (the environment's
 state after a failure is unknown).
@@ -20,7 +23,8 @@ import inspect
 import os
 from typing import Any, Callable
 
-from grpo_run.trainer.grader.calls import _call_with_alarm, _failed, _shown, as_reward
+from grpo_run.trainer.grader.calls import RewardTimeout, _call_with_alarm, _failed, _shown, as_reward
+from grpo_run.trainer.grader.tools import ToolTime, answer_calls, tool_calls
 
 
 def class_problem(cls: Any) -> str:
@@ -89,9 +93,12 @@ def as_step(value: Any) -> dict:
 
 
 def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[dict], None], timeout_s: float,
-                   cleanup: Callable[[], None]) -> None:
+                   cleanup: Callable[[], None], *, tools: dict[str, Callable[..., Any]] | None = None,
+                   tool_timeout_s: float | None = None, step_timeout_s: float | None = None) -> None:
     """Answer the parent's requests until it closes the pipe. `cleanup`: ends what a call left
-    running (the worker's own, after each call)."""
+    running (the worker's own, after each call). `tools`: a reply that calls them is answered by
+    them (grpo_run.trainer.grader.tools), each call under `tool_timeout_s`; the others go to `step`.
+    `step_timeout_s`: a `step` past it ends its episode ("stepTime") instead of failing the batch."""
     worker_pid = os.getpid()
     episodes: list[Any] = []
     while (request := read()) is not None:
@@ -99,7 +106,7 @@ def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[
             episodes = []
         for item in request["items"]:
             result = _reset(cls, episodes, *item, timeout_s) if request["op"] == "reset" else \
-                _step(episodes, *item, timeout_s)
+                _step(episodes, *item, timeout_s, tools, tool_timeout_s or timeout_s, step_timeout_s)
             if os.getpid() != worker_pid:
                 os._exit(0)          # a copy forked below Python returned here: only the worker answers
             cleanup()
@@ -122,12 +129,29 @@ def _reset(cls: type, episodes: list[Any], task: dict, seed: int, timeout_s: flo
     return {"ok": prompt}
 
 
-def _step(episodes: list[Any], index: int, reply: str, timeout_s: float) -> dict:
+def _step(episodes: list[Any], index: int, reply: str, timeout_s: float,
+          tools: dict[str, Callable[..., Any]] | None = None, tool_timeout_s: float = 0.0,
+          step_timeout_s: float | None = None) -> dict:
     env = episodes[index] if 0 <= index < len(episodes) else None
     if env is None:
         return {"kind": "invalid", "error": f"episode {index} has ended or was never started"}
+    calls = tool_calls(reply) if tools else []
+    if calls:                                      # the tools answer; the environment does not see this reply
+        try:
+            messages, errors = answer_calls(tools, calls, tool_timeout_s)
+        except ToolTime:
+            episodes[index] = None
+            return {"ok": {"observation": None, "reward": 0.0, "done": True, "truncated": "toolTime",
+                           "toolCalls": len(calls), "toolErrors": 1}}
+        return {"ok": {"observation": messages, "reward": 0.0, "done": False, "toolCalls": len(calls),
+                       "toolErrors": errors}}
     try:
-        value = _call_with_alarm(lambda: env.step(reply), timeout_s)
+        value = _call_with_alarm(lambda: env.step(reply), step_timeout_s or timeout_s)
+    except RewardTimeout as error:
+        if step_timeout_s is None:
+            return _failed(error)
+        episodes[index] = None                     # its state after the interrupt is unknown: it ends here
+        return {"ok": {"observation": None, "reward": 0.0, "done": True, "truncated": "stepTime"}}
     except BaseException as error:
         return _failed(error)
     try:

@@ -160,7 +160,7 @@ class Grader:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
         self.retries = retries
-        self._ref = _resolve_ref(reward_ref)
+        self._ref = resolve_ref(reward_ref)
         self._search_path, self._reward_folder = self._reach([os.path.abspath(p) for p in search_path])
         self._network = network
         self._filesystem_setting = filesystem
@@ -318,6 +318,7 @@ class Grader:
                 "strict": self._strict,
                 "group": self.group,
                 "episodes": self.episodes,
+                **self._more_config(),
             }
         )
         deadline = time.monotonic() + self._load_timeout_s
@@ -348,6 +349,7 @@ class Grader:
                 f"cannot load reward function {self.reward_ref!r}: {detail}", ref=self.reward_ref, kind="hung"
             ) from None
         if hello.get("type") == "ready":
+            self._ready(hello, worker)
             return worker
         worker.kill_after_exit()
         error, kind, summary = hello.get("error"), hello.get("kind"), hello.get("summary")
@@ -360,6 +362,13 @@ class Grader:
         worker.release()
         raise RewardFunctionError(f"cannot load reward function {self.reward_ref!r}:\n{error}", ref=self.reward_ref,
                                   kind=kind, summary=summary if isinstance(summary, str) and kind != "crashed" else None)
+
+    def _more_config(self) -> dict[str, Any]:
+        """What a subclass adds to the worker's config (EnvironmentHost: its tools)."""
+        return {}
+
+    def _ready(self, hello: dict[str, Any], worker: WorkerProcess) -> None:
+        """The worker's ready frame, for a subclass to read (EnvironmentHost: its tools' schemas)."""
 
     def _reach(self, search_path: list[str]) -> tuple[list[str], bool]:
         """The search path the reward may be given to read, and whether its file's folder too
@@ -499,7 +508,7 @@ def _same_again(before: Failure | None, now: Failure) -> bool:
             and (before.kind, before.detail) == (now.kind, now.detail))
 
 
-def _resolve_ref(ref: str) -> str:
+def resolve_ref(ref: str) -> str:
     """The ref as the worker needs it (file paths absolute); RewardFunctionError when malformed
     or naming a file that does not exist."""
     target, sep, attr_path = ref.rpartition(":")

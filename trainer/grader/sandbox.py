@@ -100,7 +100,7 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[str],
+def readable_rules(scratch: str, reward_files: Sequence[str], search_path: Sequence[str],
                    protected: Sequence[str], reward_folder: bool = True) -> list[tuple[str, int]]:
     """(path, Landlock rights) of everything the reward function may read (and run, and in the
     scratch directory change). Computed from this interpreter's sys.path before the reward's folders
@@ -108,7 +108,8 @@ def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[
     catalog's rewards are ours); an installation folder that is / or holds one of `protected` (the
     node's home and temporary folders) is never granted. Which of the reward's own folders it may
     have is the parent's decision (`reach`): `search_path` holds only those, and without
-    `reward_folder` a reward file gets a rule for itself alone."""
+    `reward_folder` a reward file gets a rule for itself alone. `reward_files`: the reward's (or
+    environment's) file, and an environment's tools' files."""
     import grpo_run.trainer  # already imported: this module is part of it
 
     def broad(folder: str) -> bool:
@@ -121,7 +122,7 @@ def readable_rules(scratch: str, reward_file: str | None, search_path: Sequence[
     rules += [(path, landlock.READ_FILE) for path in _SYSTEM_FILES]
     rules += [(path, landlock.READ) for path in _READ_ONLY]
     rules += [(os.devnull, landlock.READ_FILE | landlock.WRITE_FILE | landlock.TRUNCATE), (scratch, landlock.ALL)]
-    if reward_file is not None:
+    for reward_file in reward_files:
         folder = os.path.dirname(reward_file)
         rules.append((folder, landlock.RUN) if reward_folder and not broad(folder) else (reward_file, landlock.READ_FILE))
     rules += [(os.path.realpath(p), landlock.RUN) for p in search_path if not broad(os.path.realpath(p))]
@@ -383,7 +384,7 @@ _seccomp_on = False
 
 
 def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str, scratch: str,
-                  reward_file: str | None, search_path: Sequence[str], protected: Sequence[str],
+                  reward_files: Sequence[str], search_path: Sequence[str], protected: Sequence[str],
                   reward_folder: bool, launcher_closes: tuple[int, ...], scratch_mb: int = 1024,
                   max_processes: int = MAX_PROCESSES) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Confine this process; returns what is in force, for the sandbox frame: the mode
@@ -421,7 +422,7 @@ def apply_sandbox(*, memory_mb: int, network: str, filesystem: str, signals: str
     limits["file size"] = f"RLIMIT_FSIZE {scratch_mb} MiB"
     if not net:
         why["network"] = ns_why or "network='python' was asked for"
-    rules = readable_rules(scratch, reward_file, search_path, protected, reward_folder)
+    rules = readable_rules(scratch, reward_files, search_path, protected, reward_folder)
     scoped = False
     if version:
         try:

@@ -14,7 +14,7 @@ Conversation:
                        "why": {layer: TEXT (why it is not in force)}, "missing": [layer, ...]}
                       (before the reward's module is imported; when a layer that had to be in force
                       is missing, the worker exits after it)
-    worker -> parent  {"type": "ready", "pid": N}
+    worker -> parent  {"type": "ready", "pid": N}  (an environment with tools: and "tools": [SCHEMA, ...])
                    or {"type": "load_error", "kind": "exception"|"refused", "error": TEXT,
                        "summary": LINE (load_summary: FILE:LINE for a syntax error)}
                                                                        (then the worker exits)
@@ -167,6 +167,8 @@ def load_summary(error: BaseException) -> str:
               and not f.filename.startswith("<") and not f.filename.startswith(installed)]
     if isinstance(error, MissingFunction):
         return message                      # load_reward_fn's own words: the file and what it defines
+    if type(error).__name__ == "ToolProblem":   # tool_schema's own words: the tool, its argument, the fix
+        return f"ToolProblem: {message}"
     where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
     return f"{where}{type(error).__name__}: {message}"
 
@@ -213,6 +215,24 @@ def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, hel
                 # Stop at the first failure: the parent retries from here, or gives up, and
                 # should not wait for the rest of a batch it may throw away.
                 break
+
+
+def _load_tools(config: dict) -> tuple[dict[str, Any], list[dict]]:
+    """The episodes' tools by name, and their schemas in the job's order (none without "tools")."""
+    from grpo_run.trainer.grader.tools import ToolProblem, tool_schema
+
+    tools: dict[str, Any] = {}
+    schemas = []
+    for ref in config.get("tools", []):
+        fn = load_reward_fn(ref, config["search_path"])
+        schema = tool_schema(fn)
+        name = schema["function"]["name"]
+        if name in tools:
+            raise ToolProblem(f"two tools are named {name!r} ({ref} and an earlier one); the model calls a tool by "
+                              "its name, so each must have its own")
+        tools[name] = fn
+        schemas.append(schema)
+    return tools, schemas
 
 
 def _reward_file(ref: str) -> str | None:
@@ -270,7 +290,8 @@ def main(argv: list[str]) -> int:
     try:
         mode, why, limits = apply_sandbox(
             memory_mb=config["memory_mb"], network=config["network"], filesystem=config["filesystem"],
-            signals=config["signals"], scratch=config["scratch"], reward_file=_reward_file(config["ref"]),
+            signals=config["signals"], scratch=config["scratch"],
+            reward_files=[f for f in map(_reward_file, [config["ref"], *config.get("tools", [])]) if f],
             search_path=config["search_path"], protected=config["protected"],
             reward_folder=config.get("reward_folder", True), scratch_mb=config.get("scratch_mb", 1024),
             launcher_closes=(request_fd, response_fd, config["crash_fd"]),
@@ -287,19 +308,22 @@ def main(argv: list[str]) -> int:
 
             if class_problem(fn):
                 raise TypeError(class_problem(fn))
+        tools, schemas = _load_tools(config)
     except BaseException as error:
         kind, text = _describe(error)
         write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text, "summary": load_summary(error)})
         _end_leftover_processes(frozenset())
         return 1
     helpers = frozenset(_children())
-    write_frame(response_fd, {"type": "ready", "pid": os.getpid()})
+    write_frame(response_fd, {"type": "ready", "pid": os.getpid(), **({"tools": schemas} if tools else {})})
     try:
         if config.get("episodes"):          # an environment's objects, one per episode (trainer.episodes)
             from grpo_run.trainer.grader.episodes import serve_episodes
 
             serve_episodes(fn, lambda: read_frame(request_fd), lambda frame: write_frame(response_fd, frame),
-                           config["timeout_s"], lambda: _end_leftover_processes(helpers))
+                           config["timeout_s"], lambda: _end_leftover_processes(helpers), tools=tools,
+                           tool_timeout_s=config.get("tool_timeout_s", config["timeout_s"]),
+                           step_timeout_s=config.get("step_timeout_s"))
         else:
             serve(fn, request_fd, response_fd, config["timeout_s"], helpers, group=config.get("group", False))
     except BrokenPipeError:

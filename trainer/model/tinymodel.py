@@ -72,9 +72,30 @@ def build_tiny_model(out: Path, *, seed: int = 0, head_dim: int = 16) -> Path:
 # Qwen2.5 / Qwen3's chat format: each message between <|im_start|>ROLE\n and <|im_end|>\n; the
 # generation prompt opens the assistant's turn; enable_thinking=false closes an empty think block
 # as Qwen3's template does.
+# With `tools`, as Qwen2.5 / Qwen3 render them: the schemas in the system turn, with how to call
+# one (<tool_call>{"name": ..., "arguments": {...}}</tool_call>), and each tool's result in a
+# <tool_response> block of a user turn (consecutive results share one).
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- set ns.first = 1 %}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[ns.first:] %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"

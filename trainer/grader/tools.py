@@ -1,0 +1,208 @@
+"""Tools for chat models, inside the environment's sandboxed worker: each tool's JSON schema
+from its signature and docstring (the format transformers' `get_json_schema` writes and chat
+templates render), the tool calls in a reply (Qwen's `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`), and the calls run, each under its own time limit. Standard library only,
+as the worker is.
+
+A reply with tool calls is answered by the tools, their results given back as "tool" messages
+for the chat template to render; a reply without one goes to the environment's `step` (a job with
+tools and no environment of its own: it is the episode's answer, and the episode ends). A tool
+that raises, and a tool call that does not parse or names no tool, is answered with the error
+as the tool's result: the model can read it and recover. A tool still running at its time limit
+ends the episode ("toolTime"), with what it has.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import types
+import typing
+from typing import Any, Callable
+
+from grpo_run.trainer.grader.calls import RewardTimeout, _call_with_alarm, _shown
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+RESULT_CHARS = 4000        # a tool's result is cut here (with a note of how much more there was)
+MAX_TOOL_CALLS = 8         # a reply's calls past these are answered with an error, not run
+_SIMPLE = {int: "integer", float: "number", str: "string", bool: "boolean", type(None): "null",
+           list: "array", tuple: "array", dict: "object", Any: None}
+
+
+class ToolProblem(TypeError):
+    """A function that cannot be a tool: said with the function's and the parameter's name."""
+
+
+def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The tool's JSON schema: {"type": "function", "function": {"name", "description",
+    "parameters": {"type": "object", "properties", "required"}, "return"?}}, as transformers'
+    get_json_schema writes it for the same function. Every parameter needs a type hint, and the
+    function a docstring (what the model reads to decide when to call it); raises ToolProblem."""
+    name = getattr(fn, "__name__", None)
+    if not callable(fn) or not isinstance(name, str) or inspect.isclass(fn):
+        raise ToolProblem(f"{_shown(fn)} is not a function; a tool is a typed Python function with a docstring")
+    doc = inspect.getdoc(fn)
+    if not doc or not doc.strip():
+        raise ToolProblem(f"tool {name} has no docstring; say in one what it does (and each argument under Args:), "
+                          "the model reads it to decide when to call it")
+    description, args, returns = _parse_doc(doc)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as error:
+        raise ToolProblem(f"tool {name}: its type hints cannot be read ({type(error).__name__}: {error})") from None
+    properties: dict[str, Any] = {}
+    required = []
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolProblem(f"tool {name}: *{param.name} / **{param.name} cannot be described to the model; "
+                              "name each argument")
+        if param.name not in hints:
+            raise ToolProblem(f"tool {name}: argument {param.name!r} has no type hint; the model's schema comes from "
+                              f"the hints (for example {param.name}: int)")
+        prop = _json_type(hints[param.name], f"tool {name}: argument {param.name!r}")
+        if param.name in args:
+            prop["description"] = args[param.name]
+        properties[param.name] = prop
+        if param.default is param.empty:
+            required.append(param.name)
+    function: dict[str, Any] = {"name": name, "description": description,
+                                "parameters": {"type": "object", "properties": properties}}
+    if required:
+        function["parameters"]["required"] = required
+    if "return" in hints and hints["return"] is not type(None):
+        function["return"] = _json_type(hints["return"], f"tool {name}: its return type")
+        if returns:
+            function["return"]["description"] = returns
+    return {"type": "function", "function": function}
+
+
+def _json_type(hint: Any, what: str) -> dict[str, Any]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _SIMPLE:
+        return {} if _SIMPLE[hint] is None else {"type": _SIMPLE[hint]}
+    if origin is typing.Literal:
+        kinds = sorted({_SIMPLE.get(type(a)) for a in args if type(a) in _SIMPLE} - {None})
+        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            out = _json_type(rest[0], what)
+        else:
+            parts = [_json_type(a, what) for a in rest]
+            out = {"type": [p["type"] for p in parts]} if all(set(p) == {"type"} for p in parts) else {"anyOf": parts}
+        if len(rest) < len(args):
+            out["nullable"] = True
+        return out
+    if origin in (list, set, frozenset):
+        return {"type": "array", **({"items": _json_type(args[0], what)} if args else {})}
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return {"type": "array", "items": _json_type(args[0], what)}
+        return {"type": "array", "prefixItems": [_json_type(a, what) for a in args]}
+    if origin is dict:
+        return {"type": "object", **({"additionalProperties": _json_type(args[1], what)} if len(args) == 2 else {})}
+    raise ToolProblem(f"{what} is typed {hint!r}, which has no JSON schema type; use int, float, str, bool, a "
+                      "list or dict of those, a Literal of choices, or Optional of one")
+
+
+def _parse_doc(doc: str) -> tuple[str, dict[str, str], str]:
+    """(description, {argument: its description}, what it returns) from a Google-style docstring."""
+    sections = re.split(r"^\s*(Args|Arguments|Parameters|Returns|Return|Raises):\s*$", doc, flags=re.M)
+    description = sections[0].strip()
+    args: dict[str, str] = {}
+    returns = ""
+    for head, body in zip(sections[1::2], sections[2::2]):
+        if head in ("Returns", "Return"):
+            returns = " ".join(line.strip() for line in body.strip().splitlines())
+        elif head != "Raises":
+            current, indent = None, 0
+            for line in body.splitlines():
+                found = re.match(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$", line)
+                if found and (current is None or len(line) - len(line.lstrip()) <= indent):
+                    current, indent = found.group(1), len(line) - len(line.lstrip())
+                    args[current] = found.group(2).strip()
+                elif current is not None and line.strip():
+                    args[current] = f"{args[current]} {line.strip()}".strip()
+    return description, args, returns
+
+
+def tool_calls(reply: str) -> list[dict[str, Any] | str]:
+    """The tool calls in `reply`, in order: {"name", "arguments"} for each that parses, else the
+    text saying what is wrong with it (told to the model as that call's result). [] for a reply
+    that calls nothing."""
+    calls: list[dict[str, Any] | str] = []
+    for body in TOOL_CALL.findall(reply):
+        try:
+            call = json.loads(body)
+        except ValueError as error:
+            calls.append(f"error: the tool call is not JSON ({error}); write "
+                         '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):               # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            calls.append('error: a tool call is {"name": "<tool>", "arguments": {<argument>: <value>, ...}}')
+            continue
+        calls.append({"name": call["name"], "arguments": arguments})
+    if not calls and "<tool_call>" in reply:
+        calls.append("error: the tool call has no closing </tool_call>")
+    return [*calls[:MAX_TOOL_CALLS], *(f"error: at most {MAX_TOOL_CALLS} tool calls are answered per reply; this "
+                                       "one was not run" for _ in calls[MAX_TOOL_CALLS:])]
+
+
+class ToolTime(Exception):
+    """A tool was still running at its time limit: the episode ends ("toolTime")."""
+
+
+def answer_calls(tools: dict[str, Callable[..., Any]], calls: list[dict[str, Any] | str],
+                 timeout_s: float) -> tuple[list[dict[str, str]], int]:
+    """Each call's result as a "tool" message, and how many of them were errors. Raises ToolTime."""
+    messages, errors = [], 0
+    for call in calls:
+        if isinstance(call, str):
+            messages.append({"role": "tool", "content": call})
+            errors += 1
+            continue
+        name, fn = call["name"], tools.get(call["name"])
+        if fn is None:
+            text, failed = f"error: there is no tool {name!r}; the tools are {', '.join(sorted(tools))}", True
+        else:
+            try:
+                text, failed = _as_text(_call_with_alarm(lambda: fn(**call["arguments"]), timeout_s)), False
+            except RewardTimeout:
+                raise ToolTime(f"tool {name} did not return within {timeout_s:g} s") from None
+            except Exception as error:               # the model called it wrongly, or it failed: the model reads why
+                text, failed = f"error: {type(error).__name__}: {error}", True
+        messages.append({"role": "tool", "name": name, "content": _capped(text)})
+        errors += failed
+    return messages, errors
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _capped(text: str) -> str:
+    return text if len(text) <= RESULT_CHARS else f"{text[:RESULT_CHARS]}... ({len(text) - RESULT_CHARS} more characters)"
+
+
+class AnswerAfterTools:
+    """The environment of a job with tools and no episodes class of its own: the task's prompt
+    first; the first reply that calls no tool is the answer, and the episode ends there (the
+    job's reward functions score the whole episode)."""
+
+    def reset(self, task: dict, seed: int) -> Any:
+        return task["prompt"]
+
+    def step(self, reply: str) -> dict[str, Any]:
+        return {"observation": None, "reward": 0.0, "done": True}

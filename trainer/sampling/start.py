@@ -1,0 +1,67 @@
+"""Starting the engine a trainer samples with: which one (spec.parameters.sampler as the supervisor
+resolved it, `auto` resolved here when a trainer runs on its own), vLLM with the run's generation
+settings, and the native decoder's stop-string check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.distributed import World
+from grpo_run.trainer.model.policy import compute_dtype
+from grpo_run.trainer.sampling.choice import choose
+from grpo_run.trainer.sampling.engines import Sampler
+
+
+def resolved_engine(params: GRPOParams, config: Callable[[], dict], device: torch.device, world: World) -> str:
+    """spec.parameters.sampler as the supervisor resolved it, or `auto` resolved here (a trainer
+    run on its own): "native" or "vllm"."""
+    if params.sampler != "auto":
+        return params.sampler
+    return choose("auto", params.method, config, device.type == "cuda", server=params.vllm.mode == "server",
+                  processes=world.size).engine
+
+
+def start_vllm(model_path: str, tokenizer: Any, eos_ids: tuple[int, ...], params: GRPOParams,
+               device: torch.device, work: Path) -> Sampler:
+    """vLLM for the run: colocated (loading `model_path`) or a server (spec.parameters.vllm.mode),
+    with the run's generation settings; `work`: the folder adapters and weights are handed over in."""
+    p = params
+    if p.vllm.mode == "server":
+        from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
+
+        return VllmServerSampler(p.vllm.server, method=p.method, lora_rank=p.lora.r,
+                                 timeout_s=p.vllm.serverTimeoutSeconds, max_new_tokens=p.maxCompletionLength,
+                                 eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, top_k=p.topK,
+                                 top_p=p.topP, repetition_penalty=p.repetitionPenalty,
+                                 stop_strings=p.stopStrings, work=work)
+    from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
+
+    return VllmSampler(model_path, method=p.method, lora_rank=p.lora.r, dtype=compute_dtype(device),
+                       device=device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization,
+                       max_new_tokens=p.maxCompletionLength, eos_ids=eos_ids,
+                       pad_id=tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP,
+                       repetition_penalty=p.repetitionPenalty, stop_strings=p.stopStrings, seed=p.seed,
+                       work=work)
+
+
+def stop_strings_check(tokenizer: Any, stops: tuple[str, ...] | list[str]
+                       ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The native decoder's `finished` for stopStrings (None without any): a running row is
+    finished once one of them appears in the text of its newest tokens. Only that tail is decoded:
+    as many tokens as the longest stop string has UTF-8 bytes, plus one, because every token
+    (special tokens aside, which decoding skips) decodes to at least one byte, so a stop string
+    completed by the newest token lies inside it. Only the completion counts, not the prompt."""
+    if not stops:
+        return None
+    window = max(len(s.encode("utf-8")) for s in stops) + 1
+
+    def finished(tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:   # [N, t], [N] -> [N]
+        tails = tokenizer.batch_decode(tokens[running][:, -window:].tolist(), skip_special_tokens=True)
+        out = torch.zeros_like(running)
+        out[running] = torch.tensor([any(s in text for s in stops) for text in tails], device=running.device)
+        return out
+    return finished
