@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pytest
 
+# The stores the tests run on, as the figures (docs/reliability.md) name them
+STORE_NAMES = {"s3": "S3 (SeaweedFS)", "gs": "GCS (fake-gcs-server)", "az": "Azure Blob (Azurite)"}
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -80,16 +83,20 @@ class _Server:
         self.start()
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
+        stop_process(self.process)
         self.process = None
+
+
+def stop_process(process: subprocess.Popen | None) -> None:
+    """SIGTERM, then SIGKILL after 15 s; waited for."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=15)
 
 
 # --- Google Cloud Storage: fake-gcs-server ------------------------------------------------------
@@ -137,6 +144,31 @@ class FakeGcs(_Server):
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=10):
             return name
+
+    def delete_bucket(self, name: str, deadline_s: float = 60.0) -> None:
+        """Empty `name` and delete it, as an operator would (a bucket must be empty to go: this
+        server refuses with 412, GCS with 409), again while a run still writes into it."""
+        import urllib.error
+        import urllib.parse
+
+        bucket = f"{self.endpoint}/storage/v1/b/{name}"
+        deadline = time.monotonic() + deadline_s
+        while True:
+            with urllib.request.urlopen(f"{bucket}/o", timeout=10) as reply:
+                names = [o["name"] for o in json.load(reply).get("items", [])]
+            for key in names:
+                try:
+                    urllib.request.urlopen(urllib.request.Request(
+                        f"{bucket}/o/{urllib.parse.quote(key, safe='')}", method="DELETE"), timeout=10).close()
+                except urllib.error.HTTPError as e:
+                    if e.code != 404:           # gone meanwhile is fine
+                        raise
+            try:
+                urllib.request.urlopen(urllib.request.Request(bucket, method="DELETE"), timeout=10).close()
+                return
+            except urllib.error.HTTPError as e:
+                if e.code not in (409, 412) or time.monotonic() > deadline:
+                    raise
 
 
 # --- Azure Blob: Azurite ----------------------------------------------------------------------
@@ -195,6 +227,12 @@ class Azurite(_Server):
         name = name or f"t-{uuid.uuid4().hex[:12]}"
         BlobServiceClient.from_connection_string(self.connection_string()).create_container(name)
         return name
+
+    def delete_container(self, name: str) -> None:
+        """Delete `name` and every blob in it (Azure deletes a container whole)."""
+        from azure.storage.blob import BlobServiceClient
+
+        BlobServiceClient.from_connection_string(self.connection_string()).delete_container(name)
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -262,6 +300,19 @@ _AZURE_VARS = ("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY", "AZURE_CLIENT_ID", 
                "AZURE_TENANT_ID", "AZURE_FEDERATED_TOKEN_FILE")
 
 
+def point_at_s3(monkeypatch, server, tmp_path: Path) -> None:
+    """The standard AWS variables at `server` (a SeaweedS3), nothing of the user's AWS setup."""
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
+                "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
 def point_at_gcs(monkeypatch, server: FakeGcs) -> None:
     for var in _GOOGLE_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -295,3 +346,38 @@ def store_env(request) -> CloudEnv:
         env = request.getfixturevalue("s3_env")
         return CloudEnv("s3", env.server, env.bucket)
     return request.getfixturevalue({"gs": "gcs_env", "az": "az_env"}[request.param])
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def private_store(request, monkeypatch, tmp_path) -> CloudEnv:
+    """Like store_env, on a server of this test's own (for tests that kill, stop or stall it)."""
+    if request.param == "s3":
+        server = request.getfixturevalue("make_s3_server")()
+        point_at_s3(monkeypatch, server, tmp_path)
+        return CloudEnv("s3", server, server.create_bucket())
+    if request.param == "gs":
+        server = request.getfixturevalue("make_gcs_server")()
+        point_at_gcs(monkeypatch, server)
+        return CloudEnv("gs", server, server.create_bucket())
+    server = request.getfixturevalue("make_azurite")()
+    point_at_azurite(monkeypatch, server)
+    return CloudEnv("az", server, server.create_container())
+
+
+def through(port: int, env: CloudEnv) -> dict[str, str]:
+    """The variables that send a node's storage calls to 127.0.0.1:`port` (a proxy) instead of
+    `env`'s server."""
+    if env.scheme == "s3":
+        return {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    if env.scheme == "gs":
+        return {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+    return {"AZURE_STORAGE_CONNECTION_STRING":
+            env.server.connection_string().replace(f":{env.server.port}/", f":{port}/")}
+
+
+def delete_bucket(env: CloudEnv) -> None:
+    """Delete `env`'s bucket (container) with everything in it, as an operator would."""
+    if env.scheme == "az":
+        env.server.delete_container(env.bucket)
+    else:
+        env.server.delete_bucket(env.bucket)

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # `tests.emulators` and the like; grpo_run itself
     sys.path.insert(0, str(REPO))
 
 from tests.cloud_stores import (az_env, azurite, gcs_env, gcs_server, make_azurite,  # noqa: E402,F401 (fixtures)
-                                make_gcs_server, store_env)
+                                make_gcs_server, point_at_s3, private_store, stop_process, store_env)
 
 _STARTUP_TIMES: list[float] = []
 
@@ -247,16 +247,24 @@ class SeaweedS3:
             pass
         return "readiness-probe"
 
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.terminate()
+    def delete_bucket(self, name: str, deadline_s: float = 60.0) -> None:
+        """Empty `name` and delete it, as an operator would, again while a run still writes into it."""
+        client = self.client()
+        deadline = time.monotonic() + deadline_s
+        while True:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+                if page.get("Contents"):
+                    client.delete_objects(Bucket=name, Delete={
+                        "Objects": [{"Key": o["Key"]} for o in page["Contents"]], "Quiet": True})
             try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
+                client.delete_bucket(Bucket=name)
+                return
+            except client.exceptions.ClientError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def stop(self) -> None:
+        stop_process(self.process)
         self.process = None
 
 
@@ -308,15 +316,7 @@ class S3Env:
 def s3_env(s3_server, monkeypatch, tmp_path) -> S3Env:
     """AWS_* variables pointed at the test server (nothing else from the user's AWS setup leaks
     in), and a fresh bucket for this test."""
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
-                "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    point_at_s3(monkeypatch, s3_server, tmp_path)
     return S3Env(server=s3_server, bucket=s3_server.create_bucket())
 
 

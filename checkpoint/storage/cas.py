@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 
 from .fsio import TMP_MARKER, fsync_dir, temp_sibling
 from .retry import StorageConfigError, describe, s3_code, s3_status
-from .store import SUPPORTED_URLS, Store
+from .store import Store
 
 log = logging.getLogger(__name__)
 
@@ -77,25 +77,6 @@ class Cas(Protocol):
     def create(self, data: bytes) -> Any: ...                 # Conflict if it exists
     def replace(self, data: bytes, version: Any) -> Any: ...  # Conflict unless still `version`
     def delete(self, version: Any) -> None: ...               # Conflict unless still `version`
-
-
-def open_cas(url: str, key: str) -> Cas:
-    """The compare-and-swap object `key` under the storage URL. StorageConfigError for a bad or
-    unsupported URL, ValueError for a key that is not a relative path."""
-    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) and "://" in url else ""
-    if scheme in ("gs", "gcs"):
-        from .gcs import GcsCas
-        return GcsCas(url, key)
-    if scheme == "az":
-        from .azure import AzureCas
-        return AzureCas(url, key)
-    store = Store(url)  # validates the URL: StorageConfigError for a bad or unsupported one
-    if store.protocol == "s3":
-        return S3Cas(store, key)
-    if store.protocol == "file":
-        return LocalCas(Path(store.fs_path(key)[1]))
-    raise StorageConfigError(f"lease on {url}: {store.protocol}:// has no compare-and-swap here; "
-                             f"keep the job on {SUPPORTED_URLS}")
 
 
 class S3Cas:

@@ -71,7 +71,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .cas import Conflict, Found, Unsupported, open_cas
+from .by_url import open_cas
+from .cas import Conflict, Found, Unsupported
 from .holder import (LeaseHeld, LeaseLost, boot_id, count as _count, describe_holder, dump as _dump, iso as _iso,
                      parse_body as _parse, pid_alive as _pid_alive, pid_namespace, public as _public,
                      ttl_of as _ttl)

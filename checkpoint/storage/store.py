@@ -1,5 +1,5 @@
 """Object storage for a job's folder (checkpoints, the record, the lease, the baseline, the
-environment files): one `ObjectStore` per storage URL, made by `open_store(url)`.
+environment files): one `ObjectStore` per storage URL, made by `open_store(url)` (checkpoint.storage.by_url).
 
 URLs and what serves them:
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["ObjectStore", "Store", "StorageConfigError", "StorageUnavailable", "open_store"]
+__all__ = ["ObjectStore", "RetriedStore", "Store", "StorageConfigError", "StorageUnavailable"]
 
 # What spec.storage may be, for messages.
 SUPPORTED_URLS = ("s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path "
@@ -197,21 +197,6 @@ def relative_keys(root: str, names: list[str]) -> list[str]:
 def in_folder(name: str, each: str) -> bool:
     """Whether object `each` is `name` itself or under the folder `name`: never NAME-2 for NAME."""
     return each == name or each.startswith(f"{name}/")
-
-
-def open_store(url: str, *, stop: threading.Event | None = None, retry_seconds: float = 60.0,
-               sleep: Callable[[float], None] = time.sleep) -> RetriedStore:
-    """The store for a storage URL (see the module's list). StorageConfigError for a bad URL,
-    an unsupported scheme, or a store whose client library is not installed (naming the extra)."""
-    scheme = urlsplit(url).scheme.lower() if isinstance(url, str) and "://" in url else ""
-    kwargs: dict[str, Any] = dict(stop=stop, retry_seconds=retry_seconds, sleep=sleep)
-    if scheme in ("gs", "gcs"):
-        from .gcs import GcsStore
-        return GcsStore(url, **kwargs)
-    if scheme == "az":
-        from .azure import AzureStore
-        return AzureStore(url, **kwargs)
-    return Store(url, **kwargs)
 
 
 def needs_extra(url: str, module: str, extra: str) -> StorageConfigError:

@@ -210,7 +210,7 @@ class Trackers:
 def open_trackers(tracking: dict[str, Any] | None, *, job_store, work: Path, name: str, run_id: str,
                   attempt: int, record) -> Trackers:
     """The trackers `tracking` (spec.tracking as a dict) names, opened for this attempt."""
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
 
     opened: list[Tracker] = []
     tracking = tracking or {}

@@ -156,7 +156,7 @@ def publish(wheel: Wheel, storage: str) -> Wheel:
     Raises StorageConfigError / StorageUnavailable."""
     from dataclasses import replace
 
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
 
     store = open_store(storage)
     sha256 = wheel.sha256

@@ -29,8 +29,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.lease import LEASE_KEY, LeaseHeld, held
-from grpo_run.checkpoint.storage.store import open_store
 from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.state.phases import FINISHED, AttemptEnd, Phase
 from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401

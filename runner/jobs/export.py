@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from grpo_run.checkpoint.manifest import Manifest
-from grpo_run.checkpoint.storage.store import ObjectStore, open_store
+from grpo_run.checkpoint.storage.by_url import open_store
+from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.checkpoint.sync import CHECKPOINTS, FINAL, download_latest, run_prefix
 from grpo_run.runner.books.replica import stored_record
 from grpo_run.state import values

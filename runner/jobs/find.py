@@ -22,7 +22,7 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     when storage holds several jobs and none is named, or a job whose stored name is not its
     folder's (runner.jobs.stored), JobError for a stored spec that no longer parses,
     StorageConfigError / StorageUnavailable. `stop`: the job's stop Event, for its store."""
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.runner.books.replica import stored_record
     from grpo_run.runner.spec.job import parse_job
     from grpo_run.runner.jobs.stored import check_folder_name, check_stored_name
@@ -83,7 +83,7 @@ def engine_missing(job, record) -> str | None:
 
 
 def jobs_in(storage: str) -> list[str]:
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
 
     store = open_store(storage)
     return sorted({k.split("/")[0] for k in store.list("") if k.endswith(f"/{RECORD_FILE}") and k.count("/") == 1})
@@ -91,7 +91,7 @@ def jobs_in(storage: str) -> list[str]:
 
 def open_record(name: str, storage: str | None):
     """The job's record: the local work folder's when no storage is named, else the store's."""
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.state.record import Record
 
     local = work_dir(name) / RECORD_FILE

@@ -210,7 +210,8 @@ def _check_cloud_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
     """gs:// and az://: the URL, the client library (its extra named when missing), the account
     for Azure; the probe unless a dry run (it meets the credentials: a missing or refused one is
     a StorageConfigError that says what to set)."""
-    from grpo_run.checkpoint.storage.store import StorageConfigError, open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
+    from grpo_run.checkpoint.storage.store import StorageConfigError
     from grpo_run.runner.home import job_store_url
 
     url = job.storage
@@ -239,7 +240,8 @@ def aws_credentials_source() -> str | None:
 
 def _probe(url: str, found: Findings) -> None:
     """Write, read back and delete a small object under `url` (Store.check)."""
-    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
 
     try:
         open_store(url, retry_seconds=PROBE_RETRY_S).check()

@@ -44,8 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.lease import describe_holder, read_lease
-from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, open_store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable
 from grpo_run.runner.text import error, printable
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.home import job_store_url

@@ -174,7 +174,8 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
              trust_urls: bool | None, progress: bool | None, job_file: str | None) -> int:
     """run_job's work, with the hub token as run_job decided."""
-    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
+    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
     from grpo_run.runner.jobs.envfiles import environment_uploads, localize_environment
     from grpo_run.runner.supervisor.runspec import build_run_spec
     from grpo_run.runner.jobs.stored import as_this_node_runs_it

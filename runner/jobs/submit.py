@@ -19,8 +19,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.lease import LeaseHeld, held
-from grpo_run.checkpoint.storage.store import ObjectStore, open_store
+from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.books.replica import fetch_record
 from grpo_run.runner.jobs.envfiles import environment_uploads, upload_environment

@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.fenced import FencedStore
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost
 from grpo_run.checkpoint.storage.retry import backoff, nth_wait
-from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable, open_store
+from grpo_run.checkpoint.storage.store import ObjectStore, StorageConfigError, StorageUnavailable
 from grpo_run.runner.books.books import Books
 from grpo_run.runner.supervisor.uploads import upload_environment
 from grpo_run.runner.exits import EXIT_HELD, EXIT_OK

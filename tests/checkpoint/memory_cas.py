@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-import grpo_run.checkpoint.storage.cas as cas_module
+import grpo_run.checkpoint.storage.by_url as by_url_module
 import grpo_run.checkpoint.storage.lease as lease_module
 from grpo_run.checkpoint.storage.cas import Cas, Conflict, Found
 from grpo_run.checkpoint.storage.store import Store
@@ -62,12 +62,12 @@ class MemoryCas:
 
 def use_memory_cas(monkeypatch: pytest.MonkeyPatch) -> None:
     """For the rest of this test, leases (and open_cas) on memory:// URLs use a MemoryCas."""
-    real = cas_module.open_cas
+    real = by_url_module.open_cas
 
     def open_cas(url: str, key: str) -> Cas:
         if isinstance(url, str) and url.lower().startswith("memory://"):
             return MemoryCas(Store(url), key)
         return real(url, key)
 
-    monkeypatch.setattr(cas_module, "open_cas", open_cas)
+    monkeypatch.setattr(by_url_module, "open_cas", open_cas)
     monkeypatch.setattr(lease_module, "open_cas", open_cas)

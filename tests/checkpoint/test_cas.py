@@ -11,9 +11,11 @@ import time
 
 import pytest
 
+import grpo_run.checkpoint.storage.by_url as by_url
 import grpo_run.checkpoint.storage.cas as storage_cas
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.cas import Conflict
-from grpo_run.checkpoint.storage.store import StorageConfigError, open_store
+from grpo_run.checkpoint.storage.store import StorageConfigError
 from tests.checkpoint.memory_cas import use_memory_cas
 
 
@@ -28,7 +30,7 @@ def url(request, tmp_path, monkeypatch) -> str:
 
 
 def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
-    cas = storage_cas.open_cas(url, "lease.json")
+    cas = by_url.open_cas(url, "lease.json")
     assert cas.read() is None
 
     first = cas.create(b"one")
@@ -52,14 +54,14 @@ def test_a_write_against_a_stale_version_is_a_conflict_and_changes_nothing(url):
 
 
 def test_two_objects_under_one_url_are_independent(url):
-    a, b = storage_cas.open_cas(url, "a.json"), storage_cas.open_cas(url, "b.json")
+    a, b = by_url.open_cas(url, "a.json"), by_url.open_cas(url, "b.json")
     a.create(b"a")
     b.create(b"b")
     assert a.read()[0] == b"a" and b.read()[0] == b"b"
 
 
 def test_a_local_object_is_as_old_as_its_last_write(tmp_path):
-    cas = storage_cas.open_cas(str(tmp_path / "job"), "lease.json")
+    cas = by_url.open_cas(str(tmp_path / "job"), "lease.json")
     cas.create(b"one")
     assert 0 <= cas.read().age_s < 5
     path = tmp_path / "job" / "lease.json"
@@ -78,7 +80,7 @@ def test_the_s3_age_is_date_minus_last_modified_less_a_second_for_whole_second_d
 
 @pytest.mark.parametrize("env", ["s3_env", "gcs_env", "az_env"])
 def test_an_object_is_aged_on_the_servers_clock_not_ours(request, env, monkeypatch):
-    cas = storage_cas.open_cas(request.getfixturevalue(env).url + "/cas", "lease.json")
+    cas = by_url.open_cas(request.getfixturevalue(env).url + "/cas", "lease.json")
     cas.create(b"one")
     monkeypatch.setattr(time, "time", lambda: 2_000_000_000.0)   # our wall clock is years off
     age = cas.read().age_s
@@ -93,11 +95,11 @@ def test_the_age_is_date_minus_last_modified_less_a_second_for_whole_second_date
 
 def test_a_released_gcs_lease_reads_as_none_and_is_created_over(gcs_env):
     # GCS releases by a conditional upload of an empty body (checkpoint.storage.gcs says why)
-    cas = storage_cas.open_cas(gcs_env.url, "lease.json")
+    cas = by_url.open_cas(gcs_env.url, "lease.json")
     version = cas.create(b"mine")
     cas.delete(version)
     assert cas.read() is None
-    other = storage_cas.open_cas(gcs_env.url, "lease.json")      # a node that never saw it:
+    other = by_url.open_cas(gcs_env.url, "lease.json")      # a node that never saw it:
     with pytest.raises(Conflict):
         other.create(b"theirs")                                   # a create in the dark loses,
     assert other.read() is None                                   # the lease reads again (as it does)
@@ -123,7 +125,7 @@ def test_fake_gcs_server_ignores_the_precondition_of_a_delete_which_the_lease_ne
                                        ("az_env", "does not honour conditional requests")])
 def test_a_server_that_ignores_preconditions_is_refused_before_the_first_write(request, env, says):
     cloud = request.getfixturevalue(env)
-    cas = storage_cas.open_cas(cloud.url, "lease.json")
+    cas = by_url.open_cas(cloud.url, "lease.json")
     with pytest.MonkeyPatch.context() as patch:
         if env == "gcs_env":
             from google.cloud.storage import Blob
@@ -150,9 +152,9 @@ def test_a_server_that_ignores_preconditions_is_refused_before_the_first_write(r
 
 def test_memory_storage_has_no_compare_and_swap():
     with pytest.raises(StorageConfigError, match=r"memory:// has no compare-and-swap.*s3://bucket/prefix, gs://"):
-        storage_cas.open_cas("memory://jobs/cas", "lease.json")
+        by_url.open_cas("memory://jobs/cas", "lease.json")
 
 
 def test_a_key_must_be_a_relative_path(tmp_path):
     with pytest.raises(ValueError):
-        storage_cas.open_cas(str(tmp_path / "jobs" / "cas"), "../lease.json")
+        by_url.open_cas(str(tmp_path / "jobs" / "cas"), "../lease.json")

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
+from grpo_run.checkpoint.storage.by_url import open_store
+from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
 from tests.checkpoint.test_store import RecordingSleep, exercise_round_trip
 from tests.cloud_stores import point_at_azurite, point_at_gcs
 

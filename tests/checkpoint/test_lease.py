@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.lease import Lease, LeaseHeld, LeaseLost, read_lease
-from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable, open_store
+from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
 from tests.checkpoint.memory_cas import use_memory_cas
 
 

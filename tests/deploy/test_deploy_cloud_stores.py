@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.runner.cli.commands import EXIT_OK, EXIT_USAGE, main
 from grpo_run.runner.deploy.iam import iam_policy
 from grpo_run.runner.deploy.kubernetes import kubernetes_job
 from grpo_run.runner.deploy.node import NodeSettings, cloud_init, install_script
 from grpo_run.runner.deploy.skypilot import skypilot_task
-from grpo_run.checkpoint.storage.store import open_store
 from grpo_run.runner.deploy.wheel import build_wheel
 from tests.deploy import test_generate
 from tests.deploy.test_generate import cloud_config_errors, install_sh, load_with_skypilot

@@ -96,7 +96,7 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
     if kills:
         lines += ["", "## Hard kills", "",
                   "SIGKILL of the trainer, the supervisor, the checkpoint writer or all three, at seeded random "
-                  "moments over real S3 (SeaweedFS); the node resumes after each, now and then on a fresh node. "
+                  "moments over each store (a real server on 127.0.0.1); the node resumes after each, now and then on a fresh node. "
                   "Steps redone: the last step the node completed before a kill minus the step the next "
                   "attempt resumed from; the test checks that this was the newest checkpoint the node could "
                   "have had (sealed on its own disk, or durable in storage for a fresh node). On its own node "
@@ -104,9 +104,9 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
                   "read from the shared buffer, one being hashed and renamed; the test allows 3 x saveSteps); "
                   "a fresh node loses what had not been uploaded yet (these steps take about 20 ms, an "
                   "upload longer).", ""]
-        lines += _table(["seed", "kills", "by target", "fresh nodes", "attempts", "steps", "saveSteps",
+        lines += _table(["store", "seed", "kills", "by target", "fresh nodes", "attempts", "steps", "saveSteps",
                          "steps redone: total", "max per kill, same node", "max per kill, any", "identical"],
-                        [[k["seed"], k["kills"], ", ".join(f"{t} {n}" for t, n in k["by_target"].items()),
+                        [[k.get("store", S3), k["seed"], k["kills"], ", ".join(f"{t} {n}" for t, n in k["by_target"].items()),
                           k["fresh_nodes"], k["attempts"], k["steps"], k["save_steps"], k["redone_total"],
                           k.get("redone_max_same_node", ""), k["redone_max"], k["identical"]] for k in kills])
     if notices:

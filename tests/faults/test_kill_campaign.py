@@ -1,7 +1,8 @@
 """Many hard kills in one run: SIGKILL of the trainer, of the supervisor, of the checkpoint
 writer, or of all three at once, at random moments, over real S3; the node resumes after each
 (the supervisor restarts a killed trainer itself; a killed supervisor is started again, as its
-systemd unit would, now and then on a fresh node). The final adapter must be byte-identical to
+systemd unit would, now and then on a fresh node), on each store: S3 (SeaweedFS), GCS
+(fake-gcs-server) and Azure Blob (Azurite). The final adapter must be byte-identical to
 an uninterrupted run's, and each kill may cost at most `saveSteps` completed steps plus the
 ones whose checkpoint was still with the writer (or, for a fresh node, not yet uploaded) at that
 instant; counted from each node's record (the last step its attempt completed, the step the next
@@ -10,8 +11,8 @@ node could have had.
 
 The schedule comes from a seed, printed, so a failure can be replayed:
     GRPO_RUN_KILL_SEED=1234 GRPO_RUN_KILLS=60 .venv/bin/pytest tests/faults/test_kill_campaign.py
-The whole suite (CI) runs a seeded sample of 12 kills; scripts/reliability runs the full 50 for
-docs/reliability.md.
+The whole suite (CI) runs a seeded sample of 12 kills on S3 and 3 on each other store
+(GRPO_RUN_CLOUD_KILLS); scripts/reliability runs 50 and 12 for docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ from pathlib import Path
 
 import pytest
 
+from grpo_run.checkpoint.manifest import MANIFEST_NAME, newest_sealed, step_of
+from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.state.record import Record
-from grpo_run.checkpoint.manifest import newest_sealed
-from tests.checkpoint.test_corrupt_resume import durable_steps, job_prefix
+from tests.checkpoint.test_corrupt_resume import JOB
+from tests.cloud_stores import STORE_NAMES
 from tests.faults.harness import children, cmdline, start_node, wait_until
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 KILLS = int(os.environ.get("GRPO_RUN_KILLS", "12"))     # a seeded sample; the full campaign: 50
+CLOUD_KILLS = int(os.environ.get("GRPO_RUN_CLOUD_KILLS", "3"))   # on GCS and Azure: the same, shorter
 SEED = int(os.environ.get("GRPO_RUN_KILL_SEED", "20261201"))
 STEPS, SAVE = 1400, 4
 TARGETS = ("trainer", "writer", "supervisor", "all")
@@ -59,14 +63,15 @@ def last_step(home: Path) -> int:
     return steps[-1]["step"] if steps else 0
 
 
-def stored(s3_env) -> bool:
+def stored(env) -> bool:
     """Whether the job's record is in storage yet."""
-    client = s3_env.server.client()
-    try:
-        client.head_object(Bucket=s3_env.bucket, Key=f"{job_prefix(s3_env)}/state.db")
-        return True
-    except client.exceptions.ClientError:
-        return False
+    return open_store(f"{env.url}/{JOB}").exists("state.db")
+
+
+def newest_durable(env) -> int:
+    """The newest step whose checkpoint manifest is in storage (it goes up last: a whole checkpoint)."""
+    keys = open_store(f"{env.url}/{JOB}").list("checkpoints")
+    return max((step_of(k.split("/")[-2]) or 0 for k in keys if k.endswith("/" + MANIFEST_NAME)), default=0)
 
 
 def node_attempts(home: Path) -> list[dict]:
@@ -85,10 +90,14 @@ def reference(tmp_path_factory):
 
 
 def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_newest_checkpoint(
-        tmp_path, s3_env, reference, figures):
+        tmp_path, store_env, reference, figures):
+    env = store_env
     rng = random.Random(SEED)
-    print(f"\nkill campaign: seed {SEED}, {KILLS} kills (replay: GRPO_RUN_KILL_SEED={SEED} GRPO_RUN_KILLS={KILLS})")
-    path = job(tmp_path, s3_env.url)
+    wanted = KILLS if env.scheme == "s3" else CLOUD_KILLS
+    count = "GRPO_RUN_KILLS" if env.scheme == "s3" else "GRPO_RUN_CLOUD_KILLS"
+    print(f"\nkill campaign on {STORE_NAMES[env.scheme]}: seed {SEED}, {wanted} kills "
+          f"(replay: GRPO_RUN_KILL_SEED={SEED} {count}={wanted})")
+    path = job(tmp_path, env.url)
     kills: list[dict] = []
     node, fresh_nodes = tmp_path / "node-0", 0
     log = tmp_path / "nodes.log"          # every node's output, in order: what to read when it fails
@@ -118,7 +127,7 @@ def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_new
                                            f"there; the nodes' log ends:\n{log.read_text()[-6000:]}")
         cost = None
 
-    while len(kills) < KILLS:
+    while len(kills) < wanted:
         before = last_step(node)
         # a random moment: mostly mid-training (after the node made progress, plus up to 0.4 s),
         # sometimes early in a node's life (imports, restore, baseline, the trainer's start)
@@ -151,7 +160,7 @@ def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_new
         reached = last_step(node)
         current = node_attempts(node)
         local = newest_sealed(node / "runs" / "resumable" / "checkpoints") if target != "writer" else None
-        sealed, durable = (local[0] if local else 0), max(durable_steps(s3_env), default=0)
+        sealed, durable = (local[0] if local else 0), newest_durable(env)
         kills.append({"target": target, "reached": reached, "early": early, "node": node.name, "redone": 0,
                       "sealed": sealed, "durable": durable})
         if cost is None or reached > cost["reached"]:
@@ -170,7 +179,7 @@ def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_new
             fresh_nodes += 1
             node = tmp_path / f"node-{fresh_nodes}"
         # `resume` once the job is in storage; a node killed before it got there is simply run again
-        again = ("resume", "resumable", "--storage", s3_env.url) if stored(s3_env) else ("apply", "-f", str(path))
+        again = ("resume", "resumable", "--storage", env.url) if stored(env) else ("apply", "-f", str(path))
         with open(log, "a") as f:
             f.write(f"---- kill {len(kills) - 1}: {target}; now {' '.join(again[:2])} on {node.name}\n")
         proc = start_node(node, *again, GRPO_RUN_NOTICES="none", log=log)
@@ -178,8 +187,8 @@ def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_new
     assert proc.returncode == 0, log.read_text()[-3000:]
     account()
 
-    st = status(tmp_path / "node-x", s3_env.url)
-    final = exported_bytes(tmp_path / "node-y", s3_env.url, tmp_path / "export")
+    st = status(tmp_path / "node-x", env.url)
+    final = exported_bytes(tmp_path / "node-y", env.url, tmp_path / "export")
     identical = final == reference
     attempts = st["attempts"]
     for i, k in enumerate(kills):
@@ -192,13 +201,14 @@ def test_hard_kills_at_random_moments_end_byte_identical_and_resume_from_the_new
     by_target = {t: sum(k["target"] == t for k in kills) for t in TARGETS}
     print(f"kills: {len(kills)} {by_target}; fresh nodes: {fresh_nodes}; attempts: {len(attempts)}; "
           f"steps redone: total {sum(redone)}, max {max(redone, default=0)} per kill; identical: {identical}")
-    figures.add("kills", seed=SEED, kills=len(kills), by_target=by_target, fresh_nodes=fresh_nodes,
+    figures.add("kills", store=STORE_NAMES[env.scheme], seed=SEED, kills=len(kills), by_target=by_target,
+                fresh_nodes=fresh_nodes,
                 attempts=len(attempts), redone_total=sum(redone), redone_max=max(redone, default=0),
                 redone_max_same_node=max(same_node, default=0),
                 save_steps=SAVE, steps=STEPS, identical=identical,
                 bytes_differing=sum(final.get(k) != v for k, v in reference.items()))
     assert st["phase"] == "Succeeded" and st["step"] == STEPS
-    assert len(kills) >= KILLS, f"the run finished after {len(kills)} kills: make STEPS larger"
+    assert len(kills) >= wanted, f"the run finished after {len(kills)} kills: make STEPS larger"
     assert identical
     assert st["baseline"]["runs"] == 1           # never paid for twice
     # On its own node a kill costs the steps since the newest sealed checkpoint: one interval,

@@ -72,7 +72,7 @@ def kill_and_resume(tmp_path, storage, fault):
     """(The exported bytes after the kill and the resume, whether the baseline was in storage
     when the node was killed (the kill may come before the supervisor stored it: its reports
     trail the trainer, which trains on))."""
-    from grpo_run.checkpoint.storage.store import open_store
+    from grpo_run.checkpoint.storage.by_url import open_store
 
     job = write_job(tmp_path, storage)
     killed = grpo_run(tmp_path / "node-a", "apply", "-f", str(job), fault=fault, check=False)
