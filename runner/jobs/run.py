@@ -213,7 +213,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         raise Refused(str(e), EXIT_FAILED) from None
     except (OSError, sqlite3.OperationalError) as e:
-        if not disk_full(e):
+        if not disk_full(e, work):
             raise
         raise Refused(f"{job.name}: {disk_full_message(work, str(e), _durable_here(work))}", EXIT_FAILED) from None
     if result.exit_code == EXIT_HELD:

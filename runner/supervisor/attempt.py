@@ -218,7 +218,7 @@ class TrainerProcess:
                 if self.broken is not None:
                     continue                  # read to the end (the trainer is being killed), record nothing
                 try:
-                    with unless_disk_full(f"what the trainer reported ({line.strip()[:80]})"):
+                    with unless_disk_full(f"what the trainer reported ({line.strip()[:80]})", self.work):
                         self._on_event(parse_event(line))
                 except InvalidTransition as e:
                     self.broken = str(e)

@@ -173,7 +173,7 @@ class Durability:
 
     def _uploaded(self, step: int, durable: list[int], error: BaseException | None) -> None:
         """From the upload thread, after each upload ended."""
-        with unless_disk_full(f"checkpoints {durable} as durable"):
+        with unless_disk_full(f"checkpoints {durable} as durable", self.local.parent):
             self._note(durable)
         if isinstance(error, LeaseLost):       # refused by the fence before the renewal thread said so
             self._on_lease_lost(error)

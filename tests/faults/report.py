@@ -130,8 +130,9 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
                         [[c["store"], c["case"], c["identical"]] for c in by["cloud"]])
     if corrupt:
         lines += ["", "## Corrupt checkpoints in storage", ""]
-        lines += _table(["damage", "refused", "resumed from", "said"],
-                        [[c["damage"], c["refused"], c.get("resumed_from", ""), c.get("said", "")] for c in corrupt])
+        lines += _table(["store", "damage", "refused", "resumed from", "said"],
+                        [[c.get("store", S3), c["damage"], c["refused"], c.get("resumed_from", ""), c.get("said", "")]
+                         for c in corrupt])
     if by["disk"]:
         lines += ["", "## Local disk full", ""]
         lines += _table(["case", "outcome", "previous checkpoint intact", "resumed elsewhere"],

@@ -15,10 +15,12 @@ import uuid
 import pytest
 import yaml
 
-from grpo_run.checkpoint.storage.store import Store
+from grpo_run.checkpoint.storage.by_url import open_store
+from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.checkpoint.sync import CHECKPOINTS, run_prefix
 from grpo_run.state import values
 from grpo_run.state.record import Record
+from tests.campaign import stores
 from tests.faults.harness import start_node, wait_until
 from tests.runner.test_resume import grpo_run, write_job
 
@@ -34,7 +36,7 @@ def history(record: Record) -> dict:
             "ledger": record.value("ledger")}
 
 
-def in_storage(store: Store, scratch) -> Record:
+def in_storage(store: ObjectStore, scratch) -> Record:
     """Storage's record, read from a fresh copy."""
     copy = scratch / f"state-{uuid.uuid4().hex[:8]}.db"
     store.get_file("state.db", copy)
@@ -42,15 +44,16 @@ def in_storage(store: Store, scratch) -> Record:
 
 
 @pytest.mark.trust
-def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp_path, s3_env, figures):
-    job = write_job(tmp_path, s3_env.url, maxSteps=STEPS, saveSteps=10)
+@pytest.mark.parametrize("store_env", stores("s3", "az"), indirect=True)
+def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp_path, store_env, figures):
+    job = write_job(tmp_path, store_env.url, maxSteps=STEPS, saveSteps=10)
     doc = yaml.safe_load(job.read_text())
     doc["spec"]["pricing"] = {"usdPerHour": 36.0}          # dollars in the ledger, on any machine
     job.write_text(yaml.safe_dump(doc))
     grpo_run(tmp_path / "laptop", "apply", "--detach", "-f", str(job))
-    store = Store(f"{s3_env.url}/resumable")
+    store = open_store(f"{store_env.url}/resumable")
 
-    a = start_node(tmp_path / "node-a", "resume", "resumable", "--storage", s3_env.url, GRPO_RUN_NOTICES="none")
+    a = start_node(tmp_path / "node-a", "resume", "resumable", "--storage", store_env.url, GRPO_RUN_NOTICES="none")
 
     scratch = tmp_path / "scratch"
 
@@ -67,7 +70,7 @@ def test_a_node_that_waited_for_the_holder_leaves_the_finished_job_as_it_was(tmp
     b_log = tmp_path / "node-b.log"
     os.kill(a.pid, signal.SIGSTOP)
     try:
-        b = start_node(tmp_path / "node-b", "resume", "resumable", "--storage", s3_env.url, "--wait",
+        b = start_node(tmp_path / "node-b", "resume", "resumable", "--storage", store_env.url, "--wait",
                        GRPO_RUN_NOTICES="none", GRPO_RUN_WAIT_POLL_S="0.3", log=b_log)
         wait_until("node B is told the job is held",
                    lambda: b_log.exists() and "another node holds the job" in b_log.read_text(), b, timeout=45)
