@@ -22,8 +22,11 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,33 +256,36 @@ def azurite(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture
-def make_gcs_server(tmp_path):
-    """Private fake-gcs-servers (for tests that stop or kill one), stopped when the test ends."""
-    servers: list[FakeGcs] = []
+@contextmanager
+def private_servers(server_for: Callable[[int], Any]) -> Iterator[Callable[[], Any]]:
+    """`make()` starts another server (`server_for(i)` makes the i-th, unstarted); every one made
+    is stopped on the way out. For tests that stop, kill or stall a server of their own."""
+    servers: list = []
 
-    def make() -> FakeGcs:
-        servers.append(FakeGcs(tmp_path / f"fake-gcs-{len(servers)}"))
+    def make():
+        servers.append(server_for(len(servers)))
         servers[-1].start()
         return servers[-1]
 
-    yield make
-    for server in servers:
-        server.stop()
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def make_gcs_server(tmp_path):
+    """Private fake-gcs-servers, stopped when the test ends."""
+    with private_servers(lambda i: FakeGcs(tmp_path / f"fake-gcs-{i}")) as make:
+        yield make
 
 
 @pytest.fixture
 def make_azurite(tmp_path):
-    servers: list[Azurite] = []
-
-    def make() -> Azurite:
-        servers.append(Azurite(tmp_path / f"azurite-{len(servers)}"))
-        servers[-1].start()
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.stop()
+    """Private Azurites, stopped when the test ends."""
+    with private_servers(lambda i: Azurite(tmp_path / f"azurite-{i}")) as make:
+        yield make
 
 
 @dataclass(frozen=True)

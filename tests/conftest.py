@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:  # `tests.emulators` and the like; grpo_run itself
     sys.path.insert(0, str(REPO))
 
 from tests.cloud_stores import (az_env, azurite, gcs_env, gcs_server, make_azurite,  # noqa: E402,F401 (fixtures)
-                                make_gcs_server, point_at_s3, private_store, stop_process, store_env)
+                                make_gcs_server, point_at_s3, private_servers, private_store, stop_process,
+                                store_env)
 
 _STARTUP_TIMES: list[float] = []
 
@@ -282,17 +283,8 @@ def s3_server(tmp_path_factory):
 def make_s3_server(tmp_path):
     """Start private SeaweedFS servers (for tests that stop or restart one); all are stopped
     at the end of the test. `make_s3_server()` -> a started SeaweedS3."""
-    servers: list[SeaweedS3] = []
-
-    def make() -> SeaweedS3:
-        server = SeaweedS3(tmp_path / f"seaweedfs-{len(servers)}")
-        servers.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
+    with private_servers(lambda i: SeaweedS3(tmp_path / f"seaweedfs-{i}")) as make:
+        yield make
 
 
 @pytest.fixture

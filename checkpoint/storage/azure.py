@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from .cas import Conflict, Found, http_age, probe_beside
 from .fsio import fsync_dir, fsync_file, temp_sibling
 from .retry import StorageConfigError, describe
-from .store import RetriedStore, check_key, in_folder, needs_extra, relative_keys
+from .store import BucketStore, check_key, needs_extra
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def container_client(url: str, container: str) -> Any:
     return service.get_container_client(container)
 
 
-class AzureStore(RetriedStore):
+class AzureStore(BucketStore):
     """A job's folder under az://container/prefix (see the module)."""
 
     protocol = "az"
@@ -96,10 +96,6 @@ class AzureStore(RetriedStore):
         self._container = container_client(url, self.container_name)
         from azure.core import exceptions as ax
         self._ax = ax
-
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.root}/{key}" if self.root else key
 
     def put_file(self, local: Path, key: str) -> None:
         local = Path(local)
@@ -150,31 +146,18 @@ class AzureStore(RetriedStore):
             self._confirm_bucket()
         return bool(found)
 
-    def list(self, prefix: str = "") -> list[str]:
-        prefix = prefix.strip("/")
-        under = f"{self._name(prefix)}/" if prefix else (f"{self.root}/" if self.root else "")
-        found = self._call("list", prefix, self._container_known(lambda: self._names(under)))
-        return relative_keys(self.root, found)
-
-    def delete(self, prefix_or_key: str) -> None:
-        """Remove a key, or everything under a folder prefix (whole path components). Missing
-        is fine."""
-        prefix_or_key = prefix_or_key.strip("/")
-        name = self._name(prefix_or_key)
-
-        def attempt() -> None:
-            for each in self._names(name):
-                if in_folder(name, each):
-                    try:
-                        self._container.delete_blob(each)
-                    except self._ax.ResourceNotFoundError as exc:
-                        if _code(exc) != "BlobNotFound":               # gone meanwhile is fine
-                            raise
-
-        self._call("delete", prefix_or_key, self._container_known(attempt))
+    def _delete_name(self, name: str) -> None:
+        try:
+            self._container.delete_blob(name)
+        except self._ax.ResourceNotFoundError as exc:
+            if _code(exc) != "BlobNotFound":               # gone meanwhile is fine
+                raise
 
     def _names(self, under: str) -> list[str]:
         return [b.name for b in self._container.list_blobs(name_starts_with=under or None)]
+
+    def _guard(self, fn: Any) -> Any:
+        return self._container_known(fn)
 
     def _container_known(self, fn: Any, missing: str | None = None) -> Any:
         """`fn` with Azure's 404s told apart: a missing container is a StorageConfigError, a

@@ -42,7 +42,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
-from urllib.parse import urlsplit
 
 from .fsio import TMP_MARKER, fsync_dir, temp_sibling
 from .retry import StorageConfigError, describe, s3_code, s3_status

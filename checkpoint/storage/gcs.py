@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from .cas import Conflict, Found, http_age, probe_beside
 from .fsio import fsync_dir, fsync_file, temp_sibling
 from .retry import StorageConfigError, describe
-from .store import RetriedStore, check_key, in_folder, needs_extra, relative_keys
+from .store import BucketStore, check_key, needs_extra
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def no_bucket(where: str, bucket: str) -> StorageConfigError:
     return StorageConfigError(f"{where}: bucket {bucket!r} does not exist (create it, or fix spec.storage)")
 
 
-class GcsStore(RetriedStore):
+class GcsStore(BucketStore):
     """A job's folder under gs://bucket/prefix (see the module)."""
 
     protocol = "gs"
@@ -129,10 +129,6 @@ class GcsStore(RetriedStore):
         self._gcs = _Client(url)
         from google.api_core import exceptions as gx
         self._gx = gx
-
-    def _name(self, key: str) -> str:
-        check_key(key)
-        return f"{self.root}/{key}" if self.root else key
 
     def _blob(self, key: str) -> Any:
         return self._gcs.bucket(self.bucket_name).blob(self._name(key))
@@ -187,31 +183,11 @@ class GcsStore(RetriedStore):
             self._confirm_bucket()
         return bool(found)
 
-    def list(self, prefix: str = "") -> list[str]:
-        prefix = prefix.strip("/")
-        under = f"{self._name(prefix)}/" if prefix else (f"{self.root}/" if self.root else "")
-        found = self._call("list", prefix, lambda: self._names(under))
-        if not found:
-            self._confirm_bucket()
-        return relative_keys(self.root, found)
-
-    def delete(self, prefix_or_key: str) -> None:
-        """Remove a key, or everything under a folder prefix (whole path components). Missing
-        is fine."""
-        prefix_or_key = prefix_or_key.strip("/")
-        name = self._name(prefix_or_key)
-
-        def attempt() -> None:
-            bucket = self._gcs.bucket(self.bucket_name)
-            # one listing finds the key and its folder (a missing bucket: StorageConfigError)
-            for each in self._names(name):
-                if in_folder(name, each):
-                    try:
-                        bucket.blob(each).delete(retry=None, timeout=TIMEOUT)
-                    except self._gx.NotFound:                          # gone meanwhile
-                        pass
-
-        self._call("delete", prefix_or_key, attempt)
+    def _delete_name(self, name: str) -> None:
+        try:
+            self._gcs.bucket(self.bucket_name).blob(name).delete(retry=None, timeout=TIMEOUT)
+        except self._gx.NotFound:                          # gone meanwhile
+            pass
 
     def _uploading(self, upload: Any) -> Any:
         """`upload` with its 404 told for what it is: an upload has no object to miss, only a

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["ObjectStore", "RetriedStore", "Store", "StorageConfigError", "StorageUnavailable"]
+__all__ = ["BucketStore", "ObjectStore", "RetriedStore", "Store", "StorageConfigError", "StorageUnavailable"]
 
 # What spec.storage may be, for messages.
 SUPPORTED_URLS = ("s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path "
@@ -175,6 +175,49 @@ class RetriedStore(ObjectStore):
         if ok:
             return value
         raise value
+
+
+class BucketStore(RetriedStore):
+    """A store on a bucket's object names under `root` ("" or a prefix): a key is the name
+    ROOT/KEY, a folder every name under NAME/ (GCS, Azure Blob). A subclass lists names under a
+    prefix (`_names`), deletes one name with a missing one fine (`_delete_name`), and may say what
+    its client's errors mean around each call (`_guard`)."""
+
+    root: str
+
+    def _name(self, key: str) -> str:
+        check_key(key)
+        return f"{self.root}/{key}" if self.root else key
+
+    def _names(self, under: str) -> list[str]:
+        raise NotImplementedError
+
+    def _delete_name(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _guard(self, fn: Callable[[], T]) -> Callable[[], T]:
+        return fn
+
+    def list(self, prefix: str = "") -> list[str]:
+        prefix = prefix.strip("/")
+        under = f"{self._name(prefix)}/" if prefix else (f"{self.root}/" if self.root else "")
+        found = self._call("list", prefix, self._guard(lambda: self._names(under)))
+        if not found:
+            self._confirm_bucket()
+        return relative_keys(self.root, found)
+
+    def delete(self, prefix_or_key: str) -> None:
+        """Remove a key, or everything under a folder prefix (whole path components). Missing
+        is fine."""
+        prefix_or_key = prefix_or_key.strip("/")
+        name = self._name(prefix_or_key)
+
+        def attempt() -> None:
+            for each in self._names(name):        # one listing finds the key and its folder
+                if in_folder(name, each):
+                    self._delete_name(each)
+
+        self._call("delete", prefix_or_key, self._guard(attempt))
 
 
 def check_key(key: str) -> str:

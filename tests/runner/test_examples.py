@@ -13,6 +13,16 @@ from tests.runner.test_resume import REPO, grpo_run
 EXAMPLE = REPO / "examples" / "custom-reward"
 
 
+def copy_example(example, folder, **parameters):
+    """`example` copied to `folder` as a user copies it, its job's spec.parameters updated with
+    `parameters` (a short run); the copied job file."""
+    shutil.copytree(example, folder)
+    job = yaml.safe_load((folder / "job.yaml").read_text())
+    job["spec"]["parameters"].update(parameters)
+    (folder / "job.yaml").write_text(yaml.safe_dump(job))
+    return folder / "job.yaml"
+
+
 def load_rewards():
     spec = importlib.util.spec_from_file_location("example_rewards", EXAMPLE / "rewards.py")
     module = importlib.util.module_from_spec(spec)
@@ -33,12 +43,8 @@ def test_the_custom_reward_example_scores_what_its_docstrings_say():
 
 def test_the_custom_reward_example_trains_to_succeeded_as_copied(tmp_path):
     """Copied elsewhere (paths relative to the job file), a few steps: both rewards reach the record."""
-    folder = tmp_path / "my-reward"
-    shutil.copytree(EXAMPLE, folder)
-    job = yaml.safe_load((folder / "job.yaml").read_text())
-    job["spec"]["parameters"].update(maxSteps=4, saveSteps=2)
-    (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    done = grpo_run(tmp_path / "home", "apply", "-f", str(folder / "job.yaml"))
+    job = copy_example(EXAMPLE, tmp_path / "my-reward", maxSteps=4, saveSteps=2)
+    done = grpo_run(tmp_path / "home", "apply", "-f", str(job))
     assert "custom-reward: Succeeded after 4 steps" in done.stdout, done.stdout + done.stderr
     status = json.loads(grpo_run(tmp_path / "home", "get", "tj", "custom-reward", "-o", "json").stdout)["status"]
     assert set(status["lastStep"]["rewards"]) == {"correct", "close"}

@@ -3,10 +3,8 @@ trains to Succeeded through the real command, its environment run in the grader'
 
 import importlib.util
 import json
-import shutil
 
-import yaml
-
+from tests.runner.test_examples import copy_example
 from tests.runner.test_resume import REPO, grpo_run
 
 EXAMPLE = REPO / "examples" / "guess-number"
@@ -35,12 +33,8 @@ def test_the_environment_answers_higher_lower_and_scores_fewer_guesses_higher():
 
 
 def test_the_example_trains_to_succeeded_as_copied(tmp_path):
-    folder = tmp_path / "guess"
-    shutil.copytree(EXAMPLE, folder)
-    job = yaml.safe_load((folder / "job.yaml").read_text())
-    job["spec"]["parameters"].update(maxSteps=3, saveSteps=2)
-    (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    done = grpo_run(tmp_path / "home", "apply", "-f", str(folder / "job.yaml"))
+    job = copy_example(EXAMPLE, tmp_path / "guess", maxSteps=3, saveSteps=2)
+    done = grpo_run(tmp_path / "home", "apply", "-f", str(job))
     assert "guess-number: Succeeded after 3 steps" in done.stdout, done.stdout + done.stderr
     status = json.loads(grpo_run(tmp_path / "home", "get", "tj", "guess-number", "-o", "json").stdout)["status"]
     assert set(status["lastStep"]["rewards"]) == {"episode"}

@@ -8,6 +8,7 @@ import shutil
 
 import yaml
 
+from tests.runner.test_examples import copy_example
 from tests.runner.test_resume import REPO, grpo_run
 
 EXAMPLE = REPO / "examples" / "calculator-tools"
@@ -33,12 +34,8 @@ def test_the_tools_compute_and_the_reward_reads_the_answer_after_the_last_tool_r
 
 
 def test_the_example_trains_to_succeeded_as_copied_and_counts_its_tool_calls(tmp_path):
-    folder = tmp_path / "calc"
-    shutil.copytree(EXAMPLE, folder)
-    job = yaml.safe_load((folder / "job.yaml").read_text())
-    job["spec"]["parameters"].update(maxSteps=2, saveSteps=1)
-    (folder / "job.yaml").write_text(yaml.safe_dump(job))
-    done = grpo_run(tmp_path / "home", "apply", "-f", str(folder / "job.yaml"))
+    job = copy_example(EXAMPLE, tmp_path / "calc", maxSteps=2, saveSteps=1)
+    done = grpo_run(tmp_path / "home", "apply", "-f", str(job))
     assert "calculator-tools: Succeeded after 2 steps" in done.stdout, done.stdout + done.stderr
     assert "changed spec" not in done.stderr, done.stderr
     status = json.loads(grpo_run(tmp_path / "home", "get", "tj", "calculator-tools", "-o", "json").stdout)["status"]
