@@ -47,6 +47,7 @@ from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, Superviso
 from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
 from grpo_run.state.phases import AttemptEnd, InvalidTransition
+from grpo_run.trainer.grader.cgroup import leave_delegated_root
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Supervisor:
 
     def run(self) -> SupervisorResult:
         """Hold the job's lease, then supervise trainers until the job ends or a notice comes."""
+        leave_delegated_root()        # a systemd unit's delegated cgroup: room for the rewards' cgroups
         lease = Lease(self.spec.storage, holder=node_name(), stop=self.preempt)
         try:
             lease.acquire()

@@ -55,6 +55,14 @@ def writes_the_crash_log(completion, task):
         os.write(fd, b"x" * (1 << 20))
     return 1.0
 
+def holds_memory_in_children(completion, task):
+    """Children each well under rewardMemoryMB (its RLIMIT_AS), together well past it."""
+    hold = f"import time; b = b'x' * ({task['mib']} << 20); print('held', flush=True); time.sleep(60)"
+    children = [subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE) for _ in range(task["children"])]
+    held = [child for child in children if child.stdout.readline() == b"held\\n"]
+    time.sleep(0.5)
+    return float(sum(child.poll() is None for child in held))
+
 def returns_one(completion, task):
     return 1.0
 '''
@@ -194,3 +202,48 @@ def test_the_reward_cannot_fill_the_disk(rewards_file, where, figures):
     assert ("No space left on device" if where == "scratch" else "File too large") in str(raised.value)
     figures.add("trust", actor="reward author", tried=f"write 300 MiB to its {where} under rewardMemoryMB 128",
                 protection="a 128 MiB tmpfs scratch; RLIMIT_FSIZE", outcome="refused at 128 MiB", held=True)
+
+
+@pytest.fixture
+def node_cgroups() -> None:
+    """Skips where this node gives no process a cgroup for a tree (a read-only /sys/fs/cgroup)."""
+    from grpo_run.trainer.grader import cgroup
+
+    tree, why = cgroup.make(64, 10)
+    if tree is None:
+        pytest.skip(f"no cgroup for a reward's tree on this node: {why}")
+    tree.remove()
+
+
+def test_children_each_under_the_memory_limit_cannot_together_pass_the_trees(rewards_file, node_cgroups, figures):
+    """The review's N3 repro: RLIMIT_AS bounds each process, not the tree; the cgroup bounds the tree
+    (rewardMemoryMB for its processes plus rewardMemoryMB of scratch) and the kernel kills past it."""
+    with Grader(f"{rewards_file}:holds_memory_in_children", strict=True, retries=0, memory_mb=200,
+                timeout_s=60) as grader:
+        assert grader.sandbox_limits["memory"].startswith("a cgroup (v"), grader.sandbox_limits
+        (holding,) = grader.score(["x"], [{"children": 6, "mib": 100}])   # 600 MiB in all, each under 200
+    assert 0 <= holding <= 3, holding                                      # 400 MiB for the whole tree
+    figures.add("trust", actor="reward author", tried="hold 600 MiB in 6 children of 100 MiB under rewardMemoryMB 200",
+                protection="a cgroup of 2 × rewardMemoryMB for the reward's whole tree",
+                outcome=f"the kernel killed the children past it: {holding:.0f} left holding", held=True)
+
+
+def test_the_trees_cgroup_goes_with_its_worker_and_a_killed_trainers_is_swept(rewards_file, node_cgroups):
+    from grpo_run.trainer.grader import cgroup
+
+    with Grader(f"{rewards_file}:returns_one", strict=True, retries=0) as grader:
+        folders = list(grader._worker._tree.folders)
+        assert all(str(grader._worker.pid) in Path(f, "cgroup.procs").read_text().split() for f in folders)
+        assert grader.score(["x"], [{}]) == [1.0]
+        assert Path(f"/proc/{grader._worker.pid}/oom_score_adj").read_text().strip() == "1000"   # first to go
+        # one a trainer killed with SIGKILL left behind: its pid is gone
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = [Path(f).parent / f"{cgroup.PREFIX}{dead.pid}-1" for f in folders]
+        for folder in stale:
+            folder.mkdir()
+    assert not any(Path(f).exists() for f in folders)
+    tree, why = cgroup.make(64, 10)                 # the next one made sweeps the stale ones
+    assert tree is not None, why
+    tree.remove()
+    assert not any(folder.exists() for folder in stale)

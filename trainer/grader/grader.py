@@ -34,8 +34,9 @@ from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
 from grpo_run.trainer.grader.reach import node_places, why_not
-from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, memory_hint, section
+from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, section
 from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
+from grpo_run.trainer.grader.sandbox import MAX_PROCESSES
 from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
 
 __all__ = ["MAX_ABS_REWARD", "Grader", "RewardFunctionError", "SandboxUnavailable"]
@@ -312,6 +313,7 @@ class Grader:
                 "timeout_s": self.timeout_s,
                 "memory_mb": self.memory_mb,
                 "scratch_mb": self.memory_mb,     # a tmpfs: memory too, so the same budget
+                "max_processes": MAX_PROCESSES,
                 "network": self._network,
                 "filesystem": self._filesystem_setting,
                 "signals": self._signals,
@@ -455,7 +457,7 @@ class Grader:
             worker.kill_after_exit()
             detail = (
                 f"the grader worker process {how_it_died(worker.returncode)} while running it"
-                f"{memory_hint(worker.returncode, self.memory_mb)}"
+                f"{worker.memory_hint(self.memory_mb)}"
                 f"{section('Crash report', worker.crash_log())}"
             )
         worker.release()

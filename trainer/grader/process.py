@@ -35,6 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
+from grpo_run.trainer.grader import cgroup
 from grpo_run.trainer.grader.reach import SCRATCH_PREFIX, node_places
 from grpo_run.trainer.grader.redact import StreamScrubber, clean
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
@@ -76,6 +77,7 @@ class WorkerProcess:
         crash_file: IO[bytes],
         output: _OutputRelay,
         scratch: str,
+        tree: cgroup.TreeCgroup | None = None,
     ) -> None:
         self._proc = proc
         self._request_fd = request_fd
@@ -83,6 +85,7 @@ class WorkerProcess:
         self._crash_file = crash_file
         self._output = output
         self._scratch = scratch
+        self._tree = tree
         self._group_killed = False
         self._unread = bytearray()      # read from the worker, not yet taken as a frame
 
@@ -90,8 +93,9 @@ class WorkerProcess:
     def spawn(cls, settings: dict[str, Any]) -> WorkerProcess:
         """Start `python -m grpo_run.trainer.grader.worker` with `settings` (ref, search_path,
         reward_folder, timeout_s, memory_mb, network, filesystem, signals, strict) plus its scratch
-        directory, the node's folders no installation folder may hold (`protected`: `reach`) and
-        the pipes' and the crash log's file descriptors."""
+        directory, the node's folders no installation folder may hold (`protected`: `reach`), the
+        pipes' and the crash log's file descriptors, and the cgroup it joins where the node has one:
+        memory_mb for its processes plus scratch_mb for its scratch tmpfs, for the whole tree."""
         request_r, request_w = os.pipe()
         response_r, response_w = os.pipe()
         output_r, output_w = os.pipe()
@@ -100,8 +104,9 @@ class WorkerProcess:
         crash_file = tempfile.TemporaryFile()
         scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
         places = node_places()
+        tree, _ = cgroup.make(settings["memory_mb"] + settings.get("scratch_mb", 0), settings["max_processes"])
         config = dict(
-            settings, scratch=scratch, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
+            settings, scratch=scratch, cgroup=tree.join_settings() if tree else None, request_fd=request_r, response_fd=response_w, crash_fd=crash_file.fileno(),
             protected=[places.home, *places.temp, *places.secrets],
             # die with us: only when started from our main thread (the death signal follows the
             # thread that forked, and a pool's thread may end while the worker is still wanted)
@@ -123,12 +128,14 @@ class WorkerProcess:
                 os.close(fd)
             crash_file.close()
             shutil.rmtree(scratch, ignore_errors=True)
+            if tree:
+                tree.remove()
             raise
         # Only the child keeps these ends, so its death shows up here as EOF.
         for fd in (request_r, response_w, output_w):
             os.close(fd)
         os.set_blocking(request_w, False)      # send() waits with a deadline, never in write()
-        return cls(proc, request_w, response_r, crash_file, _OutputRelay(output_r, proc.pid), scratch)
+        return cls(proc, request_w, response_r, crash_file, _OutputRelay(output_r, proc.pid), scratch, tree)
 
     @property
     def pid(self) -> int:
@@ -267,6 +274,19 @@ class WorkerProcess:
         self._output.close(_OUTPUT_DRAIN_S)
         self._crash_file.close()
         shutil.rmtree(self._scratch, ignore_errors=True)
+        if self._tree:
+            self._tree.remove()
+            self._tree = None
+
+    def memory_hint(self, memory_mb: int) -> str:
+        """Why a SIGKILL from outside came, as far as can be known: the tree's cgroup at its limit, or
+        (without one) most likely the system out of memory."""
+        if self._proc.returncode != -signal.SIGKILL:
+            return ""
+        if self._tree and self._tree.oom_kills():
+            return (f" (the kernel killed it: the reward's processes and scratch together reached their cgroup's "
+                    f"limit of {self._tree.memory_bytes >> 20} MiB, twice rewardMemoryMB={memory_mb})")
+        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
 
 
 class _OutputRelay:
@@ -384,12 +404,6 @@ def how_it_died(returncode: int | None) -> str:
     except ValueError:
         name = f"signal {-returncode}"
     return f"was killed by {name}"
-
-
-def memory_hint(returncode: int | None, memory_mb: int) -> str:
-    if returncode == -signal.SIGKILL:
-        return f" (SIGKILL from outside usually means the system ran out of memory; memory_mb={memory_mb})"
-    return ""
 
 
 def section(title: str, text: str) -> str:

@@ -42,8 +42,9 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
     starts, in a session of its own or not, dies with it; at most MAX_PROCESSES at once (the
     namespace's pid_max, Linux 6.14+; RLIMIT_NPROC in its user namespace for a user other than
     root); the scratch directory a tmpfs of scratch_mb; RLIMIT_FSIZE of scratch_mb on every file;
-  * memory: RLIMIT_AS per process, so allocations past the limit raise MemoryError (the tree as a
-    whole is not bounded: no cgroup);
+  * memory: RLIMIT_AS per process, so allocations past the limit raise MemoryError; the tree as a
+    whole is bounded by its cgroup (`cgroup`, made by the trainer, joined by the worker first
+    thing) where the node gives one;
   * time (armed by the worker, not here): SIGALRM per completion raises `RewardTimeout` inside the
     user's code. Code that never returns to the interpreter (stuck in C, or ignoring SIGALRM) is
     the parent's job: it sends SIGABRT, which faulthandler turns into a dump of where the code was

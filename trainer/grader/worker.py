@@ -52,6 +52,7 @@ import sysconfig
 import traceback
 from typing import Any
 
+from grpo_run.trainer.grader import cgroup
 from grpo_run.trainer.grader.calls import (  # noqa: F401  (MAX_ABS_REWARD, reward_problem: the parent's checks)
     _MAX_MESSAGE_CHARS, _OWN_FILES, MAX_ABS_REWARD, RewardFn, _describe, reward_problem, score_batch, score_group,
     score_one,
@@ -272,8 +273,21 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
+def _first_to_go() -> None:
+    """When the node runs out of memory, the kernel kills the reward's processes (which inherit
+    this) before the trainer's: raising one's own oom_score_adj needs no privilege."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def main(argv: list[str]) -> int:
     config = json.loads(argv[1])
+    # Into the tree's cgroup before anything else, so every process started from here is born in it.
+    tree = cgroup.join(config.get("cgroup"))
+    _first_to_go()
     request_fd, response_fd = config["request_fd"], config["response_fd"]
     if config.get("parent"):
         _die_with(config["parent"])
@@ -296,6 +310,9 @@ def main(argv: list[str]) -> int:
             reward_folder=config.get("reward_folder", True), scratch_mb=config.get("scratch_mb", 1024),
             launcher_closes=(request_fd, response_fd, config["crash_fd"]),
         )
+        limits["memory"] = tree or f"RLIMIT_AS {config['memory_mb']} MiB per process (no cgroup for the tree)"
+        if tree and "processes" in tree and not limits["processes"]:
+            limits["processes"] = tree
         missing = _missing(config, mode)
         # Sent before any of the reward's code runs, so this frame alone is the worker's own word:
         # the reward's module could write a forged one later.
