@@ -82,8 +82,8 @@ def test_a_trainer_held_past_max_cost_is_stopped_by_the_supervisor(tmp_path, fig
 
     job = write_job(tmp_path, maxSteps=100000, saveSteps=1)
     doc = yaml.safe_load(job.read_text())
-    doc["spec"].update(maxCostUSD=6.0, pricing={"usdPerHour": 360.0})      # $0.10 a second: 60 s, past the
-    # model's load and the baseline on a busy machine, so the trainer reaches its first step
+    doc["spec"].update(maxCostUSD=3.0, pricing={"usdPerHour": 360.0})      # $0.10 a second: 30 s, past the
+    # model's load and the baseline (~5 s here, alone), so the trainer reaches its first step
     job.write_text(yaml.safe_dump(doc))
     home = tmp_path / "home"
     env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_HANG_SECONDS": "600",
