@@ -160,23 +160,24 @@ def _make_v1(own: dict[str, str], mounts: dict[str, str], name: str, limit: int,
     if "memory" not in own or "memory" not in mounts:
         return None, "" if "" in own else "no cgroup memory controller is mounted"
     made: list[str] = []
-    try:
-        memory = _join_path(mounts["memory"], own["memory"])
-        _sweep(memory)
-        folder = os.path.join(memory, name)
+
+    def child(controller: str) -> str:
+        """A new cgroup `name` under this process's own in the `controller` hierarchy."""
+        parent = _join_path(mounts[controller], own[controller])
+        _sweep(parent)
+        folder = os.path.join(parent, name)
         os.mkdir(folder)
         made.append(folder)
+        return folder
+
+    try:
+        folder = child("memory")
         _write(os.path.join(folder, "memory.limit_in_bytes"), str(limit))
         memsw = os.path.join(folder, "memory.memsw.limit_in_bytes")
         if os.path.exists(memsw):
             _write(memsw, str(limit))          # swap counted too: no room past the limit on swap
         if "pids" in own and "pids" in mounts:
-            pids = _join_path(mounts["pids"], own["pids"])
-            _sweep(pids)
-            folder = os.path.join(pids, name)
-            os.mkdir(folder)
-            made.append(folder)
-            _write(os.path.join(folder, "pids.max"), str(max_processes))
+            _write(os.path.join(child("pids"), "pids.max"), str(max_processes))
     except OSError as error:
         for folder in reversed(made):
             _rmdir(folder)
