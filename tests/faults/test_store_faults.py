@@ -23,6 +23,7 @@ from tests.campaign import stores
 from tests.cloud_stores import STORE_NAMES, delete_bucket, through
 from tests.faults.harness import NOTICE_WINDOW_S, notice_source, start_node, wait_until
 from tests.faults.s3proxy import S3Proxy
+from tests.once import once
 from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
@@ -36,9 +37,11 @@ def job(folder: Path, storage: str | None) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("reference")
-    grpo_run(folder / "home", "apply", "-f", str(job(folder, None)))
-    return exported_bytes(folder / "home", None, folder / "export")
+    def build(folder: Path) -> dict[str, bytes]:
+        grpo_run(folder / "home", "apply", "-f", str(job(folder, None)))
+        return exported_bytes(folder / "home", None, folder / "export")
+
+    return once(tmp_path_factory, "store-faults-reference", build)
 
 
 def checkpoints(home: Path) -> tuple[int, int]:

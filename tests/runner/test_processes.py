@@ -13,6 +13,7 @@ import yaml
 
 from tests.campaign import full_campaign_only
 from tests.checkpoint.test_corrupt_resume import durable_steps
+from tests.once import once
 from tests.runner.test_resume import exported_bytes, grpo_run, status
 
 STEPS, SAVE = 8, 2
@@ -58,11 +59,13 @@ class Reference(dict):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Reference:
     """The reference: the job on 2 processes, never interrupted (local storage)."""
-    folder = tmp_path_factory.mktemp("two")
-    grpo_run(folder / "home", "apply", "-f", str(write_job(folder, 2)))
-    ref = Reference(exported_bytes(folder / "home", None, folder / "export"))
-    ref.home = folder / "home"
-    return ref
+    def build(folder: Path) -> Reference:
+        grpo_run(folder / "home", "apply", "-f", str(write_job(folder, 2)))
+        ref = Reference(exported_bytes(folder / "home", None, folder / "export"))
+        ref.home = folder / "home"
+        return ref
+
+    return once(tmp_path_factory, "two-processes-reference", build)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import yaml
 
 from tests.campaign import full_campaign_only
 from tests.faults.harness import fault_env
+from tests.once import once
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, SAVE = 8, 2
@@ -63,9 +64,11 @@ def status(home: Path, storage: str) -> dict:
 def uninterrupted(tmp_path_factory):
     """The reference: the same job, never interrupted (local storage); one run for the whole
     session (the resume, fresh-node, corrupt-checkpoint and notice tests all compare with it)."""
-    folder = tmp_path_factory.mktemp("reference")
-    grpo_run(folder / "home", "apply", "-f", str(write_job(folder)))
-    return exported_bytes(folder / "home", None, folder / "export")
+    def build(folder: Path) -> dict[str, bytes]:
+        grpo_run(folder / "home", "apply", "-f", str(write_job(folder)))
+        return exported_bytes(folder / "home", None, folder / "export")
+
+    return once(tmp_path_factory, "resume-reference", build)
 
 
 def kill_and_resume(tmp_path, storage, fault):
