@@ -49,6 +49,7 @@ def child_main(argv: list[str] | None = None) -> int:
     plan = Plan.from_json(plan_path.read_text())
     work = plan_path.parent
     world = World.from_environment()
+    plan = shared_plan(plan, world)
     progress = os.environ.get(PROGRESS_ENV) == "1"
     trainer_logging(work, world.rank, progress_lines=not progress)     # no bar: the lines say how it goes
     path = os.environ.get(EVENTS_PATH_ENV)
@@ -97,6 +98,18 @@ def child_main(argv: list[str] | None = None) -> int:
         log.exception("the trainer crashed")
         return CHILD_CRASHED
     return CHILD_DONE if ending.how == "done" else CHILD_STOPPED
+
+
+def shared_plan(plan: Plan, world: World) -> Plan:
+    """Several nodes: rank 0's plan on every rank, less what each node resolves for itself (the
+    model's folder, the environment's files). Only rank 0's supervisor holds the job's record, so
+    what the record decides (the cached baseline, the evaluation batches done, the budget, the
+    engine and micro-batch size the run chose, the run's id) comes from its plan."""
+    if world.nodes <= 1:
+        return plan
+    own = {"model": plan.model, "env": plan.env, "model_name": plan.model_name}
+    theirs = world.broadcast(plan.model_dump(mode="json", exclude=set(own)) if world.main else None)
+    return Plan.model_validate({**theirs, **own})
 
 
 if __name__ == "__main__":

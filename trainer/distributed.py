@@ -19,6 +19,9 @@ What is split and what is agreed, per training step (B prompts, G completions ea
     evaluation   batches dealt round-robin to the ranks, gathered at the end
 
 Rank 0 alone reports events and seals checkpoints (every rank's RNG state gathered into it).
+On several nodes (GROUP_RANK, LOCAL_WORLD_SIZE) rank 0's plan and the checkpoint it resumes from
+are broadcast at the start (trainer.child.shared_plan, Checkpointer.load_latest): only rank 0's
+node holds the job's checkpoints.
 A single process (WORLD_SIZE unset or 1) initialises nothing and calls no collective.
 
 A rank that dies makes its peers' next collective fail (gloo and NCCL see the closed
@@ -32,11 +35,13 @@ from __future__ import annotations
 import datetime as dt
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 TIMEOUT_ENV = "GRPO_RUN_COLLECTIVE_TIMEOUT_S"
+SHARE_PIECE_BYTES = 64 << 20      # share_files: a checkpoint goes to the other nodes in pieces of this size
 DEFAULT_TIMEOUT_S = 1800.0
 
 
@@ -46,6 +51,8 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    node: int = 0           # this process's node among the job's (torchrun's GROUP_RANK)
+    nodes: int = 1          # the job's nodes (WORLD_SIZE / LOCAL_WORLD_SIZE)
 
     @property
     def main(self) -> bool:
@@ -64,7 +71,9 @@ class World:
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size <= 1:
             return cls()
-        world = cls(rank=int(os.environ["RANK"]), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or size)
+        world = cls(rank=int(os.environ["RANK"]), size=size, local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    node=int(os.environ.get("GROUP_RANK", "0")), nodes=max(1, size // max(1, local_size)))
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -113,6 +122,50 @@ class World:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj)
         return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` (picklable), on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device() if self.device().type == "cuda" else None)
+        return box[0]
+
+    def share_files(self, folder: Path | None, into: Path | None) -> None:
+        """Rank 0's files under `folder` (rank 0 names it; None on the others) written under `into`
+        by the ranks that pass one (None: received and dropped). A collective: every rank calls
+        it; each file goes out in pieces of SHARE_PIECE_BYTES (one broadcast each)."""
+        import torch.distributed as dist
+
+        names = self.broadcast(None if folder is None else
+                               [(p.relative_to(folder).as_posix(), p.stat().st_size)
+                                for p in sorted(folder.rglob("*")) if p.is_file()])
+        device = self.device()
+        for name, size in names:
+            out = None
+            if into is not None:
+                (into / name).parent.mkdir(parents=True, exist_ok=True)
+                out = open(into / name, "wb")
+            source = open(folder / name, "rb") if folder is not None else None
+            try:
+                for start in range(0, size, SHARE_PIECE_BYTES):
+                    n = min(SHARE_PIECE_BYTES, size - start)
+                    piece = torch.empty(n, dtype=torch.uint8)
+                    if source is not None:
+                        piece = torch.frombuffer(bytearray(source.read(n)), dtype=torch.uint8)
+                    sent = piece.to(device)
+                    dist.broadcast(sent, src=0)
+                    if out is not None:
+                        out.write(sent.cpu().numpy().tobytes())
+            finally:
+                if source is not None:
+                    source.close()
+                if out is not None:
+                    out.flush()
+                    os.fsync(out.fileno())
+                    out.close()
 
     def barrier(self) -> None:
         if self.distributed:

@@ -32,14 +32,18 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Mapping
 
 from grpo_run.checkpoint.procs import die_with_parent
-from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_STOPPED,
-                                       EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, SHARE_ENV)
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE, CHILD_NO_GROUP,
+                                       CHILD_STOPPED,
+                                       EVENTS_FD_ENV, EVENTS_PATH_ENV, MASTER_ENV, NODE_RANK_ENV, NODES_ENV, PARENT_ENV,
+                                       RENDEZVOUS_TIMEOUT_ENV, SHARE_ENV)
 
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.2       # how often the agent looks at its ranks: a dead one is seen this fast
+RENDEZVOUS_TIMEOUT_S = 600     # several nodes: how long one waits for the others (torchrun's own default)
 
 
 def free_port() -> int:
@@ -75,11 +79,30 @@ def exit_status(codes: dict[int, int]) -> int:
     return CHILD_CRASHED
 
 
+def machines(processes: int, env: Mapping[str, str]) -> list[str]:
+    """accelerate's arguments for where the ranks are: this node alone (a free port on
+    127.0.0.1), or one of NODES_ENV nodes (NODE_RANK_ENV, rank 0's node at MASTER_ENV, host:port)
+    on torch's static rendezvous: a TCP store on rank 0's node, each node's rank as given (rank 0
+    is the node that holds the job's lease), and RENDEZVOUS_TIMEOUT_ENV seconds for every node to
+    arrive, after which the agent gives up (default RENDEZVOUS_TIMEOUT_S)."""
+    nodes = int(env.get(NODES_ENV) or 1)
+    if nodes <= 1:
+        return ["--num_processes", str(processes), "--num_machines", "1", "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(free_port())]
+    host, _, port = env[MASTER_ENV].rpartition(":")
+    timeout = int(float(env.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S))
+    return ["--num_processes", str(processes * nodes), "--num_machines", str(nodes),
+            "--machine_rank", env[NODE_RANK_ENV], "--main_process_ip", host.strip("[]"), "--main_process_port", port,
+            "--same_network", "--rdzv_backend", "static", "--rdzv_conf", f"timeout={timeout}"]
+
+
 def launch(processes: int, plan: str) -> int:
     import torch.distributed.run  # noqa: F401 - accelerate imports it late; its loggers must exist to be quieted
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     # The agent logs every stop it makes (an ERROR line for a rank that ended as stopped, as for
     # one that crashed); what the run makes of the ranks' statuses is logged below instead.
@@ -93,12 +116,17 @@ def launch(processes: int, plan: str) -> int:
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     signal.signal(CHECKPOINT_SIGNAL, lambda signum, frame: _to_rank_zero(signum))
     args = launch_command_parser().parse_args([
-        "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--num_cpu_threads_per_process", threads, "--main_process_ip", "127.0.0.1",
-        "--main_process_port", str(free_port()), "--monitor_interval", str(MONITOR_INTERVAL_S), "--max_restarts", "0",
+        "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", threads,
+        *machines(processes, os.environ), "--monitor_interval", str(MONITOR_INTERVAL_S), "--max_restarts", "0",
         "--quiet", "--module", "grpo_run.trainer.child", plan])
     try:
         launch_command(args)
+    except (DistError, RendezvousError, TimeoutError) as e:       # several nodes: no group was formed
+        master, timeout = os.environ.get(MASTER_ENV), os.environ.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S
+        log.error("no group: the rendezvous at %s did not complete within %s s (%s): the node of rank 0 must be "
+                  "reachable at that address and every node started with the same --nnodes; nothing was trained",
+                  master, timeout, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return CHILD_NO_GROUP
     except ChildFailedError as e:
         codes = {f.local_rank: f.exitcode for f in e.failures.values()}
         status = exit_status(codes)

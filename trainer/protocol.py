@@ -65,6 +65,10 @@ PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the
 PROGRESS_ENV = "GRPO_RUN_PROGRESS"          # "1": a progress bar on the terminal (also a user's switch for the CLI)
 HOME_ENV = "GRPO_RUN_HOME"                  # the node's grpo-run folder (runner.home); an empty value: ~/.grpo-run
 SHARE_ENV = "GRPO_RUN_CPU_SHARE"            # the node's pool of threads to share (trainer.threads); absent: torch's own
+# Several nodes (runner.jobs.nodes): how many, this node's rank, rank 0's node's host:port for the
+# rendezvous, and how long a node waits there for the others
+NODES_ENV, NODE_RANK_ENV, MASTER_ENV = "GRPO_RUN_NODES", "GRPO_RUN_NODE_RANK", "GRPO_RUN_MASTER"
+RENDEZVOUS_TIMEOUT_ENV = "GRPO_RUN_RENDEZVOUS_TIMEOUT_S"
 WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # torchrun's
 
 # --- signals and exit statuses (the trainer's own protocol, not the CLI's exit codes) -------------
@@ -81,6 +85,8 @@ CHILD_CODE_ERROR = 10      # the user's code or numbers: the reward function fai
                            # or load and cannot help; the job fails (never a preemption)
 CHILD_INFRA_FAILED = 11    # a service outside the node (an LLM judge) did not answer past its own retries: the job
                            # fails as an infrastructure failure (never a score; `resume` tries again)
+CHILD_NO_GROUP = 12        # several nodes: the rendezvous did not complete within its timeout (rank 0's node
+                           # did not answer, or the other nodes did not come): nothing was trained
 
 
 class TrainerPhase(str, enum.Enum):

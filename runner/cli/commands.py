@@ -56,6 +56,19 @@ def cli(verbose: bool) -> None:
 
 # --- apply / resume ------------------------------------------------------------------------------
 
+def node_options(command):
+    """--nnodes, --node-rank, --master: one node of a job on several (runner.jobs.nodes)."""
+    for option in reversed([
+            click.option("--nnodes", type=int, metavar="N", help="the job's nodes (spec.nodes), when this node is one of "
+                         "several; default: the launcher's environment (SkyPilot, a Kubernetes indexed Job, torchrun)"),
+            click.option("--node-rank", type=int, metavar="R", help="this node's rank, 0 to N-1; the node of rank 0 "
+                         "holds the job (its lease, record and checkpoints)"),
+            click.option("--master", metavar="HOST:PORT", help="where the other nodes reach the node of rank 0 for "
+                         "the rendezvous (a free port there)")]):
+        command = option(command)
+    return command
+
+
 @cli.command("apply", short_help="run a TrainingJob in the foreground (or print its estimate)")
 @click.option("-f", "--file", required=True, metavar="FILE", help="the job file (YAML, kind: TrainingJob)")
 @click.option("--dry-run", is_flag=True, help="validate and print the estimate (with -o, the whole job); start nothing (exit 2 when apply would refuse it, 4 when spec.maxCostUSD would stop it before its final evaluation)")
@@ -70,8 +83,10 @@ def cli(verbose: bool) -> None:
                    "catalog, needs GRPO_RUN_GCP_API_KEY); where it cannot, the dated table's, saying why")
 @click.option("--live-region", metavar="REGION",
               help="with --live: the cloud's region (default: aws AWS_REGION or us-east-1, azure eastus, gcp us-central1)")
+@node_options
 def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool,
-              live: str | None, live_region: str | None) -> int:
+              live: str | None, live_region: str | None, nnodes: int | None, node_rank: int | None,
+              master: str | None) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
     With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
@@ -127,7 +142,7 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
             if short:
                 print(short, file=sys.stderr)
             return EXIT_BUDGET if short else EXIT_OK
-        return start(checked, detach=detach, output=output, stop=threading.Event())
+        return start(checked, detach=detach, output=output, stop=threading.Event(), nodes=(nnodes, node_rank, master))
     except Refused as e:
         print(e.text, file=sys.stderr)
         return e.exit_code
@@ -165,8 +180,10 @@ def _poll_s(default: float) -> float:
               help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
+@node_options
 def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: float | None, all_jobs: bool,
-               trust_stored_urls: bool, output: str | None) -> int:
+               trust_stored_urls: bool, output: str | None, nnodes: int | None, node_rank: int | None,
+               master: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
     object storage, on any node (an empty local disk is fine). The baseline evaluation is reused.
     A job submitted with `apply --detach` and not yet started starts here.
@@ -206,6 +223,10 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
     stop = threading.Event()        # the job's: a notice stops its storage's retries
     trust_urls = trust_stored_urls or trusts_stored_urls()
     if all_jobs:
+        if (nnodes, node_rank, master) != (None, None, None):
+            _error("resume --all serves a queue on this node alone; start a job on several nodes by its NAME "
+                   "(grpo-run resume NAME --nnodes N --node-rank R --master HOST:PORT)")
+            return EXIT_USAGE
         return _serve_queue(name, storage, wait=wait, output=output, stop=stop, trust_urls=trust_urls)
     try:
         limit = wait_limit if wait_limit is not None else float(os.environ.get(WAIT_LIMIT_ENV, WAIT_LIMIT_S))
@@ -233,7 +254,8 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
             return EXIT_USAGE
         if found is not None:
             job, store = found
-            code = _run(job, output=output, storage=storage, store=store, stop=stop, trust_urls=trust_urls)
+            code = _run(job, output=output, storage=storage, store=store, stop=stop, trust_urls=trust_urls,
+                        nodes=(nnodes, node_rank, master))
             if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
                 return code
             if time.monotonic() >= give_up:

@@ -117,7 +117,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
 
     p = job.parameters
     engine = sampler or ("vllm" if p.sampler == "vllm" else "native")
-    gpus = node_processes(job.resources)          # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
+    nodes = job.nodes or 1
+    gpus = node_processes(job.resources) * nodes  # one process per GPU: an adapter replicated (DDP), Full sharded (FSDP)
     prompts = -(-p.promptsPerStep // gpus)         # per GPU: each samples its share of the prompts
     card = card_of(job)
     live_note = None
@@ -276,7 +277,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      f"TFLOP/s, {STAND_IN[1] / 1e12:g} TB/s: an upper bound on the step time of such a card; a card "
                      "without them, like a V100, is slower)")
     if gpus > 1:
-        notes.append(f"{gpus} processes, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
+        across = f" on {job.nodes} nodes" if (job.nodes or 1) > 1 else ""
+        notes.append(f"{gpus} processes{across}, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU"
                      + (f" (Full: sharded with FSDP, so each GPU holds the whole weights and gradients while it samples "
                         f"or updates and 1/{gpus} of the optimizer's state)" if job.parameters.method == "Full" else

@@ -88,7 +88,7 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Chec
 
 
 def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event,
-          progress: bool | None = None) -> int:
+          progress: bool | None = None, nodes: tuple[int | None, int | None, str | None] = (None, None, None)) -> int:
     """What `apply` does once the job is checked: refuse a GPU it does not fit, record its files'
     hashes, then train it here in the foreground (run_job) or submit it (submit_job). Returns
     the exit status; raises Refused."""
@@ -107,7 +107,7 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
         raise Refused(str(e), EXIT_USAGE) from None
     if detach:
         return submit_job(job, checked.estimate, output)
-    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file)
+    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file, nodes=nodes)
 
 
 def submit_job(job, est: dict | None, output: str | None) -> int:
@@ -149,7 +149,8 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
 
 
 def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
-            trust_urls: bool | None = None, progress: bool | None = None, job_file: str | None = None) -> int:
+            trust_urls: bool | None = None, progress: bool | None = None, job_file: str | None = None,
+            nodes: tuple[int | None, int | None, str | None] = (None, None, None)) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
@@ -160,19 +161,26 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     the run as a SIGINT does (checkpoint durable, Preempted). `progress`: whether the trainer
     draws its progress bar on stderr (None: when stderr is a terminal, or GRPO_RUN_PROGRESS=1).
     `job_file`: where the job came from (a path, or the Python API's source), for the advice
-    after a failure in the job's own code (None: a job read from storage).
+    after a failure in the job's own code (None: a job read from storage). `nodes`: --nnodes,
+    --node-rank and --master (None: from the launcher's environment, runner.jobs.nodes): on one
+    of several nodes rank 0 supervises, the others run their ranks only (runner.supervisor.follower).
     Returns the exit status; raises Refused for a failure before or around the run (storage, a
     full disk, another node's lease)."""
     from grpo_run.runner.hubtoken import token_for_stored
+    from grpo_run.runner.jobs.nodes import NodesError, resolve
 
+    try:
+        place = resolve(job, *nodes)       # before anything is taken: no lease, no download
+    except NodesError as e:
+        raise Refused(str(e), EXIT_USAGE) from None
     # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
     with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
         return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
-                        progress=progress, job_file=job_file)
+                        progress=progress, job_file=job_file, nodes=place)
 
 
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
-             trust_urls: bool | None, progress: bool | None, job_file: str | None) -> int:
+             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes) -> int:
     """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
@@ -195,7 +203,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
         else:                                  # resume: nothing of this node's is read or sent for the job
             local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
             uploads = ()
-        spec = build_run_spec(job, url, local=local, uploads=uploads)
+        spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes)
         over, missing = before_the_lease(job, store)
         if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
             phase, done = over
@@ -208,6 +216,14 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
             raise Refused(missing, EXIT_FAILED)
         if progress is None:
             progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
+        if nodes is not None and nodes.rank > 0:      # rank 0's node holds the job: this one runs its ranks only
+            from grpo_run.runner.supervisor.follower import Follower
+            from grpo_run.runner.supervisor.supervisor import DEFAULT_NOTICE_WINDOW_S
+
+            result = Follower(spec, work, watchers=watchers_for(local), notice_window_s=DEFAULT_NOTICE_WINDOW_S,
+                              progress=progress, preempt=stop).run()
+            print(f"{job.name}: {result.message}", file=sys.stderr if result.exit_code else sys.stdout)
+            return result.exit_code
         result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,
                             preempt=stop).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:

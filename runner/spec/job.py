@@ -131,6 +131,7 @@ class TrainingJob(Strict):
     storage: str | None = None        # default: $GRPO_RUN_HOME/store
     pricing: Pricing | None = None    # overrides for the cost estimate of spec.gpu
     resources: Resources | None = None  # processes per node (default 1)
+    nodes: int | None = Field(None, json_schema_extra={"like": "2"})   # the nodes the job trains on (default 1)
     notices: Notices | None = None    # spot-notice watchers (default: auto-detect the cloud)
     tracking: Tracking | None = None  # experiment trackers (TensorBoard, MLflow, W&B), all off by default
     # the reward sandbox: strict runs reward functions only with every layer in force (network
@@ -181,6 +182,14 @@ class TrainingJob(Strict):
         if v not in RUNTIMES:
             raise problem(f"must be one of {', '.join(RUNTIMES)} (got {fmt(v)}); "
                           "choose LoRA, QLoRA or Full with spec.parameters.method")
+        return v
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _nodes(cls, v: Any) -> Any:
+        if v is not None and (type(v) is not int or v < 1):
+            raise problem(f"must be a whole number of nodes, 1 or more (got {fmt(v)}); each node is started with "
+                          "`grpo-run resume NAME --nnodes N --node-rank R --master HOST:PORT` (docs/multi-gpu.md)")
         return v
 
     @field_validator("maxCostUSD", mode="before")
@@ -242,6 +251,10 @@ class TrainingJob(Strict):
             found.append((("resources", "processes"), f"{processes} processes need promptsPerStep >= {processes} "
                           f"(got {params.promptsPerStep}): each process samples whole groups of its own; raise "
                           "spec.parameters.promptsPerStep or ask for fewer processes"))
+        if self.nodes and processes != "auto" and params.promptsPerStep < processes * self.nodes:
+            found.append((("nodes",), f"{self.nodes} nodes of {processes} process{'es' if processes > 1 else ''} need "
+                          f"promptsPerStep >= {processes * self.nodes} (got {params.promptsPerStep}): each process "
+                          "samples whole groups of its own; raise spec.parameters.promptsPerStep or use fewer nodes"))
         if params.evalSteps is not None and params.evalSteps >= params.maxSteps:
             found.append((("parameters", "evalSteps"), f"must be < maxSteps ({params.maxSteps}) to evaluate while "
                           "training; the final evaluation runs after the last step anyway"))
@@ -267,7 +280,7 @@ class TrainingJob(Strict):
         spec: dict[str, Any] = {"runtime": self.runtime, "model": self.model,
                                 "environment": self.environment.to_dict(),
                                 "parameters": to_yaml_dict(self.parameters)}
-        for key in ("maxCostUSD", "gpu", "storage", "sandbox"):
+        for key in ("maxCostUSD", "gpu", "storage", "sandbox", "nodes"):
             if getattr(self, key) is not None:
                 spec[key] = getattr(self, key)
         if self.pricing is not None:

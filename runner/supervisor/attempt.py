@@ -40,7 +40,8 @@ from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s, sa
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.config import model_config
 from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, choose as choose_sampler, node_has_gpu, vllm_version
-from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED,
+from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED, CHILD_NO_GROUP,
+                                       RENDEZVOUS_TIMEOUT_ENV,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
                                        WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
                                        PhaseStarted, Plan, Samples, Sealed, Started, Step, Stopped, TrainerEvent,
@@ -118,6 +119,39 @@ class Outcome:
     step: int = 0             # deadline: the last completed step
 
 
+def spawn_trainer(spec: RunSpec, work: Path, plan: Plan, *, progress: bool,
+                  kept_threads: int | None) -> tuple[subprocess.Popen, int]:
+    """The trainer for `plan` in its own session: alone, or under accelerate's launcher (one rank
+    per GPU, or this node's ranks of several nodes). Returns the process and the read end of its
+    events pipe. `kept_threads`: the run's first trainer's thread count (a run keeps it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    plan_path = work / PLAN_FILE
+    atomic_write_bytes(plan_path, plan.to_json().encode())
+    read_fd, write_fd = os.pipe()
+    env = python_env()
+    env[EVENTS_FD_ENV] = str(write_fd)
+    env[PARENT_ENV] = str(os.getpid())
+    env[PROGRESS_ENV] = "1" if progress else "0"
+    launched = spec.processes > 1 or spec.nodes is not None
+    if not launched:                  # alone, whatever a launcher that started grpo-run itself says
+        for var in WORLD_ENV:
+            env.pop(var, None)
+    if spec.nodes is not None:
+        env.update(spec.nodes.environment())
+    threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=kept_threads)
+    if kept_threads and threads:
+        log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
+    env.update(threads)
+    try:
+        command = ["-m", "grpo_run.trainer.launch", str(spec.processes), str(plan_path)] if launched else \
+            ["-m", "grpo_run.trainer.child", str(plan_path)]
+        proc = subprocess.Popen([sys.executable, *command], env=env, pass_fds=[write_fd], cwd=work,
+                                start_new_session=True)
+    finally:
+        os.close(write_fd)
+    return proc, read_fd
+
+
 class TrainerProcess:
     """One trainer process of an attempt (several, under accelerate's launcher, seen as one)."""
 
@@ -182,30 +216,9 @@ class TrainerProcess:
         return chosen
 
     def _spawn(self, plan: Plan, progress: bool) -> None:
-        self.work.mkdir(parents=True, exist_ok=True)
-        plan_path = self.work / PLAN_FILE
-        atomic_write_bytes(plan_path, plan.to_json().encode())
-        read_fd, write_fd = os.pipe()
-        env = python_env()
-        env[EVENTS_FD_ENV] = str(write_fd)
-        env[PARENT_ENV] = str(os.getpid())
-        env[PROGRESS_ENV] = "1" if progress else "0"
-        if self.spec.processes == 1:      # alone, whatever a launcher that started grpo-run itself says
-            for var in WORLD_ENV:
-                env.pop(var, None)
-        kept = self.books.carry_over().cpu_threads       # the first trainer's count: a run keeps it
-        threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=kept)
-        if kept and threads:
-            log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
-        env.update(threads)
         self.checkpoints.set_listener(None)
-        try:
-            command = ["-m", "grpo_run.trainer.child", str(plan_path)] if self.spec.processes == 1 else \
-                ["-m", "grpo_run.trainer.launch", str(self.spec.processes), str(plan_path)]    # one rank per GPU
-            self._proc = subprocess.Popen([sys.executable, *command], env=env, pass_fds=[write_fd],
-                                          cwd=self.work, start_new_session=True)
-        finally:
-            os.close(write_fd)
+        self._proc, read_fd = spawn_trainer(self.spec, self.work, plan, progress=progress,
+                                            kept_threads=self.books.carry_over().cpu_threads)
         threading.Thread(target=self._read_events, args=(read_fd,), name="trainer-events", daemon=True).start()
 
     # --- what it says ----------------------------------------------------------------------------
@@ -316,5 +329,9 @@ class TrainerProcess:
         if code == CHILD_INFRA_FAILED:
             return Outcome(How.INFRASTRUCTURE, failed.message if failed else
                            "infrastructure failure: a service the run calls (a judge) did not answer")
+        if code == CHILD_NO_GROUP:
+            where = self.spec.nodes.master if self.spec.nodes else "this node"
+            return Outcome(How.CRASHED, f"the job's other nodes did not join the rendezvous at {where} within its "
+                                        f"timeout ({RENDEZVOUS_TIMEOUT_ENV})")
         why = f"trainer exited with status {code}" if code >= 0 else f"trainer killed by {signal.Signals(-code).name}"
         return Outcome(How.CRASHED, why + (f" ({failed.message})" if failed else ""))

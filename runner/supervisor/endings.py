@@ -19,6 +19,7 @@ class End(enum.Enum):
     PREEMPTED = "preempted"             # a notice, a signal or a stop: the newest step durable, resume continues
     BUDGET_EXCEEDED = "budget exceeded" # maxCostUSD reached, the newest step durable
     CANCELLED = "cancelled"             # `grpo-run cancel`, the newest step durable
+    GROUP_LOST = "group lost"           # several nodes: a rank died; the launcher restarts the group, resume continues
 
 
 class Ending(NamedTuple):
@@ -34,4 +35,5 @@ ENDINGS: dict[End, Ending] = {
     End.PREEMPTED: Ending(Phase.PREEMPTED, AttemptEnd.PREEMPTED, EXIT_PREEMPTED),
     End.BUDGET_EXCEEDED: Ending(Phase.BUDGET_EXCEEDED, AttemptEnd.BUDGET_EXCEEDED, EXIT_BUDGET),
     End.CANCELLED: Ending(Phase.CANCELLED, AttemptEnd.CANCELLED, EXIT_CANCELLED),
+    End.GROUP_LOST: Ending(Phase.PREEMPTED, AttemptEnd.CRASHED, EXIT_PREEMPTED),
 }

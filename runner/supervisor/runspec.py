@@ -39,6 +39,22 @@ class RunSpec:
     # lease is held (runner.jobs.envfiles); () on resume, which uses the stored copies
     environment_uploads: tuple[tuple[str, str, str], ...] = ()
     tracking: dict[str, Any] | None = None   # spec.tracking as this node writes it (resume: the node decides the URLs)
+    nodes: "Nodes | None" = None     # one node of several (runner.jobs.nodes); None: this node alone
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This node's place among a job's nodes: how many, its rank (0 holds the lease, writes the
+    record and storage), and rank 0's host:port for the rendezvous."""
+    count: int
+    rank: int
+    master: str
+
+    def environment(self) -> dict[str, str]:
+        """What the trainer's launcher reads (trainer.launch.machines)."""
+        from grpo_run.trainer.protocol import MASTER_ENV, NODE_RANK_ENV, NODES_ENV
+
+        return {NODES_ENV: str(self.count), NODE_RANK_ENV: str(self.rank), MASTER_ENV: self.master}
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ class SupervisorResult:
 
 
 def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
-                   uploads: tuple[tuple[str, str, str], ...] = ()) -> RunSpec:
+                   uploads: tuple[tuple[str, str, str], ...] = (), nodes: Nodes | None = None) -> RunSpec:
     """What the supervisor needs for `job` on this node, its outputs under `storage_url`: the
     processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
     `local`: the same job as this node runs it (its environment files where they are on this
@@ -80,6 +96,11 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     if gpus and processes > gpus:
         raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
                                   f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
+    if nodes is not None and processes * nodes.count > job.parameters.promptsPerStep:
+        raise JobError(job.name, [f"spec.nodes: {nodes.count} nodes of {processes} process{'es' if processes > 1 else ''} "
+                                  f"are {processes * nodes.count} processes, more than promptsPerStep "
+                                  f"({job.parameters.promptsPerStep}): each process samples whole groups of its own; "
+                                  "raise promptsPerStep or use fewer nodes"])
     if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
         raise JobError(job.name, [f"spec.resources.processes: auto is {processes} GPUs on this node, more than "
                                   f"promptsPerStep ({job.parameters.promptsPerStep}): each process samples whole "
@@ -90,9 +111,10 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     here = local or job
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(here), params=job.parameters, storage=storage_url,
-                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes), max_cost_usd=job.maxCostUSD,
-                   processes=processes, sandbox_strict=sandbox_strict(job), environment_uploads=uploads,
-                   tracking=here.tracking.to_dict() if here.tracking is not None else None)
+                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes * (nodes.count if nodes else 1)),
+                   max_cost_usd=job.maxCostUSD, processes=processes, sandbox_strict=sandbox_strict(job),
+                   environment_uploads=uploads, tracking=here.tracking.to_dict() if here.tracking is not None else None,
+                   nodes=nodes)
 
 
 SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)

@@ -296,6 +296,8 @@ class Supervisor:
         log.error("%s", message)
         trainer.kill_session()
         trainer.done.wait()
+        if self.spec.nodes is not None:
+            return self._group_lost(message)
         self.books.end_attempt(AttemptEnd.CRASHED, message)
         raise _Restart("crashes", message)
 
@@ -312,13 +314,29 @@ class Supervisor:
                 return self._end(End.BUDGET_EXCEEDED, f"spent ${self.books.spent_usd():.4f} of maxCostUSD "
                                  f"${self.spec.max_cost_usd}; stopped after step {out.step} with a checkpoint (resume "
                                  f"with a larger budget)", durable_step=step)
+            if self.spec.nodes is not None:       # no notice here, no cancel: one on another node
+                return self._end(End.PREEMPTED, f"stopped after step {step} with the other nodes of the group (a "
+                                 f"notice on one of them), durable; resume continues from there", durable_step=step)
             return self._end(End.PREEMPTED, f"stopped after step {step}; resume continues from there", durable_step=step)
+        if fatal is None and out.how is How.CRASHED and self.spec.nodes is not None:
+            return self._group_lost(out.message)
         if fatal is None and out.how is How.CRASHED:
             self.books.end_attempt(AttemptEnd.CRASHED, out.message)
             raise _Restart("crashes", out.message)
         message = str(fatal) if fatal is not None else out.message if out.how is not How.DISK_FULL else \
             disk_full_message(self.work, out.message, self.durability.durable)
         return self._end(End.FAILED, message, code_error=fatal is None and out.how is How.CODE_ERROR)
+
+    def _group_lost(self, why: str) -> SupervisorResult:
+        """Several nodes: a rank ended the attempt (a node lost, a crash). No node restarts alone:
+        its ranks would wait at the rendezvous for peers that are not coming. The newest sealed
+        checkpoint is made durable and every node exits EXIT_PREEMPTED, for the launcher (SkyPilot,
+        a JobSet) to start the group again, which resumes from there."""
+        step = self.durability.wait(timeout=self.notice_window_s)
+        message = (f"the {self.spec.nodes.count}-node group lost a rank ({why}): every node stops, and the group "
+                   f"started again resumes from step {step}, durable")
+        log.error("%s", message)
+        return self._end(End.GROUP_LOST, message, durable_step=step)
 
     def _succeeded(self, trainer: TrainerProcess, **notice: Any) -> SupervisorResult:
         final = trainer.last_words.final

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint,
-                                          newest_sealed, staging_dir)
+                                          newest_sealed, staging_dir, step_of)
 from grpo_run.checkpoint.writer import CheckpointWriter, Failed, Sealed, weights_finite, write_files
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
@@ -69,6 +69,8 @@ class Checkpointer:
     def load_latest(self) -> int:
         """Restore the newest sealed local checkpoint into the trainer; its step (0: none)."""
         found = newest_sealed(self.root)
+        if self.world.nodes > 1:
+            found = self._from_node_zero(found)
         if found is None:
             return 0
         step, folder, _ = found
@@ -84,6 +86,33 @@ class Checkpointer:
         kept = json.loads(samples.read_text()) if samples.exists() else {}
         self._samples = {int(s): groups for s, groups in kept.items() if int(s) <= loaded}
         return loaded
+
+    def _from_node_zero(self, found: tuple[int, Path, Any] | None) -> tuple[int, Path, Any] | None:
+        """Several nodes: rank 0's checkpoint on every node. Only rank 0's node holds the job's
+        checkpoints (its supervisor restored the newest durable one, or kept a newer one sealed
+        there); the first rank of each other node receives that folder's files over the process
+        group and writes them under this folder (the other ranks of its node wait), so every rank
+        loads the same bytes. None on every rank when rank 0 starts from the beginning."""
+        world = self.world
+        name = world.broadcast(found[1].name if world.main and found is not None else None)
+        if name is None:
+            return None
+        if world.node == 0:                    # rank 0's disk: the same folder newest_sealed found
+            world.share_files(found[1] if world.main else None, None)
+            world.barrier()
+            return found
+        folder = self.root / name
+        receiving = world.local_rank == 0
+        incoming = self.root / f".{name}.receiving"
+        if receiving:
+            shutil.rmtree(incoming, ignore_errors=True)
+            incoming.mkdir(parents=True)
+        world.share_files(None, incoming if receiving else None)
+        if receiving:
+            shutil.rmtree(folder, ignore_errors=True)
+            incoming.rename(folder)
+        world.barrier()                        # the node's other ranks read what its first rank wrote
+        return step_of(folder), folder, None
 
     def add_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """Step `step`'s metrics, for the checkpoints from here on (a step redone after a resume
