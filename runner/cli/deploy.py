@@ -89,6 +89,9 @@ def _takes(param: click.Parameter, kind: str) -> bool:
 @click.option("--all", "all_jobs", is_flag=True,
               help="skypilot, k8s: the node serves every job under --storage, one after another (grpo-run resume "
                    "--storage URL --all), and ends when none is left")
+@click.option("--nodes", type=click.IntRange(min=1), default=None,
+              help="skypilot, k8s: the job's nodes (default: the job file's spec.nodes, else 1): a SkyPilot cluster of "
+                   "N (num_nodes), or an indexed Job of N pods with a headless Service; each node runs the same resume")
 @click.option("--wait", is_flag=True,
               help="skypilot, and k8s with --all: the node waits for jobs to be submitted instead of ending when there "
                    "is nothing to do (its GPU is paid while it waits; a k8s Job for one named job always waits)")
@@ -96,7 +99,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                endpoint: str | None, account: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int | None, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
-               wait: bool, with_vllm: bool = False) -> int:
+               wait: bool, nodes: int | None = None, with_vllm: bool = False) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
@@ -135,7 +138,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(f"--job {job} and --all: give one (--all serves every job under --storage, each in turn; "
                f"--job trains that one)")
         return EXIT_USAGE
-    job_text, gpu, processes = None, None, None
+    if nodes is not None and nodes > 1 and kind not in ("skypilot", "k8s"):
+        _error(f"--nodes is for skypilot and k8s; {kind} starts one node (start each of several with "
+               f"`grpo-run resume NAME --nnodes N --node-rank R --master HOST:PORT`, docs/multi-gpu.md)")
+        return EXIT_USAGE
+    job_text, gpu, processes, spec_nodes = None, None, None, None
     if file:
         from grpo_run.runner.spec.job import JobError, load_job
 
@@ -153,11 +160,17 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         storage, job, gpu = storage or spec.storage, job or spec.name, spec.gpu
         with_vllm = with_vllm or samples_with_vllm(spec)
         processes = spec.resources.processes if spec.resources is not None else 1
+        spec_nodes = spec.nodes or 1
+        if nodes is not None and nodes != spec_nodes and not all_jobs:
+            _error(f"--nodes {nodes}: {file} says spec.nodes {spec_nodes}; every node must be started for the job's "
+                   f"count: leave --nodes out, or change spec.nodes and apply the file again")
+            return EXIT_USAGE
         job_text = Path(file).read_text()
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
     if kind == "image":                     # a build context: the image has no storage or job in it
         return deploy_image(out_dir, torch_build, vllm=with_vllm, storage=storage)
+    nodes = nodes or (spec_nodes if not all_jobs else None) or 1
     if all_jobs:
         job = None                          # -f with --all: the file gives the storage (and the GPU), not a job
     if kind == "systemd":                   # the job's settings come from the node's /etc/grpo-run/env
@@ -209,7 +222,12 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     if kind == "skypilot":
         from grpo_run.runner.deploy.skypilot import skypilot_task
 
-        print(skypilot_task(settings, accelerators=accelerators, all_jobs=all_jobs, wait=wait), end="")
+        try:
+            task = skypilot_task(settings, accelerators=accelerators, all_jobs=all_jobs, wait=wait, nodes=nodes)
+        except ValueError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        print(task, end="")
         return EXIT_OK
     if kind == "k8s":
         if not image:
@@ -221,7 +239,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                                       service_account=service_account, seccomp=seccomp, uid=uid,
                                       service_account_token=service_account_token, all_jobs=all_jobs, wait=wait,
-                                      gpu=gpu)
+                                      gpu=gpu, nodes=nodes)
         except ValueError as e:
             _error(str(e))
             return EXIT_USAGE

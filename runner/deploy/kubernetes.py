@@ -8,6 +8,7 @@ import yaml
 from grpo_run.runner.deploy import stores
 from grpo_run.runner.deploy.node import NodeSettings
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
+from grpo_run.trainer.protocol import MASTER_ENV, NODES_ENV, TORCH_MASTER_PORT
 from grpo_run.runner.spec.gpus import ALIASES
 
 # Node labels and taints of the common managed spot pools: Karpenter, EKS managed node groups,
@@ -124,7 +125,7 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
                    secret: str | None = None, service_account: str | None = None,
                    seccomp: str = "unconfined", uid: int = RUN_AS_UID,
                    service_account_token: bool = False, all_jobs: bool = False, wait: bool = False,
-                   gpu: str | None = None) -> str:
+                   gpu: str | None = None, nodes: int = 1) -> str:
     """A batch/v1 Job that runs the job on a spot node pool and survives losing nodes: a pod that
     exits 3 (preempted) or whose node was taken is replaced without counting against
     backoffLimit; exits 2 (bad input) and 4 (budget) fail the Job at once; other failures are
@@ -147,8 +148,17 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     The image must hold the client library of the job's store (`grpo-run deploy image --storage
     gs://... or az://...` puts the extra in): a comment at the top says which.
 
-    ValueError for a bad pool, seccomp choice or uid, or for az:// storage with neither an account
-    nor a Secret (whose keys may carry AZURE_STORAGE_ACCOUNT or AZURE_STORAGE_CONNECTION_STRING)."""
+    `nodes` > 1: an indexed Job of that many pods (completions = parallelism = nodes) and a headless
+    Service that names them, each pod `NAME-INDEX.NAME`: every pod runs the same `resume`, its rank
+    from JOB_COMPLETION_INDEX, rank 0's pod at GRPO_RUN_MASTER (runner.jobs.nodes). A pod lost or
+    preempted makes every pod exit 3 (the group stops together), and each is replaced.
+
+    ValueError for a bad pool, seccomp choice or uid, for az:// storage with neither an account
+    nor a Secret (whose keys may carry AZURE_STORAGE_ACCOUNT or AZURE_STORAGE_CONNECTION_STRING),
+    or for several nodes with all_jobs or without a job."""
+    if nodes > 1 and (all_jobs or not s.job):
+        raise ValueError(f"--nodes {nodes}: name the job that trains on {nodes} nodes (--job or -f); a queue (--all) "
+                         f"is served one job at a time on one node")
     s.require_account(elsewhere=secret)
     if pool not in SPOT_POOLS:
         raise ValueError(f"--pool {pool!r}: expected one of {', '.join(SPOT_POOLS)}")
@@ -166,6 +176,9 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
            {"name": "GRPO_RUN_SANDBOX", "value": "strict"},      # reward functions only in the full sandbox
            {"name": "HOME", "value": "/work"}, {"name": "HF_HOME", "value": "/work/huggingface"}]
     env += [{"name": k, "value": v} for k, v in s.env() if v]       # the store's settings: S3's, or Azure's account
+    if nodes > 1:        # the rank comes from JOB_COMPLETION_INDEX; pod 0 is rank 0's node
+        env += [{"name": NODES_ENV, "value": str(nodes)},
+                {"name": MASTER_ENV, "value": f"{name}-0.{name}:{TORCH_MASTER_PORT}"}]
     container = {
         "name": "grpo-run", "image": image,
         "command": ["grpo-run", "resume", "--storage", s.storage, "--all", *(["--wait"] if wait else [])] if all_jobs
@@ -198,6 +211,9 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         pod["tolerations"] = tolerations
     if service_account:
         pod["serviceAccountName"] = service_account
+    if nodes > 1:
+        pod["subdomain"] = name                         # NAME-INDEX.NAME: the headless Service below
+        container["ports"] = [{"name": "rendezvous", "containerPort": TORCH_MASTER_PORT}]
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
         "spec": {
@@ -215,7 +231,15 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         },
     }
     note = K8S_SECURITY_NOTE.replace("@UID@", str(uid)).replace("@SECCOMP@", profile["type"])
-    return note + said + "\n" + _store_note(s) + yaml.safe_dump(job, sort_keys=False)
+    if nodes <= 1:
+        return note + said + "\n" + _store_note(s) + yaml.safe_dump(job, sort_keys=False)
+    job["spec"].update(completionMode="Indexed", completions=nodes, parallelism=nodes)
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "labels": dict(labels)},
+               "spec": {"clusterIP": "None", "selector": dict(labels), "publishNotReadyAddresses": True,
+                        "ports": [{"name": "rendezvous", "port": TORCH_MASTER_PORT}]}}
+    return (note + said + "\n" + _store_note(s) + f"# {nodes} nodes: an indexed Job of {nodes} pods and the headless "
+            f"Service that names them ({name}-0.{name} is rank 0's)\n" + yaml.safe_dump(service, sort_keys=False)
+            + "---\n" + yaml.safe_dump(job, sort_keys=False))
 
 
 def _store_note(s: NodeSettings) -> str:

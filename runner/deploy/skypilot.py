@@ -12,7 +12,7 @@ from grpo_run.runner.spec.gpus import ALIASES
 
 
 def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = None, all_jobs: bool = False,
-                  wait: bool = False) -> str:
+                  wait: bool = False, nodes: int = 1) -> str:
     """A SkyPilot task for `sky jobs launch`: a managed job on spot capacity that SkyPilot relaunches
     when the node is taken (strategy EAGER_NEXT_REGION; a failed run is not restarted, since
     grpo-run restarts its own trainer), and whose `run:` resumes the job from its storage, so each
@@ -23,8 +23,13 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
     submitted, `resume --all` (`all_jobs`: every job under the prefix, runner/jobs/queue.py) exits once
     none is left. Only with `wait` does it wait for submissions, on a GPU paid meanwhile.
     With all_jobs, s.job is not used. The store's settings are envs (S3's region and endpoint,
-    Azure's account; GCS needs none). ValueError without accelerators, or for az:// storage without
-    an account."""
+    Azure's account; GCS needs none). `nodes` > 1: a cluster of that many (num_nodes), each running
+    the same `resume`, which takes its rank and rank 0's address from SkyPilot's own variables
+    (runner.jobs.nodes); SkyPilot relaunches the whole cluster when one node is taken. ValueError
+    without accelerators, for az:// storage without an account, or for several nodes with all_jobs."""
+    if nodes > 1 and all_jobs:
+        raise ValueError(f"--nodes {nodes} and --all: a queue is served one job at a time on one node; give the "
+                         f"job that trains on {nodes} nodes (--job or -f)")
     if not accelerators:
         raise ValueError("skypilot: give --accelerators GPU:N (e.g. H100:1), or -f JOB with spec.gpu: "
                          "a task without accelerators runs on a CPU node")
@@ -39,6 +44,7 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
         resources["cloud"] = cloud
     task = {
         "name": f"grpo-run-{s.job}" if s.job and not all_jobs else "grpo-run",
+        **({"num_nodes": nodes} if nodes > 1 else {}),
         "resources": resources,
         "envs": envs,
         "setup": skypilot_setup(s),

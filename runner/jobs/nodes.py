@@ -17,9 +17,8 @@ import os
 from typing import Mapping
 
 from grpo_run.runner.supervisor.runspec import Nodes
-from grpo_run.trainer.protocol import MASTER_ENV, NODE_RANK_ENV, NODES_ENV
+from grpo_run.trainer.protocol import MASTER_ENV, NODE_RANK_ENV, NODES_ENV, TORCH_MASTER_PORT
 
-TORCH_MASTER_PORT = 29500          # torch.distributed's default MASTER_PORT
 MASTER_PORT_ENV = "GRPO_RUN_MASTER_PORT"
 
 

@@ -1,0 +1,72 @@
+"""Launch files for a job on several nodes (`deploy k8s --nodes N`, `deploy skypilot --nodes N`):
+checked by the engines' own tools, and the place each node reads from them is the one
+runner.jobs.nodes resolves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from grpo_run.runner.cli.commands import EXIT_USAGE, main
+from grpo_run.runner.jobs.nodes import resolve
+from tests.deploy.test_generate import load_with_skypilot, printed, sky_job_file, skypilot_python  # noqa: F401
+
+
+@pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])
+def test_the_kubernetes_files_for_two_nodes_are_an_indexed_job_and_its_headless_service(capsys, version):
+    import kubernetes_validate
+
+    text = printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--job", "big", "--image", "registry/grpo-run:1",
+                   "--nodes", "2")
+    service, job = list(yaml.safe_load_all(text))
+    for doc in (service, job):
+        kubernetes_validate.validate(doc, version, strict=True)
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 2, 2)
+    assert service["spec"]["selector"] == job["spec"]["template"]["metadata"]["labels"]
+    assert pod["subdomain"] == service["metadata"]["name"] == "grpo-run-big"
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    # what each pod resolves: its rank from the indexed Job, pod 0 (rank 0) at NAME-0.NAME
+    for index in (0, 1):
+        place = resolve(SimpleNamespace(name="big", nodes=2), None, None, None,
+                        {**env, "JOB_COMPLETION_INDEX": str(index)})
+        assert (place.count, place.rank, place.master) == (2, index, "grpo-run-big-0.grpo-run-big:29500")
+    # exit 3 (a notice anywhere, a lost pod) replaces the pod without counting: the group starts again
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "grpo-run", "operator": "In", "values": [3]}} \
+        in spec["podFailurePolicy"]["rules"]
+
+
+def test_the_skypilot_task_for_two_nodes_loads_with_skypilots_own_loader(tmp_path, capsys, skypilot_python):
+    task = tmp_path / "task.yaml"
+    task.write_text(printed(capsys, "skypilot", "-f", sky_job_file(tmp_path, gpu="H100", nodes=2,
+                                                                   parameters={"promptsPerStep": 2})))
+    loaded = load_with_skypilot(skypilot_python, task)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert yaml.safe_load(task.read_text())["num_nodes"] == 2
+    script = ("import sys, sky\nprint(sky.Task.from_yaml(sys.argv[1]).num_nodes)\n")
+    import subprocess
+
+    counted = subprocess.run([str(skypilot_python), "-c", script, str(task)], capture_output=True, text=True)
+    assert counted.stdout.strip() == "2", counted.stderr[-2000:]
+    # what each node resolves from SkyPilot's own variables: the first node's address is rank 0's
+    place = resolve(SimpleNamespace(name="sky-job", nodes=2), None, None, None,
+                    {"SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n"})
+    assert (place.count, place.rank, place.master) == (2, 1, "10.0.0.5:29500")
+
+
+def test_nodes_are_refused_where_they_cannot_be(tmp_path, capsys):
+    base = ["--storage", "s3://bucket/grpo", "--image", "registry/grpo-run:1"]
+    assert main(["deploy", "k8s", *base, "--all", "--nodes", "2"]) == EXIT_USAGE
+    assert "a queue (--all) is served one job at a time" in capsys.readouterr().err
+    assert main(["deploy", "cloud-init", "--storage", "s3://bucket/grpo", "--job", "big", "--nodes", "2"]) == EXIT_USAGE
+    assert "--nodes is for skypilot and k8s" in capsys.readouterr().err
+    job = sky_job_file(tmp_path, nodes=2, parameters={"promptsPerStep": 2})
+    assert main(["deploy", "k8s", "-f", job, "--image", "registry/grpo-run:1", "--nodes", "3"]) == EXIT_USAGE
+    assert "says spec.nodes 2" in capsys.readouterr().err
+    capsys.readouterr()
+    # without --nodes the job file's spec.nodes decides
+    assert main(["deploy", "k8s", "-f", job, "--image", "registry/grpo-run:1"]) == 0
+    assert yaml.safe_load_all(capsys.readouterr().out).__next__()["kind"] == "Service"
