@@ -73,6 +73,8 @@ def child_main(argv: list[str] | None = None) -> int:
     except RewardFunctionError as e:                   # an episodes environment's failure too (EnvironmentFailed)
         what = "environment" if isinstance(e, EnvironmentFailed) else "reward function"
         events.emit(Failed(message=f"{what} failed: {e}", code=True))
+        if world.node > 0:                             # rank 0's supervisor is on another node
+            world.tell_failure(f"{what} failed on node {world.node}: {e}")
         log.error("%s failed: %s", what, e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except EngineUnavailable as e:                     # the vLLM server: the attempt ends, restarted as a crash
@@ -88,12 +90,19 @@ def child_main(argv: list[str] | None = None) -> int:
         # and replays the same step; each ends the job
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e, extra=REPORTED)
+        if world.node > 0:
+            world.tell_failure(f"on node {world.node}: {e}")
         return CHILD_CODE_ERROR
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))
         log.error("%s", e)
         return CHILD_CRASHED
     except Exception as e:
+        told = world.failure_told() if world.main and world.nodes > 1 else None
+        if told is not None:                           # a peer on another node failed in the job's own code
+            events.emit(Failed(message=told, code=True))
+            log.error("%s", told, extra=REPORTED)
+            return CHILD_CODE_ERROR
         events.emit(Failed(message=f"{type(e).__name__}: {e}", code=False))
         log.exception("the trainer crashed")
         return CHILD_CRASHED

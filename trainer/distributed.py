@@ -41,6 +41,8 @@ from typing import Any, Sequence
 import torch
 
 TIMEOUT_ENV = "GRPO_RUN_COLLECTIVE_TIMEOUT_S"
+FAILED_KEY = "grpo-run/failed"     # tell_failure's key in the rendezvous store
+STORE_TIMEOUT_S = 10.0
 SHARE_PIECE_BYTES = 64 << 20      # share_files: a checkpoint goes to the other nodes in pieces of this size
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -166,6 +168,30 @@ class World:
                     out.flush()
                     os.fsync(out.fileno())
                     out.close()
+
+    def tell_failure(self, message: str) -> None:
+        """Several nodes: the job's own failure on this rank (a reward function's), left for rank 0 in
+        the rendezvous store (rank 0's node hosts it) before this rank exits. Its supervisor is not
+        rank 0's: without this, rank 0 would see only a lost peer."""
+        try:
+            self._store().set(FAILED_KEY, message)
+        except Exception:           # the store gone too: rank 0 sees a lost rank, as it would anyway
+            pass
+
+    def failure_told(self) -> str | None:
+        """What another node's rank told with tell_failure (None: nothing)."""
+        try:
+            store = self._store()
+            return store.get(FAILED_KEY).decode() if store.check([FAILED_KEY]) else None
+        except Exception:
+            return None
+
+    @staticmethod
+    def _store():
+        import torch.distributed as dist
+
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=dt.timedelta(seconds=STORE_TIMEOUT_S))
 
     def barrier(self) -> None:
         if self.distributed:

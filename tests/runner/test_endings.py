@@ -24,7 +24,9 @@ def test_every_ending_has_its_phase_reason_and_exit_status():
         End.CRASHED_OUT: (Phase.FAILED, AttemptEnd.CRASHED, EXIT_FAILED),
         End.PREEMPTED: (Phase.PREEMPTED, AttemptEnd.PREEMPTED, EXIT_PREEMPTED),
         End.BUDGET_EXCEEDED: (Phase.BUDGET_EXCEEDED, AttemptEnd.BUDGET_EXCEEDED, EXIT_BUDGET),
-        End.CANCELLED: (Phase.CANCELLED, AttemptEnd.CANCELLED, EXIT_CANCELLED)}
+        End.CANCELLED: (Phase.CANCELLED, AttemptEnd.CANCELLED, EXIT_CANCELLED),
+        # several nodes: a lost rank is the attempt's crash, the job resumable, every node exits 3
+        End.GROUP_LOST: (Phase.PREEMPTED, AttemptEnd.CRASHED, EXIT_PREEMPTED)}
     assert all(r.phase in TERMINAL for r in ENDINGS.values())
     # a resumable ending exits non-zero: a boot unit or a Job restarts the node's supervisor
     assert all(r.exit_code != EXIT_OK for r in ENDINGS.values() if r.phase in STOPPED)

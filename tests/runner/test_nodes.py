@@ -234,3 +234,23 @@ def test_a_master_that_never_answers_ends_the_node_within_its_timeout_and_writes
     assert code == 1 and "no group formed at 127.0.0.1:" in out and "Traceback" not in out, out[-3000:]
     assert took < 60, took
     assert sorted(p.relative_to(storage) for p in storage.rglob("*")) == before     # nothing written
+
+
+@pytest.mark.slow
+def test_a_reward_that_fails_on_rank_1s_node_fails_the_job_on_rank_0s_record(tmp_path):
+    """Rank 1 evaluates the second held-out batch ("9+9=", evalBatchSize 1, batches dealt
+    round-robin): a reward that fails there fails on rank 1's node alone. Rank 0's node must
+    record the reward's failure (the job Failed, the reward's words), never a lost rank."""
+    storage = tmp_path / "store"
+    job = two_node_job(tmp_path, storage)
+    (tmp_path / "length.py").write_text("def score(completion, task):\n"
+                                        "    if '9+9' in str(task):\n"
+                                        "        raise ValueError('no nines here')\n"
+                                        "    return float(len(completion))\n")
+    grpo_run(tmp_path / "submit", "apply", "-f", str(job), "--detach")
+    a, b = both(tmp_path, storage, "first")
+    codes = wait_both(a, b, tmp_path, "first")
+    assert codes == (1, 1), output(tmp_path, "first-0")[-3000:] + output(tmp_path, "first-1")[-3000:]
+    st = status(tmp_path / "reader", str(storage))
+    assert st["phase"] == "Failed", st
+    assert "reward function failed on node 1" in st["message"] and "no nines here" in st["message"], st["message"]
