@@ -103,6 +103,17 @@ def reference(tmp_path_factory) -> dict[str, bytes]:
     return once(tmp_path_factory, "two-nodes-reference", build)
 
 
+def training(folder: Path) -> tuple[Path, subprocess.Popen, subprocess.Popen]:
+    """The job submitted, both nodes started ("first-0", "first-1"), once rank 0's record has 10 steps."""
+    storage = submitted(folder)
+    a, b = both(folder, storage, "first")
+    deadline = time.monotonic() + 180
+    while trained_steps(folder / "first-0") < 10 and time.monotonic() < deadline and a.poll() is None:
+        time.sleep(0.1)
+    assert a.poll() is None, output(folder, "first-0")[-3000:]
+    return storage, a, b
+
+
 def resume_and_compare(folder: Path, storage: Path, reference: dict[str, bytes]) -> None:
     a, b = both(folder, storage, "again")
     assert wait_both(a, b, folder, "again") == (0, 0), output(folder, "again-0")[-3000:]
@@ -117,12 +128,7 @@ def test_a_two_node_run_trains_on_both_and_rank_0_alone_writes(reference, tmp_pa
 
 @pytest.mark.slow
 def test_a_notice_on_rank_1_stops_both_nodes_at_one_step_and_the_resume_ends_byte_identical(reference, tmp_path):
-    storage = submitted(tmp_path)
-    a, b = both(tmp_path, storage, "first")
-    deadline = time.monotonic() + 180
-    while trained_steps(tmp_path / "first-0") < 10 and time.monotonic() < deadline and a.poll() is None:
-        time.sleep(0.1)
-    assert a.poll() is None, output(tmp_path, "first-0")[-3000:]
+    storage, a, b = training(tmp_path)
     b.send_signal(signal.SIGTERM)              # the notice reaches rank 1's node only
     codes = wait_both(a, b, tmp_path, "first")
     assert codes == (3, 3), output(tmp_path, "first-0")[-3000:] + output(tmp_path, "first-1")[-3000:]
@@ -136,12 +142,7 @@ def test_a_notice_on_rank_1_stops_both_nodes_at_one_step_and_the_resume_ends_byt
 
 @pytest.mark.slow
 def test_a_killed_rank_1_node_ends_rank_0s_within_a_bound_and_the_resume_ends_byte_identical(reference, tmp_path):
-    storage = submitted(tmp_path)
-    a, b = both(tmp_path, storage, "first")
-    deadline = time.monotonic() + 180
-    while trained_steps(tmp_path / "first-0") < 10 and time.monotonic() < deadline and a.poll() is None:
-        time.sleep(0.1)
-    assert a.poll() is None, output(tmp_path, "first-0")[-3000:]
+    storage, a, b = training(tmp_path)
     tree = psutil.Process(b.pid).children(recursive=True)
     for proc in [psutil.Process(b.pid), *tree]:     # the whole node: supervisor, launcher, its rank
         try:
