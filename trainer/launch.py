@@ -43,6 +43,7 @@ from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHIL
 log = logging.getLogger(__name__)
 
 MONITOR_INTERVAL_S = 0.2       # how often the agent looks at its ranks: a dead one is seen this fast
+CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
 RENDEZVOUS_TIMEOUT_S = 600     # several nodes: how long one waits for the others (torchrun's own default)
 
 
@@ -97,6 +98,11 @@ def machines(processes: int, env: Mapping[str, str]) -> list[str]:
 
 
 def launch(processes: int, plan: str) -> int:
+    # This process runs the agent alone: what goes wrong in it is said below in one line each. Its
+    # c10d store's own C++ log (a rendezvous timeout prints the socket error with its C++ frames)
+    # is silenced here; the level is read once, when libtorch loads, and the ranks get the user's.
+    user_cpp_log = os.environ.get(CPP_LOG_ENV)
+    os.environ[CPP_LOG_ENV] = "FATAL"
     import torch.distributed.run  # noqa: F401 - accelerate imports it late; its loggers must exist to be quieted
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -110,6 +116,9 @@ def launch(processes: int, plan: str) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    os.environ.pop(CPP_LOG_ENV)
+    if user_cpp_log is not None:
+        os.environ[CPP_LOG_ENV] = user_cpp_log
     ranks = rank_environment(dict(os.environ), processes, os.getpid(), os.getppid())
     os.environ.pop(SHARE_ENV, None)
     os.environ.update(ranks)

@@ -232,7 +232,8 @@ def test_a_master_that_never_answers_ends_the_node_within_its_timeout_and_writes
     code = proc.wait(timeout=120)
     took = time.monotonic() - start
     out = output(tmp_path, "lonely")
-    assert code == 1 and "no group formed at 127.0.0.1:" in out and "Traceback" not in out, out[-3000:]
+    assert code == 1 and "no group formed at 127.0.0.1:" in out, out[-3000:]
+    assert "Traceback" not in out and "frame #" not in out, out[-3000:]      # neither Python's nor torch's C++ frames
     assert took < 60, took
     assert sorted(p.relative_to(storage) for p in storage.rglob("*")) == before     # nothing written
 
