@@ -21,8 +21,8 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
-import time
 from pathlib import Path
 
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
@@ -70,10 +70,9 @@ class Follower:
                     log.warning("preemption notice (%s): stopping this node's ranks; every node stops at the same step",
                                 source)
                     proc.send_signal(STOP_SIGNAL)
-                    deadline = time.monotonic() + self.notice_window_s
-                    while proc.poll() is None and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    if proc.poll() is None:
+                    try:
+                        proc.wait(timeout=self.notice_window_s)
+                    except subprocess.TimeoutExpired:
                         log.error("this node's ranks did not stop within %.0f s; killing them", self.notice_window_s)
                         os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

@@ -96,9 +96,10 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     if gpus and processes > gpus:
         raise JobError(job.name, [f"spec.resources.processes: {processes} processes, one per GPU, but this node has "
                                   f"{gpus} GPU{'s' if gpus > 1 else ''}: ask for at most {gpus}, or auto"])
-    if nodes is not None and processes * nodes.count > job.parameters.promptsPerStep:
+    everywhere = processes * (nodes.count if nodes else 1)     # the job's processes on all its nodes
+    if nodes is not None and everywhere > job.parameters.promptsPerStep:
         raise JobError(job.name, [f"spec.nodes: {nodes.count} nodes of {processes} process{'es' if processes > 1 else ''} "
-                                  f"are {processes * nodes.count} processes, more than promptsPerStep "
+                                  f"are {everywhere} processes, more than promptsPerStep "
                                   f"({job.parameters.promptsPerStep}): each process samples whole groups of its own; "
                                   "raise promptsPerStep or use fewer nodes"])
     if processes > job.parameters.promptsPerStep:      # auto, on a node with more GPUs than prompts
@@ -111,7 +112,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     here = local or job
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
                    env=build_environment(here), params=job.parameters, storage=storage_url,
-                   model_name=job.model, usd_per_hour=usd_per_hour(job, processes * (nodes.count if nodes else 1)),
+                   model_name=job.model, usd_per_hour=usd_per_hour(job, everywhere),
                    max_cost_usd=job.maxCostUSD, processes=processes, sandbox_strict=sandbox_strict(job),
                    environment_uploads=uploads, tracking=here.tracking.to_dict() if here.tracking is not None else None,
                    nodes=nodes)

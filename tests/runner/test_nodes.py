@@ -90,17 +90,26 @@ def trained_steps(home: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, bytes]:
-    """The uninterrupted two-node run's exported adapter."""
-    def build(folder: Path) -> dict[str, bytes]:
+def uninterrupted(tmp_path_factory) -> dict:
+    """The uninterrupted two-node run: its nodes' exit statuses and words, what rank 1's node kept,
+    and the exported adapter."""
+    def build(folder: Path) -> dict:
         storage = submitted(folder)
         a, b = both(folder, storage, "ref")
-        assert wait_both(a, b, folder, "ref") == (0, 0), output(folder, "ref-0")[-3000:] + output(folder, "ref-1")[-3000:]
-        assert "the job is done" in output(folder, "ref-1")
-        assert not (folder / "ref-1" / "runs" / "resumable" / "state.db").exists()     # rank 1 keeps no record
-        return exported_bytes(folder / "reader", str(storage), folder / "export")
+        codes = wait_both(a, b, folder, "ref")
+        return {"codes": codes, "said": [output(folder, "ref-0"), output(folder, "ref-1")],
+                "rank1 files": sorted(p.name for p in (folder / "ref-1" / "runs" / "resumable").iterdir()),
+                "status": status(folder / "reader", str(storage)),
+                "export": exported_bytes(folder / "reader", str(storage), folder / "export") if codes == (0, 0) else {}}
 
     return once(tmp_path_factory, "two-nodes-reference", build)
+
+
+@pytest.fixture(scope="module")
+def reference(uninterrupted) -> dict[str, bytes]:
+    """The uninterrupted two-node run's exported adapter."""
+    assert uninterrupted["codes"] == (0, 0), uninterrupted["said"][0][-3000:] + uninterrupted["said"][1][-3000:]
+    return uninterrupted["export"]
 
 
 def training(folder: Path) -> tuple[Path, subprocess.Popen, subprocess.Popen]:
@@ -122,8 +131,14 @@ def resume_and_compare(folder: Path, storage: Path, reference: dict[str, bytes])
 
 
 @pytest.mark.slow
-def test_a_two_node_run_trains_on_both_and_rank_0_alone_writes(reference, tmp_path):
+def test_a_two_node_run_trains_on_both_and_rank_0_alone_writes(uninterrupted, reference):
+    assert uninterrupted["status"]["phase"] == "Succeeded"
     assert set(reference) >= {"adapter_model.safetensors", "adapter_config.json"}
+    assert "the job is done" in uninterrupted["said"][1]
+    assert "resumable: Succeeded after" in uninterrupted["said"][0]
+    # rank 1's node trained (its rank's log) and kept nothing of the job's: no record, no checkpoint
+    assert "logs" in uninterrupted["rank1 files"]
+    assert not {"state.db", "checkpoints", "final"} & set(uninterrupted["rank1 files"]), uninterrupted["rank1 files"]
 
 
 @pytest.mark.slow
