@@ -71,7 +71,7 @@ def main() -> int:
         times, outs = {}, {}
         original = sampler.decoder_for
         for label, make in decoders.items():
-            sampler.decoder_for = lambda m, compiled=False, make=make: make(m)
+            sampler.decoder_for = lambda m, compiled=False, keep=False, make=make: make(m)
             try:
                 runs = []
                 for r in range(args.rounds + 1):                 # the first is a warm-up (compiles)

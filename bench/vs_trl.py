@@ -3,6 +3,7 @@
     .venv/bin/pip install -c constraints.txt -e ".[bench]"      # TRL, for this benchmark only
     .venv/bin/python bench/vs_trl.py                  # configs A, B, C; ~15 min on 2 cores
     .venv/bin/python bench/vs_trl.py --configs A --steps 100
+    .venv/bin/python bench/vs_trl.py --configs A --rounds 5     # five back-to-back pairs, their median
 
 Both trainers get the same model, task, reward, seed and settings, one after the other in one run:
 LoRA r=8 (alpha 16, every linear layer), the per-sequence GRPO loss with the sample std, beta 0,
@@ -17,12 +18,19 @@ process, the grader and the checkpoint writer, with the thread settings the supe
 trainer); TRL as a user runs it (one `python` process, GRPOTrainer with its defaults overridden
 to match). Measured per trainer: seconds per step (median interval between steps), completion
 tokens per second (completion tokens of all steps / the time from the first step's start to the
-last step's end), the share of step time spent generating, the peak resident set of the whole
+last step's end; `length` is the mean completion length in tokens, which each trainer's policy
+learns for itself, so tokens/s also moves with how long the completions it writes are), the share
+of step time spent generating, the peak resident set of the whole
 process tree, and the held-out reward after the same steps (greedy, the environment's 30 held-out
 tasks; grpo-run's own final evaluation, the same greedy decoding done by hand for TRL).
 
-Last line: a JSON object with tokens_per_s_ratio (grpo-run / TRL, the worst config),
-step_seconds_ratio (grpo-run / TRL, the worst), and each config's figures.
+`--rounds R` runs each config R times, grpo-run then TRL each round: a round's ratio compares two
+runs made back to back, so a slow minute of a shared machine weighs on both. Each config's line
+then shows the median of the rounds' figures, and the ratios line the median and the range of the
+rounds' ratios (on this machine single runs of config A, 16-30 ms steps, move 10-30% apart).
+
+Last line: a JSON object with tokens_per_s_ratio (grpo-run / TRL, the worst config's median over
+the rounds), step_seconds_ratio (grpo-run / TRL, the worst median), and each config's figures.
 """
 
 from __future__ import annotations
@@ -128,7 +136,7 @@ def run_grpo_run(cfg: dict, model: str, steps: int, home: Path) -> dict:
     return {"stepSeconds": statistics.median(b - a for a, b in zip(logged, logged[1:])),
             "tokensPerSecond": tokens / elapsed,
             "generationShare": sum(r["sampleSeconds"] for r in rows) / elapsed, "peakRssMB": rss / 2**20,
-            "heldOutReward": final["meanReward"]}
+            "heldOutReward": final["meanReward"], "completionLength": statistics.mean(r["completionLength"] for r in rows)}
 
 
 def run_trl(cfg: dict, model: str, steps: int, home: Path) -> dict:
@@ -210,13 +218,14 @@ def trl_one(spec: dict) -> dict:
     score = sum(arithmetic_reward(c, t) for c, t in zip(texts, held_out)) / len(held_out)
     tokens = sum(lengths) * spec["G"] * spec["B"]
     return {"stepSeconds": statistics.median(intervals), "tokensPerSecond": tokens / elapsed,
-            "generationShare": generate / elapsed, "heldOutReward": score}
+            "generationShare": generate / elapsed, "heldOutReward": score, "completionLength": statistics.mean(lengths)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each trainer per config, alternating (default 1)")
     ap.add_argument("--trl-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_one:
@@ -229,19 +238,28 @@ def main() -> int:
         return 2
     results = {}
     models = Path(tempfile.mkdtemp())
-    print(f"{'config':6} {'trainer':9} {'s/step':>7} {'tokens/s':>9} {'generating':>10} {'peak RSS':>9} {'held-out':>8}")
+    print(f"{'config':6} {'trainer':9} {'s/step':>7} {'tokens/s':>9} {'length':>6} {'generating':>10} {'peak RSS':>9} "
+          f"{'held-out':>8}")
     for name in args.configs:
         cfg = CONFIGS[name]
         model = build_bigger(models) if cfg["model"] == "bigger" else cfg["model"]
-        row = {}
-        for trainer, run in (("grpo-run", run_grpo_run), ("TRL", run_trl)):
-            home = Path(tempfile.mkdtemp())
-            row[trainer] = r = run(cfg, model, args.steps, home)
-            print(f"{name:6} {trainer:9} {r['stepSeconds']:7.3f} {r['tokensPerSecond']:9.0f} "
+        runs: dict[str, list[dict]] = {"grpo-run": [], "TRL": []}
+        for i in range(args.rounds):
+            for trainer, run in (("grpo-run", run_grpo_run), ("TRL", run_trl)):
+                runs[trainer].append(r := run(cfg, model, args.steps, Path(tempfile.mkdtemp())))
+                if args.rounds > 1:
+                    print(f"{name:6} {trainer:9} {r['stepSeconds']:7.3f} {r['tokensPerSecond']:9.0f} "
+                          f"{r['completionLength']:6.2f}   (round {i + 1})", flush=True)
+        row = {trainer: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for trainer, rs in runs.items()}
+        for trainer, r in row.items():
+            print(f"{name:6} {trainer:9} {r['stepSeconds']:7.3f} {r['tokensPerSecond']:9.0f} {r['completionLength']:6.2f} "
                   f"{r['generationShare']:10.0%} {r['peakRssMB']:7.0f} MB {r['heldOutReward']:8.3f}", flush=True)
-        row["tokensPerSecondRatio"] = row["grpo-run"]["tokensPerSecond"] / row["TRL"]["tokensPerSecond"]
-        row["stepSecondsRatio"] = row["grpo-run"]["stepSeconds"] / row["TRL"]["stepSeconds"]
-        print(f"{name:6} grpo-run / TRL: {row['tokensPerSecondRatio']:.2f}x the tokens/s, "
+        tokens = [g["tokensPerSecond"] / t["tokensPerSecond"] for g, t in zip(runs["grpo-run"], runs["TRL"])]
+        steps = [g["stepSeconds"] / t["stepSeconds"] for g, t in zip(runs["grpo-run"], runs["TRL"])]
+        row.update(tokensPerSecondRatio=statistics.median(tokens), stepSecondsRatio=statistics.median(steps),
+                   rounds={"tokensPerSecondRatio": tokens, "stepSecondsRatio": steps})
+        spread = f" (rounds: {min(tokens):.2f}x-{max(tokens):.2f}x)" if args.rounds > 1 else ""
+        print(f"{name:6} grpo-run / TRL: {row['tokensPerSecondRatio']:.2f}x the tokens/s{spread}, "
               f"{row['stepSecondsRatio']:.2f}x the seconds per step", flush=True)
         results[name] = row
     print(json.dumps({"tokens_per_s_ratio": min(r["tokensPerSecondRatio"] for r in results.values()),

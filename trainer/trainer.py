@@ -85,11 +85,12 @@ def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int
 
     Derived from (seed, step) alone, so the data position needs no state of its own.
     """
-    out = []
+    out, perms = [], {}
     for i in range(step * per_step, (step + 1) * per_step):
         epoch, pos = divmod(i, n_tasks)
-        perm = np.random.default_rng([seed, epoch]).permutation(n_tasks)
-        out.append(int(perm[pos]))
+        if epoch not in perms:             # a step's slice spans one epoch, or two at its end
+            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n_tasks)
+        out.append(int(perms[epoch][pos]))
     return out
 
 
@@ -210,7 +211,12 @@ class GRPOTrainer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-        return [self.tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+        # the rows as lists in one call each, not a tensor slice per row (a step's 64 slices were
+        # most of what decoding short completions cost); a completion repeated in the batch is
+        # decoded once
+        rows = [tuple(t for t, m in zip(row, keep) if m) for row, keep in zip(ids.tolist(), mask.tolist())]
+        texts = {row: self._decode_ids(list(row)) for row in dict.fromkeys(rows)}
+        return [texts[row] for row in rows]
 
     def _start_sampler(self, model_path: str) -> Sampler:
         """The engine that samples for this run (trainer.sampling.start): the native decoder reads
@@ -221,7 +227,8 @@ class GRPOTrainer:
             return NativeSampler(self.device, lambda: dict(
                 model=self.model, max_new_tokens=p.maxCompletionLength, eos_ids=self.eos_ids,
                 pad_id=self.tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                finished=stop_strings_check(self.tokenizer, p.stopStrings), compiled=p.compileDecode))
+                finished=stop_strings_check(self.tokenizer, p.stopStrings), compiled=p.compileDecode,
+                keep_decoder=not self.fsdp))
         if self._work is None:
             self._work = self._scratch = Path(tempfile.mkdtemp(prefix="grpo-run-vllm-"))
         return start_vllm(model_path, self.tokenizer, self.eos_ids, p, self.device, self._work)

@@ -51,7 +51,7 @@ def both(model, monkeypatch, ids, mask, **kw):
     kw = {"max_new_tokens": 12, "temperature": 1.0, "eos_ids": (1,), "pad_id": 0, **kw}
     fast = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     with monkeypatch.context() as m:
-        m.setattr(sampler, "decoder_for", lambda model, compiled=False: decode.TransformersDecoder(model))
+        m.setattr(sampler, "decoder_for", lambda model, compiled=False, keep=False: decode.TransformersDecoder(model))
         slow = sampler.sample(model, ids, mask, generator=torch.Generator().manual_seed(3), **kw)
     return fast, slow
 
@@ -59,7 +59,12 @@ def both(model, monkeypatch, ids, mask, **kw):
 @pytest.mark.parametrize("kind, extra", [
     ("qwen3", {"head_dim": 8}), ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None}),
     ("llama", {"num_key_value_heads": 4}),          # one query head per KV head
-])
+    # scaled rotary frequencies: fixed (the decoder's table of them) and dynamic (the model's module each token)
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8}}),
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+               "max_position_embeddings": 8}),    # completions go past it: the frequencies change as they grow
+], ids=["qwen3", "llama", "qwen2", "mistral", "llama-mha", "llama3-rope", "dynamic-rope"])
 @pytest.mark.parametrize("adapter", ["lora", "none"])
 def test_the_fast_decoder_samples_the_same_tokens_as_the_models_own_forward(kind, extra, adapter, monkeypatch):
     model = lm(kind, **extra)

@@ -74,14 +74,11 @@ class PromptEncoder:
         return self._left_padded([self.ids(p) for p in prompts])
 
     def _left_padded(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            if row:
-                ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - len(row):] = 1
-        return ids, mask
+        # built as lists, then one tensor each: a tensor per row cost more than the rows' ids
+        width, pad = max(len(r) for r in rows), self.tokenizer.pad_token_id
+        ids = [[pad] * (width - len(row)) + list(row) for row in rows]
+        mask = [[0] * (width - len(row)) + [1] * len(row) for row in rows]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
     def ids(self, prompt: Prompt) -> tuple[int, ...]:
         """One prompt's ids through the chat template (cached by its text or its messages' JSON)."""

@@ -46,13 +46,25 @@ class Decoder(Protocol):
         never used again)."""
 
 
-def decoder_for(model, *, compiled: bool = False) -> Decoder:
+def decoder_for(model, *, compiled: bool = False, keep: bool = False) -> Decoder:
     """The fast decoder when `model` (a transformers causal LM, or a PEFT model over one) is of the
     Llama family and set up as it expects (`compiled`: its static-shape, torch.compile'd variant);
-    otherwise the model's own forward."""
+    otherwise the model's own forward. `keep`: the fast decoder is made once and kept with the
+    model, for a model whose modules, weight tensors and adapters stay the ones it was made with
+    (the optimizer updates them in place; FSDP's gathered weights are new tensors at every
+    gathering, so a sharded model never keeps one): making it was 3% of a small model's step."""
+    if keep and not compiled:
+        kept = getattr(model, "_grpo_run_decoder", None)
+        if kept is not None:
+            return kept
     reason = llama_family_refusal(model)
     if reason is None:
-        return CompiledDecoder.of(model) if compiled else LlamaFamilyDecoder(model)
+        if compiled:
+            return CompiledDecoder.of(model)
+        decoder = LlamaFamilyDecoder(model)
+        if keep:
+            model._grpo_run_decoder = decoder
+        return decoder
     if compiled and not getattr(model, "_grpo_run_told", False):
         log.warning("compileDecode: %s, so decoding runs through the model's own forward, not compiled", reason)
         model._grpo_run_told = True
@@ -210,6 +222,12 @@ def _rms_norm(module) -> Callable[[Tensor], Tensor]:
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + eps)
         return weight * h.to(dtype)
+
+    def forward32(h: Tensor) -> Tensor:       # float32 in: the same without its two no-op casts
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+    if weight.dtype == torch.float32:         # a float32 model's hidden states are float32
+        return lambda h: forward32(h) if h.dtype == torch.float32 else forward(h)
     return forward
 
 
@@ -252,6 +270,7 @@ class LlamaFamilyDecoder:
     COMPACT_SHARE = 0.75
     MIN_ROWS = 4
     needs_eval_mode = False   # its arithmetic is eval mode's whatever the modules' mode (no dropout)
+    rope_table_at_start = True
 
     def __init__(self, model) -> None:
         base = _base(model)
@@ -259,6 +278,8 @@ class LlamaFamilyDecoder:
         self.layers = [_Layer(layer, base.config) for layer in self.core.layers]
         self.embed = self.core.embed_tokens
         self.final_norm, self.head = _rms_norm(self.core.norm), _linear(base.lm_head)
+        self._rope_table: tuple[Tensor, Tensor] | None = None      # cos, sin [P+T, D], made by the first _rope
+        self._rope_length = 0
 
     def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         n, p = prompt_ids.shape
@@ -270,6 +291,7 @@ class LlamaFamilyDecoder:
         u_ids, u_mask = unique[:, :p], unique[:, p:]
         position_ids = (u_mask.cumsum(-1) - 1).clamp_min(0)                        # [U, P]
         self.padded = not bool(u_mask.all())    # transformers attends without a mask when nothing is padded
+        self._rope_table, self._rope_length = None, p + max_new_tokens if self.rope_table_at_start else 0
         logits, keys, values = self._prefill(u_ids, u_mask, position_ids)
         total = p + max_new_tokens
         self.keys, self.values = [], []
@@ -343,12 +365,35 @@ class LlamaFamilyDecoder:
         self.length, self.next_position = t + 1, self.next_position + 1
         return self.head(h)[:, -1]
 
+    def _rope(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotary cos and sin at `positions` [N, S] -> [N, S, D] each: rows of the table made
+        at `start` where there is one, else the model's rotary module."""
+        if self._rope_table is None and self._rope_length:
+            self._rope_table = self._made_rope_table(h, self._rope_length)       # positions < P + T
+            self._rope_length = 0
+        if self._rope_table is None:
+            return self.core.rotary_emb(h, positions)
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
+    def _made_rope_table(self, h: Tensor, length: int) -> tuple[Tensor, Tensor] | None:
+        """cos and sin [length, D] for positions 0..length-1, from the model's rotary module in one
+        call, when its frequencies do not depend on the positions asked (not a dynamic or longrope
+        rope). Each element is the same product and the same cos or sin as the module computes
+        for that position in any batch; the module's call every token was a fifth of a small
+        model's decode step."""
+        kind = str(getattr(self.core.rotary_emb, "rope_type", "default"))
+        if "dynamic" in kind or "longrope" in kind:
+            return None
+        cos, sin = self.core.rotary_emb(h, torch.arange(length, device=h.device).unsqueeze(0))   # [1, L, D]
+        return cos[0], sin[0]
+
     def _layers(self, h: Tensor, positions: Tensor, attend) -> Tensor:
         """Every decoder layer over h [N, S, C] at `positions` [N, S], then the final norm;
         `attend(layer, q, k, v, i)` keeps layer i's keys and values and attends (q [N, H, S, D],
         k and v [N, KV, S, D], rotated) -> [N, H, S, D]."""
         n, s = h.shape[:2]
-        cos, sin = self.core.rotary_emb(h, positions)                                  # [N, S, D]
+        cos, sin = self._rope(h, positions)                                            # [N, S, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             residual, h = h, layer.norm1(h)
@@ -421,6 +466,7 @@ class CompiledDecoder(LlamaFamilyDecoder):
     """
 
     PROMPT_BUCKET = 32
+    rope_table_at_start = False    # the compiled step computes its rotary values itself, as it was traced
 
     @classmethod
     def of(cls, model) -> CompiledDecoder:

@@ -31,7 +31,8 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
            eos_ids: Sequence[int], pad_id: int, generator: torch.Generator | Sequence[torch.Generator] | None,
            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
            finished: Callable[[Tensor, Tensor], Tensor] | None = None,
-           should_stop: Callable[[], bool] | None = None, compiled: bool = False) -> Completions:
+           should_stop: Callable[[], bool] | None = None, compiled: bool = False,
+           keep_decoder: bool = False) -> Completions:
     """Autoregressive sampling with a KV cache and an explicit generator (so it can be replayed).
 
     prompt_ids, prompt_mask [N, P] (left-padded). A completion ends at the first token in
@@ -51,10 +52,11 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     log-probabilities (completion_logprobs) are of the temperature-scaled distribution only,
     not of the penalised or truncated one, as in TRL. Raises GenerationInterrupted when
     `should_stop()` turns true. `compiled`: the decode step compiled with static shapes
-    (decode.CompiledDecoder; Llama-family models). The model decodes in eval mode (dropout off) and is left in the
-    mode it was in.
+    (decode.CompiledDecoder; Llama-family models). `keep_decoder`: the fast decoder is kept with the
+    model for the next call (decode.decoder_for's `keep`). The model decodes in eval mode (dropout
+    off) and is left in the mode it was in.
     """
-    decoder = decoder_for(model, compiled=compiled)
+    decoder = decoder_for(model, compiled=compiled, keep=keep_decoder)
     training = bool(getattr(model, "training", False)) and decoder.needs_eval_mode
     if training:
         model.eval()
@@ -97,11 +99,11 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
                 scaled = top_p_filter(scaled, top_p)
             probs = torch.softmax(scaled, dim=-1)
             nxt = _draw(probs, generator)                                       # [N]
-            entropy += torch.where(done, 0.0, torch.special.entr(probs).sum(-1))   # -p log p, 0 at p = 0
+            entropy += torch.special.entr(probs).sum(-1).masked_fill_(done, 0.0)   # -p log p, 0 at p = 0
         else:
             nxt = logits.argmax(dim=-1)
         masks[:, t] = ~done
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        nxt = nxt.masked_fill_(done, pad_id)
         tokens[:, t], length = nxt, t + 1
         ended = torch.isin(nxt, eos)
         if finished is not None:
