@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
+from tests.tiny_models import seed_home
 
 REPO = Path(__file__).resolve().parents[2]
 INJECT = Path(__file__).resolve().parent / "inject"    # sitecustomize: the fault points, armed from outside
@@ -28,7 +29,7 @@ def start_node(home: Path, *args: str, fault: str | None = None, log: Path | Non
     """`grpo-run ARGS` in the background on a node whose local disk is `home`. A `fault`
     (GRPO_RUN_FAULT) fires once: its marker file is `marker(home)`. Its output is piped, or
     appended to `log` (then communicate() returns nothing: read the file)."""
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), **env_extra}
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
         env.update(fault_env(fault, marker(home), env))

@@ -16,6 +16,7 @@ import yaml
 from grpo_run.runner.supervisor.supervisor import PREEMPTED_WITHOUT_PROGRESS
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
+from tests.tiny_models import seed_home
 from tests.nonamespaces import without_namespaces
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,6 +49,7 @@ def write_job(folder: Path, **spec_extra) -> Path:
 def grpo_run(folder: Path, *args: str, without_namespaces: bool = False, **env_extra: str
              ) -> subprocess.CompletedProcess:
     env = {**os.environ, "GRPO_RUN_HOME": str(folder / "home"), **env_extra}
+    seed_home(Path(env["GRPO_RUN_HOME"]))
     command = [sys.executable, "-c", WITHOUT_NAMESPACES] if without_namespaces else \
         [sys.executable, "-m", "grpo_run.runner.cli"]
     return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -20,6 +20,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.tiny_models import seed_home
 from tests.once import once
 from tests.runner.test_processes import write_job
 from tests.runner.test_resume import REPO, exported_bytes, grpo_run, status
@@ -44,7 +45,8 @@ def free_port() -> int:
 
 def node(home: Path, rank: int, storage: Path, port: int, **env) -> subprocess.Popen:
     """`grpo-run resume resumable` as node `rank` of 2, its output in HOME.out."""
-    full = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_NOTICES": "none", "OMP_NUM_THREADS": "1", **env}
+    full = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), "GRPO_RUN_NOTICES": "none", "OMP_NUM_THREADS": "1",
+            **env}
     full.pop("GRPO_RUN_FAULT", None)
     return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage",
                              str(storage), "--nnodes", "2", "--node-rank", str(rank), "--master", f"127.0.0.1:{port}"],

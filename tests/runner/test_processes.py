@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.tiny_models import seed_home
 from tests.campaign import full_campaign_only
 from tests.checkpoint.test_corrupt_resume import durable_steps
 from tests.once import once
@@ -183,7 +184,7 @@ def test_a_notice_stops_every_rank_at_the_same_step_and_the_run_resumes_byte_ide
     job = write_job(tmp_path, 2, s3_env.url)
     home = tmp_path / "node-a"
     marker = home.parent / f"{home.name}.fault-fired"
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), **fault_env("hold:sample@5", marker)}
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), **fault_env("hold:sample@5", marker)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -26,6 +26,7 @@ from grpo_run.runner.exits import EXIT_BUDGET, EXIT_CANCELLED, EXIT_FAILED, EXIT
 from grpo_run.runner.jobs.queue import Queue
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
+from tests.tiny_models import seed_home
 from tests.runner.test_resume import REPO, write_job
 
 
@@ -325,7 +326,7 @@ def test_two_nodes_drain_three_jobs_each_trained_by_exactly_one(tmp_path, s3_env
     started = time.monotonic()
     nodes = {}
     for node in ("node-1", "node-2"):                       # two nodes, each with its own disk
-        env = {**os.environ, "GRPO_RUN_HOME": str(tmp_path / node), "GRPO_RUN_WAIT_POLL_S": "0.5"}
+        env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(tmp_path / node)), "GRPO_RUN_WAIT_POLL_S": "0.5"}
         nodes[node] = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "--storage", s3_env.url,
                                         "--all"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.tiny_models import seed_home
 from tests.campaign import full_campaign_only
 from tests.faults.harness import fault_env
 from tests.once import once
@@ -39,7 +40,7 @@ def write_job(folder: Path, storage: str | None = None, **params) -> Path:
 
 def grpo_run(home: Path, *args, fault: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """`grpo-run ARGS` as a separate process on a "node" whose local disk is `home`."""
-    env = {**os.environ, "GRPO_RUN_HOME": str(home)}
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home))}
     env.pop("GRPO_RUN_FAULT", None)
     if fault:
         env.update(fault_env(fault, home.parent / f"{home.name}.fault-fired", env))   # fires once

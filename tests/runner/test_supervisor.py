@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_models import seed_home
 from tests.campaign import full_campaign_only
 from tests.emulators import AwsImdsEmulator, AzureScheduledEventsEmulator, GcpMetadataEmulator
 from tests.faults.harness import fault_env, wait_until
@@ -27,7 +28,7 @@ CLOUDS = {"aws": ("GRPO_RUN_AWS_METADATA_URL", AwsImdsEmulator),
 
 
 def start_apply(home: Path, job: Path, **env_extra) -> subprocess.Popen:
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), **env_extra}
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), **env_extra}
     return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -15,6 +15,7 @@ import yaml
 
 from grpo_run.runner.supervisor.watchdog import HANG_FLOOR_S, HANG_STEP_FACTOR, Watchdog, configured_bound_s
 from grpo_run.trainer.config import GRPOParams
+from tests.tiny_models import seed_home
 from tests.faults.harness import fault_env
 from tests.runner.test_resume import REPO, write_job
 
@@ -27,7 +28,7 @@ def test_a_trainer_silent_past_the_bound_is_killed_as_a_hang_and_the_run_goes_on
     job = write_job(tmp_path)
     home = tmp_path / "home"
     # a bound far under the hold (300 s) and far over any step here, even on 2 busy cores
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_HANG_SECONDS": "15",
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), "GRPO_RUN_HANG_SECONDS": "15",
            **fault_env("hold:backward@2", tmp_path / "held")}        # silent in step 2, once, for up to 300 s
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
@@ -85,7 +86,7 @@ def test_a_trainer_held_past_max_cost_is_stopped_by_the_supervisor(tmp_path, fig
     # step; not `alone`: the 30 s charged by the second hold 5x that, and the bound checked is 150 s
     job.write_text(yaml.safe_dump(doc))
     home = tmp_path / "home"
-    env = {**os.environ, "GRPO_RUN_HOME": str(home), "GRPO_RUN_HANG_SECONDS": "600",
+    env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), "GRPO_RUN_HANG_SECONDS": "600",
            **fault_env("hold:backward@1", tmp_path / "held")}             # held in its first step, for 300 s
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(job)], cwd=REPO, env=env,
