@@ -402,7 +402,7 @@ def test_a_job_that_keeps_killing_its_node_is_failed_with_the_reason_and_the_job
         assert main(["apply", "-f", str(job), "--detach"]) == EXIT_OK
 
     def node(name: str, fault: str | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "GRPO_RUN_HOME": str(tmp_path / name)}
+        env = {**os.environ, "GRPO_RUN_HOME": str(seed_home(tmp_path / name))}
         env.pop("GRPO_RUN_FAULT", None)
         if fault:
             env.update(fault_env(fault, tmp_path / f"{name}.fault-fired", env))

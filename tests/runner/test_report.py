@@ -13,6 +13,7 @@ from collections import Counter
 import yaml
 
 from grpo_run.runner.views.report import boundaries, trailing_mean
+from tests.tiny_models import seed_home
 from tests.faults.harness import fault_env, wait_until
 from tests.runner.test_resume import REPO, grpo_run, write_job
 from tests.runner.test_supervisor import start_apply
@@ -64,7 +65,7 @@ def test_the_report_of_a_twice_preempted_run_is_drawn_from_storage_alone(tmp_pat
     held = tmp_path / "held-c"
     env = {"GRPO_RUN_NOTICES": "none", **fault_env("hold:backward@6", held)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage", store],
-                            cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(tmp_path / "node-c"), **env},
+                            cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(seed_home(tmp_path / "node-c")), **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until("the hold", held.exists, proc)
     proc.send_signal(signal.SIGTERM)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.tiny_models import seed_home
 from tests.runner.test_resume import REPO, exported_bytes, grpo_run, write_job
 
 
@@ -73,7 +74,7 @@ def test_a_node_that_boots_before_the_job_waits_for_it(tmp_path):
     laptop, node = tmp_path / "laptop", tmp_path / "node"
     storage = str(tmp_path / "bucket")
     waiting = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage", storage,
-                                "--wait"], cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(node),
+                                "--wait"], cwd=REPO, env={**os.environ, "GRPO_RUN_HOME": str(seed_home(node)),
                                                           "GRPO_RUN_WAIT_POLL_S": "0.2"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
