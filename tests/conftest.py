@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `tests.emulators` and the like; grpo_run itself comes from the install
     sys.path.insert(0, str(REPO))
 
-from tests.tiny_models import build_once  # noqa: E402
+from tests.tiny_models import remember  # noqa: E402
 from tests.cloud_stores import (az_env, azurite, gcs_env, gcs_server, make_azurite,  # noqa: E402,F401 (fixtures)
                                 make_gcs_server, point_at_s3, private_servers, private_store, stop_process,
                                 store_env)
@@ -67,11 +67,11 @@ def _tiny_models(tmp_path_factory):
     """The tiny models, built once for the session and copied into the home of each node a test
     starts (tests/tiny_models). The test's own home (below) is left empty: tests list tmp_path, and
     in-process builds, torch imported already, are quick."""
-    build_once(tmp_path_factory)
+    remember(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)
-def _isolated_environment(tmp_path, monkeypatch, _tiny_models):
+def _isolated_environment(tmp_path, monkeypatch):
     """No test reads or writes the user's ~/.grpo-run, shares memory:// files with another test,
     or asks 169.254.169.254 for credentials."""
     monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "grpo-run-home"))

@@ -88,7 +88,7 @@ def batch_indices(seed: int, step: int, per_step: int, n_tasks: int) -> list[int
     out, perms = [], {}
     for i in range(step * per_step, (step + 1) * per_step):
         epoch, pos = divmod(i, n_tasks)
-        if epoch not in perms:             # a step's slice spans one epoch, or two at its end
+        if epoch not in perms:             # one permutation for each epoch the step's slice reaches
             perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n_tasks)
         out.append(int(perms[epoch][pos]))
     return out

@@ -53,18 +53,13 @@ def decoder_for(model, *, compiled: bool = False, keep: bool = False) -> Decoder
     model, for a model whose modules, weight tensors and adapters stay the ones it was made with
     (the optimizer updates them in place; FSDP's gathered weights are new tensors at every
     gathering, so a sharded model never keeps one): making it was 3% of a small model's step."""
-    if keep and not compiled:
-        kept = getattr(model, "_grpo_run_decoder", None)
-        if kept is not None:
-            return kept
+    if keep and not compiled and (kept := getattr(model, LlamaFamilyDecoder.kept_as, None)) is not None:
+        return kept                           # checked when it was made
     reason = llama_family_refusal(model)
     if reason is None:
         if compiled:
             return CompiledDecoder.of(model)
-        decoder = LlamaFamilyDecoder(model)
-        if keep:
-            model._grpo_run_decoder = decoder
-        return decoder
+        return LlamaFamilyDecoder.of(model) if keep else LlamaFamilyDecoder(model)
     if compiled and not getattr(model, "_grpo_run_told", False):
         log.warning("compileDecode: %s, so decoding runs through the model's own forward, not compiled", reason)
         model._grpo_run_told = True
@@ -218,16 +213,13 @@ def _rms_norm(module) -> Callable[[Tensor], Tensor]:
 
     def forward(h: Tensor) -> Tensor:
         dtype = h.dtype
+        if dtype == torch.float32:            # the same without its two casts, no-ops here
+            return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
         h = h.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + eps)
         return weight * h.to(dtype)
 
-    def forward32(h: Tensor) -> Tensor:       # float32 in: the same without its two no-op casts
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
-
-    if weight.dtype == torch.float32:         # a float32 model's hidden states are float32
-        return lambda h: forward32(h) if h.dtype == torch.float32 else forward(h)
     return forward
 
 
@@ -271,6 +263,16 @@ class LlamaFamilyDecoder:
     MIN_ROWS = 4
     needs_eval_mode = False   # its arithmetic is eval mode's whatever the modules' mode (no dropout)
     rope_table_at_start = True
+    kept_as = "_grpo_run_decoder"     # the model's attribute that keeps it (`of`)
+
+    @classmethod
+    def of(cls, model) -> LlamaFamilyDecoder:
+        """The model's decoder of this class, made once and kept with the model."""
+        decoder = getattr(model, cls.kept_as, None)
+        if decoder is None:
+            decoder = cls(model)
+            setattr(model, cls.kept_as, decoder)
+        return decoder
 
     def __init__(self, model) -> None:
         base = _base(model)
@@ -279,7 +281,7 @@ class LlamaFamilyDecoder:
         self.embed = self.core.embed_tokens
         self.final_norm, self.head = _rms_norm(self.core.norm), _linear(base.lm_head)
         self._rope_table: tuple[Tensor, Tensor] | None = None      # cos, sin [P+T, D], made by the first _rope
-        self._rope_length = 0
+        self._rope_length = 0                                      # the positions it covers, until it is made
 
     def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
         n, p = prompt_ids.shape
@@ -380,8 +382,8 @@ class LlamaFamilyDecoder:
         """cos and sin [length, D] for positions 0..length-1, from the model's rotary module in one
         call, when its frequencies do not depend on the positions asked (not a dynamic or longrope
         rope). Each element is the same product and the same cos or sin as the module computes
-        for that position in any batch; the module's call every token was a fifth of a small
-        model's decode step."""
+        for that position in any batch; the module's call every token was about 5% of the demo
+        model's training step (py-spy)."""
         kind = str(getattr(self.core.rotary_emb, "rope_type", "default"))
         if "dynamic" in kind or "longrope" in kind:
             return None
@@ -467,15 +469,7 @@ class CompiledDecoder(LlamaFamilyDecoder):
 
     PROMPT_BUCKET = 32
     rope_table_at_start = False    # the compiled step computes its rotary values itself, as it was traced
-
-    @classmethod
-    def of(cls, model) -> CompiledDecoder:
-        """The model's compiled decoder, made once: compiled code is kept per decoder."""
-        decoder = getattr(model, "_grpo_run_compiled_decoder", None)
-        if decoder is None:
-            decoder = cls(model)
-            model._grpo_run_compiled_decoder = decoder
-        return decoder
+    kept_as = "_grpo_run_compiled_decoder"   # compiled code is kept per decoder
 
     def __init__(self, model) -> None:
         super().__init__(model)

@@ -103,7 +103,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         else:
             nxt = logits.argmax(dim=-1)
         masks[:, t] = ~done
-        nxt = nxt.masked_fill_(done, pad_id)
+        nxt.masked_fill_(done, pad_id)
         tokens[:, t], length = nxt, t + 1
         ended = torch.isin(nxt, eos)
         if finished is not None:
