@@ -154,13 +154,17 @@ def learning_rows(advantages: Tensor, beta: float) -> Tensor:
 
 
 def completion_logprobs(model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float) -> Tensor:
+                        completion_mask: Tensor, temperature: float, *, fast=None) -> Tensor:
     """Log-probs of the completion tokens given their prompts: [N, T]. Differentiable.
-    Logits are computed for the completion's positions only, never for the prompt's."""
+    Logits are computed for the completion's positions only, never for the prompt's. `fast`: a
+    decode.LlamaFamilyDecoder of `model` that computes its forward (decode.training_refusal)."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)              # [N, P+T]
     mask = torch.cat([prompt_mask, completion_mask], dim=1)           # [N, P+T]
     position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
     t = completion_ids.size(1)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
-                   **last_logits(model, t + 1)).logits              # [N, T+1, V] (or [N, P+T, V])
+    if fast is not None:
+        logits = fast.training_logits(ids, mask, position_ids, t + 1)                                   # [N, T+1, V]
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False,
+                       **last_logits(model, t + 1)).logits              # [N, T+1, V] (or [N, P+T, V])
     return token_logprobs(logits[:, -t - 1:-1], completion_ids, temperature)   # [N, T]

@@ -36,7 +36,7 @@ import torch
 from grpo_run.trainer import evaluation, grpo, kept_samples
 from grpo_run.trainer.evaluation import Answers, EvalResult
 from grpo_run.trainer.metrics import step_metrics
-from grpo_run.trainer.sampling import sampler
+from grpo_run.trainer.sampling import decode, sampler
 from grpo_run.trainer.sampling.engines import NativeSampler, Sampler
 from grpo_run.trainer.sampling.start import resolved_engine, start_vllm, stop_strings_check
 from grpo_run.trainer.config import GRPOParams, default_micro_batch
@@ -399,7 +399,8 @@ class GRPOTrainer:
                 loss = clipped_tokens = kl_sum = 0.0
                 for j, (sl, p_ids, p_mask, c_ids, c_mask) in enumerate(parts):
                     with self._sync_gradients(last=j == len(parts) - 1):
-                        logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, p.temperature)  # [m, T]
+                        logps = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, p.temperature,
+                                                         fast=self._fast_forward)                    # [m, T]
                         l_mask = loss_mask[sl, :c_mask.size(1)]                              # [m, T]
                         if olds[j] is None:
                             olds[j] = logps.detach()    # the sampling policy: ratio is exactly 1 on iteration 1
@@ -481,6 +482,19 @@ class GRPOTrainer:
             raise NonFiniteStep(step + 1, "loss", loss if not math.isfinite(loss) else math.nan)
         if bad_norm:
             raise NonFiniteStep(step + 1, "gradient norm", grad_norm if not math.isfinite(grad_norm) else math.nan)
+
+    @functools.cached_property
+    def _fast_forward(self) -> decode.LlamaFamilyDecoder | None:
+        """The update's forward through the decoder's arithmetic (decode.LlamaFamilyDecoder.training_logits: the
+        model's own, bit for bit, without the library's per-call machinery), for a model alone in
+        its process that it stands for (decode.training_refusal); None: the model's own forward."""
+        if self.world.distributed:        # DDP's forward starts the all-reduce; FSDP gathers in hooks
+            return None
+        reason = decode.training_refusal(self.model)
+        if reason is not None:
+            log.debug("the update runs through the model's own forward: %s", reason)
+            return None
+        return decode.LlamaFamilyDecoder.of(self.model)
 
     def _whole_weights(self):
         """Full fine-tunes on several processes (FSDP): every unit's whole weights for the block."""

@@ -142,7 +142,11 @@ def test_a_merged_adapter_is_left_to_the_models_own_forward():
     assert "merged" in decode.llama_family_refusal(model)
 
 
-def test_qlora_samples_the_same_tokens_as_the_models_own_forward(monkeypatch):
+def qlora(compute: torch.dtype):
+    """A 4-bit QLoRA model over a random qwen3 (skipped where bitsandbytes cannot run here), its
+    adapter trained-looking (B not zero)."""
+    import tempfile
+
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -152,19 +156,37 @@ def test_qlora_samples_the_same_tokens_as_the_models_own_forward(monkeypatch):
         check_qlora(torch.device("cpu"))
     except QLoRAUnavailable as e:
         pytest.skip(str(e))
-    path = "tiny-qwen3"
-    import tempfile
-
     with tempfile.TemporaryDirectory() as folder:
-        lm("qwen3", head_dim=32, hidden_size=128, intermediate_size=256).save_pretrained(f"{folder}/{path}")
+        lm("qwen3", head_dim=32, hidden_size=128, intermediate_size=256).save_pretrained(f"{folder}/tiny-qwen3")
         model = AutoModelForCausalLM.from_pretrained(
-            f"{folder}/{path}", dtype=torch.float32, device_map={"": "cpu"},
+            f"{folder}/tiny-qwen3", dtype=compute, device_map={"": "cpu"},
             quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                   bnb_4bit_compute_dtype=torch.float32))
+                                                   bnb_4bit_compute_dtype=compute))
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_qlora_decodes_the_same_logits_and_tokens_as_the_models_own_forward(compute, monkeypatch):
+    # bfloat16: the float32 adapter's output is cast before it is added, as PEFT does over bitsandbytes
+    model = qlora(compute)
     assert isinstance(decode.decoder_for(model), decode.LlamaFamilyDecoder), decode.llama_family_refusal(model)
-    fast, slow = both(model, monkeypatch, *prompts())
+    ids, mask = prompts()
+    fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
+    running = torch.ones(ids.size(0), dtype=torch.bool)
+    with torch.no_grad():
+        a, b = fast.start(ids, mask, 3), slow.start(ids, mask, 3)
+        for _ in range(3):
+            assert torch.equal(a, b)
+            nxt = a.argmax(-1)
+            a, b = fast.step(nxt, running), slow.step(nxt, running)
+        assert torch.equal(a, b)
+    fast, slow = both(model, monkeypatch, ids, mask)
     assert torch.equal(fast.ids, slow.ids)
 
 
@@ -205,3 +227,97 @@ def test_the_compiled_decoder_draws_the_same_tokens_and_keeps_its_compiled_step(
                 max_new_tokens=12, temperature=1.0, eos_ids=(1,), pad_id=0)
     assert counters["stats"]["unique_graphs"] == graphs
     assert compiled.mask.size(1) == decode.CompiledDecoder.PROMPT_BUCKET + 12
+
+
+def test_a_kept_decoder_holds_no_cache_after_sampling():
+    model = with_lora(lm("qwen3", head_dim=8))
+    ids, mask = prompts()
+    out = sampler.sample(model, ids, mask, max_new_tokens=4, temperature=1.0, eos_ids=(1,), pad_id=0,
+                         generator=torch.Generator().manual_seed(0), keep_decoder=True)
+    kept = getattr(model, decode.LlamaFamilyDecoder.kept_as)
+    assert decode.decoder_for(model, keep=True) is kept and out.ids.size(1) >= 1
+    assert kept.keys == [] and kept.values == [] and kept.logits is None      # nothing held through the update
+
+
+# --- the update's forward ---------------------------------------------------------------------
+
+def update_batch(padded: bool):
+    """Prompts left-padded (or not) and completions right-padded, as the update gets them."""
+    ids, mask = prompts() if padded else (torch.randint(2, VOCAB, (10, 5), generator=torch.Generator().manual_seed(4)),
+                                          torch.ones(10, 5, dtype=torch.long))
+    lengths = torch.tensor([6, 3, 1, 6, 4, 2, 5, 6, 1, 3]) if padded else torch.full((10,), 6)
+    comp_mask = (torch.arange(6) < lengths.unsqueeze(1)).long()
+    comp = torch.randint(2, VOCAB, (10, 6), generator=torch.Generator().manual_seed(5)) * comp_mask
+    return ids, mask, comp, comp_mask
+
+
+def logprobs_and_gradients(model, fast, batch):
+    from grpo_run.trainer import grpo
+
+    model.zero_grad(set_to_none=True)
+    logps = grpo.completion_logprobs(model, *batch, 0.9, fast=fast)
+    weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)          # every row and token counts
+    (logps * weights * batch[3]).sum().backward()
+    return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("qwen3", {"head_dim": 8}), ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None}),
+    ("llama", {"num_key_value_heads": 4}),
+], ids=["qwen3", "llama", "qwen2", "mistral", "llama-mha"])
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
+def test_the_updates_forward_gives_the_models_own_log_probabilities_and_gradients_bit_for_bit(
+        kind, extra, method, checkpointing):
+    model = lm(kind, **extra)
+    base = model
+    if method == "lora":
+        model = with_lora(model)
+        base = model.get_base_model()
+    else:
+        model.requires_grad_(True)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert decode.training_refusal(model) is None
+    fast = decode.LlamaFamilyDecoder(model)
+    calls = []
+    for layer in base.model.layers:          # the fast forward checkpoints through the layers' own function
+        if checkpointing:
+            own = layer._gradient_checkpointing_func
+            layer._gradient_checkpointing_func = lambda *a, own=own, **k: calls.append(1) or own(*a, **k)
+    for padded in (True, False):
+        slow_logps, slow_grads = logprobs_and_gradients(model, None, update_batch(padded))
+        calls.clear()
+        fast_logps, fast_grads = logprobs_and_gradients(model, fast, update_batch(padded))
+        assert len(calls) == (2 if checkpointing else 0)
+        assert torch.equal(fast_logps, slow_logps), padded
+        assert fast_grads.keys() == slow_grads.keys() and len(fast_grads) > 0
+        for name, grad in slow_grads.items():
+            assert torch.equal(fast_grads[name], grad), (padded, name)
+
+
+def test_the_update_keeps_the_models_own_forward_where_the_decoders_arithmetic_would_differ():
+    from peft import LoraConfig, get_peft_model
+
+    dropout = get_peft_model(lm("qwen3", head_dim=8), LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear",
+                                                                  task_type="CAUSAL_LM"))
+    assert decode.training_refusal(dropout) == "LoRA dropout"
+    assert decode.training_refusal(lm("llama", attention_dropout=0.1)) == "attention dropout"
+    assert "gpt2" in decode.training_refusal(lm("gpt2"))
+    plain = with_lora(lm("qwen3", head_dim=8))
+    assert decode.training_refusal(plain) is None
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_updates_forward_over_a_4bit_base_gives_the_models_own_log_probabilities_and_gradients(compute):
+    model = qlora(compute)
+    model.train()
+    assert decode.training_refusal(model) is None
+    fast = decode.LlamaFamilyDecoder(model)
+    slow_logps, slow_grads = logprobs_and_gradients(model, None, update_batch(True))
+    fast_logps, fast_grads = logprobs_and_gradients(model, fast, update_batch(True))
+    assert torch.equal(fast_logps, slow_logps)
+    assert fast_grads.keys() == slow_grads.keys() and len(fast_grads) > 0
+    for name, grad in slow_grads.items():
+        assert torch.equal(fast_grads[name], grad), name

@@ -85,8 +85,8 @@ def record_update(monkeypatch):
     seen = []
     logprobs = grpo.completion_logprobs
 
-    def recorded(model, p_ids, p_mask, c_ids, c_mask, temperature):
-        out = logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature)
+    def recorded(model, p_ids, p_mask, c_ids, c_mask, temperature, **kw):
+        out = logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature, **kw)
         if out.requires_grad:
             out.retain_grad()
             seen.append(([p[pm.bool()].tolist() + c[cm.bool()].tolist()

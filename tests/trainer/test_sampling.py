@@ -108,6 +108,33 @@ def test_default_sampling_draws_exactly_as_plain_temperature_sampling():
     assert out.truncated.all() and out.mask.all()
 
 
+@pytest.mark.parametrize("ahead", [1, 2, 3, 7])
+def test_each_groups_draws_are_its_own_generators_multinomials_however_far_ahead_noise_is_drawn(ahead, monkeypatch):
+    # three groups of two rows, each its own generator; noise drawn `ahead` tokens at a time
+    n, vocab, steps, t = 6, 11, 7, 0.8
+    monkeypatch.setattr(sampler._Draws, "AHEAD_ELEMENTS", ahead * n * vocab)
+    ids, mask = prompt(n)
+    gens = [torch.Generator().manual_seed(20 + g) for g in range(3)]
+    out = sampler.sample(random_model(n, vocab, steps), ids, mask, max_new_tokens=steps, temperature=t,
+                         eos_ids=(vocab + 5,), pad_id=0, generator=gens)
+    refs, script = [torch.Generator().manual_seed(20 + g) for g in range(3)], random_model(n, vocab, steps).script
+    expected = [torch.cat([torch.multinomial(block, 1, generator=g).squeeze(1)
+                           for block, g in zip(torch.softmax(script(k) / t, -1).split(2), refs)])
+                for k in range(steps)]
+    assert torch.equal(out.ids, torch.stack(expected, 1))
+    assert all(torch.equal(g.get_state(), r.get_state()) for g, r in zip(gens, refs))
+
+
+def test_a_nan_probability_fails_the_sampling_as_multinomial_does():
+    n, vocab = 4, 9
+    logits = torch.randn(n, vocab)
+    logits[2, 3] = float("nan")
+    ids, mask = prompt(n)
+    with pytest.raises(RuntimeError, match="nan"):
+        sampler.sample(Scripted(lambda k: logits), ids, mask, max_new_tokens=3, temperature=1.0, eos_ids=(vocab + 1,),
+                       pad_id=0, generator=torch.Generator().manual_seed(0))
+
+
 def test_top_k_of_one_samples_exactly_what_greedy_picks():
     n, vocab, steps = 6, 40, 8
     ids, mask = prompt(n)

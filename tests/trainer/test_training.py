@@ -55,6 +55,30 @@ def test_lora_steps_change_the_adapter_and_leave_the_base_byte_identical(make_tr
     assert any(not torch.equal(adapter[n], after_adapter[n]) for n in adapter)
 
 
+def test_the_update_through_the_decoders_forward_ends_with_the_same_adapter_bytes(make_trainer):
+    from grpo_run.trainer.sampling import decode
+
+    adapters = []
+    for fast in (True, False):
+        tr = make_trainer(small())
+        try:
+            if fast:
+                assert isinstance(tr._fast_forward, decode.LlamaFamilyDecoder)
+            else:
+                tr.__dict__["_fast_forward"] = None        # the model's own forward
+            for step in range(3):
+                tr.train_step(step)
+            adapters.append({n: t.numpy().tobytes() for n, t in snapshot(tr.model, lora=True).items()})
+        finally:
+            tr.close()
+    assert adapters[0] == adapters[1]
+    tr = make_trainer(small(lora={"r": 8, "dropout": 0.1}))
+    try:
+        assert tr._fast_forward is None                   # dropout: only the model's own forward applies it
+    finally:
+        tr.close()
+
+
 def test_a_step_reports_the_metrics_a_user_watches(make_trainer):
     tr = make_trainer(small())
     try:

@@ -14,6 +14,11 @@ Both compute the same thing: `LlamaFamilyDecoder` repeats the library's operatio
 library's order (RMSNorm in float32, rotary embeddings from the model's own rotary module, the
 same attention call), so a seeded run draws the same tokens with either (tests/trainer/
 test_decode.py compares them token for token on every supported architecture).
+
+The update's forward and backward go through the same arithmetic (`LlamaFamilyDecoder.
+training_logits`, with the model's gradient checkpointing) where nothing differs in training mode
+(no dropout: `training_refusal`): the same log-probabilities and gradients as the model's own
+forward, bit for bit, tested on the same architectures, LoRA, QLoRA and full.
 """
 
 from __future__ import annotations
@@ -158,6 +163,27 @@ def llama_family_refusal(model) -> str | None:
     return _linear_refusal(base.lm_head)
 
 
+def training_refusal(model) -> str | None:
+    """Why LlamaFamilyDecoder.training_logits cannot stand for `model`'s own forward in the update
+    (None: it can): the model must be decodable, without dropout (the decoder's arithmetic is eval
+    mode's), and checkpointed, if at all, layer by layer (transformers' GradientCheckpointingLayer).
+    A model under DDP or FSDP goes through its wrapper's forward: the trainer never asks."""
+    reason = llama_family_refusal(model)
+    if reason is not None:
+        return reason
+    base = _base(model)
+    if getattr(base.config, "attention_dropout", 0.0):
+        return "attention dropout"
+    for module in base.modules():
+        if hasattr(module, "lora_dropout") and not all(isinstance(d, torch.nn.Identity)
+                                                       for d in module.lora_dropout.values()):
+            return "LoRA dropout"
+    if getattr(base.model, "gradient_checkpointing", False) and not all(
+            hasattr(type(layer), "gradient_checkpointing") for layer in base.model.layers):
+        return "gradient checkpointing in the model's own layer loop"
+    return None
+
+
 def _linear_refusal(module) -> str | None:
     if hasattr(module, "lora_A"):
         if getattr(module, "merged", False):
@@ -175,7 +201,7 @@ def _linear_refusal(module) -> str | None:
 def _linear(module) -> Callable[[Tensor], Tensor]:
     """The forward of a (possibly LoRA-wrapped) linear layer, as PEFT computes it: base(x) plus, for
     each active adapter, lora_B(lora_A(x)) * scaling in the adapter's dtype, cast back (dropout is
-    off in eval mode, where sampling runs)."""
+    off in eval mode, where sampling runs, and refused for the update: training_refusal)."""
     if not hasattr(module, "lora_A"):
         return _plain(module)
     base = _plain(module.base_layer)
@@ -190,12 +216,16 @@ def _linear(module) -> Callable[[Tensor], Tensor]:
         (a, b, scaling), weight, bias = adapters[0], module.base_layer.weight, module.base_layer.bias
         return lambda x: F.linear(x, weight, bias) + F.linear(F.linear(x, a), b) * scaling
 
+    # PEFT adds a bitsandbytes layer's adapter output cast to the base's dtype, and a plain layer's
+    # as it is, casting the sum (LoRA weights are float32 over a bfloat16 QLoRA base)
+    cast_each = type(module.base_layer) is not torch.nn.Linear
+
     def forward(x: Tensor) -> Tensor:
         result = base(x)
         dtype = result.dtype
         for a, b, scaling in adapters:
-            xa = x.to(a.dtype)
-            result = result + F.linear(F.linear(xa, a), b) * scaling
+            out = F.linear(F.linear(x.to(a.dtype), a), b) * scaling
+            result = result + (out.to(dtype) if cast_each else out)
         return result.to(dtype)
     return forward
 
@@ -223,13 +253,17 @@ def _rms_norm(module) -> Callable[[Tensor], Tensor]:
     return forward
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed(sin: Tensor) -> Tensor:
+    """sin [.., D] with its first half negated: x.roll(D/2, -1) * _signed(sin) is transformers'
+    rotate_half(x) * sin, element for element ((-a) * b is -(a * b) exactly), in two operations
+    instead of five (a decode step is all per-call overhead on a small model)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class _Layer:
     def __init__(self, layer, config) -> None:
+        self.module = layer
         attn, mlp = layer.self_attn, layer.mlp
         self.q, self.k, self.v, self.o = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.gate, self.up, self.down = (_linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
@@ -280,7 +314,7 @@ class LlamaFamilyDecoder:
         self.layers = [_Layer(layer, base.config) for layer in self.core.layers]
         self.embed = self.core.embed_tokens
         self.final_norm, self.head = _rms_norm(self.core.norm), _linear(base.lm_head)
-        self._rope_table: tuple[Tensor, Tensor] | None = None      # cos, sin [P+T, D], made by the first _rope
+        self._rope_table: tuple[Tensor, Tensor] | None = None      # cos, signed sin [P+T, D], made by the first _rope
         self._rope_length = 0                                      # the positions it covers, until it is made
 
     def start(self, prompt_ids: Tensor, prompt_mask: Tensor, max_new_tokens: int) -> Tensor:
@@ -310,6 +344,11 @@ class LlamaFamilyDecoder:
         self.rows = torch.arange(n, device=prompt_ids.device)                            # [M]
         self.logits = logits[which]                                                      # [N, V]
         return self.logits
+
+    def release(self) -> None:
+        """Drop the cache and logits of the last sampling (a kept decoder would otherwise hold them
+        while the update runs)."""
+        self.keys, self.values, self.mask, self.logits = [], [], None, None
 
     @torch.no_grad()
     def _prefill(self, ids: Tensor, mask: Tensor, positions: Tensor) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -368,18 +407,19 @@ class LlamaFamilyDecoder:
         return self.head(h)[:, -1]
 
     def _rope(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The rotary cos and sin at `positions` [N, S] -> [N, S, D] each: rows of the table made
-        at `start` where there is one, else the model's rotary module."""
+        """The rotary cos and signed sin (_signed) at `positions` [N, S] -> [N, S, D] each: rows of
+        the table made at `start` where there is one, else the model's rotary module."""
         if self._rope_table is None and self._rope_length:
             self._rope_table = self._made_rope_table(h, self._rope_length)       # positions < P + T
             self._rope_length = 0
         if self._rope_table is None:
-            return self.core.rotary_emb(h, positions)
+            cos, sin = self.core.rotary_emb(h, positions)
+            return cos, _signed(sin)
         cos, sin = self._rope_table
         return cos[positions], sin[positions]
 
     def _made_rope_table(self, h: Tensor, length: int) -> tuple[Tensor, Tensor] | None:
-        """cos and sin [length, D] for positions 0..length-1, from the model's rotary module in one
+        """cos and signed sin [length, D] for positions 0..length-1, from the model's rotary module in one
         call, when its frequencies do not depend on the positions asked (not a dynamic or longrope
         rope). Each element is the same product and the same cos or sin as the module computes
         for that position in any batch; the module's call every token was about 5% of the demo
@@ -388,30 +428,64 @@ class LlamaFamilyDecoder:
         if "dynamic" in kind or "longrope" in kind:
             return None
         cos, sin = self.core.rotary_emb(h, torch.arange(length, device=h.device).unsqueeze(0))   # [1, L, D]
-        return cos[0], sin[0]
+        return cos[0], _signed(sin[0])
 
     def _layers(self, h: Tensor, positions: Tensor, attend) -> Tensor:
         """Every decoder layer over h [N, S, C] at `positions` [N, S], then the final norm;
         `attend(layer, q, k, v, i)` keeps layer i's keys and values and attends (q [N, H, S, D],
         k and v [N, KV, S, D], rotated) -> [N, H, S, D]."""
-        n, s = h.shape[:2]
         cos, sin = self._rope(h, positions)                                            # [N, S, D]
+        return self._layers_at(h, cos, sin, attend)
+
+    def _layers_at(self, h: Tensor, cos: Tensor, sin: Tensor, attend, *, checkpointing: bool = False) -> Tensor:
+        """_layers with the rotary cos and signed sin [N, S, D] given. `checkpointing`: a layer goes through
+        its checkpointing function where the model's gradient checkpointing applies to it (on, in
+        training mode), as transformers' layers do."""
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            residual, h = h, layer.norm1(h)
-            q = layer.q(h).view(n, s, -1, layer.head_dim)
-            k = layer.k(h).view(n, s, -1, layer.head_dim)
-            if layer.q_norm is not None:
-                q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)                                # [N, H, S, D], [N, KV, S, D]
-            v = layer.v(h).view(n, s, -1, layer.head_dim).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            out = attend(layer, q, k, v, i).transpose(1, 2).contiguous()               # [N, S, H, D]
-            h = residual + layer.o(out.reshape(n, s, -1))
-            residual, h = h, layer.norm2(h)
-            h = residual + layer.down(layer.act(layer.gate(h)) * layer.up(h))
+            module = layer.module
+            if checkpointing and module.gradient_checkpointing and module.training:
+                h = module._gradient_checkpointing_func(self._layer, layer, i, h, cos, sin, attend)
+            else:
+                h = self._layer(layer, i, h, cos, sin, attend)
         return self.final_norm(h)
+
+    @staticmethod
+    def _layer(layer: _Layer, i: int, h: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        n, s = h.shape[:2]
+        residual, h = h, layer.norm1(h)
+        q = layer.q(h).view(n, s, -1, layer.head_dim)
+        k = layer.k(h).view(n, s, -1, layer.head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                                    # [N, H, S, D], [N, KV, S, D]
+        v = layer.v(h).view(n, s, -1, layer.head_dim).transpose(1, 2)
+        half = q.size(-1) // 2
+        q = (q * cos) + (q.roll(half, -1) * sin)                                       # sin: signed
+        k = (k * cos) + (k.roll(half, -1) * sin)
+        out = attend(layer, q, k, v, i).transpose(1, 2).contiguous()                   # [N, S, H, D]
+        h = residual + layer.o(out.reshape(n, s, -1))
+        residual, h = h, layer.norm2(h)
+        return residual + layer.down(layer.act(layer.gate(h)) * layer.up(h))
+
+    def training_logits(self, ids: Tensor, mask: Tensor, positions: Tensor, keep: int) -> Tensor:
+        """The update's forward: the logits of the last `keep` positions [N, keep, V] of ids, mask,
+        positions [N, S], differentiable, with the model's gradient checkpointing; what the model's
+        own forward returns (logits_to_keep=keep, no cache), bit for bit, and its gradients too
+        (tests/trainer/test_decode.py), for a model `training_refusal` accepts. The library's
+        per-call machinery was a quarter of a small model's forward and backward."""
+        s = ids.size(1)
+        attn = None
+        if not bool(mask.all()):             # as the model's own: causal over the real tokens, or is_causal
+            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+            attn = causal[None, None] & mask.bool()[:, None, None, :]                  # [N, 1, S, S]
+
+        def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+            return _attention(q, k, v, attn, layer)
+        h = self.embed(ids)
+        cos, sin = self.core.rotary_emb(h, positions)
+        h = self._layers_at(h, cos, _signed(sin), attend, checkpointing=True)
+        return self.head(h[:, -keep:])
 
 
 def _query_heads_side_by_side() -> bool:
@@ -499,6 +573,9 @@ class CompiledDecoder(LlamaFamilyDecoder):
         self.keys, self.values, self.mask = kept[:layers], kept[layers:2 * layers], kept[-1]
         self.position = torch.tensor([self.length], device=prompt_ids.device)
         return logits
+
+    def release(self) -> None:
+        """Kept: its buffers keep their addresses for the next sampling (a CUDA graph reads them)."""
 
     @torch.no_grad()
     def step(self, tokens: Tensor, running: Tensor) -> Tensor:

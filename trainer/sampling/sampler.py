@@ -65,6 +65,8 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
                        eos_ids=eos_ids, pad_id=pad_id, generator=generator, top_k=top_k, top_p=top_p,
                        repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop)
     finally:
+        if hasattr(decoder, "release"):
+            decoder.release()             # a kept decoder does not hold its cache through the update
         if training:
             model.train()
 
@@ -82,6 +84,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         seen = torch.zeros(n, logits.size(-1), dtype=torch.bool, device=device)
         keep = prompt_mask.bool()
         seen[rows.unsqueeze(1).expand_as(prompt_ids)[keep], prompt_ids[keep]] = True
+    draws = _Draws(generator, n, logits.size(-1), max_new_tokens, device) if temperature > 0 else None
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [N, T]
     masks = torch.zeros(n, max_new_tokens, dtype=torch.bool, device=device)             # [N, T]
     entropy = torch.zeros(n, dtype=torch.float32, device=device)                         # [N]
@@ -98,7 +101,7 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
             if top_p < 1.0:
                 scaled = top_p_filter(scaled, top_p)
             probs = torch.softmax(scaled, dim=-1)
-            nxt = _draw(probs, generator)                                       # [N]
+            nxt = draws.draw(probs, t)                                          # [N]
             entropy += torch.special.entr(probs).sum(-1).masked_fill_(done, 0.0)   # -p log p, 0 at p = 0
         else:
             nxt = logits.argmax(dim=-1)
@@ -116,12 +119,40 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         if seen is not None:
             seen[rows, nxt] = True
         logits = decoder.step(nxt, ~done)
+    if draws is not None and not bool(torch.isfinite(entropy).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")   # multinomial's words
     return Completions(tokens[:, :length], masks[:, :length].long(), ~done, entropy)
 
 
-def _draw(probs: Tensor, generator) -> Tensor:
-    """One token per row of probs [N, V] -> [N]: with one generator, or one per equal block of rows."""
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    blocks = probs.split(probs.size(0) // len(generator))                  # [G, V] each
-    return torch.cat([torch.multinomial(b, 1, generator=g) for b, g in zip(blocks, generator)]).squeeze(1)
+class _Draws:
+    """One token per row, as `torch.multinomial(probs, 1, generator)` draws it for each block of rows
+    with its own generator, without its per-call checks (a NaN or inf probability makes a NaN
+    entropy, which `_sample` raises on at the end).
+
+    torch draws one sample as argmax(p / q), q ~ Exp(1) drawn with `exponential_` over the rows'
+    [rows, V] probabilities; its CPU generator fills a tensor element after element, so noise for
+    the next `ahead` tokens drawn in one call per generator is the noise those tokens' calls would
+    have drawn, and the tokens are the same (tests/trainer/test_sampling.py). On this machine's
+    demo (8 generators, 8 tokens) multinomial's checks and per-call overhead were 1.4 ms of a 25 ms
+    step. Other devices draw token by token (a CUDA generator's stream depends on the call's
+    shape): the same calls multinomial makes, without its checks and their device syncs. The
+    generators end up past noise for every token up to max_new_tokens, drawn or not."""
+
+    AHEAD_ELEMENTS = 1 << 22      # at most 16 MB of float32 noise drawn ahead
+
+    def __init__(self, generator, n: int, vocab: int, steps: int, device: torch.device) -> None:
+        self.generators = generator if isinstance(generator, (list, tuple)) else [generator]
+        self.block = n // len(self.generators)
+        self.ahead = max(1, min(steps, self.AHEAD_ELEMENTS // (n * vocab))) if device.type == "cpu" else 1
+        self.steps, self.vocab, self.device = steps, vocab, device
+        self.noise: Tensor | None = None       # [ahead, N, V]
+        self.start = 0                         # the token of noise[0]
+
+    def draw(self, probs: Tensor, t: int) -> Tensor:
+        """Token t's draw for probs [N, V] (float32) -> [N]."""
+        if self.noise is None or t >= self.start + self.noise.size(0):
+            k = min(self.ahead, self.steps - t)
+            blocks = [torch.empty(k, self.block, self.vocab, dtype=probs.dtype, device=self.device)
+                      .exponential_(1, generator=g) for g in self.generators]
+            self.noise, self.start = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1), t
+        return (probs / self.noise[t - self.start]).argmax(dim=-1)
