@@ -56,6 +56,20 @@ def both(model, monkeypatch, ids, mask, **kw):
     return fast, slow
 
 
+def assert_same_logits(model, ids, mask, tokens: int) -> None:
+    """The fast decoder's logits equal the model's own forward's, bit for bit, after the prompt and
+    after each of `tokens` greedy tokens."""
+    fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
+    running = torch.ones(ids.size(0), dtype=torch.bool)
+    with torch.no_grad():
+        a, b = fast.start(ids, mask, tokens), slow.start(ids, mask, tokens)
+        for _ in range(tokens):
+            assert torch.equal(a, b)
+            nxt = a.argmax(-1)
+            a, b = fast.step(nxt, running), slow.step(nxt, running)
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kind, extra", [
     ("qwen3", {"head_dim": 8}), ("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None}),
     ("llama", {"num_key_value_heads": 4}),          # one query head per KV head
@@ -80,15 +94,7 @@ def test_the_fast_decoder_samples_the_same_tokens_as_the_models_own_forward(kind
 def test_logits_are_bit_identical_at_every_position_unpadded_and_padded():
     model = with_lora(lm("qwen3", head_dim=8))
     for ids, mask in (prompts(), (torch.randint(2, VOCAB, (4, 6)), torch.ones(4, 6, dtype=torch.long))):
-        fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
-        with torch.no_grad():
-            a, b = fast.start(ids, mask, 5), slow.start(ids, mask, 5)
-            running = torch.ones(ids.size(0), dtype=torch.bool)
-            for _ in range(5):
-                assert torch.equal(a, b)
-                nxt = a.argmax(-1)
-                a, b = fast.step(nxt, running), slow.step(nxt, running)
-            assert torch.equal(a, b)
+        assert_same_logits(model, ids, mask, 5)
 
 
 @pytest.mark.parametrize("rows", [[[7]], [[7, 8, 9]], [[7], [8]], [[5, 6], [7, 8, 9]]])
@@ -99,15 +105,7 @@ def test_fewer_distinct_prompts_than_a_matrix_kernel_takes_still_decode_bit_iden
     rows = [r for r in rows for _ in range(8 // len(rows))]
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
-    running = torch.ones(ids.size(0), dtype=torch.bool)
-    with torch.no_grad():
-        a, b = fast.start(ids, mask, 4), slow.start(ids, mask, 4)
-        for _ in range(4):
-            assert torch.equal(a, b)
-            nxt = a.argmax(-1)
-            a, b = fast.step(nxt, running), slow.step(nxt, running)
-        assert torch.equal(a, b)
+    assert_same_logits(model, ids, mask, 4)
 
 
 def test_a_group_is_prefilled_once(monkeypatch):
@@ -177,15 +175,7 @@ def test_qlora_decodes_the_same_logits_and_tokens_as_the_models_own_forward(comp
     model = qlora(compute)
     assert isinstance(decode.decoder_for(model), decode.LlamaFamilyDecoder), decode.llama_family_refusal(model)
     ids, mask = prompts()
-    fast, slow = decode.LlamaFamilyDecoder(model), decode.TransformersDecoder(model)
-    running = torch.ones(ids.size(0), dtype=torch.bool)
-    with torch.no_grad():
-        a, b = fast.start(ids, mask, 3), slow.start(ids, mask, 3)
-        for _ in range(3):
-            assert torch.equal(a, b)
-            nxt = a.argmax(-1)
-            a, b = fast.step(nxt, running), slow.step(nxt, running)
-        assert torch.equal(a, b)
+    assert_same_logits(model, ids, mask, 3)
     fast, slow = both(model, monkeypatch, ids, mask)
     assert torch.equal(fast.ids, slow.ids)
 
