@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import math
+import random
 import shutil
 import tempfile
 import threading
@@ -304,6 +305,11 @@ class GRPOTrainer:
         p, t0, world = self.params, time.perf_counter(), self.world
         seed = step_seed(p.seed, step)
         torch.manual_seed(seed + world.rank)           # LoRA dropout: its own stream on each rank
+        # Python's and numpy's generators as well: what runs in this process (a judge client's retry
+        # jitter) draws the same after a resume, and a checkpoint's RNG states are the same bytes
+        # in two runs of one job (they came from the interpreter's start before)
+        random.seed(seed + world.rank)
+        np.random.seed((seed + world.rank) % 2**32)
         step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
         mine = world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
         tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]

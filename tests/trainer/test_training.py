@@ -146,17 +146,30 @@ def test_qlora_trains_a_lora_adapter_on_a_4bit_base(make_trainer):
     assert any(not torch.equal(adapter[n], after[n]) for n in adapter)
 
 
-def test_the_same_seed_gives_byte_identical_adapters(make_trainer):
-    results = []
-    for _ in range(2):
+def test_the_same_seed_gives_byte_identical_adapters_and_training_states(make_trainer):
+    import random
+
+    import numpy as np
+
+    from grpo_run.trainer.checkpointing.snapshot import TRAINING_STATE, state_files
+
+    results, states = [], []
+    for run in range(2):
+        random.seed(run)                      # two processes: the generators start from anywhere
+        np.random.seed(run)
         tr = make_trainer(small())
         try:
             for step in range(2):
                 tr.train_step(step)
             results.append({n: p.detach().numpy().tobytes() for n, p in tr.model.named_parameters() if "lora_" in n})
+            tensors = state_files(tr, 2)[TRAINING_STATE].tensors      # the optimizer's moments and the RNGs
+            states.append({k: b"".join(t.numpy().tobytes() for t in (v if isinstance(v, list) else [v]))
+                           for k, v in tensors.items()})
         finally:
             tr.close()
     assert results[0] == results[1]
+    assert {"rng.torch", "rng.numpy", "rng.python"} <= states[0].keys()
+    assert states[0] == states[1]
 
 
 def test_each_epoch_visits_every_train_task_once():

@@ -134,15 +134,16 @@ class _Draws:
     the next `ahead` tokens drawn in one call per generator is the noise those tokens' calls would
     have drawn, and the tokens are the same (tests/trainer/test_sampling.py). On this machine's
     demo (8 generators, 8 tokens) multinomial's checks and per-call overhead were 1.4 ms of a 25 ms
-    step. Other devices draw token by token (a CUDA generator's stream depends on the call's
-    shape): the same calls multinomial makes, without its checks and their device syncs. The
-    generators end up past noise for every token up to max_new_tokens, drawn or not."""
+    step. A large vocabulary, and any device but the CPU (a CUDA generator's stream depends on the
+    call's shape), draws token by token into each block's rows of one buffer: the calls multinomial
+    makes, without its checks and their device syncs. On a CPU the generators may end past noise
+    for tokens never drawn (every completion ended first)."""
 
     AHEAD_ELEMENTS = 1 << 22      # at most 16 MB of float32 noise drawn ahead
 
     def __init__(self, generator, n: int, vocab: int, steps: int, device: torch.device) -> None:
         self.generators = generator if isinstance(generator, (list, tuple)) else [generator]
-        self.block = n // len(self.generators)
+        self.n, self.block = n, n // len(self.generators)
         self.ahead = max(1, min(steps, self.AHEAD_ELEMENTS // (n * vocab))) if device.type == "cpu" else 1
         self.steps, self.vocab, self.device = steps, vocab, device
         self.noise: Tensor | None = None       # [ahead, N, V]
@@ -151,8 +152,19 @@ class _Draws:
     def draw(self, probs: Tensor, t: int) -> Tensor:
         """Token t's draw for probs [N, V] (float32) -> [N]."""
         if self.noise is None or t >= self.start + self.noise.size(0):
-            k = min(self.ahead, self.steps - t)
-            blocks = [torch.empty(k, self.block, self.vocab, dtype=probs.dtype, device=self.device)
+            self._draw_noise(t, probs.dtype)
+        q = self.noise[t - self.start]
+        return torch.div(probs, q, out=q).argmax(dim=-1)      # into the noise, as multinomial does
+
+    def _draw_noise(self, t: int, dtype: torch.dtype) -> None:
+        k = min(self.ahead, self.steps - t)
+        if k == 1:                  # each block's rows (contiguous) filled in place: no copy of V-wide rows
+            if self.noise is None or self.noise.size(0) != 1:
+                self.noise = torch.empty(1, self.n, self.vocab, dtype=dtype, device=self.device)
+            for i, g in enumerate(self.generators):
+                self.noise[0, i * self.block:(i + 1) * self.block].exponential_(1, generator=g)
+        else:
+            blocks = [torch.empty(k, self.block, self.vocab, dtype=dtype, device=self.device)
                       .exponential_(1, generator=g) for g in self.generators]
-            self.noise, self.start = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1), t
-        return (probs / self.noise[t - self.start]).argmax(dim=-1)
+            self.noise = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        self.start = t
