@@ -50,6 +50,9 @@ class Decoder(Protocol):
         next call. `running` [N] bool: the rows whose completion goes on (the others' logits are
         never used again)."""
 
+    def release(self) -> None:
+        """Drop what the last sampling left (its cache): sampling is over."""
+
 
 def decoder_for(model, *, compiled: bool = False, keep: bool = False) -> Decoder:
     """The fast decoder when `model` (a transformers causal LM, or a PEFT model over one) is of the
@@ -125,6 +128,9 @@ class TransformersDecoder:
                          use_cache=True, **{self._cache_arg: self._past})
         self._past, self._next = _cache_of(out), self._next + 1
         return out.logits[:, -1]
+
+    def release(self) -> None:
+        self._past = self._attention = None
 
 
 # --- Llama family ---------------------------------------------------------------------------
@@ -355,11 +361,7 @@ class LlamaFamilyDecoder:
         """Prompts [U, P] -> the last position's logits [U, V] and each layer's keys and values
         [U, KV, P, D]. The mask is transformers' for sdpa: causal over the real tokens, or none
         (attention told it is causal) when no prompt is padded."""
-        p = ids.size(1)
-        attn = None
-        if self.padded:                                                                  # [U, 1, P, P]
-            causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril()
-            attn = causal[None, None] & mask.bool()[:, None, None, :]
+        attn = _causal_over(mask) if self.padded else None                              # [U, 1, P, P]
         keys, values = [], []
 
         def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
@@ -474,11 +476,7 @@ class LlamaFamilyDecoder:
         own forward returns (logits_to_keep=keep, no cache), bit for bit, and its gradients too
         (tests/trainer/test_decode.py), for a model `training_refusal` accepts. The library's
         per-call machinery was a quarter of a small model's forward and backward."""
-        s = ids.size(1)
-        attn = None
-        if not bool(mask.all()):             # as the model's own: causal over the real tokens, or is_causal
-            causal = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
-            attn = causal[None, None] & mask.bool()[:, None, None, :]                  # [N, 1, S, S]
+        attn = None if bool(mask.all()) else _causal_over(mask)                         # as _prefill's
 
         def attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
             return _attention(q, k, v, attn, layer)
@@ -486,6 +484,14 @@ class LlamaFamilyDecoder:
         cos, sin = self.core.rotary_emb(h, positions)
         h = self._layers_at(h, cos, _signed(sin), attend, checkpointing=True)
         return self.head(h[:, -keep:])
+
+
+def _causal_over(mask: Tensor) -> Tensor:
+    """transformers' sdpa mask for whole padded sequences, mask [N, S] -> [N, 1, S, S] bool: causal,
+    over the real tokens only."""
+    s = mask.size(1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+    return causal[None, None] & mask.bool()[:, None, None, :]
 
 
 def _query_heads_side_by_side() -> bool:

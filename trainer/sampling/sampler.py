@@ -65,8 +65,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
                        eos_ids=eos_ids, pad_id=pad_id, generator=generator, top_k=top_k, top_p=top_p,
                        repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop)
     finally:
-        if hasattr(decoder, "release"):
-            decoder.release()             # a kept decoder does not hold its cache through the update
+        decoder.release()                 # a kept decoder does not hold its cache through the update
         if training:
             model.train()
 
