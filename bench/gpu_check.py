@@ -132,7 +132,8 @@ def train_steps(job, steps: int, cuda: bool) -> tuple[dict[str, Any], Any]:
         return {"steps": len(metrics), "stepSeconds": round(step, 4), "sampleSeconds": round(sample, 4),
                 "samplingShare": round(sample / step, 3), "completionTokensPerStep": tokens,
                 "completionTokensPerSecond": round(tokens / sample, 1), "peakGB": peak_gb(cuda),
-                "perStep": [{k: round(m[k], 4) for k in ("stepSeconds", "sampleSeconds")} for m in metrics]}, trainer
+                "perStep": [{k: round(m[k], 4) for k in ("stepSeconds", "sampleSeconds", "syncSeconds") if k in m}
+                            for m in metrics]}, trainer
     except BaseException:
         trainer.close()
         raise
@@ -146,7 +147,8 @@ def decoder_rates(trainer, compiled: bool, budget: Budget) -> dict[str, Any]:
 
     p = trainer.params
     tasks = [t for t in trainer.env.train_tasks[:p.promptsPerStep] for _ in range(p.numGenerations)]
-    ids, mask = trainer._encode([t["prompt"] for t in tasks])
+    ids, mask = trainer.rollout.text.encoder.encode([t["prompt"] for t in tasks])
+    ids, mask = ids.to(trainer.device), mask.to(trainer.device)
     n, new = ids.size(0), p.maxCompletionLength
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
 
@@ -195,10 +197,10 @@ def vllm_steps(job, run: dict[str, int], cuda: bool, budget: Budget, native: dic
     t0 = time.perf_counter()
     out, trainer = train_steps(vjob, run["steps"], cuda)
     try:
-        out["engine"] = trainer.sampler_status
-        out["startSeconds"] = round(trainer.sampler.start_seconds, 2)
+        out["engine"] = trainer.sampler.status()
+        out["startSeconds"] = out["engine"]["startSeconds"]
         out["setupSeconds"] = round(time.perf_counter() - t0 - sum(s["stepSeconds"] for s in out["perStep"]), 2)
-        out["syncSeconds"] = round(trainer.sampler.sync_seconds, 4)
+        out["syncSeconds"] = round(out["perStep"][-1]["syncSeconds"], 4)
     finally:
         trainer.close()
     out["vllmOverNative"] = {"stepSeconds": round(out["stepSeconds"] / native["stepSeconds"], 3),

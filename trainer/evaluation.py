@@ -3,8 +3,9 @@ run's graders, in batches of evalBatchSize that a stopped attempt's successor re
 
 Each batch draws from its own generator, seeded from (seed, i), so a batch computes the same
 whichever batches came before it: the batches an earlier attempt finished are taken as they are.
-The trainer answers (GRPOTrainer.answer_once); this module decides which batches, keeps the
-first tasks' completions for people to read, gathers several processes' batches and sums up."""
+The trainer's rollout answers (trainer.rollout: a completion, or an episode played to its end, per
+task); this module decides which batches, keeps the first tasks' completions for people to read,
+gathers several processes' batches and sums up."""
 
 from __future__ import annotations
 
@@ -20,21 +21,9 @@ from grpo_run.trainer.distributed import World
 from grpo_run.trainer.envs.tasks import Task
 from grpo_run.trainer.grader.scoring import Scorer
 from grpo_run.trainer.protocol import EvalSummary, SampleGroup
+from grpo_run.trainer.rollout import Rollout
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
-
-
-@dataclass(frozen=True)
-class Answers:
-    """Held-out tasks answered once each (GRPOTrainer.answer_once), in the tasks' order."""
-    prompts: list                    # what each task was asked first (text or messages), for people to read
-    texts: list[str]                 # each answer (an episode: its replies and observations, in order)
-    lengths: list[int]               # its tokens
-    truncated: list[bool]            # a limit ended it (maxCompletionLength; an episode: maxTurns or the context)
-    episode_rewards: list[float] | None = None     # episodes: the sum of each one's step rewards
-    turns: list[int] | None = None                 # episodes: the replies each made
-    truncated_by: list[str | None] | None = None   # episodes: the limit that ended each, None when done
-    tools: tuple[list[int], list[int]] | None = None   # episodes with tools: each one's (calls, errors)
-    exchanges: list[list[str]] | None = None           # episodes: replies and answers, alternating
+from grpo_run.trainer.seeds import step_seed
 
 
 @dataclass(frozen=True)
@@ -69,9 +58,9 @@ class Answerer(Protocol):
     stop: threading.Event
     scorer: Scorer
 
-    def sampling_weights(self) -> ContextManager[None]: ...
+    rollout: Rollout
 
-    def answer_once(self, tasks: Sequence[Task], temperature: float, *, batch: int) -> Answers: ...
+    def sampling_weights(self) -> ContextManager[float]: ...
 
 
 def evaluate(trainer: Answerer, tasks: Sequence[Task], *,
@@ -99,13 +88,15 @@ def evaluate(trainer: Answerer, tasks: Sequence[Task], *,
                 if trainer.stop.is_set():            # preemption honoured between evaluation batches
                     raise GenerationInterrupted()
                 chunk = list(tasks[start:start + p.evalBatchSize])
-                answers = trainer.answer_once(chunk, p.evalTemperature, batch=i)
+                # batch i draws from generators seeded from (seed, i) alone
+                answers = trainer.rollout.play(chunk, [step_seed(p.seed, -1 - i)], p.evalTemperature)
                 computed[i] = scorer.score(answers.texts, chunk,
-                                           episode=answers.episode_rewards if scorer.episodes else None)
+                                           episode=answers.episode_rewards() if scorer.episodes else None)
+                # an answer's length: all its tokens (an episode's observations among them)
                 kept[i] = kept_samples.eval_items(start, answers.prompts, answers.texts, computed[i],
-                                                  scorer.total(computed[i]), answers.lengths, answers.truncated,
-                                                  p.sampleEvalTasks, scorer.primary, answers.turns,
-                                                  answers.truncated_by, answers.tools, answers.exchanges)
+                                                  scorer.total(computed[i]), answers.mask.sum(1).tolist(),
+                                                  answers.ended.tolist(), p.sampleEvalTasks, scorer.primary,
+                                                  **answers.episode_view(trainer.rollout.decode_ids))
                 if on_samples is not None and kept[i]:
                     on_samples(kept[i])
                 if on_batch is not None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from grpo_run.trainer.config import LOGPROB_CHUNK_ELEMENTS, LOSS_TYPES
-from grpo_run.trainer.sampling.decode import last_logits
+from grpo_run.trainer.model.llama import last_logits
 
 
 def group_advantages(rewards: Tensor, group_size: int, *, unbiased: bool, scale: bool = True) -> Tensor:

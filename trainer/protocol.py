@@ -196,7 +196,7 @@ class Started(_Event):
     microBatchSize: int                   # the run keeps the first attempt's (trainer.GRPOTrainer.micro_batch_size)
     cpuThreads: int                       # likewise: another count would round the arithmetic differently
     sandbox: dict[str, str] = Field(default_factory=dict)   # the reward sandbox's layers in force (Grader.sandbox_mode)
-    # the engine that samples: {engine: native | vllm, version, mode, startSeconds} (GRPOTrainer.sampler_status)
+    # the engine that samples: {engine: native | vllm, version, mode, startSeconds} (Sampler.status)
     sampler: dict[str, str | float] = Field(default_factory=dict)
 
 

@@ -4,6 +4,7 @@ takes; models it does not take are sampled through their own forward."""
 import pytest
 import torch
 
+from grpo_run.trainer.model import llama
 from grpo_run.trainer.sampling import decode
 from grpo_run.trainer.sampling import sampler
 
@@ -269,7 +270,7 @@ def test_the_updates_forward_gives_the_models_own_log_probabilities_and_gradient
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    assert decode.training_refusal(model) is None
+    assert llama.training_refusal(model) is None
     fast = decode.LlamaFamilyDecoder(model)
     calls = []
     for layer in base.model.layers:          # the fast forward checkpoints through the layers' own function
@@ -292,18 +293,18 @@ def test_the_update_keeps_the_models_own_forward_where_the_decoders_arithmetic_w
 
     dropout = get_peft_model(lm("qwen3", head_dim=8), LoraConfig(r=4, lora_dropout=0.1, target_modules="all-linear",
                                                                   task_type="CAUSAL_LM"))
-    assert decode.training_refusal(dropout) == "LoRA dropout"
-    assert decode.training_refusal(lm("llama", attention_dropout=0.1)) == "attention dropout"
-    assert "gpt2" in decode.training_refusal(lm("gpt2"))
+    assert llama.training_refusal(dropout) == "LoRA dropout"
+    assert llama.training_refusal(lm("llama", attention_dropout=0.1)) == "attention dropout"
+    assert "gpt2" in llama.training_refusal(lm("gpt2"))
     plain = with_lora(lm("qwen3", head_dim=8))
-    assert decode.training_refusal(plain) is None
+    assert llama.training_refusal(plain) is None
 
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_the_updates_forward_over_a_4bit_base_gives_the_models_own_log_probabilities_and_gradients(compute):
     model = qlora(compute)
     model.train()
-    assert decode.training_refusal(model) is None
+    assert llama.training_refusal(model) is None
     fast = decode.LlamaFamilyDecoder(model)
     slow_logps, slow_grads = logprobs_and_gradients(model, None, update_batch(True))
     fast_logps, fast_grads = logprobs_and_gradients(model, fast, update_batch(True))

@@ -12,7 +12,7 @@ import torch
 
 from grpo_run.trainer.sampling import sampler
 from grpo_run.trainer.distributed import World
-from grpo_run.trainer.trainer import prompt_seed
+from grpo_run.trainer.seeds import prompt_seed
 from grpo_run.runner.home import ensure_model
 
 HERE = Path(__file__).resolve().parent

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_run.trainer.episodes.loop import episode_seed, left_padded, run_episodes, turn_seed
+from grpo_run.trainer.episodes.loop import left_padded, run_episodes
+from grpo_run.trainer.seeds import member_seed as episode_seed, turn_seed
 
 PAD, EOS = 0, 1
 

@@ -67,16 +67,30 @@ def make(tmp_path, monkeypatch):
 def record_sampling(tr, monkeypatch):
     """Every sampling call's rows (unpadded) and what was sampled for each."""
     calls = []
-    generate = tr._generate
+    sample = tr.sampler.sample
 
-    def recorded(ids, mask, temperature, seeds):
-        out = generate(ids, mask, temperature, seeds)
+    def recorded(ids, mask, seeds, **kw):
+        out = sample(ids, mask, seeds, **kw)
         calls.append([(row[m.bool()].tolist(), c[cm.bool()].tolist())
                       for row, m, c, cm in zip(ids, mask, out.ids, out.mask)])
         return out
 
-    monkeypatch.setattr(tr, "_generate", recorded)
+    monkeypatch.setattr(tr.sampler, "sample", recorded)
     return calls
+
+
+def record_episodes(tr, monkeypatch):
+    """Every batch of episodes the rollout plays (trainer.episodes.loop.Episodes)."""
+    played = []
+    play = tr.rollout.play
+
+    def recorded(*args):
+        batch = play(*args)
+        played.append(batch.episodes)
+        return batch
+
+    monkeypatch.setattr(tr.rollout, "play", recorded)
+    return played
 
 
 def record_update(monkeypatch):
@@ -99,9 +113,7 @@ def record_update(monkeypatch):
 
 def test_the_ids_trained_are_the_ids_sampled_turn_boundaries_included(make, monkeypatch):
     tr = make(CHAT_ENV, "Talk")
-    played = []
-    play = tr._play
-    monkeypatch.setattr(tr, "_play", lambda *a: played.append(play(*a)) or played[-1])
+    played = record_episodes(tr, monkeypatch)
     calls, update = record_sampling(tr, monkeypatch), record_update(monkeypatch)
     tr.train_step(0)
     episodes = played[0]
@@ -127,9 +139,7 @@ def test_the_ids_trained_are_the_ids_sampled_turn_boundaries_included(make, monk
 
 def test_observation_tokens_get_no_gradient_and_sampled_ones_do(make, monkeypatch):
     tr = make(CHAT_ENV, "Talk")
-    played = []
-    play = tr._play
-    monkeypatch.setattr(tr, "_play", lambda *a: played.append(play(*a)) or played[-1])
+    played = record_episodes(tr, monkeypatch)
     update = record_update(monkeypatch)
     metrics = tr.train_step(0)
     assert metrics["learningCompletions"] > 0
@@ -151,10 +161,10 @@ def test_observation_tokens_get_no_gradient_and_sampled_ones_do(make, monkeypatc
 def test_the_group_is_g_episodes_of_one_task_each_seeded_apart(make, monkeypatch):
     tr = make(CHAT_ENV, "Talk")
     asked = []
-    play = tr._play
-    monkeypatch.setattr(tr, "_play", lambda tasks, seeds, t: asked.append((tasks, seeds)) or play(tasks, seeds, t))
+    reset = tr.environment.reset
+    monkeypatch.setattr(tr.environment, "reset", lambda tasks, seeds: asked.append((tasks, seeds)) or reset(tasks, seeds))
     tr.train_step(0)
-    tasks, seeds = asked[0]
+    tasks, seeds = asked[0]            # what each episode's environment was reset with
     assert [t["prompt"] for t in tasks[:4]] == [tasks[0]["prompt"]] * 4 and tasks[4]["prompt"] != tasks[0]["prompt"]
     assert len(set(seeds)) == 8
 

@@ -1,6 +1,7 @@
 """Sampling controls: top-k, top-p, the repetition penalty, stop strings, every EOS id, and
 truncated completions left out of the loss."""
 
+import dataclasses
 import math
 import pytest
 import torch
@@ -219,14 +220,13 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(reward_r
                  "Natalia sold 48 clips in April."]
         rows = [tok(t, add_special_tokens=False).input_ids[:8] for t in texts]
         assert [len(r) for r in rows] == [8, 8, 8]
-        tr.model = emitting(rows, len(tok))
-        ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)[:3]
+        tr.sampler.model = emitting(rows, len(tok))
+        out = tr.rollout.play([{"prompt": "go"}] * 3, None, 0.0)
         # "is 4" is completed inside " 42" (the whole token stays, as transformers' generate does);
         # "problem step" spans " problem" and " step"
-        assert tr._decode(comp, cmask) == ["The answer is 42", "Solve the problem step", tok.decode(rows[2])]
-        assert cmask.sum(1).tolist() == [4, 5, 8]
-        assert truncated.tolist() == [False, False, True]
+        assert out.texts == ["The answer is 42", "Solve the problem step", tok.decode(rows[2])]
+        assert out.mask.sum(1).tolist() == [4, 5, 8]
+        assert out.ended.tolist() == [False, False, True]
     finally:
         tr.close()
 
@@ -237,15 +237,14 @@ def test_each_eos_id_of_the_generation_config_ends_a_completion(reward_ref):
     try:
         tok = tr.tokenizer
         im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
-        assert tr.eos_ids == (im_end, endoftext) and tok.eos_token_id == im_end
+        assert tr.sampler.settings.stop_token_ids == (im_end, endoftext) and tok.eos_token_id == im_end
         the, answer = tok("The answer", add_special_tokens=False).input_ids
         rows = [[the, endoftext, the, the], [the, answer, im_end, the], [the, answer, the, answer]]
-        tr.model = emitting(rows, len(tok))
-        ids, mask = tr._encode(["go"] * 3)
-        comp, cmask, truncated = tr._generate(ids, mask, 0.0, None)[:3]
-        assert cmask.sum(1).tolist() == [2, 3, 8]     # the third never ends: cut at maxCompletionLength
-        assert truncated.tolist() == [False, False, True]
-        assert tr._decode(comp, cmask)[:2] == ["The", "The answer"]
+        tr.sampler.model = emitting(rows, len(tok))
+        out = tr.rollout.play([{"prompt": "go"}] * 3, None, 0.0)
+        assert out.mask.sum(1).tolist() == [2, 3, 8]     # the third never ends: cut at maxCompletionLength
+        assert out.ended.tolist() == [False, False, True]
+        assert out.texts[:2] == ["The", "The answer"]
     finally:
         tr.close()
 
@@ -256,7 +255,7 @@ def test_masked_truncated_completions_give_a_step_no_loss_and_no_gradient(reward
     for masked in (False, True):
         tr = make_trainer("tiny:char", reward_ref, maskTruncatedCompletions=masked, maxCompletionLength=3)
         try:
-            tr.eos_ids = ()
+            tr.sampler.settings = dataclasses.replace(tr.sampler.settings, stop_token_ids=())
             lora = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
             metrics = tr.train_step(0)
             grads = [p.grad for n, p in tr.model.named_parameters() if "lora_" in n and p.grad is not None]
@@ -276,7 +275,8 @@ def test_masked_truncated_completions_give_a_step_no_loss_and_no_gradient(reward
 def test_a_step_reports_the_fraction_of_truncated_completions(reward_ref):
     tr = make_trainer("tiny:char", reward_ref, maxCompletionLength=4)
     try:
-        tr.eos_ids = (tr.tokenizer.convert_tokens_to_ids("+"),)     # a common character: some end early
+        plus = tr.tokenizer.convert_tokens_to_ids("+")           # a common character: some end early
+        tr.sampler.settings = dataclasses.replace(tr.sampler.settings, stop_token_ids=(plus,))
         metrics = tr.train_step(0)
     finally:
         tr.close()

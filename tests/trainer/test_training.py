@@ -56,16 +56,16 @@ def test_lora_steps_change_the_adapter_and_leave_the_base_byte_identical(make_tr
 
 
 def test_the_update_through_the_decoders_forward_ends_with_the_same_adapter_bytes(make_trainer):
-    from grpo_run.trainer.sampling import decode
+    from grpo_run.trainer.model import llama
 
     adapters = []
     for fast in (True, False):
         tr = make_trainer(small())
         try:
             if fast:
-                assert isinstance(tr._fast_forward, decode.LlamaFamilyDecoder)
+                assert isinstance(tr.update.fast_forward, llama.LlamaFamily)
             else:
-                tr.__dict__["_fast_forward"] = None        # the model's own forward
+                tr.update.__dict__["fast_forward"] = None        # the model's own forward
             for step in range(3):
                 tr.train_step(step)
             adapters.append({n: t.numpy().tobytes() for n, t in snapshot(tr.model, lora=True).items()})
@@ -74,7 +74,7 @@ def test_the_update_through_the_decoders_forward_ends_with_the_same_adapter_byte
     assert adapters[0] == adapters[1]
     tr = make_trainer(small(lora={"r": 8, "dropout": 0.1}))
     try:
-        assert tr._fast_forward is None                   # dropout: only the model's own forward applies it
+        assert tr.update.fast_forward is None                   # dropout: only the model's own forward applies it
     finally:
         tr.close()
 

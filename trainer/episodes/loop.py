@@ -27,21 +27,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from grpo_run.trainer.episodes.limits import Truncation
 from grpo_run.trainer.episodes.tokens import TurnRenderer
-
-# "maxTurns" | "context" | "toolTime" (a tool past its time limit) | "stepTime" (a step past stepTimeoutSeconds)
-Truncation = str
-
-
-def episode_seed(prompt_seed: int, completion: int) -> int:
-    """The seed of completion `completion` (0-based) of the prompt seeded `prompt_seed`: the
-    environment's `reset` gets it, and the episode's turns draw from seeds made from it."""
-    return (prompt_seed * 1_000_037 + completion * 15_485_863 + 3) % (2**63 - 1)
-
-
-def turn_seed(episode: int, turn: int) -> int:
-    """The sampling seed of turn `turn` (0-based) of the episode seeded `episode`."""
-    return (episode * 1_000_039 + turn * 32_452_843 + 5) % (2**63 - 1)
+from grpo_run.trainer.seeds import turn_seed
 
 
 @dataclass(frozen=True)
@@ -84,14 +72,6 @@ class Episodes:
             out.append(parts)
         return out
 
-    def tensors(self, device: torch.device) -> tuple[Tensor, ...]:
-        """As a step's tensors, on `device`: first prompts [N, P] and their mask, the rest [N, T]
-        and its mask, entropy [N], and whether a limit ended each episode [N] (bool)."""
-        ended = torch.tensor([t is not None for t in self.truncated], dtype=torch.bool, device=device)
-        return (self.prompt_ids.to(device), self.prompt_mask.to(device), self.ids.to(device), self.mask.to(device),
-                self.entropy.to(device), ended,
-                None if self.engine_logprobs is None else self.engine_logprobs.to(device))
-
 
 Sample = Callable[[Tensor, Tensor, Sequence[int]], Any]     # (ids, mask, seeds) -> sampler.Completions
 
@@ -120,7 +100,7 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
     running = list(range(n))
     for turn in range(max_turns):
         for i in [i for i in running if len(first[i]) + len(tails[i]) >= context]:
-            truncated[i] = "context"                           # no room left for a reply
+            truncated[i] = Truncation.CONTEXT                           # no room left for a reply
         running = [i for i in running if truncated[i] is None]
         if not running:
             break
@@ -142,7 +122,7 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
                 engine[i] += out.logprobs[row][:len(newest[i])].tolist()
             turns[i] += 1
             if len(reply) > room:
-                truncated[i] = "context"                       # cut short: the environment never sees it
+                truncated[i] = Truncation.CONTEXT                       # cut short: the environment never sees it
                 continue
             told.append(i)
             texts.append(render.tokenizer.decode(reply, skip_special_tokens=True))
@@ -155,18 +135,18 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
             calls[i] += answer.get("toolCalls", 0)
             errors[i] += answer.get("toolErrors", 0)
             if answer.get("truncated"):                        # a tool, or the step, past its time limit
-                truncated[i] = answer["truncated"]
+                truncated[i] = Truncation.reported(answer["truncated"])
                 continue
             if answer["done"]:
                 running.remove(i)
                 continue
             if turn == max_turns - 1:
-                truncated[i] = "maxTurns"
+                truncated[i] = Truncation.MAX_TURNS
                 continue
             with _rendering(host, f"episode {i}'s observation after turn {turn + 1}"):
                 added, conversation[i] = render.observation(conversation[i], newest[i], text, answer["observation"])
             if len(first[i]) + len(tails[i]) + len(added) >= context:
-                truncated[i] = "context"                       # no room for the observation and a reply
+                truncated[i] = Truncation.CONTEXT                       # no room for the observation and a reply
                 continue
             tails[i] += added
             learn[i] += [0] * len(added)

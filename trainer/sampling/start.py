@@ -1,6 +1,6 @@
 """Starting the engine a trainer samples with: which one (spec.parameters.sampler as the supervisor
-resolved it, `auto` resolved here when a trainer runs on its own), vLLM with the run's generation
-settings, and the native decoder's stop-string check."""
+resolved it, `auto` resolved here when a trainer runs on its own), built with the run's one
+SampleSettings, and the native decoder's stop-string check."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.model.policy import compute_dtype
 from grpo_run.trainer.sampling.choice import choose
-from grpo_run.trainer.sampling.engines import Sampler
+from grpo_run.trainer.sampling.engines import NativeSampler, SampleSettings, Sampler
 
 
 def resolved_engine(params: GRPOParams, config: Callable[[], dict], device: torch.device, world: World) -> str:
@@ -25,27 +25,27 @@ def resolved_engine(params: GRPOParams, config: Callable[[], dict], device: torc
                   processes=world.size).engine
 
 
-def start_vllm(model_path: str, tokenizer: Any, eos_ids: tuple[int, ...], params: GRPOParams,
-               device: torch.device, work: Path) -> Sampler:
-    """vLLM for the run: colocated (loading `model_path`) or a server (spec.parameters.vllm.mode),
-    with the run's generation settings; `work`: the folder adapters and weights are handed over in."""
-    p = params
+def start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, settings: SampleSettings,
+                  params: GRPOParams, device: torch.device, world: World, work: Path, *,
+                  sharded: bool = False) -> Sampler:
+    """The run's engine: the native decoder over `model` itself, or vLLM colocated (loading
+    `model_path`) or a server (spec.parameters.vllm.mode); `work`: the folder adapters and weights
+    are handed over in; `sharded`: the model's weights are FSDP shards (no fast decoder is kept)."""
+    p, pad_id = params, tokenizer.pad_token_id
+    if resolved_engine(p, model.config.to_dict, device, world) == "native":
+        return NativeSampler(model, settings, pad_id=pad_id, device=device,
+                             finished=stop_strings_check(tokenizer, p.stopStrings), compiled=p.compileDecode,
+                             keep_decoder=not sharded)
     if p.vllm.mode == "server":
         from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
 
-        return VllmServerSampler(p.vllm.server, method=p.method, lora_rank=p.lora.r,
-                                 timeout_s=p.vllm.serverTimeoutSeconds, max_new_tokens=p.maxCompletionLength,
-                                 eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, top_k=p.topK,
-                                 top_p=p.topP, repetition_penalty=p.repetitionPenalty,
-                                 stop_strings=p.stopStrings, work=work)
+        return VllmServerSampler(p.vllm.server, settings, method=p.method, lora_rank=p.lora.r,
+                                 timeout_s=p.vllm.serverTimeoutSeconds, pad_id=pad_id, work=work)
     from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
 
     return VllmSampler(model_path, method=p.method, lora_rank=p.lora.r, dtype=compute_dtype(device),
-                       device=device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization,
-                       max_new_tokens=p.maxCompletionLength, eos_ids=eos_ids,
-                       pad_id=tokenizer.pad_token_id, top_k=p.topK, top_p=p.topP,
-                       repetition_penalty=p.repetitionPenalty, stop_strings=p.stopStrings, seed=p.seed,
-                       work=work)
+                       device=device, gpu_memory_utilization=p.vllm.gpuMemoryUtilization, settings=settings,
+                       pad_id=pad_id, seed=p.seed, work=work)
 
 
 def stop_strings_check(tokenizer: Any, stops: tuple[str, ...] | list[str]

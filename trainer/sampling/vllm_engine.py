@@ -4,7 +4,7 @@ process, over the same base weights the trainer loaded.
 - The policy reaches the engine before every sampling without merging the base: a LoRA adapter is
   written as PEFT files into a folder of the work folder and loaded in place (LoRARequest with
   load_inplace); a full fine-tune's weights are loaded into the engine's model (load_weights).
-  `sync_seconds` is the newest sync's cost, a step metric.
+  load_policy returns the sync's seconds, a step metric.
 - Seeds: every request carries its own, derived from its block's seed (a prompt's group, or an
   evaluation batch) and its place in it, so a resumed step draws the same tokens as the first try
   on the same hardware, whatever else is in the batch.
@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
@@ -34,21 +33,10 @@ import torch
 from torch import Tensor
 
 from grpo_run.trainer.sampling.sampler import Completions, GenerationInterrupted
-from grpo_run.trainer.sampling.engines import EngineRefused
+from grpo_run.trainer.sampling.engines import EngineRefused, SampleSettings
+from grpo_run.trainer.seeds import member_seed
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SampleSettings:
-    """What every request of one sampling call is drawn with (vLLM's SamplingParams, less the seed)."""
-    temperature: float
-    max_tokens: int
-    top_k: int = 0                  # 0: off
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: tuple[int, ...] | list[int] = ()
-    stop: tuple[str, ...] | list[str] = ()
 
 
 class Drawn(NamedTuple):
@@ -80,23 +68,16 @@ def completions(outs: Sequence[Drawn], pad_id: int, device: torch.device) -> Com
     return Completions(tokens.to(device), mask.to(device), truncated.to(device), entropy.to(device), logps.to(device))
 
 
-def request_seed(block_seed: int, index: int) -> int:
-    """The seed of the request at `index` (0-based) in a block seeded `block_seed`: distinct per
-    completion, reproducible, and within vLLM's (a signed 64-bit) range."""
-    return (block_seed * 1_000_037 + index * 15_485_863 + 3) % (2**63 - 1)
-
-
 class VllmSampler:
     """A vLLM engine sampling for one trainer process."""
     engine = "vllm"
 
     def __init__(self, model_path: str, *, method: str, lora_rank: int, dtype: torch.dtype, device: torch.device,
-                 gpu_memory_utilization: float, work: Path, seed: int = 0, max_new_tokens: int = 0,
-                 eos_ids: Sequence[int] = (), pad_id: int = 0, top_k: int = 0, top_p: float = 1.0,
-                 repetition_penalty: float = 1.0, stop_strings: Sequence[str] = ()) -> None:
+                 gpu_memory_utilization: float, work: Path, seed: int = 0, settings: SampleSettings | None = None,
+                 pad_id: int = 0) -> None:
         """The engine over `model_path`'s base weights, for `method` (LoRA: adapters up to rank
-        `lora_rank`; Full: weights loaded into it). The sampling settings are `sample`'s (a
-        server's `generate` takes its own with each call)."""
+        `lora_rank`; Full: weights loaded into it). `settings`: the run's, for `sample` (a
+        server's engine has none: its `generate` takes a request's own with each call)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # before vllm is imported: the engine in-process
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
@@ -104,9 +85,7 @@ class VllmSampler:
         from vllm import LLM
 
         self.version = vllm.__version__
-        self.method, self.pad_id, self.max_new_tokens = method, pad_id, max_new_tokens
-        self.eos_ids, self.stop_strings = list(eos_ids), list(stop_strings)
-        self.top_k, self.top_p, self.repetition_penalty = top_k, top_p, repetition_penalty
+        self.method, self.pad_id, self.settings = method, pad_id, settings
         self.gpu = device.type == "cuda"
         self.folder = Path(work) / "vllm-adapter"
         lora = method == "LoRA"
@@ -128,7 +107,6 @@ class VllmSampler:
         # vLLM's CPU worker lowers torch's threads for serving; the trainer's arithmetic keeps its count
         torch.set_num_threads(threads)
         self.start_seconds = time.perf_counter() - t0
-        self.sync_seconds = 0.0
         self._lora = None
         self._asleep = False
         self._requests = 0
@@ -136,14 +114,14 @@ class VllmSampler:
 
     # --- the policy's weights --------------------------------------------------------------------
 
-    def load_policy(self, model: torch.nn.Module) -> None:
+    def load_policy(self, model: torch.nn.Module) -> float:
         t0 = time.perf_counter()
         self._wake()
         if self.method == "LoRA":
             self._load_adapter(model)
         else:
             self._load_weights(model)
-        self.sync_seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def _load_adapter(self, model) -> None:
         if self.folder.exists():
@@ -168,8 +146,9 @@ class VllmSampler:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.llm_engine.reset_prefix_cache()     # cached KV blocks were computed by the old weights
 
-    def sleep(self) -> None:
-        """Release the KV cache for the update (a GPU's; a CPU engine has no sleep mode)."""
+    def release(self) -> None:
+        """Release the KV cache for the update (a GPU's, vLLM's sleep mode level 1; a CPU engine has
+        no sleep mode)."""
         if self.gpu and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
@@ -184,10 +163,7 @@ class VllmSampler:
     def sample(self, prompt_ids: Tensor, prompt_mask: Tensor, seeds: Sequence[int], *, temperature: float,
                should_stop: Callable[[], bool]) -> Completions:
         prompts = [prompt_ids[row][prompt_mask[row].bool()].tolist() for row in range(prompt_ids.size(0))]
-        settings = SampleSettings(temperature=temperature, max_tokens=self.max_new_tokens, top_k=self.top_k,
-                                  top_p=self.top_p, repetition_penalty=self.repetition_penalty,
-                                  stop_token_ids=self.eos_ids, stop=self.stop_strings)
-        outs = self.generate(prompts, seeds, settings, should_stop)
+        outs = self.generate(prompts, seeds, self.settings.at(temperature), should_stop)
         return completions(outs, self.pad_id, prompt_ids.device)
 
     def generate(self, prompts: list[list[int]], seeds: Sequence[int], settings: "SampleSettings",
@@ -205,7 +181,7 @@ class VllmSampler:
             params = SamplingParams(
                 n=1, temperature=settings.temperature, top_k=settings.top_k if settings.top_k > 0 else -1,
                 top_p=settings.top_p, repetition_penalty=settings.repetition_penalty, max_tokens=settings.max_tokens,
-                seed=request_seed(seeds[row // block], row % block), logprobs=0,
+                seed=member_seed(seeds[row // block], row % block), logprobs=0,
                 stop_token_ids=list(settings.stop_token_ids), stop=list(settings.stop) or None,
                 include_stop_str_in_output=True, skip_special_tokens=True)
             request = f"r{self._requests}"
@@ -223,6 +199,10 @@ class VllmSampler:
                     logps = [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] if o.logprobs else []
                     outputs[ids[out.request_id]] = Drawn(list(o.token_ids), logps, o.finish_reason == "length")
         return [outputs[row] for row in range(n)]
+
+    def status(self) -> dict[str, str | float]:
+        return {"engine": self.engine, "version": self.version, "mode": "colocate",
+                "startSeconds": round(self.start_seconds, 2)}
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

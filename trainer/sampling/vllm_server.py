@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import logging
 import sys
@@ -38,7 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable
+from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable, SampleSettings
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,6 @@ class _Engine:
             self.engine.load_weights(list(tensors.items()))
 
     def sample(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        from grpo_run.trainer.sampling.vllm_engine import SampleSettings
-
         settings = SampleSettings(**request["settings"])
         with self.lock:
             self.abort.clear()
@@ -189,14 +188,10 @@ class VllmServerSampler:
     """The trainer's side: a Sampler whose engine is a vLLM server (`url`)."""
     engine = "vllm"
 
-    def __init__(self, url: str, *, method: str, lora_rank: int, timeout_s: float, max_new_tokens: int,
-                 eos_ids: Sequence[int], pad_id: int, top_k: int, top_p: float, repetition_penalty: float,
-                 stop_strings: Sequence[str], work: Path) -> None:
+    def __init__(self, url: str, settings: "SampleSettings", *, method: str, lora_rank: int, timeout_s: float,
+                 pad_id: int, work: Path) -> None:
         self.url, self.method, self.timeout_s = url.rstrip("/"), method, timeout_s
-        self.pad_id, self.work = pad_id, Path(work)
-        self.settings = dict(max_tokens=max_new_tokens, top_k=top_k, top_p=top_p,
-                             repetition_penalty=repetition_penalty, stop_token_ids=list(eos_ids),
-                             stop=list(stop_strings))
+        self.pad_id, self.work, self.settings = pad_id, Path(work), settings
         t0 = time.perf_counter()
         health = self._health()
         self.version = health.get("version", "")
@@ -208,7 +203,6 @@ class VllmServerSampler:
                                 f"{health.get('maxLoraRank')}, and this job's lora.r is {lora_rank}: start it with "
                                 f"--max-lora-rank {lora_rank} or more")
         self.start_seconds = time.perf_counter() - t0       # the server's own start-up is not this trainer's
-        self.sync_seconds = 0.0
 
     def _health(self) -> dict[str, Any]:
         """The server's /health, waiting up to SERVER_START_WAIT_S for it to answer."""
@@ -238,7 +232,7 @@ class VllmServerSampler:
             raise EngineUnavailable(f"the vLLM server at {self.url} did not answer {path} ({reason}); is "
                                     f"`grpo-run vllm-server` running there?") from None
 
-    def load_policy(self, model) -> None:
+    def load_policy(self, model) -> float:
         t0 = time.perf_counter()
         if self.method == "LoRA":
             import shutil
@@ -255,7 +249,7 @@ class VllmServerSampler:
 
             state = {name: p.detach().contiguous() for name, p in model.state_dict().items()}
             self._call("POST", "/weights", save(state), {"Content-Type": "application/octet-stream"})
-        self.sync_seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def sample(self, prompt_ids, prompt_mask, seeds: Sequence[int], *, temperature: float,
                should_stop: Callable[[], bool]):
@@ -264,7 +258,7 @@ class VllmServerSampler:
 
         prompts = [prompt_ids[row][prompt_mask[row].bool()].tolist() for row in range(prompt_ids.size(0))]
         body = json.dumps({"prompts": prompts, "seeds": list(seeds),
-                           "settings": {**self.settings, "temperature": temperature}}).encode()
+                           "settings": dataclasses.asdict(self.settings.at(temperature))}).encode()
         answer: dict[str, Any] = {}
 
         def call() -> None:
@@ -289,6 +283,13 @@ class VllmServerSampler:
             raise answer["error"]
         outs = [Drawn(c["tokenIds"], c["logprobs"], c["truncated"]) for c in json.loads(answer["body"])["completions"]]
         return completions(outs, self.pad_id, prompt_ids.device)
+
+    def release(self) -> None:
+        pass                                      # the server's memory is on its own card
+
+    def status(self) -> dict[str, str | float]:
+        return {"engine": self.engine, "version": self.version, "mode": "server",
+                "startSeconds": round(self.start_seconds, 2), "server": self.url}
 
     def close(self) -> None:
         pass                                      # the server is its operator's
