@@ -91,3 +91,26 @@ def test_the_public_face_is_imported_by_no_package_below_it():
                       and node.module.split(".")[1] not in folders
                       or node.module == "grpo_run" and any(a.name not in folders for a in node.names)))]
     assert not wrong, "\n".join(wrong)
+
+
+# The seam between the node's side and one trainer process (SPEC §5b, LAYOUT): the supervisor
+# starts trainers and reads what they report; of trainer/ it knows the plan, the events and the exit
+# statuses (protocol), the job's parameters (config), the environments it hands over (envs), which
+# engine a run samples with (sampling.choice), the episode limits its hang watchdog counts, and
+# how to leave a delegated cgroup root before it starts any (grader.cgroup). Never the recipe, the
+# rollout, the engines or the model: those live and die with the trainer process.
+SUPERVISOR_SEES = ("trainer.protocol", "trainer.config", "trainer.envs", "trainer.sampling.choice",
+                   "trainer.episodes.limits", "trainer.grader.cgroup")
+
+
+def test_the_supervisor_sees_of_the_trainer_only_its_seam():
+    wrong = [f"{path.relative_to(REPO)}:{node.lineno} imports {name}"
+             for path in sorted((REPO / "runner" / "supervisor").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             for name in _imported_names(node)
+             if name.removeprefix("grpo_run.").startswith("trainer")
+             and not any(name.removeprefix("grpo_run.") == allowed or
+                         name.removeprefix("grpo_run.").startswith(allowed + ".") for allowed in SUPERVISOR_SEES)]
+    assert not wrong, "\n".join(wrong)
+    assert any("trainer.protocol" in n for path in (REPO / "runner" / "supervisor").rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) for n in _imported_names(node))

@@ -105,6 +105,11 @@ class VllmParams(Strict):
     # correcting the engine's and the trainer's differing log-probabilities (TRL's
     # vllm_importance_sampling_cap); 0 turns the correction off
     importanceSamplingCap: float = Field(3.0, ge=0)
+    # the most the engine's log-probabilities of the tokens it drew may differ from the trainer's, on
+    # average over a step's drawn tokens (nats), before the attempt fails as an infrastructure failure
+    # (a failed reload, a server for another base or job); unset: trainer.sampling.engines.AGREEMENT
+    # for the compute dtype (float32 0.05, bfloat16 and float16 0.3)
+    maxLogprobMismatch: float | None = Field(None, gt=0, le=10)
 
     @field_validator("server")
     @classmethod

@@ -24,6 +24,7 @@ from grpo_run.trainer.distributed import World, unsharded, wrap_ddp
 from grpo_run.trainer.model import llama
 from grpo_run.trainer.model.policy import compute_dtype
 from grpo_run.trainer.rollout import Rollouts
+from grpo_run.trainer.sampling.engines import AGREEMENT, EngineDisagrees
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Update:
         is_weights: list[Tensor | None] = [None] * len(parts)
         mismatch = [0.0, 0]                                        # sum |trainer - engine| over tokens, tokens
         model = self._update_model()
-        for _ in range(p.numIterations):
+        for iteration in range(p.numIterations):
             # zeros, not None: with no completion to learn from, the optimizer still takes its step
             # (Adam's moments decay, weight decay applies) exactly as over an all-zero gradient
             self.optimizer.zero_grad(set_to_none=False)
@@ -124,6 +125,8 @@ class Update:
                     clipped_tokens += (clipped.float() * l_mask).sum().item()
                 if world.distributed and not parts:      # nothing to learn here: join the average with zeros
                     self._zero_backward(model, batch)
+            if engine is not None and iteration == 0:
+                self._check_agreement(step, mismatch[0] / mismatch[1] if mismatch[1] else 0.0)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.maxGradNorm, foreach=True)
             if hasattr(grad_norm, "full_tensor"):      # FSDP: a DTensor, the whole gradient's norm
                 grad_norm = grad_norm.full_tensor()
@@ -133,6 +136,21 @@ class Update:
         return Updated(loss=loss, clipped=clipped_tokens, kl=kl_sum if refs is not None else None,
                        grad_norm=float(grad_norm), micro_batches=len(parts), learning=int(learning.numel()),
                        mismatch=None if engine is None else (mismatch[0] / mismatch[1] if mismatch[1] else 0.0))
+
+    def _check_agreement(self, step: int, mismatch: float) -> None:
+        """Raise EngineDisagrees when the engine's log-probabilities of what it drew are not the
+        policy's (beyond spec.parameters.vllm.maxLogprobMismatch, or the dtype's AGREEMENT): checked
+        after every sync, before anything of the step is applied."""
+        dtype = compute_dtype(self.device)
+        bound = self.params.vllm.maxLogprobMismatch or AGREEMENT.get(dtype, max(AGREEMENT.values()))
+        if mismatch > bound:
+            raise EngineDisagrees(
+                f"step {step + 1}: the sampling engine's log-probabilities of the tokens it drew differ from the "
+                f"trainer's by {mismatch:.3g} nats on average (the bound for {str(dtype).removeprefix('torch.')} is "
+                f"{bound:g}): the engine is not sampling the policy being trained, and the step was not trained on. "
+                f"Likely causes: the adapter or weights did not reach the engine (a failed reload), a vLLM server "
+                f"serving another base model or another job's adapter, or the engine's dtype differs from the "
+                f"trainer's; spec.parameters.vllm.maxLogprobMismatch sets the bound")
 
     def _check_finite(self, step: int, rewards: Tensor, loss: float, grad_norm: float) -> None:
         """Raise NonFiniteStep when the step's rewards, loss or gradient norm is not finite. Each

@@ -72,14 +72,11 @@ def engine_missing(job, record) -> str | None:
     """Why this node cannot sample the run (its first start chose vLLM, colocated, and this node
     has none), from the record (storage's; None: none there); None when it can."""
     from grpo_run.state import values
-    from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, vllm_version
+    from grpo_run.trainer.sampling.choice import missing_engine
 
-    if job.parameters.vllm.mode != "colocate" or vllm_version() is not None:
-        return None
     chosen = (values.SAMPLER.get(record) or {}).get("engine") if record is not None else None
-    if chosen != "vllm":
-        return None
-    return f"{job.name}: {NO_ENGINE_HERE}; the job is left as it was"
+    missing = missing_engine(chosen, job.parameters)
+    return None if missing is None else f"{job.name}: {missing}; the job is left as it was"
 
 
 def jobs_in(storage: str) -> list[str]:

@@ -91,21 +91,10 @@ def sampler_choice(job: TrainingJob, *, here: bool):
     LookupError when the model's config cannot be read (said by _check_model)."""
     from grpo_run.runner.estimate.config import model_config
     from grpo_run.runner.spec.hardware import node_processes
-    from grpo_run.trainer.sampling.choice import Choice, choose, node_has_gpu, vllm_refusal
+    from grpo_run.trainer.sampling.choice import decide, node_has_gpu
 
-    p = job.parameters
-    server = p.vllm.mode == "server"
-    processes = node_processes(job.resources)
-    if here or p.sampler == "native" or server:
-        return choose(p.sampler, p.method, lambda: model_config(job.model), node_has_gpu(), server=server,
-                      processes=processes)
-    refusal = vllm_refusal(p.method, model_config(job.model), gpu=True, processes=processes)
-    if refusal and p.sampler == "vllm":
-        raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
-    if refusal:
-        return Choice("native", f"auto: {refusal}")
-    return Choice("vllm", "auto: on a GPU node with grpo-run[vllm] installed (else native); the node "
-                          "decides at the job's first start and every attempt keeps it")
+    return decide(job.parameters, lambda: model_config(job.model), gpu=node_has_gpu(),
+                  processes=node_processes(job.resources), here=here)
 
 
 def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:

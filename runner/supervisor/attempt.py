@@ -39,7 +39,7 @@ from grpo_run.runner.supervisor.threads import trainer_threads
 from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s, sandboxed_calls
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.config import model_config
-from grpo_run.trainer.sampling.choice import NO_ENGINE_HERE, choose as choose_sampler, node_has_gpu, vllm_version
+from grpo_run.trainer.sampling.choice import decide, missing_engine, node_has_gpu
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED, CHILD_NO_GROUP,
                                        RENDEZVOUS_TIMEOUT_ENV,
                                        CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
@@ -203,16 +203,16 @@ class TrainerProcess:
         params = self.spec.params
         if chosen is None:
             try:
-                choice = choose_sampler(params.sampler, params.method, lambda: model_config(self.spec.model),
-                                        node_has_gpu(), server=params.vllm.mode == "server",
-                                        processes=self.spec.processes)
+                choice = decide(params, lambda: model_config(self.spec.model), gpu=node_has_gpu(),
+                                processes=self.spec.processes)
             except ValueError as e:
                 raise SamplerUnavailable(str(e)) from None
             self.books.choose_sampler(choice.engine, choice.why)
             log.info("sampler: %s (%s)", choice.engine, choice.why)
             return choice.engine
-        if chosen == "vllm" and params.vllm.mode == "colocate" and vllm_version() is None:
-            raise SamplerUnavailable(NO_ENGINE_HERE)
+        missing = missing_engine(chosen, params)
+        if missing:
+            raise SamplerUnavailable(missing)
         return chosen
 
     def _spawn(self, plan: Plan, progress: bool) -> None:

@@ -88,7 +88,7 @@ def _process(books, params):
 
 
 def test_a_run_that_chose_vllm_is_refused_on_a_node_without_it_never_switched(monkeypatch):
-    monkeypatch.setattr(attempt, "vllm_version", lambda: None)
+    monkeypatch.setattr(choice, "vllm_version", lambda: None)
     books = _Books("vllm")
     with pytest.raises(attempt.SamplerUnavailable, match="this node has no vLLM: install grpo-run\\[vllm\\]"):
         _process(books, GRPOParams(sampler="auto"))._sampler()
@@ -96,7 +96,7 @@ def test_a_run_that_chose_vllm_is_refused_on_a_node_without_it_never_switched(mo
 
 
 def test_the_first_start_records_the_choice_and_later_ones_keep_it(monkeypatch):
-    monkeypatch.setattr(attempt, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(choice, "vllm_version", lambda: "0.32.0")
     books = _Books(None)
     assert _process(books, GRPOParams(sampler="native"))._sampler() == "native"
     assert books.recorded == ("native", "spec.parameters.sampler: native")

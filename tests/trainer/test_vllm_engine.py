@@ -54,6 +54,38 @@ def test_the_engine_that_samples_is_vllm_and_says_its_version(trainer):
     assert status["startSeconds"] > 0
 
 
+def test_an_engine_that_samples_another_policy_fails_the_step_before_it_is_trained_on(trainer, monkeypatch):
+    """A reload that never reached the engine (here: load_policy does nothing) while the trainer's
+    adapter is far from the engine's: the step's agreement check fails the attempt as an
+    infrastructure failure naming the likely cause, and nothing of the step is applied."""
+    from grpo_run.trainer.sampling.engines import EngineDisagrees, EngineUnavailable
+
+    tr = trainer
+    saved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
+    try:
+        tr.sampler.load_policy(tr.model)                       # the engine has the adapter as it is
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(5)
+            for n, p in tr.model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        moved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
+        monkeypatch.setattr(tr.sampler, "load_policy", lambda model: 0.0)      # the sync fails silently
+        with pytest.raises(EngineDisagrees, match=r"step 1: the sampling engine's log-probabilities .* differ from "
+                                                  r"the trainer's by .* \(the bound for float32 is 0.05\).*failed "
+                                                  r"reload") as raised:
+            tr.train_step(0)
+        assert isinstance(raised.value, EngineUnavailable)        # an infrastructure failure: restarted
+        assert all(torch.equal(p, moved[n]) for n, p in tr.model.named_parameters() if n in moved)   # not applied
+    finally:
+        monkeypatch.undo()
+        with torch.no_grad():
+            for n, p in tr.model.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
+        tr.sampler.load_policy(tr.model)
+
+
 def test_the_engine_samples_with_the_trainer_s_adapter_not_the_base(trainer):
     # an adapter far from the identity: the engine's log-probabilities must be the policy's
     # (the trainer's own, recomputed), and far from the base model's

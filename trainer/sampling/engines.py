@@ -25,6 +25,20 @@ class EngineUnavailable(RuntimeError):
     """The vLLM server did not answer, failed, or took too long: an infrastructure failure."""
 
 
+class EngineDisagrees(EngineUnavailable):
+    """The engine drew tokens from another policy than the trainer's: its log-probabilities of the
+    tokens it drew differ from the trainer's beyond the bound (AGREEMENT). An infrastructure
+    failure: the attempt ends before the step is trained on, and the next one syncs afresh."""
+
+
+# The mean |trainer - engine| log-probability over a step's drawn tokens an engine may show (nats),
+# by compute dtype: float32 on a CPU measured below 1e-3 (tests/trainer/test_vllm_engine.py), so
+# 0.05 leaves fifty times the room; 16-bit kernels round far more (bfloat16 keeps 8 bits of
+# mantissa), so 0.3, not yet measured on a GPU (bench/gpu_check.py reports the step's mismatch). A
+# missing adapter or another base is far beyond either (test_vllm_engine's forced disagreement).
+AGREEMENT = {torch.float32: 0.05, torch.bfloat16: 0.3, torch.float16: 0.3}
+
+
 class EngineRefused(RuntimeError):
     """The engine cannot sample this job as it was started or configured (a server's method or
     adapter rank, a memory share too small): restarting the trainer cannot help; the message

@@ -12,7 +12,7 @@ import torch
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.distributed import World
 from grpo_run.trainer.model.policy import compute_dtype
-from grpo_run.trainer.sampling.choice import choose
+from grpo_run.trainer.sampling.choice import decide
 from grpo_run.trainer.sampling.engines import NativeSampler, SampleSettings, Sampler
 
 
@@ -21,8 +21,7 @@ def resolved_engine(params: GRPOParams, config: Callable[[], dict], device: torc
     run on its own): "native" or "vllm"."""
     if params.sampler != "auto":
         return params.sampler
-    return choose("auto", params.method, config, device.type == "cuda", server=params.vllm.mode == "server",
-                  processes=world.size).engine
+    return decide(params, config, gpu=device.type == "cuda", processes=world.size).engine
 
 
 def start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, settings: SampleSettings,

@@ -7,7 +7,7 @@ patches the class or function a point lives in right after its module has loaded
 no hook, call, or setting for any of this. The points, and what is patched for each:
 
     sample@K     between two tokens of step K's sampling (0-based), in the trainer: a built
-                 GRPOTrainer's stop request, which the sampler asks between tokens
+                 GRPOTrainer's stop request, which the rollout asks between tokens
     backward@K   after step K's backward pass, before the optimizer applies it, in the trainer:
                  a built GRPOTrainer's `optimizer.step`
     upload@K     after the first file of checkpoint K (or of the first one uploaded after it: the
@@ -168,8 +168,8 @@ def _arm_trainer(trainer: Any, fault: Fault) -> None:
 
     trainer.train_step = tracked
     stop = trainer.stop
-    if fault.point == "sample":
-        trainer.stop = _Tripwire(stop, lambda: current[0] == fault.step, fault)
+    if fault.point == "sample":         # the rollout asks the stop between tokens (trainer.rollout)
+        trainer.stop = trainer.rollout.stop = _Tripwire(stop, lambda: current[0] == fault.step, fault)
         return
     optimizer_step = trainer.optimizer.step
 
@@ -182,7 +182,7 @@ def _arm_trainer(trainer: Any, fault: Fault) -> None:
 
 
 class _Tripwire:
-    """Stands in for the trainer's stop event: the sampler asks it between tokens."""
+    """Stands in for the trainer's stop event: the rollout asks it between tokens."""
 
     def __init__(self, event: Any, armed: Callable[[], bool], fault: Fault) -> None:
         self._event, self._armed, self._fault = event, armed, fault
