@@ -199,7 +199,8 @@ def served(tiny64):
     stop(server)
 
 
-def test_every_route_but_health_refuses_a_caller_without_the_nodes_token(served):
+@pytest.mark.trust
+def test_every_route_but_health_refuses_a_caller_without_the_nodes_token(figures, served):
     status, health = call(served, "GET", "/health")
     assert status == 200 and health["token"] is True and health["engine"] == "vllm"
     for path in ("/adapter", "/weights", "/sample", "/abort"):
@@ -207,6 +208,8 @@ def test_every_route_but_health_refuses_a_caller_without_the_nodes_token(served)
         status, answer = call(served, "POST", path, b"{}", {"X-Run": "stranger", **bearer("guessed")})
         assert status == 403 and TOKEN_ENV in answer["error"]
     assert call(served, "POST", "/abort", json.dumps({"run": "r1"}).encode(), bearer(TOKEN))[0] == 200
+    figures.add("trust", actor='host on the node network', tried='call /adapter, /weights, /sample, /abort of a vLLM server without its token, or with a guessed one',
+                protection="the node's GRPO_RUN_VLLM_TOKEN on every route but /health", outcome='401 / 403, nothing loaded or sampled', held=True)
 
 
 def headers_only(url: str, path: str, headers: dict) -> tuple[int, dict]:
@@ -227,23 +230,30 @@ def headers_only(url: str, path: str, headers: dict) -> tuple[int, dict]:
         conn.close()
 
 
-def test_a_body_past_the_routes_cap_is_refused_before_it_is_read(served):
+@pytest.mark.trust
+def test_a_body_past_the_routes_cap_is_refused_before_it_is_read(figures, served):
     # a server that read the body first would wait for the terabyte
     status, answer = headers_only(served, "/sample", {**bearer(TOKEN), "Content-Length": str(10**12)})
     assert status == 413 and "more than this route takes" in answer["error"]
     assert headers_only(served, "/adapter", {**bearer(TOKEN), "X-Run": "r1", "Content-Length": str(10**12)})[0] == 413
     assert headers_only(served, "/adapter", {**bearer(TOKEN), "X-Run": "r1"})[0] == 411     # no length: no read
+    figures.add("trust", actor='host on the node network', tried='a 1 TB body, or one without a length, to the vLLM server',
+                protection="Content-Length checked against the route's cap before reading", outcome='413 / 411, nothing read', held=True)
 
 
-def test_a_server_without_a_token_listens_on_loopback_only(tmp_path, tiny64):
+@pytest.mark.trust
+def test_a_server_without_a_token_listens_on_loopback_only(figures, tmp_path, tiny64):
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     done = subprocess.run([sys.executable, "-m", "grpo_run.runner.cli", "vllm-server", "--model", str(tiny64),
                            "--host", "0.0.0.0", "--port", "0"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and TOKEN_ENV in done.stderr and "Traceback" not in done.stderr
+    figures.add("trust", actor='host on the node network', tried='a vLLM server on 0.0.0.0 without a token',
+                protection='no token: loopback only', outcome='refused at start, exit 2', held=True)
 
 
-def test_two_runs_on_one_server_each_sample_with_their_own_adapter(served, tiny64, tmp_path, monkeypatch):
+@pytest.mark.trust
+def test_two_runs_on_one_server_each_sample_with_their_own_adapter(figures, served, tiny64, tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     first, second = client(served, tiny64, tmp_path / "a"), client(served, tiny64, tmp_path / "b")
     first.load_policy(policy(tiny64, changed=False))
@@ -257,9 +267,13 @@ def test_two_runs_on_one_server_each_sample_with_their_own_adapter(served, tiny6
             "settings": {"max_tokens": 4, "temperature": 1.0}}
     status, answer = call(served, "POST", "/sample", json.dumps(body).encode(), bearer(TOKEN))
     assert status == 409 and "not sha256" in answer["error"]
+    figures.add("trust", actor='ordinary failure', tried="two jobs on one vLLM server, and a /sample naming another run's adapter",
+                protection='an adapter per run, its sha256 checked on every /sample', outcome='each job samples its own policy; the other refused (409)', held=True)
 
 
-def test_a_trainer_with_another_token_is_refused_with_the_variable_to_set(served, tiny64, tmp_path, monkeypatch):
+@pytest.mark.trust
+def test_a_trainer_with_another_token_is_refused_with_the_variable_to_set(figures, served, tiny64, tmp_path,
+                                                                         monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "not-the-servers")
     sampler = client(served, tiny64, tmp_path)
     with pytest.raises(EngineRefused, match=TOKEN_ENV):
@@ -267,9 +281,12 @@ def test_a_trainer_with_another_token_is_refused_with_the_variable_to_set(served
     monkeypatch.delenv(TOKEN_ENV)
     with pytest.raises(EngineRefused, match=f"asks for a token, and {TOKEN_ENV} is not set"):
         client(served, tiny64, tmp_path)
+    figures.add("trust", actor='ordinary failure', tried='a trainer node with another token, or none',
+                protection='the token checked, the variable named', outcome='the job refused with the fix', held=True)
 
 
-def test_a_server_of_another_model_is_refused_at_apply_and_at_the_trainers_start(served, tiny64, tmp_path,
+@pytest.mark.trust
+def test_a_server_of_another_model_is_refused_at_apply_and_at_the_trainers_start(figures, served, tiny64, tmp_path,
                                                                                    monkeypatch):
     from grpo_run.runner.jobs.preflight import _server_problem
 
@@ -282,6 +299,8 @@ def test_a_server_of_another_model_is_refused_at_apply_and_at_the_trainers_start
     assert problem and f"serves {served_name(str(tiny64))!r}" in problem and "grpo-run vllm-server --model" in problem
     with pytest.raises(EngineRefused, match="spec.parameters.vllm.server: the vLLM server at .* serves"):
         client(served, other, tmp_path)
+    figures.add("trust", actor='ordinary failure', tried='a vLLM server of another base of the same shape',
+                protection="/health's model compared with spec.model at apply and at the trainer's start", outcome='refused at both', held=True)
 
 
 # --- the server's bookkeeping over a stub engine (what a real engine adds nothing to) -------------
@@ -334,8 +353,9 @@ def stub(tmp_path, tiny64):
     server.server_close()
 
 
+@pytest.mark.trust
 def test_an_abort_stops_only_its_own_runs_sampling_and_is_a_failure_when_the_trainer_did_not_ask(
-        stub, tiny64, tmp_path, monkeypatch):
+        figures, stub, tiny64, tmp_path, monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     url, engine = stub
     sampler = client(url, tiny64, tmp_path)
@@ -358,15 +378,18 @@ def test_an_abort_stops_only_its_own_runs_sampling_and_is_a_failure_when_the_tra
     worker.join(60)
     assert isinstance(outcome.get("error"), EngineUnavailable)     # not GenerationInterrupted: no stop was asked
     assert "409" in str(outcome["error"])
+    figures.add("trust", actor='host on the node network', tried="/abort another run's sampling on a shared vLLM server",
+                protection='/abort scoped to its run; an unrequested 409 is an infrastructure failure', outcome='the other run samples on; the aborted attempt restarts, never Preempted', held=True)
 
 
+@pytest.mark.trust
 @pytest.mark.parametrize("reply, said", [
     (lambda prompts: [Drawn([1], [-1.0], False)] * (len(prompts) - 1), "7 completions for 8 prompts"),
     (lambda prompts: [Drawn([10**6], [-1.0], False) for _ in prompts], "outside the model's vocabulary"),
     (lambda prompts: [Drawn([1] * 7, [-1.0] * 7, True) for _ in prompts], "7 tokens, more than max_tokens (6)"),
     (lambda prompts: [Drawn([1], [float("nan")], False) for _ in prompts], "not one finite number per token"),
 ])
-def test_a_reply_that_is_not_the_completions_asked_for_is_never_trained_on(stub, tiny64, tmp_path, monkeypatch,
+def test_a_reply_that_is_not_the_completions_asked_for_is_never_trained_on(figures, stub, tiny64, tmp_path, monkeypatch,
                                                                           reply, said):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     url, engine = stub
@@ -375,11 +398,14 @@ def test_a_reply_that_is_not_the_completions_asked_for_is_never_trained_on(stub,
     sampler.load_policy(FakeAdapter())
     with pytest.raises(EngineUnavailable, match=said.replace("(", r"\(").replace(")", r"\)")):
         draws(sampler)
+    figures.add("trust", actor='bucket writer', tried='a vLLM server of theirs answering too few rows, ids outside the vocabulary, too many tokens, NaN log-probs',
+                protection='every reply checked before it is trained on', outcome='an infrastructure failure, never trained on', held=True)
 
 
 # --- on resume, the node names the server ---------------------------------------------------------
 
-def test_on_resume_the_vllm_server_comes_from_the_node_not_the_stored_spec(tmp_path, tiny64, monkeypatch):
+@pytest.mark.trust
+def test_on_resume_the_vllm_server_comes_from_the_node_not_the_stored_spec(figures, tmp_path, tiny64, monkeypatch):
     from grpo_run.runner.jobs.stored import VLLM_SERVER_ENV, as_this_node_runs_it
     from grpo_run.runner.spec.job import load_job
     from grpo_run.runner.supervisor.runspec import build_run_spec
@@ -397,10 +423,12 @@ def test_on_resume_the_vllm_server_comes_from_the_node_not_the_stored_spec(tmp_p
     # what the trainer is given: the node's server, never the stored one
     assert build_run_spec(stored, "file:///x", local=local).params.vllm.server == "http://127.0.0.1:8000"
     assert as_this_node_runs_it(stored, trust_urls=True).parameters.vllm.server == "http://10.9.9.9:8000"
+    figures.add("trust", actor='bucket writer', tried='a stored vllm.server, resumed',
+                protection="on resume the node's GRPO_RUN_VLLM_SERVER", outcome='the stored server never contacted', held=True)
 
 
-
-def test_vllm_never_reports_usage_from_a_trainer_or_a_server(tmp_path, monkeypatch):
+@pytest.mark.trust
+def test_vllm_never_reports_usage_from_a_trainer_or_a_server(figures, tmp_path, monkeypatch):
     """vLLM sends usage reports to stats.vllm.ai unless told not to; every engine grpo-run starts
     (colocated in the trainer, and the server's, which is the same VllmSampler) is told."""
     import torch
@@ -420,3 +448,5 @@ def test_vllm_never_reports_usage_from_a_trainer_or_a_server(tmp_path, monkeypat
     VllmSampler("any-model", method="LoRA", lora_rank=8, dtype=torch.float32, device=torch.device("cpu"),
                 gpu_memory_utilization=0.1, work=tmp_path)
     assert seen == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    figures.add("trust", actor='ordinary failure', tried="vLLM's default usage report to stats.vllm.ai",
+                protection='VLLM_NO_USAGE_STATS=1 and DO_NOT_TRACK=1 before the engine starts', outcome='no report', held=True)

@@ -424,9 +424,10 @@ def serve(settings: ServerSettings) -> int:
     engine = start_server(settings, token)
     server = ThreadingHTTPServer((settings.host, settings.port), _handler(engine))
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    if not token:
+        log.info("no %s: listening on loopback only, and asking callers for no token", TOKEN_ENV)
     print(f"vLLM {engine.health['version']} serving {settings.model} ({settings.method}) at "
-          f"http://{settings.host}:{server.server_address[1]}"
-          f"{'' if token else f' (no {TOKEN_ENV}: loopback only, no token asked)'}", flush=True)
+          f"http://{settings.host}:{server.server_address[1]}", flush=True)     # scripts read the address off it
     try:
         server.serve_forever()
     except KeyboardInterrupt:
