@@ -153,11 +153,12 @@ def bearer(token: str) -> dict:
     return {"Authorization": f"Bearer {token}"}
 
 
-def client(url: str, model: Path, work: Path, **overrides) -> VllmServerSampler:
-    options = dict(model=str(model), method="LoRA", lora_rank=8, timeout_s=120, max_new_tokens=6, eos_ids=[],
-                   pad_id=0, top_k=0, top_p=1.0, repetition_penalty=1.0, stop_strings=[], work=work)
+def client(url: str, model: Path, work: Path) -> VllmServerSampler:
+    from grpo_run.trainer.sampling.engines import SampleSettings
+
     work.mkdir(parents=True, exist_ok=True)
-    return VllmServerSampler(url, **{**options, **overrides})
+    return VllmServerSampler(url, SampleSettings(temperature=1.0, max_tokens=6), model=str(model), method="LoRA",
+                             lora_rank=8, timeout_s=120, pad_id=0, work=work)
 
 
 def policy(model: Path, *, changed: bool):
