@@ -267,7 +267,7 @@ def test_two_runs_on_one_server_each_sample_with_their_own_adapter(figures, serv
     body = {"run": first.run, "sha256": second.sha256, "prompts": ids.tolist(), "seeds": [1],
             "settings": {"max_tokens": 4, "temperature": 1.0}}
     status, answer = call(served, "POST", "/sample", json.dumps(body).encode(), bearer(TOKEN))
-    assert status == 409 and "not sha256" in answer["error"]
+    assert status == 409 and f"not sha256 {second.sha256}" in answer["error"]
     figures.add("trust", actor='ordinary failure', tried="two jobs on one vLLM server, and a /sample naming another run's adapter",
                 protection='an adapter per run, its sha256 checked on every /sample', outcome='each job samples its own policy; the other refused (409)', held=True)
 

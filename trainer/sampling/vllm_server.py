@@ -213,9 +213,9 @@ class _Server:
                     held = self.held.get(run)
                     if held is not None:
                         self.held.move_to_end(run)
-                if (held.sha256 if held else None) != sha:
-                    raise Refusal(409, f"run {run}: this server holds {'no adapter or weights' if held is None else 'another adapter or weights'} "
-                                       f"for it, not sha256 {sha} (restarted, or dropped as the least recently used)")
+                if (held.sha256 if held else None) != sha:      # a server restarted, or one that dropped the run
+                    holds = "nothing" if held is None else f"sha256 {held.sha256}"
+                    raise Refusal(409, f"run {run}: this server holds {holds} for it, not sha256 {sha}")
                 if self.method == "Full" and self.weights_of != (None if sha is None else run):
                     raise Refusal(409, f"run {run}: the engine holds weights another run sent")
                 if self.method == "LoRA":
