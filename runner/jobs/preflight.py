@@ -124,10 +124,23 @@ def _server_problem(url: str, model: str) -> str | None:
             health = json.loads(reply.read())
         if health.get("engine") != "vllm":
             return f"spec.parameters.vllm.server: {url} answered, but not as `grpo-run vllm-server`"
-        return None
+        return _served_model_problem(url, health.get("model"), model)
     except (urllib.error.URLError, OSError, ValueError) as e:
         return (f"spec.parameters.vllm.server: no vLLM server answers at {url} ({getattr(e, 'reason', e)}): start "
                 f"one there with `grpo-run vllm-server --model {model}` (docs/sampling.md)")
+
+
+def _served_model_problem(url: str, served, model: str) -> str | None:
+    """Why a server serving `served` cannot sample a job of spec.model `model` (None when it can):
+    another base would sample, and the job train, on weights that are not the job's."""
+    from grpo_run.runner.home import is_tiny, tiny_model_path
+    from grpo_run.trainer.sampling.vllm_server import served_name
+
+    ours = served_name(str(tiny_model_path(model)) if is_tiny(model) else model)
+    if served == ours:
+        return None
+    return (f"spec.parameters.vllm.server: the vLLM server at {url} serves {served!r}, and spec.model is {ours!r}: "
+            f"point the job at a server of its model, or start one with `grpo-run vllm-server --model {ours}`")
 
 
 def check_before_apply(file: str, job: TrainingJob, *, dry_run: bool, detach: bool) -> None:

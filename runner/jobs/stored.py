@@ -9,7 +9,9 @@ may decide on the node is narrowed here (its environment files: runner/jobs/envf
   GRPO_RUN_TRUST_STORED_URLS=1): MLflow sends the node's MLFLOW_TRACKING_TOKEN (or basic-auth
   variables) to its tracking URI, a TensorBoard folder or URL is written with the node's
   credentials outside the job's folder, and any HTTP 200 from a metadata URL counts as a spot
-  notice (a fake preemption, again and again).
+  notice (a fake preemption, again and again). A vLLM server (spec.parameters.vllm.server)
+  would receive every step's prompts and the policy, and choose the completions the job trains
+  on: the node names it in GRPO_RUN_VLLM_SERVER.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 TRUST_STORED_URLS_ENV = "GRPO_RUN_TRUST_STORED_URLS"
 MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"      # MLflow's own variable: the node's tracking server
+VLLM_SERVER_ENV = "GRPO_RUN_VLLM_SERVER"    # the node's vLLM server, for a resumed job with vllm.mode: server
 
 
 def trusts_stored_urls() -> bool:
@@ -56,8 +59,10 @@ def as_this_node_runs_it(job: TrainingJob, *, trust_urls: bool) -> TrainingJob:
     """The stored `job` with the URLs it names replaced by this node's configuration (unless
     `trust_urls`): the notices' metadata URLs left out (GRPO_RUN_*_METADATA_URL or the clouds'
     own addresses apply), MLflow's tracking URI from MLFLOW_TRACKING_URI (MLflow left out
-    without it), a TensorBoard folder or URL left out (`true`, the job's own storage, stays).
-    What is left out is said in a warning. The spec in the record is not changed."""
+    without it), a TensorBoard folder or URL left out (`true`, the job's own storage, stays), the
+    vLLM server from GRPO_RUN_VLLM_SERVER. What is left out is said in a warning. The spec in the
+    record is not changed. Raises ValueError for a job that samples on a vLLM server when this
+    node names none (or names one that is no server's address)."""
     from grpo_run.runner.spec.job import NOTICE_URLS
 
     if trust_urls:
@@ -84,8 +89,33 @@ def as_this_node_runs_it(job: TrainingJob, *, trust_urls: bool) -> TrainingJob:
                 ignored.append(f"spec.tracking.mlflow.trackingURI ({instead})")
         if changed:
             update["tracking"] = tracking.model_copy(update=changed)
+    vllm = job.parameters.vllm
+    if vllm.mode == "server":
+        server = _node_vllm_server(job.name)
+        if server != vllm.server:
+            ignored.append(f"spec.parameters.vllm.server ({VLLM_SERVER_ENV} of this node instead)")
+            update["parameters"] = job.parameters.model_copy(update={"vllm": vllm.model_copy(update={"server": server})})
     if ignored:
         log.warning("%s: not using the URLs the spec in storage names: %s; this node's configuration decides "
                     "(resume --trust-stored-urls, or %s=1, uses them: only for storage no one else can write)",
                     job.name, "; ".join(ignored), TRUST_STORED_URLS_ENV)
     return job.model_copy(update=update) if update else job
+
+
+def _node_vllm_server(name: str) -> str:
+    """This node's GRPO_RUN_VLLM_SERVER, checked as spec.parameters.vllm.server is. Raises ValueError."""
+    from pydantic import ValidationError
+
+    from grpo_run.trainer.config import VllmParams
+
+    given = os.environ.get(VLLM_SERVER_ENV, "").strip()
+    if not given:
+        raise ValueError(f"error: {name} samples on a vLLM server (spec.parameters.vllm.mode: server), and on resume "
+                         f"this node names it, not the spec in storage: set {VLLM_SERVER_ENV}=http://HOST:PORT on this "
+                         f"node (resume --trust-stored-urls, or {TRUST_STORED_URLS_ENV}=1, uses the stored one: only "
+                         "for storage no one else can write)")
+    try:
+        return VllmParams(mode="server", server=given).server
+    except ValidationError as e:
+        why = e.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ValueError(f"error: {VLLM_SERVER_ENV}={given!r} in this node's environment: {why}") from None

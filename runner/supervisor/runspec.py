@@ -87,7 +87,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     """What the supervisor needs for `job` on this node, its outputs under `storage_url`: the
     processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
     `local`: the same job as this node runs it (its environment files where they are on this
-    node; on resume, the node's own tracker and notice URLs). `uploads`: the environment files
+    node; on resume, the node's own tracker, notice and vLLM server URLs). `uploads`: the environment files
     `apply` sends once the lease is held (runner.jobs.envfiles.environment_uploads)."""
     from grpo_run.runner.home import ensure_model
 
@@ -111,7 +111,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
         raise JobError(job.name, refused)
     here = local or job
     return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
-                   env=build_environment(here), params=job.parameters, storage=storage_url,
+                   env=build_environment(here), params=here.parameters, storage=storage_url,
                    model_name=job.model, usd_per_hour=usd_per_hour(job, everywhere),
                    max_cost_usd=job.maxCostUSD, processes=processes, sandbox_strict=sandbox_strict(job),
                    environment_uploads=uploads, tracking=here.tracking.to_dict() if here.tracking is not None else None,

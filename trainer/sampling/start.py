@@ -38,7 +38,7 @@ def start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, setti
     if p.vllm.mode == "server":
         from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
 
-        return VllmServerSampler(p.vllm.server, settings, method=p.method, lora_rank=p.lora.r,
+        return VllmServerSampler(p.vllm.server, settings, model=model_path, method=p.method, lora_rank=p.lora.r,
                                  timeout_s=p.vllm.serverTimeoutSeconds, pad_id=pad_id, work=work)
     from grpo_run.trainer.sampling.vllm_engine import VllmSampler   # heavy: only where it samples
 

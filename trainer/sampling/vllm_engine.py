@@ -79,6 +79,8 @@ class VllmSampler:
         `lora_rank`; Full: weights loaded into it). `settings`: the run's, for `sample` (a
         server's engine has none: its `generate` takes a request's own with each call)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # before vllm is imported: the engine in-process
+        # and no usage report to stats.vllm.ai (vLLM's default) from the trainer or a vllm-server
+        os.environ["VLLM_NO_USAGE_STATS"] = os.environ["DO_NOT_TRACK"] = "1"
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
         import vllm
