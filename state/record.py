@@ -450,8 +450,13 @@ _SECRET_KEYS = frozenset({
     "secret", "secretkey", "secretaccesskey", "awssecretaccesskey", "sessiontoken",
     "awssessiontoken", "password", "passwd", "apikey", "accesstoken", "authtoken", "token",
     "privatekey", "credentials", "hftoken",
+    # Azure: a connection string holds AccountKey= or SharedAccessSignature=; a SAS token signs URLs
+    "connectionstring", "azurestorageconnectionstring", "accountkey", "sharedaccesskey",
+    "sharedaccesssignature", "sastoken", "azurestoragesastoken",
 })
 _URL_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]+:[^/@\s]*@")
+# a URL signed with a SAS token (`?sv=...&sig=...`), or a connection string's secret part
+_AZURE_SECRET = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://\S*[?&]sig=|(AccountKey|SharedAccessSignature)=", re.IGNORECASE)
 
 
 def _refuse_credentials(value: Any, where: str) -> None:
@@ -468,6 +473,10 @@ def _refuse_credentials(value: Any, where: str) -> None:
             _refuse_credentials(item, f"{where}[{i}]")
     elif isinstance(value, str) and _URL_USERINFO.match(value):
         raise ValueError(f"{where}: a URL with a password in it; the run's record never stores "
+                         f"credentials (use the environment)")
+    elif isinstance(value, str) and _AZURE_SECRET.search(value):
+        raise ValueError(f"{where}: an Azure account key or SAS signature (AccountKey=, "
+                         f"SharedAccessSignature= or a URL's sig=); the run's record never stores "
                          f"credentials (use the environment)")
 
 

@@ -248,6 +248,9 @@ def test_values_round_trip_as_json(record):
     {"storage": "s3://bucket/p", "aws_secret_access_key": "abc"},
     {"env": {"HF_TOKEN": "hf_abc"}},
     {"storage": "https://user:hunter2@example.com/x"},
+    {"env": {"AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=abc=="}},
+    {"storage": "https://acct.blob.core.windows.net/c/p?sv=2024-01-01&sp=r&sig=c2lnbmF0dXJlMTIzNDU%3D"},
+    {"note": "BlobEndpoint=https://a.blob.core.windows.net/;SharedAccessSignature=sv=2024&sig=abcdefgh1234"},
 ])
 def test_credentials_are_never_stored(tmp_path, spec):
     with Record(tmp_path / "run.db") as rec:
