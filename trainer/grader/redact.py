@@ -11,7 +11,10 @@ record, and the record goes up to the bucket; and into the logs. So, in the pare
     and GOOGLE_APPLICATION_CREDENTIALS files, ~/.netrc and ~/.git-credentials, the web-identity
     token files a role names (AWS_WEB_IDENTITY_TOKEN_FILE, AZURE_FEDERATED_TOKEN_FILE) and the
     mounted service-account tokens (/var/run/secrets/**/token): replaced by `[redacted FILE]`;
-  * the text is cut to _MAX_TEXT_CHARS (its head and its tail, saying how much went).
+  * so is every Azure account key and SAS signature, by its shape (`AccountKey=`, `sig=`...);
+  * error text is cut to _MAX_TEXT_CHARS (its head and its tail, saying how much went): `cap`, which
+    the grader applies to a failure's text and the crash log only; an episode's prompt or
+    observation is scrubbed, never cut (the episode loop bounds it in tokens).
 
 This is a second line. The worker starts without these variables and cannot read the files or
 processes that hold them (`sandbox`); a reward function that gets hold of a secret some other way
