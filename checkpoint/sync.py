@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .storage.fsio import atomic_write_bytes, fsync_dir
+from .storage.fsio import KEEP_SET_ASIDE, atomic_write_bytes, fsync_dir, set_aside
 from .manifest import (
     FINITE_META,
     KEEP_CHECKPOINTS,
@@ -118,9 +118,9 @@ def restore_latest(store: ObjectStore, root: Path, prefix: str = "checkpoints", 
 
     local = newest_sealed(root)
     while local is not None and (why := why_not(local)) is not None:
-        aside = local[1].with_name(f".set-aside-{local[1].name}-{uuid.uuid4().hex[:8]}")
-        log.warning("setting local checkpoint %s aside (%s): %s", local[1], aside.name, why)
-        os.replace(local[1], aside)
+        aside = set_aside(local[1], "ckpt-")
+        log.warning("set local checkpoint %s aside (%s; the newest %d set aside are kept): %s", local[1],
+                    aside.name, KEEP_SET_ASIDE, why)
         local = newest_sealed(root)
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
