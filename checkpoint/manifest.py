@@ -35,6 +35,9 @@ from .storage.fsio import atomic_write_bytes, fsync_dir
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+# A manifest lists each file of a checkpoint with its size and sha256 (~150 bytes a file): 16 MiB is
+# a hundred thousand files. One larger was not written by us, and is never read whole.
+MAX_MANIFEST_BYTES = 16 << 20
 KEEP_CHECKPOINTS = 3     # sealed checkpoints kept, on the node and in storage: the one setting of it
 # meta key: true when every floating-point tensor was checked finite when the checkpoint was sealed
 # (checkpoint.writer.weights_finite), false when one was not; absent: never checked. Pruning keeps
@@ -84,6 +87,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes | str) -> Manifest:
         """Parse and validate. CheckpointInvalid(reason) if it is not a manifest we wrote."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CheckpointInvalid(f"manifest is larger than {MAX_MANIFEST_BYTES:,} bytes: not one we wrote")
         try:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -195,7 +200,8 @@ def read_manifest(folder: Path) -> Manifest:
     """The folder's manifest, parsed; CheckpointInvalid if missing or unparseable."""
     folder = Path(folder)
     try:
-        data = (folder / MANIFEST_NAME).read_bytes()
+        with open(folder / MANIFEST_NAME, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)       # one larger is refused by from_json, unread
     except FileNotFoundError:
         raise CheckpointInvalid("manifest.json is missing", folder) from None
     except OSError as exc:

@@ -29,11 +29,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .storage.fsio import atomic_write_bytes, fsync_dir
+from .storage.fsio import KEEP_SET_ASIDE, atomic_write_bytes, fsync_dir, set_aside
 from .manifest import (
     FINITE_META,
     KEEP_CHECKPOINTS,
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     CheckpointInvalid,
     Manifest,
     checkpoint_name,
@@ -44,7 +45,7 @@ from .manifest import (
     step_of,
     verify,
 )
-from .storage.store import ObjectStore, StorageConfigError, StorageUnavailable
+from .storage.store import ObjectStore, ObjectTooLarge, StorageConfigError, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,9 @@ def restore_latest(store: ObjectStore, root: Path, prefix: str = "checkpoints", 
 
     local = newest_sealed(root)
     while local is not None and (why := why_not(local)) is not None:
-        aside = local[1].with_name(f".set-aside-{local[1].name}-{uuid.uuid4().hex[:8]}")
-        log.warning("setting local checkpoint %s aside (%s): %s", local[1], aside.name, why)
-        os.replace(local[1], aside)
+        aside = set_aside(local[1], "ckpt-")
+        log.warning("set local checkpoint %s aside (%s; the newest %d set aside are kept): %s", local[1],
+                    aside.name, KEEP_SET_ASIDE, why)
         local = newest_sealed(root)
     if local is not None and local[0] >= max(durable, default=-1):
         step, folder, manifest = local
@@ -165,7 +166,10 @@ def download_latest(store: ObjectStore, dest_root: Path, prefix: str = "checkpoi
         name = checkpoint_name(step)
         where = f"{store.url}/{prefix}/{name}"
         try:
-            raw = store.get_bytes(f"{prefix}/{name}/{MANIFEST_NAME}")
+            try:
+                raw = store.get_bytes(f"{prefix}/{name}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES)
+            except ObjectTooLarge:
+                raise CheckpointInvalid(f"manifest.json is larger than {MAX_MANIFEST_BYTES:,} bytes") from None
             manifest = Manifest.from_json(raw)
             if manifest.step != step:
                 raise CheckpointInvalid(f"manifest says step {manifest.step}")
@@ -424,10 +428,11 @@ class Uploader:
         found: dict[int, bool] = {}
         for step in steps:
             try:
-                manifest = Manifest.from_json(self.store.get_bytes(f"{self.prefix}/{checkpoint_name(step)}/{MANIFEST_NAME}"))
+                manifest = Manifest.from_json(self.store.get_bytes(
+                    f"{self.prefix}/{checkpoint_name(step)}/{MANIFEST_NAME}", max_bytes=MAX_MANIFEST_BYTES))
             except FileNotFoundError:
                 continue
-            except CheckpointInvalid:      # damaged: counted and pruned as before, never a good one
+            except (CheckpointInvalid, ObjectTooLarge):      # damaged: counted and pruned as before, never a good one
                 found[step] = False
                 continue
             if self._accept is not None and (why := self._accept(manifest)) is not None:

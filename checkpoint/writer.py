@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import logging.handlers
 import mmap
 import os
 import select
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     root.setLevel(logging.WARNING)
     root.addHandler(to_terminal)
     if args.log:
-        to_file = logging.FileHandler(args.log)
+        # the trainer rotates that file (trainer.logs): this process follows the name, never rotates it
+        to_file = logging.handlers.WatchedFileHandler(args.log)
         to_file.setFormatter(fmt)
         root.addHandler(to_file)
         logging.getLogger("grpo_run.checkpoint").setLevel(logging.INFO)

@@ -44,6 +44,7 @@ else:
         del sys.modules["pandas"]
 
 from grpo_run.checkpoint.storage.fsio import fsync_dir, fsync_file
+from grpo_run.checkpoint.storage.retry import StorageConfigError
 from grpo_run.state.migrations import MIGRATIONS
 from grpo_run.state.phases import ALLOWED_TRANSITIONS, AttemptEnd, InvalidTransition, Phase
 
@@ -70,6 +71,42 @@ def _wal(conn: sqlite3.Connection) -> None:
                 raise
             time.sleep(0.01)
 
+class RecordDamaged(StorageConfigError):
+    """A record fetched from storage that is not a whole, plain record (`check_fetched`): never
+    used. A StorageConfigError: a person must put a good copy back, and no retry helps."""
+
+
+def _untrusting(conn: sqlite3.Connection) -> sqlite3.Connection:
+    # A record can come from storage, which others may write: its schema's views and triggers
+    # (grpo-run writes none) may call no function with side effects.
+    conn.execute("PRAGMA trusted_schema=OFF")
+    return conn
+
+
+def check_fetched(path: str | Path, where: str) -> None:
+    """Before a record fetched from storage (`where`: its key, as a person finds it) is opened for
+    use: it must pass SQLite's quick_check and hold no trigger or view (the record has none;
+    one would run on our writes). RecordDamaged, naming what is wrong and the fix, otherwise."""
+    fix = (f"; it is not used. Put a good copy back as {where} (every node that ran the job keeps "
+           f"one as {RECORD_FILE} in its work folder)")
+    try:
+        conn = _untrusting(sqlite3.connect(str(path)))
+        try:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+            planted = [f"{kind} {name}" for kind, name in conn.execute(
+                "SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'view') ORDER BY name")]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:
+        raise RecordDamaged(f"the record in storage ({where}) cannot be read as a record (SQLite: {e}){fix}") from None
+    if problems != ["ok"]:
+        found = "; ".join(" ".join(str(p).replace("*** in database main ***", "").split()) for p in problems)
+        raise RecordDamaged(f"the record in storage ({where}) is damaged (SQLite's quick_check: {found}){fix}")
+    if planted:
+        raise RecordDamaged(f"the record in storage ({where}) holds what grpo-run never writes "
+                            f"({', '.join(planted)}){fix}")
+
+
 class Record:
     """Owns one SQLite connection to the run's record; safe to share between threads."""
 
@@ -78,7 +115,7 @@ class Record:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._in_transaction = False     # guarded by _lock
-        conn = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+        conn = _untrusting(sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT_S))
         _wal(conn)                                # readers (grpo-run get) never block the writer
         conn.execute("PRAGMA synchronous=FULL")   # a committed transition survives power loss
         self._conn = conn
@@ -450,8 +487,13 @@ _SECRET_KEYS = frozenset({
     "secret", "secretkey", "secretaccesskey", "awssecretaccesskey", "sessiontoken",
     "awssessiontoken", "password", "passwd", "apikey", "accesstoken", "authtoken", "token",
     "privatekey", "credentials", "hftoken",
+    # Azure: a connection string holds AccountKey= or SharedAccessSignature=; a SAS token signs URLs
+    "connectionstring", "azurestorageconnectionstring", "accountkey", "sharedaccesskey",
+    "sharedaccesssignature", "sastoken", "azurestoragesastoken",
 })
 _URL_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]+:[^/@\s]*@")
+# a URL signed with a SAS token (`?sv=...&sig=...`), or a connection string's secret part
+_AZURE_SECRET = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://\S*[?&]sig=|(AccountKey|SharedAccessSignature)=", re.IGNORECASE)
 
 
 def _refuse_credentials(value: Any, where: str) -> None:
@@ -468,6 +510,10 @@ def _refuse_credentials(value: Any, where: str) -> None:
             _refuse_credentials(item, f"{where}[{i}]")
     elif isinstance(value, str) and _URL_USERINFO.match(value):
         raise ValueError(f"{where}: a URL with a password in it; the run's record never stores "
+                         f"credentials (use the environment)")
+    elif isinstance(value, str) and _AZURE_SECRET.search(value):
+        raise ValueError(f"{where}: an Azure account key or SAS signature (AccountKey=, "
+                         f"SharedAccessSignature= or a URL's sig=); the run's record never stores "
                          f"credentials (use the environment)")
 
 

@@ -147,7 +147,8 @@ class GRPOParams(Strict):
     method: Literal[METHODS] = "LoRA"
     saveSteps: int = Field(25, ge=1)   # checkpoint every N steps
     maxSteps: int = Field(200, ge=1)   # training steps
-    learningRate: float = Field(1e-5, gt=0)
+    learningRate: float = Field(1e-5, gt=0, le=1, json_schema_extra={
+        "why": "Adam moves each weight by about the learning rate a step; LoRA trains at 1e-5 to 1e-4"})
     temperature: float = Field(1.0, gt=0)        # sampling temperature during training
     topP: float = Field(1.0, gt=0, le=1)         # nucleus sampling: the most likely tokens up to this mass (1 = off)
     topK: int = Field(0, ge=0)                   # sample among the K most likely tokens (0 = off)
@@ -175,8 +176,12 @@ class GRPOParams(Strict):
     weightDecay: float = Field(0.0, ge=0)
     warmupSteps: int = Field(0, ge=0)
     lrScheduler: Literal[SCHEDULERS] = "constant"
-    rewardTimeoutSeconds: float = Field(10.0, gt=0)   # per completion, in the grader
-    rewardMemoryMB: int = Field(2048, ge=64)          # grader process memory limit
+    # Upper bounds: the hang watchdog's bound grows with the timeout (an unbounded one never fires),
+    # and the reward's processes share the node's memory with the trainer.
+    rewardTimeoutSeconds: float = Field(10.0, gt=0, le=3600, json_schema_extra={   # per completion, in the grader
+        "why": "seconds one reward call may take, up to an hour (the hang watchdog waits as long per call)"})
+    rewardMemoryMB: int = Field(2048, ge=64, le=65536, json_schema_extra={         # grader process memory limit
+        "why": "MiB for one reward call's processes, up to 64 GiB (they share the node with the trainer)"})
     rewardRetries: int = Field(2, ge=0)               # extra tries after a reward-function failure
 
     @field_validator("stopStrings", mode="before")

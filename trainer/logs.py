@@ -6,21 +6,28 @@ import logging
 import os
 import sys
 import warnings
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 
 
+# trainer.log is rotated at LOG_MAX_BYTES, the last LOG_BACKUPS kept (trainer.log.1 the newest): a
+# long run, or a reward that warns on every call, holds at most 256 MiB of log on the node's disk.
+# The checkpoint writer appends to the same file and follows the rotation (a WatchedFileHandler).
+LOG_MAX_BYTES = 64 << 20
+LOG_BACKUPS = 3
 REPORTED = {"reported": True}   # log.error(..., extra=REPORTED): in trainer.log, not on the terminal
 
 
 def trainer_logging(work: Path, rank: int = 0, progress_lines: bool = False) -> None:
     """Warnings and errors to the terminal; everything, progress lines included, to logs/
-    (trainer.log; rank k > 0 of several processes: trainer.rank<k>.log). `progress_lines`: the
+    (trainer.log, rotated: LOG_MAX_BYTES; rank k > 0 of several processes: trainer.rank<k>.log). `progress_lines`: the
     progress lines to the terminal too, from rank 0 (where no bar is drawn: stderr piped to a
     file, nohup, CI, a node's journal)."""
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    to_file = logging.FileHandler(logs / ("trainer.log" if rank == 0 else f"trainer.rank{rank}.log"))
+    to_file = RotatingFileHandler(logs / ("trainer.log" if rank == 0 else f"trainer.rank{rank}.log"),
+                                  maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS)
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.INFO)
     to_terminal = logging.StreamHandler(sys.stderr)

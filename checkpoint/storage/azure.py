@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from .cas import Conflict, Found, http_age, probe_beside
 from .fsio import fsync_dir, fsync_file, temp_sibling
 from .retry import StorageConfigError, describe
-from .store import BucketStore, check_key, needs_extra
+from .store import BucketStore, ObjectTooLarge, check_key, needs_extra, within
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,16 @@ class AzureStore(BucketStore):
         self._call("put_bytes", key, self._container_known(
             lambda: self._container.upload_blob(name, data, overwrite=True)))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
         name = self._name(key)
-        return self._call("get_bytes", key, self._container_known(
-            lambda: self._container.download_blob(name).readall(), missing=key))
+
+        def read() -> bytes:
+            download = self._container.download_blob(name)     # its first GET tells the blob's size
+            if max_bytes is not None and download.size > max_bytes:
+                raise ObjectTooLarge(self.url, key, max_bytes)
+            return download.readall()
+
+        return within(self._call("get_bytes", key, self._container_known(read, missing=key)), max_bytes, self.url, key)
 
     def exists(self, key: str) -> bool:
         name = self._name(key)

@@ -4,8 +4,10 @@
 compare-and-swap on the storage itself, never read-then-write; `version` is opaque to callers.
 A read also says how long ago the object was written, measured on the store's own clock (both
 ends of the interval from the one party), so that a lease can be judged without comparing two
-machines' wall clocks: S3 gives its response's `Date` minus the object's `Last-Modified`, a local
-folder this machine's time minus the file's modification time.
+machines' wall clocks: S3 gives its response's `Date` minus the object's `Last-Modified`. A local
+folder says nothing (age None): the file's modification time is stamped by whoever serves the
+folder (an NFS server's clock, or another node's), and this machine's time minus it would compare
+two clocks; the lease ages a folder's lease by its holder's own renewals instead (lease.py).
 
 * s3://: conditional writes through the Store's own s3fs filesystem (one client, one set of
   credentials and timeouts): create with `pipe_file(mode="create")` (PutObject
@@ -38,7 +40,6 @@ import fcntl
 import logging
 import os
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -224,17 +225,16 @@ class LocalCas:
         self.path = path
 
     def read(self) -> Found | None:
-        # The bytes and the modification time from one open file: a stat by name could see a
-        # newer file than the bytes. Writes are rename / link, so never half a file. The age is
-        # this machine's clock against the time its own kernel stamped (on a network folder:
-        # the file server's stamp, so keep its clock synchronised with the nodes').
+        # Writes are rename / link, so never half a file. No age: the file's modification time
+        # is the file server's stamp (on NFS, the server's clock; on a folder another node also
+        # writes, that node's), and this machine's time.time() minus it would judge a lease by
+        # two clocks. The lease ages it by its holder's own renewals (checkpoint.storage.lease).
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
-                modified = os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return None
-        return Found(data, data, time.time() - modified)
+        return Found(data, data, None)
 
     def create(self, data: bytes) -> Any:
         with self._locked():

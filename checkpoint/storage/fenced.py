@@ -40,8 +40,8 @@ class FencedStore(ObjectStore):
     def get_file(self, key: str, local: Path) -> None:
         self.store.get_file(key, local)
 
-    def get_bytes(self, key: str) -> bytes:
-        return self.store.get_bytes(key)
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        return self.store.get_bytes(key, max_bytes)
 
     def exists(self, key: str) -> bool:
         return self.store.exists(key)

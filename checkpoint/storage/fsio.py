@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -72,3 +74,38 @@ def atomic_copy(src: Path, dest: Path) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(dest.parent)
+
+
+# A copy this node no longer trusts (a checkpoint that does not verify, a record that is not
+# storage's) is renamed aside, never deleted at once: a person may want to look at it. Only the
+# newest few of a kind are kept, so a node that sets one aside on every restart does not fill its disk.
+SET_ASIDE_PREFIX = ".set-aside-"
+KEEP_SET_ASIDE = 3
+
+
+def set_aside(path: Path, family: str, keep: int = KEEP_SET_ASIDE) -> Path:
+    """Rename `path` (a file or a folder) to `.set-aside-NAME-STAMP-HEX` beside it, so that nothing
+    loads it, and remove the set-aside copies of `family` (the start of NAME: "ckpt-", "state.db")
+    in that folder beyond the newest `keep`, oldest first. Returns the new name."""
+    path = Path(path)
+    aside = path.with_name(f"{SET_ASIDE_PREFIX}{path.name}-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}")
+    os.replace(path, aside)
+    copies = sorted(path.parent.glob(f"{SET_ASIDE_PREFIX}{family}*"), key=_set_aside_when)
+    for old in copies[: max(0, len(copies) - keep)]:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    return aside
+
+
+def _set_aside_when(path: Path) -> tuple[int, float]:
+    """When a copy was set aside: the stamp in its name (set_aside's), else (older names) its ctime,
+    which a rename updates."""
+    stamp = path.name.rsplit("-", 2)
+    if len(stamp) == 3 and len(stamp[1]) == 20 and stamp[1].isdigit():
+        return int(stamp[1]), 0.0
+    try:
+        return 0, path.lstat().st_ctime
+    except OSError:
+        return 0, 0.0

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from .cas import Conflict, Found, http_age, probe_beside
 from .fsio import fsync_dir, fsync_file, temp_sibling
 from .retry import StorageConfigError, describe
-from .store import BucketStore, check_key, needs_extra
+from .store import BucketStore, ObjectTooLarge, check_key, needs_extra, within
 
 log = logging.getLogger(__name__)
 
@@ -165,16 +165,22 @@ class GcsStore(BucketStore):
         self._call("put_bytes", key, self._uploading(lambda: self._blob(key).upload_from_string(
             data, retry=None, timeout=TIMEOUT)))
 
-    def get_bytes(self, key: str) -> bytes:
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
         blob = self._blob(key)
 
         def attempt() -> bytes:
             try:
+                if max_bytes is not None:
+                    blob.reload(retry=None, timeout=TIMEOUT)      # its size, before a byte of it
+                    if (blob.size or 0) > max_bytes:
+                        raise ObjectTooLarge(self.url, key, max_bytes)
+                    if blob.size:          # a ranged read: the object may have grown since
+                        return blob.download_as_bytes(start=0, end=max_bytes, retry=None, timeout=TIMEOUT)
                 return blob.download_as_bytes(retry=None, timeout=TIMEOUT)
             except self._gx.NotFound:
                 raise self._missing(key) from None
 
-        return self._call("get_bytes", key, attempt)
+        return within(self._call("get_bytes", key, attempt), max_bytes, self.url, key)
 
     def exists(self, key: str) -> bool:
         blob = self._blob(key)

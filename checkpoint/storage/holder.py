@@ -43,6 +43,18 @@ def pid_namespace() -> str | None:
         return None
 
 
+def time_namespace() -> str | None:
+    """Our time namespace (`time:[4026531834]`): processes of one boot read one CLOCK_BOOTTIME
+    unless a time namespace offsets it. "time:[none]" on a kernel without time namespaces (before
+    5.6: one clock for the whole boot); None where /proc says nothing."""
+    try:
+        return os.readlink("/proc/self/ns/time")
+    except FileNotFoundError:
+        return "time:[none]" if os.path.isdir("/proc/self/ns") else None
+    except OSError:
+        return None
+
+
 def pid_alive(pid: object) -> bool:
     """Whether a process with this pid exists in our pid namespace (someone else's counts)."""
     if not isinstance(pid, int) or pid <= 0:

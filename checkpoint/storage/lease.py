@@ -7,8 +7,9 @@ the winner. The winner renews the lease every `renew_every_s` (default ttl/3) fr
 thread; a lease left unrenewed for its `ttl_s` (the node died) is taken over by the next node.
 
     {"holder": "i-0abc", "host": "ip-10-0-0-5", "boot_id": "5f1c...", "pid_ns": "pid:[4026531836]",
-     "pid": 4242, "token": "<random>", "since": "2025-01-01T00:00:00Z", "since_epoch": 1735689600.0,
-     "renewed": "2025-01-01T00:00:40Z", "renewals": 2, "ttl_s": 60.0}
+     "time_ns": "time:[4026531834]", "pid": 4242, "token": "<random>", "since": "2025-01-01T00:00:00Z",
+     "since_epoch": 1735689600.0, "renewed": "2025-01-01T00:00:40Z", "renewals": 2,
+     "renewed_boottime": 81234.5, "ttl_s": 60.0}
 
 Every change is a compare-and-swap on the storage itself, never read-then-write
 (checkpoint.cas): S3 conditional writes (If-None-Match / If-Match on the ETag read, proven
@@ -24,15 +25,22 @@ Each party measures intervals on a clock of its own:
   machine spent suspended): its lease runs out `ttl_s` after the moment it sent its last
   successful renewal, and it stops itself before that (below).
 * A taker takes the lease over once it has been unrenewed for the holder's `ttl_s`, by either
-  (a) the store's clock: the object's age as the store reports it (S3: the response's `Date`
-      minus the object's `Last-Modified`, both the server's; a local folder: this machine's time
-      minus the file's modification time). A replacement node booting minutes after a hard kill
-      takes over at once, as it always did; or
-  (b) its own clock: it has itself seen the very same version (ETag, or bytes: every renewal
-      writes a new one) unchanged for `ttl_s`. This covers a store that reports no times; it
-      costs a node one wait of ttl_s, which `resume --wait`'s polling absorbs (what this process
-      saw is remembered across the leases it makes, per clock).
-  Either suffices: the holder sent its last renewal before the store stamped it and before the
+  (a) the store's clock: the object's age as the store reports it (S3, GCS, Azure: the
+      response's `Date` minus the object's `Last-Modified`, both the server's). A replacement
+      node booting minutes after a hard kill takes over at once; or
+  (b) the holder's own clock, on the holder's machine: every write of the body carries
+      `renewed_boottime`, the holder's steady clock when it sent that write, beside its boot id
+      and time namespace. A taker on the same boot and in the same time namespace reads the very
+      same clock, so its reading minus that one is how long the lease went unrenewed, exactly as
+      the holder counts it. A local folder (file://) reports no age (its file times are the file
+      server's or another node's clock: cas.LocalCas), so a node restarted on the machine of a
+      holder that died takes over at once this way; or
+  (c) its own clock: it has itself seen the very same version (ETag, or bytes: every renewal
+      writes a new one, its `renewals` counted up) unchanged for `ttl_s`. This covers a store
+      that reports no times and a folder shared by several machines (NFS), whose clocks then
+      never matter; it costs a node one wait of ttl_s, which `resume --wait`'s polling absorbs
+      (what this process saw is remembered across the leases it makes, per clock).
+  Any one suffices: the holder sent its last renewal before the store stamped it and before the
   taker first saw it, and stops itself `renew_every_s / 2` before ttl_s have passed since.
 
 Identity: a holder is its `holder` name, its host name, the machine's boot id
@@ -75,7 +83,7 @@ from .by_url import open_cas
 from .cas import Conflict, Found, Unsupported
 from .holder import (LeaseHeld, LeaseLost, boot_id, count as _count, describe_holder, dump as _dump, iso as _iso,
                      parse_body as _parse, pid_alive as _pid_alive, pid_namespace, public as _public,
-                     ttl_of as _ttl)
+                     time_namespace, ttl_of as _ttl)
 from .retry import RetryPolicy, StorageConfigError, StorageUnavailable, backoff
 
 log = logging.getLogger(__name__)
@@ -110,9 +118,22 @@ def read_lease(store_url: str, key: str = LEASE_KEY) -> dict | None:
     if current is None:
         return None
     body = _public(_parse(current.data))
-    body["age_s"] = current.age_s
-    body["expired"] = None if current.age_s is None else current.age_s >= _ttl(body, DEFAULT_TTL_S)
+    age = current.age_s if current.age_s is not None else holders_clock_age(body, steady_clock)
+    body["age_s"] = age
+    body["expired"] = None if age is None else age >= _ttl(body, DEFAULT_TTL_S)
     return body
+
+
+def holders_clock_age(body: dict, clock: Callable[[], float]) -> float | None:
+    """How long the lease `body` went unrenewed by its holder's own steady clock, read here: only
+    where this process reads that very clock (`clock` is steady_clock, on the holder's boot and in
+    its time namespace); None anywhere else, or for a body written without it."""
+    stamp = body.get("renewed_boottime")
+    if (clock is not steady_clock or isinstance(stamp, bool) or not isinstance(stamp, (int, float))
+            or body.get("boot_id") is None or body.get("boot_id") != boot_id()
+            or body.get("time_ns") is None or body.get("time_ns") != time_namespace()):
+        return None
+    return max(0.0, clock() - float(stamp))
 
 
 class Lease:
@@ -169,6 +190,7 @@ class Lease:
         self._host = socket.gethostname()
         self._boot_id = boot_id()
         self._pid_ns = pid_namespace()
+        self._time_ns = time_namespace()
         # Set once the lease is known lost (taken over, removed, or unrenewable); cleared by a
         # successful acquire. The training loop may poll it instead of using on_lost.
         self.lost = threading.Event()
@@ -218,7 +240,7 @@ class Lease:
                     self.lost.clear()
                     self._renew_locked()
                     return
-                body = self._new_body(candidate)
+                body = self._new_body(candidate, sent)
                 data = _dump(body)
                 try:
                     if current is None:
@@ -315,7 +337,7 @@ class Lease:
             raise RuntimeError(f"lease {self.url}: not held (acquire() first)")
         sent = self._clock()  # before the write: the lease runs out ttl_s after this at the latest
         body = dict(self._body, pid=os.getpid(), renewed=_iso(time.time()),
-                    renewals=_count(self._body.get("renewals")) + 1, ttl_s=self.ttl_s)
+                    renewals=_count(self._body.get("renewals")) + 1, ttl_s=self.ttl_s, **self._stamp(sent))
         data = _dump(body)
         for _ in range(_MAX_ROUNDS):
             try:
@@ -411,6 +433,9 @@ class Lease:
         watched = _watch(self.url, self._key, found.version, now, self._clock)
         if found.age_s is not None and found.age_s >= ttl:
             return f"unrenewed for {found.age_s:.0f}s by the store's clock (ttl {ttl:.0f}s)"
+        own = holders_clock_age(theirs, self._clock)
+        if own is not None and own >= ttl:
+            return f"unrenewed for {own:.0f}s by its holder's own clock, on this machine (ttl {ttl:.0f}s)"
         if watched >= ttl:
             return f"this node watched it unrenewed for {watched:.0f}s (ttl {ttl:.0f}s)"
         # Our own lease from before a crash or restart on this very machine: no need to wait
@@ -428,14 +453,21 @@ class Lease:
         """How long the lease `found` has gone unrenewed as far as we can tell: the longer of
         its age on the store's clock and how long we have watched it unchanged."""
         watched = _watch(self.url, self._key, found.version, now, self._clock)
-        return max(watched, found.age_s if found.age_s is not None else 0.0)
+        own = holders_clock_age(_parse(found.data), self._clock)
+        return max(watched, found.age_s if found.age_s is not None else 0.0, own or 0.0)
 
-    def _new_body(self, token: str) -> dict:
+    def _new_body(self, token: str, sent: float) -> dict:
         wall = time.time()  # for people to read; never compared with anything
         return {"holder": self.holder, "host": self._host, "boot_id": self._boot_id,
-                "pid_ns": self._pid_ns, "pid": os.getpid(), "token": token,
+                "pid_ns": self._pid_ns, "time_ns": self._time_ns, "pid": os.getpid(), "token": token,
                 "since": _iso(wall), "since_epoch": wall, "renewed": _iso(wall), "renewals": 0,
-                "ttl_s": self.ttl_s}
+                "ttl_s": self.ttl_s, **self._stamp(sent)}
+
+    def _stamp(self, sent: float) -> dict:
+        """`renewed_boottime`: our steady clock when we sent this write (our lease runs out ttl_s
+        after it), for a taker on this machine that reads the same clock (holders_clock_age).
+        Only from the steady clock: an injected one means nothing to anyone else."""
+        return {"renewed_boottime": sent} if self._clock is steady_clock else {}
 
     def _adopt(self, body: dict, version: Any, sent: float) -> None:
         self._body, self._version, self._expires_at = body, version, sent + self.ttl_s

@@ -46,11 +46,29 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["BucketStore", "ObjectStore", "RetriedStore", "Store", "StorageConfigError", "StorageUnavailable"]
+__all__ = ["BucketStore", "ObjectStore", "ObjectTooLarge", "RetriedStore", "Store", "StorageConfigError",
+           "StorageUnavailable", "within"]
 
 # What spec.storage may be, for messages.
 SUPPORTED_URLS = ("s3://bucket/prefix, gs://bucket/prefix, az://container/prefix, file:///path "
                   "or a local folder")
+
+
+class ObjectTooLarge(ValueError):
+    """An object read with `get_bytes(key, max_bytes=N)` holds more than N bytes: never read whole
+    (whoever can write the bucket could plant a file of any size). Never retried."""
+
+    def __init__(self, url: str, key: str, max_bytes: int) -> None:
+        super().__init__(f"storage {url}: {key} is larger than {max_bytes:,} bytes; not read "
+                         f"(a file of this kind is never that large: delete or replace it)")
+        self.key, self.max_bytes = key, max_bytes
+
+
+def within(data: bytes, max_bytes: int | None, url: str, key: str) -> bytes:
+    """`data` (read as max_bytes + 1 bytes at most) if it is no more than `max_bytes`, else ObjectTooLarge."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise ObjectTooLarge(url, key, max_bytes)
+    return data
 
 
 class ObjectStore(abc.ABC):
@@ -71,7 +89,9 @@ class ObjectStore(abc.ABC):
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
     @abc.abstractmethod
-    def get_bytes(self, key: str) -> bytes: ...
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes; FileNotFoundError if absent. `max_bytes`: ObjectTooLarge when it
+        holds more, having read max_bytes + 1 bytes at most."""
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -304,10 +324,17 @@ class Store(RetriedStore):
         else:
             self._call("put_bytes", key, lambda: self._fs.pipe_file(path, data))
 
-    def get_bytes(self, key: str) -> bytes:
-        """The object's bytes. FileNotFoundError if absent."""
+    def get_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes. FileNotFoundError if absent; ObjectTooLarge past `max_bytes`."""
         path = self._path(key)
-        return self._call("get_bytes", key, lambda: self._fs.cat_file(path))
+        if max_bytes is None:
+            return self._call("get_bytes", key, lambda: self._fs.cat_file(path))
+
+        def bounded() -> bytes:
+            with self._fs.open(path, "rb") as f:
+                return f.read(max_bytes + 1)
+
+        return within(self._call("get_bytes", key, bounded), max_bytes, self.url, key)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)

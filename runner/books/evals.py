@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_run.checkpoint.storage.store import ObjectStore
+from grpo_run.checkpoint.storage.store import ObjectStore, ObjectTooLarge
 from grpo_run.state import values
 from grpo_run.state.record import Record
 from grpo_run.trainer.protocol import EvalSummary, SampleGroup
@@ -19,6 +19,9 @@ from grpo_run.trainer.protocol import EvalSummary, SampleGroup
 log = logging.getLogger(__name__)
 
 BASELINE = "baseline.json"
+# The summary and at most sampleEvalTasks (32) samples of capped text: far below this. One larger
+# was not written by us (whoever can write the bucket could plant one) and is never read whole.
+MAX_BASELINE_BYTES = 16 << 20
 NO_SIGNAL_HINT = ("GRPO cannot learn from it: every group would get identical rewards. "
                   "Fine-tune with SFT first, or pick a task the base model sometimes solves.")
 
@@ -37,11 +40,14 @@ class Evals:
         stored = None
         if cached is None or cached.get("fingerprint") != fingerprint:
             try:
-                doc = json.loads(self.store.get_bytes(BASELINE))
+                doc = json.loads(self.store.get_bytes(BASELINE, max_bytes=MAX_BASELINE_BYTES))
                 if isinstance(doc, dict):
                     cached = stored = doc
             except FileNotFoundError:
                 pass
+            except ObjectTooLarge:
+                log.warning("storage's %s is larger than %s bytes: not read; the baseline is evaluated again",
+                            BASELINE, f"{MAX_BASELINE_BYTES:,}")
             except ValueError:                 # not JSON (UnicodeDecodeError is a ValueError too)
                 log.warning("storage's %s is not JSON: ignored; the baseline is evaluated again", BASELINE)
         if cached is not None and cached.get("fingerprint") == fingerprint:

@@ -6,6 +6,9 @@
     stored_record(store)        a read-only look at storage's copy, this node's left alone
     StaleRecord                 storage holds a newer upload than this node's: never uploaded over
 
+A copy fetched from storage is checked before it is opened for use (`state.record.check_fetched`:
+SQLite's quick_check, no trigger or view): a damaged one is refused (RecordDamaged), never used.
+
 Every upload carries a generation (state.values.GENERATION: a number that only grows, and who
 wrote it), which is how two copies are compared.
 """
@@ -16,15 +19,15 @@ import logging
 import os
 import sqlite3
 import tempfile
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from grpo_run.checkpoint.storage.fsio import set_aside
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.state import values
-from grpo_run.state.record import RECORD_FILE, Record
+from grpo_run.state.record import RECORD_FILE, Record, RecordDamaged, check_fetched
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,12 @@ def fetch_record(store: ObjectStore, work: Path) -> Path | None:
         store.get_file(RECORD_FILE, fetched)
     except FileNotFoundError:
         fetched = None
+    if fetched is not None:
+        try:
+            check_fetched(fetched, f"{store.url}/{RECORD_FILE}")
+        except RecordDamaged:
+            fetched.unlink(missing_ok=True)
+            raise
     stored = generation_of(fetched) if fetched is not None else None
     if local.exists():
         try:
@@ -66,8 +75,7 @@ def fetch_record(store: ObjectStore, work: Path) -> Path | None:
             fetched.unlink()
             store.put_file(local, RECORD_FILE)
             return local
-        aside = work / f".set-aside-{RECORD_FILE}-{uuid.uuid4().hex[:8]}"
-        os.replace(local, aside)
+        aside = set_aside(local, RECORD_FILE)       # the newest KEEP_SET_ASIDE copies are kept
         for journal in ("-wal", "-shm"):    # an old copy's journal must never meet the new copy
             local.with_name(RECORD_FILE + journal).unlink(missing_ok=True)
         # (neither carrying a generation: a record from before them, most likely the same one)
@@ -111,6 +119,7 @@ def stored_record(store: ObjectStore) -> Iterator[Record | None]:
         if local is None:
             yield None
             return
+        check_fetched(local, f"{store.url}/{RECORD_FILE}")
         with Record(local) as record:
             yield record
 

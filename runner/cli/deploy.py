@@ -83,6 +83,8 @@ def _takes(param: click.Parameter, kind: str) -> bool:
               help="k8s: the container's seccomp profile: unconfined, runtime-default (refuses the reward sandbox's "
                    "namespaces: no spec.sandbox: strict), or localhost/PATH (a profile on the nodes that allows unshare)")
 @click.option("--uid", type=int, default=1000, show_default=True, help="k8s: the pod's user and group id (never 0)")
+@click.option("--memory", metavar="SIZE", help="k8s: the pod's memory request and limit, e.g. 48Gi (default with -f: "
+                                               "from the job's estimate; the limit bounds a reward's processes)")
 @click.option("--out", "out_dir", metavar="DIR", help="image: the folder to write the image's build context to (new or empty)")
 @click.option("--accelerators", metavar="GPU:N",
               help="skypilot: the GPU, e.g. H100:1 (default: from the job file's spec.gpu; required without it)")
@@ -99,7 +101,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                endpoint: str | None, account: str | None, repo: str | None, ref: str | None, torch_build: str, prefix: str, image: str | None,
                pool: str, gpus: int | None, secret: str | None, service_account: str | None, service_account_token: bool,
                seccomp: str, uid: int, accelerators: str | None, out_dir: str | None, all_jobs: bool,
-               wait: bool, nodes: int | None = None, with_vllm: bool = False) -> int:
+               wait: bool, nodes: int | None = None, with_vllm: bool = False, memory: str | None = None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
     installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
@@ -142,7 +144,7 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         _error(f"--nodes is for skypilot and k8s; {kind} starts one node (start each of several with "
                f"`grpo-run resume NAME --nnodes N --node-rank R --master HOST:PORT`, docs/multi-gpu.md)")
         return EXIT_USAGE
-    job_text, gpu, processes, spec_nodes = None, None, None, None
+    job_text, gpu, processes, spec_nodes, spec = None, None, None, None, None
     if file:
         from grpo_run.runner.spec.job import JobError, load_job
 
@@ -236,10 +238,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         try:
             gpus = pod_gpus(gpus, processes, file)
+            memory, memory_note = pod_memory_of(memory, spec if file and not all_jobs else None, gpus, file)
             manifest = kubernetes_job(settings, image=image, pool=pool, gpus=gpus, secret=secret,
                                       service_account=service_account, seccomp=seccomp, uid=uid,
                                       service_account_token=service_account_token, all_jobs=all_jobs, wait=wait,
-                                      gpu=gpu, nodes=nodes)
+                                      gpu=gpu, nodes=nodes, memory=memory, memory_note=memory_note)
         except ValueError as e:
             _error(str(e))
             return EXIT_USAGE
@@ -260,6 +263,28 @@ def pod_gpus(given: int | None, processes: int | str | None, job_file: str | Non
         raise ValueError(f"--gpus {given}: {job_file} runs {processes} trainer processes "
                          f"(spec.resources.processes), one per GPU: give --gpus {processes} or leave it out")
     return given
+
+
+def pod_memory_of(given: str | None, spec, gpus: int, job_file: str | None) -> tuple[str | None, str]:
+    """The k8s pod's memory request and limit and the manifest's comment on it: --memory, else the
+    job file's estimate (runner.estimate.host), else none (no job file: the comment says to give
+    one). ValueError naming the fix for a bad --memory or a job whose estimate cannot be made."""
+    from grpo_run.runner.deploy.kubernetes import memory_quantity
+
+    if given is not None:
+        quantity = memory_quantity(given)
+        return quantity, f"# memory: {quantity} requested and limited (--memory)"
+    if spec is None:
+        return None, ""
+    from grpo_run.runner.estimate.estimate import estimate
+    from grpo_run.runner.estimate.host import pod_memory
+
+    try:
+        figure = pod_memory(spec, estimate(spec)["memory"], processes=max(1, gpus))
+    except (LookupError, ValueError) as e:
+        raise ValueError(f"{job_file}: the pod's memory cannot be estimated ({e}); give --memory SIZE, e.g. 48Gi")
+    return figure.quantity, (f"# memory: {figure.quantity} requested and limited, from the job's estimate: "
+                             + ", ".join(figure.parts) + " (--memory changes it)")
 
 
 def refuse_local_files(file: str, spec, storage: str) -> bool:

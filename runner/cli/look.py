@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -118,13 +119,19 @@ def cmd_logs(name: str, follow: bool) -> int:
     if not path.exists():
         _error(f"no log for {name!r} on this node ({path}); logs stay on the node that ran the job")
         return EXIT_USAGE
-    with open(path, encoding="utf-8", errors="replace") as f:
+    f = open(path, encoding="utf-8", errors="replace")
+    try:
         while True:
             chunk = f.read()
             if chunk:
                 print(chunk, end="", flush=True)
             if not follow:
                 return EXIT_OK
+            if not chunk and _rotated(path, f):      # the trainer rotated it (trainer.logs): on to the new file
+                print(f.read(), end="", flush=True)   # what was written before the rotation
+                f.close()
+                f = open(path, encoding="utf-8", errors="replace")
+                continue
             try:
                 phase = get_job(name, None)["status"]["phase"]
             except LookupError:
@@ -132,6 +139,16 @@ def cmd_logs(name: str, follow: bool) -> int:
             if phase in TERMINAL_PHASES and not chunk:
                 return EXIT_OK
             time.sleep(0.5)
+    finally:
+        f.close()
+
+
+def _rotated(path: Path, f) -> bool:
+    """Whether `path` now names another file than the open `f` (the log was rotated)."""
+    try:
+        return os.stat(path).st_ino != os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
 
 
 

@@ -3,6 +3,8 @@ and taints, the GPU request and selector, and the pod's security settings."""
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
 from grpo_run.runner.deploy import stores
@@ -121,11 +123,26 @@ def seccomp_profile(choice: str) -> dict:
                      f"the kubelet's seccomp folder, e.g. localhost/profiles/grpo-run.json)")
 
 
+_QUANTITY = re.compile(r"^([1-9][0-9]*)(Mi|Gi|Ti)$")
+
+
+def memory_quantity(text: str) -> str:
+    """--memory as a Kubernetes quantity: a whole number of Mi, Gi or Ti, at least 1Gi (the trainer
+    alone needs more). ValueError naming the form otherwise."""
+    match = _QUANTITY.match(text.strip())
+    mib = int(match.group(1)) * {"Mi": 1, "Gi": 1 << 10, "Ti": 1 << 20}[match.group(2)] if match else 0
+    if mib < 1024:
+        raise ValueError(f"--memory {text!r}: expected the pod's memory as a whole number of Mi, Gi or Ti, at "
+                         f"least 1Gi, e.g. 48Gi")
+    return text.strip()
+
+
 def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus: int = 1,
                    secret: str | None = None, service_account: str | None = None,
                    seccomp: str = "unconfined", uid: int = RUN_AS_UID,
                    service_account_token: bool = False, all_jobs: bool = False, wait: bool = False,
-                   gpu: str | None = None, nodes: int = 1) -> str:
+                   gpu: str | None = None, nodes: int = 1, memory: str | None = None,
+                   memory_note: str = "") -> str:
     """A batch/v1 Job that runs the job on a spot node pool and survives losing nodes: a pod that
     exits 3 (preempted) or whose node was taken is replaced without counting against
     backoffLimit; exits 2 (bad input) and 4 (budget) fail the Job at once; other failures are
@@ -179,12 +196,15 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     if nodes > 1:        # the rank comes from JOB_COMPLETION_INDEX; pod 0 is rank 0's node
         env += [{"name": NODES_ENV, "value": str(nodes)},
                 {"name": MASTER_ENV, "value": f"{name}-0.{name}:{TORCH_MASTER_PORT}"}]
+    resources: dict = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    if memory:           # request = limit: the pod's cgroup bounds the reward's tree where nothing else does
+        resources = {"requests": {"memory": memory}, "limits": {**resources.get("limits", {}), "memory": memory}}
     container = {
         "name": "grpo-run", "image": image,
         "command": ["grpo-run", "resume", "--storage", s.storage, "--all", *(["--wait"] if wait else [])] if all_jobs
         else ["grpo-run", "resume", *([s.job] if s.job else []), "--storage", s.storage, "--wait"],
         "env": env,
-        "resources": {"limits": {"nvidia.com/gpu": gpus}} if gpus else {},
+        "resources": resources,
         "volumeMounts": [{"name": "work", "mountPath": "/work"}],
         "securityContext": {
             "runAsNonRoot": True,
@@ -231,6 +251,10 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
         },
     }
     note = K8S_SECURITY_NOTE.replace("@UID@", str(uid)).replace("@SECCOMP@", profile["type"])
+    said += "\n" + (memory_note or (f"# memory: {memory} requested and limited (--memory)" if memory else
+                     "# memory: not set (no job file to estimate it from, no --memory): the pod is BestEffort, "
+                     "and where\n# the node gives the reward sandbox no cgroup only RLIMIT_AS bounds a reward's "
+                     "processes; give\n# --memory SIZE (e.g. 48Gi) or -f JOB"))
     if nodes <= 1:
         return note + said + "\n" + _store_note(s) + yaml.safe_dump(job, sort_keys=False)
     job["spec"].update(completionMode="Indexed", completions=nodes, parallelism=nodes)

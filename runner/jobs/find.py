@@ -89,7 +89,7 @@ def jobs_in(storage: str) -> list[str]:
 def open_record(name: str, storage: str | None):
     """The job's record: the local work folder's when no storage is named, else the store's."""
     from grpo_run.checkpoint.storage.by_url import open_store
-    from grpo_run.state.record import Record
+    from grpo_run.state.record import Record, check_fetched
 
     local = work_dir(name) / RECORD_FILE
     if storage is None and local.exists():
@@ -107,6 +107,7 @@ def open_record(name: str, storage: str | None):
         store.get_file(RECORD_FILE, copy)
     except FileNotFoundError:
         raise LookupError(f"no job {name!r} in {storage or default_storage()}") from None
+    check_fetched(copy, f"{store.url}/{RECORD_FILE}")     # RecordDamaged: refused, never shown as the job
     return Record(copy)
 
 

@@ -363,14 +363,50 @@ def test_a_holder_times_its_lease_on_a_clock_that_no_wall_clock_step_moves(tmp_p
     assert lease.held
 
 
-def test_a_lease_the_local_folder_says_went_unrenewed_for_its_ttl_is_taken_at_first_sight(tmp_path):
+def test_a_lease_whose_holder_on_this_machine_went_unrenewed_for_its_ttl_is_taken_at_first_sight(tmp_path):
+    # A folder says nothing of its files' age (cas.LocalCas); the holder's own steady clock does,
+    # read on the same boot: node-a's last write was sent two minutes ago by it, and it was killed.
     url = str(tmp_path / "job")
-    Lease(url, holder="node-a").acquire()               # and node-a was killed
+    put_lease_body(url, {"holder": "node-a", "host": "elsewhere", "pid": 1, "token": "theirs", "ttl_s": 60,
+                         "boot_id": this_boot(), "time_ns": os.readlink("/proc/self/ns/time"),
+                         "renewed_boottime": time.clock_gettime(time.CLOCK_BOOTTIME) - 120})
+    assert 119 <= read_lease(url)["age_s"] < 125 and read_lease(url)["expired"]
+    Lease(url, holder="node-b").acquire()               # restarted here since: no waiting
+    assert read_lease(url)["holder"] == "node-b"
+
+
+@pytest.mark.trust
+def test_a_folder_shared_by_machines_never_ages_a_lease_by_their_clocks_or_its_file_times(tmp_path, monkeypatch,
+                                                                                          figures):
+    # An NFS folder: the file server stamps the lease two minutes behind, and the taker's wall
+    # clock is ten minutes ahead. Neither may make a live lease look expired; only its holder's
+    # renewals age it, watched on the taker's own clock.
+    url = str(tmp_path / "job")
+    holder_clock = Clock()
+    holder = Lease(url, holder="node-a", clock=holder_clock)
+    holder.acquire()
     two_minutes_ago = time.time() - 120
     os.utime(tmp_path / "job" / "lease.json", (two_minutes_ago, two_minutes_ago))
-
-    Lease(url, holder="node-b", clock=Clock()).acquire()  # a node booted since: no waiting
-    assert read_lease(url)["holder"] == "node-b"
+    monkeypatch.setattr(time, "time", lambda: two_minutes_ago + 720)
+    with pytest.raises(LeaseHeld):
+        Lease(url, holder="node-b").acquire()                        # this machine, its steady clock
+    from grpo_run.checkpoint.storage import lease as lease_module
+    monkeypatch.setattr(lease_module, "boot_id", lambda: "another-machine")
+    taker_clock = Clock()
+    taker = Lease(url, holder="node-c", clock=taker_clock)
+    for _ in range(6):                                               # two minutes of renewals on time
+        with pytest.raises(LeaseHeld):
+            taker.acquire()
+        holder_clock.now += 20
+        taker_clock.now += 20
+        holder.renew()
+    assert holder.held and read_lease(url)["holder"] == "node-a"
+    watch_then_wait_out(url, taker_clock)                            # then it stops renewing (killed)
+    taker.acquire()
+    assert read_lease(url)["holder"] == "node-c"
+    figures.add("trust", actor="ordinary failure", tried="a folder (NFS) whose file times and a taker's wall clock "
+                "are minutes apart", protection="a folder's lease aged by its holder's renewals, watched on the "
+                "taker's own clock", outcome="the live holder kept it; the dead one was waited out", held=True)
 
 
 def test_a_lease_the_server_says_went_unrenewed_for_its_ttl_is_taken_at_first_sight(store_env):
@@ -472,9 +508,9 @@ def _contend_in_process(url_fresh: str, url_expired: str, holder: str, start, re
 
 def test_processes_racing_over_a_local_folder_exactly_one_wins(tmp_path):
     fresh, expired = str(tmp_path / "fresh"), f"file://{tmp_path / 'expired'}"
-    Lease(expired, holder="dead-node").acquire()
-    long_ago = time.time() - 3600                       # last renewed an hour ago
-    os.utime(tmp_path / "expired" / "lease.json", (long_ago, long_ago))
+    put_lease_body(expired, {"holder": "dead-node", "host": "elsewhere", "pid": 1, "token": "theirs", "ttl_s": 60,
+                             "boot_id": this_boot(), "time_ns": os.readlink("/proc/self/ns/time"),
+                             "renewed_boottime": time.clock_gettime(time.CLOCK_BOOTTIME) - 3600})  # an hour ago
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=_contend_in_process,

@@ -372,7 +372,7 @@ def test_the_kubernetes_job_asks_for_the_jobs_gpu_and_its_processes_gpus(tmp_pat
     kubernetes_validate.validate(doc, "1.31.0", strict=True)
     pod = doc["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": processes or 1}}
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == processes or 1   # and the memory (test_k8s_memory)
     assert pod["nodeSelector"] == labels
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     said = next(line for line in text.splitlines() if line.startswith("# GPU type:"))
@@ -385,7 +385,7 @@ def test_gpus_fewer_than_the_jobs_processes_are_refused_and_more_are_taken(tmp_p
     err = capsys.readouterr().err
     assert "--gpus 2:" in err and "4 trainer processes (spec.resources.processes)" in err and "Traceback" not in err
     doc = yaml.safe_load(printed(capsys, "k8s", "-f", job, "--image", "r/g:1", "--gpus", "8"))
-    assert doc["spec"]["template"]["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert doc["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
 
 
 def test_deploys_help_submits_before_it_launches_and_says_what_f_does_for_each_kind(capsys):

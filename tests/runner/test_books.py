@@ -266,3 +266,19 @@ def test_an_attempts_first_step_reaches_storage_at_once_so_a_node_lost_after_it_
     assert [a["to_step"] for a in fourth.record.attempts()] == [0, 0, 1]
     assert fourth.lost_without_progress() == (0, 0)          # progress: the count starts over
     fourth.close()
+
+
+def test_a_planted_huge_baseline_json_is_not_read_and_the_baseline_evaluated_again(tmp_path, caplog):
+    from grpo_run.runner.books.evals import MAX_BASELINE_BYTES
+
+    store = Store(str(tmp_path / "store"))
+    store.put_bytes(BASELINE, b"{")
+    with open(store._path(BASELINE), "r+b") as f:
+        f.truncate(MAX_BASELINE_BYTES * 4)                     # sparse: memory only to whoever reads it whole
+    b = books(store, tmp_path / "node-b")
+    try:
+        with caplog.at_level("WARNING"):
+            assert b.cached_baseline("fp", sample_tasks=8) is None
+        assert f"storage's baseline.json is larger than {MAX_BASELINE_BYTES:,} bytes: not read" in caplog.text
+    finally:
+        b.close()

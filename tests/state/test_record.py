@@ -7,12 +7,13 @@ import inspect
 import sqlite3
 import threading
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from grpo_run.state.phases import ALLOWED_TRANSITIONS, InvalidTransition, Phase
 from grpo_run.state.migrations import MIGRATIONS
-from grpo_run.state.record import Record
+from grpo_run.state.record import Record, RecordDamaged, check_fetched
 
 SPEC = {"runtime": "grpo-lora", "model": "tiny", "parameters": {"saveSteps": 25},
         "storage": "s3://bucket/prefix"}
@@ -248,6 +249,9 @@ def test_values_round_trip_as_json(record):
     {"storage": "s3://bucket/p", "aws_secret_access_key": "abc"},
     {"env": {"HF_TOKEN": "hf_abc"}},
     {"storage": "https://user:hunter2@example.com/x"},
+    {"env": {"AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=https;AccountName=a;AccountKey=abc=="}},
+    {"storage": "https://acct.blob.core.windows.net/c/p?sv=2024-01-01&sp=r&sig=c2lnbmF0dXJlMTIzNDU%3D"},
+    {"note": "BlobEndpoint=https://a.blob.core.windows.net/;SharedAccessSignature=sv=2024&sig=abcdefgh1234"},
 ])
 def test_credentials_are_never_stored(tmp_path, spec):
     with Record(tmp_path / "run.db") as rec:
@@ -340,3 +344,63 @@ def test_processes_opening_a_new_record_at_once_all_open_it():
             for p in procs:
                 p.join(60)
             assert [results.get(timeout=5) for _ in procs] == [True] * 3, f"trial {trial}"
+
+
+# --- a record fetched from storage ------------------------------------------------------------
+
+
+def stored_copy(tmp_path) -> Path:
+    """A whole record as a node uploads it (a snapshot), with steps on many pages."""
+    with Record(tmp_path / "node.db") as rec:
+        rec.init_job("job", SPEC)
+        for step in range(1, 300):
+            rec.log_step(step, {"loss": 0.5, "note": "x" * 200})
+        rec.snapshot(tmp_path / "stored.db")
+    return tmp_path / "stored.db"
+
+
+def reads_whole(path: Path) -> bool:
+    try:
+        with sqlite3.connect(path) as conn:
+            for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall():
+                conn.execute(f'SELECT * FROM "{table}"').fetchall()
+        return True
+    except sqlite3.DatabaseError:
+        return False
+
+
+def test_a_fetched_record_sqlite_cannot_read_whole_is_refused_naming_it_and_the_fix(tmp_path):
+    stored = stored_copy(tmp_path)
+    check_fetched(stored, "s3://b/job/state.db")                      # a whole one passes
+    pages = stored.stat().st_size // 4096
+    refused = []
+    for page in range(2, pages + 1):                                  # each page's cell pointers zeroed in turn
+        damaged = tmp_path / f"damaged-{page}.db"
+        data = bytearray(stored.read_bytes())
+        data[(page - 1) * 4096 + 8:(page - 1) * 4096 + 16] = bytes(8)
+        damaged.write_bytes(bytes(data))
+        try:
+            check_fetched(damaged, "s3://b/job/state.db")
+        except RecordDamaged as e:
+            refused.append(str(e))
+            continue
+        assert reads_whole(damaged), f"page {page}: passed the check, yet SQLite cannot read it whole"
+    assert any("SQLite's quick_check: On tree page" in message for message in refused)
+    assert all(message.startswith("the record in storage (s3://b/job/state.db) ") and
+               "Put a good copy back as s3://b/job/state.db" in message for message in refused)
+
+
+def test_a_fetched_record_that_is_no_database_or_holds_a_trigger_is_refused(tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not a database at all" * 100)
+    with pytest.raises(RecordDamaged, match=r"cannot be read as a record \(SQLite: file is not a database\)"):
+        check_fetched(junk, "gs://b/job/state.db")
+    stored = stored_copy(tmp_path)
+    with sqlite3.connect(stored) as conn:      # planted: it would run on the node's next write
+        conn.execute("CREATE TRIGGER wipe AFTER INSERT ON steps BEGIN DELETE FROM steps; END")
+    with pytest.raises(RecordDamaged, match="holds what grpo-run never writes \\(trigger wipe\\)"):
+        check_fetched(stored, "gs://b/job/state.db")
+
+
+def test_the_record_trusts_no_function_its_schema_names(record):
+    assert record._conn.execute("PRAGMA trusted_schema").fetchone() == (0,)

@@ -232,3 +232,18 @@ def test_a_step_past_step_timeout_seconds_ends_its_episode_and_the_others_go_on(
         host.reset([{"prompt": "a"}], [1])
         with pytest.raises(EnvironmentFailed, match="timed out"):
             host.step([0], ["30"])
+
+
+def test_a_long_prompt_and_observation_reach_the_trainer_whole(tmp_path):
+    # never cut (the episode loop bounds them by tokens: `context`); an error's text alone is capped
+    ref = env_file(tmp_path, '''
+        from grpo_run import Step
+        class Long:
+            def reset(self, task, seed):
+                return "p" * 5_003
+            def step(self, reply):
+                return Step(observation="o" * 9_004, reward=0.0, done=False)
+    ''') + ":Long"
+    with EnvironmentHost(ref, timeout_s=5) as host:
+        assert host.reset([{}], [0]) == ["p" * 5_003]
+        assert host.step([0], ["x"]) == [{"observation": "o" * 9_004, "reward": 0.0, "done": False}]

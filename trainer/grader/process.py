@@ -16,8 +16,11 @@ an environment of its own (`_worker_env`: an allow-list, none of the trainer's c
 stdout and stderr are one pipe, copied to our stderr by a thread, scrubbed of the trainer's secrets
 (`redact`), up to _MAX_OUTPUT_BYTES per worker: a reward function that prints hundreds of MB must
 not fill the trainer's log or disk. Past the limit one line says the rest is dropped, and one more,
-when the worker ends, how much was. Every text in its frames and its crash log is scrubbed and
-capped (`redact.clean`) before anything here returns it.
+when the worker ends, how much was. Every text in its frames and its crash log is scrubbed
+(`redact.scrub`, the secrets listed once per frame) before anything here returns it, and its error
+texts (a failure's "error" and "summary", the crash log) are capped too. A prompt or an observation
+is never cut: the episode loop bounds it by tokens (`context`). A frame is checked before it is walked:
+a JSON object of the frame format's keys, of at most _MAX_FRAME_VALUES values in all.
 """
 
 from __future__ import annotations
@@ -37,12 +40,18 @@ from typing import IO, Any
 
 from grpo_run.trainer.grader import cgroup
 from grpo_run.trainer.grader.reach import SCRATCH_PREFIX, node_places
-from grpo_run.trainer.grader.redact import StreamScrubber, clean
+from grpo_run.trainer.grader.redact import StreamScrubber, cap, clean, scrub, secret_names
 from grpo_run.trainer.grader.worker import _HEADER  # the frame header, as the worker writes and reads it
 
 __all__ = ["WorkerGone", "WorkerOverdue", "WorkerProcess"]
 
 _MAX_FRAME_BYTES = 64 * 1024 * 1024  # the worker runs user code: never trust a length blindly
+# Values (strings, numbers, lists, objects) in one frame: a reward is one number, a prompt a few
+# hundred messages at most; a forged 64 MiB frame of empty strings holds 20 million.
+_MAX_FRAME_VALUES = 100_000
+# The top-level keys of every frame the worker writes (`worker`, `episodes`)
+_FRAME_KEYS = frozenset({"ok", "kind", "error", "type", "mode", "why", "missing", "limits", "summary", "pid", "tools"})
+_ERROR_KEYS = ("error", "summary")   # the failure texts: the only ones capped
 _READ_AHEAD = 64 * 1024               # bytes a read of the worker's answers takes at most beyond the frame asked for
 _MAX_CRASH_LOG_CHARS = 8_000
 _MAX_OUTPUT_BYTES = 1 << 20  # of a worker's stdout and stderr, passed on to ours
@@ -176,10 +185,12 @@ class WorkerProcess:
             frame = json.loads(self._read_exactly(length, deadline))
         except (ValueError, RecursionError):  # a forged frame nested past the parser's depth
             raise WorkerGone() from None
-        if not isinstance(frame, dict):
-            raise WorkerGone()
+        if not _walkable(frame):
+            raise WorkerGone()    # not a frame the worker writes: a forged one, treated as a corrupt stream
         try:
-            return _cleaned(frame)
+            secrets = secret_names()    # once per frame: it costs a glob and a dozen stat calls
+            return {key: cap(scrub(value, secrets=secrets)) if key in _ERROR_KEYS and isinstance(value, str)
+                    else _scrubbed(value, secrets) for key, value in frame.items()}
         except RecursionError:
             raise WorkerGone() from None
 
@@ -379,14 +390,30 @@ def _worker_env(scratch: str) -> dict[str, str]:
     return env
 
 
-def _cleaned(value: Any) -> Any:
-    """A frame with every text in it scrubbed of our secrets and capped (`redact.clean`)."""
+def _walkable(frame: Any) -> bool:
+    """True when `frame` is a JSON object of the frame format's keys holding at most
+    _MAX_FRAME_VALUES values: counted without recursion, stopping at the limit."""
+    if not isinstance(frame, dict) or not frame.keys() <= _FRAME_KEYS:
+        return False
+    pending, count = [frame], 1
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (dict, list)):
+            count += len(value)        # counted before they are taken: a list of 20 M is refused at once
+            if count > _MAX_FRAME_VALUES:
+                return False
+            pending.extend(value.values() if isinstance(value, dict) else value)
+    return True
+
+
+def _scrubbed(value: Any, secrets: list[tuple[str, str]]) -> Any:
+    """`value` with every text in it scrubbed of `secrets` (`redact.scrub`), never cut."""
     if isinstance(value, str):
-        return clean(value)
+        return scrub(value, secrets=secrets)
     if isinstance(value, dict):
-        return {key: _cleaned(item) for key, item in value.items()}
+        return {key: _scrubbed(item, secrets) for key, item in value.items()}
     if isinstance(value, list):
-        return [_cleaned(item) for item in value]
+        return [_scrubbed(item, secrets) for item in value]
     return value
 
 

@@ -11,7 +11,10 @@ record, and the record goes up to the bucket; and into the logs. So, in the pare
     and GOOGLE_APPLICATION_CREDENTIALS files, ~/.netrc and ~/.git-credentials, the web-identity
     token files a role names (AWS_WEB_IDENTITY_TOKEN_FILE, AZURE_FEDERATED_TOKEN_FILE) and the
     mounted service-account tokens (/var/run/secrets/**/token): replaced by `[redacted FILE]`;
-  * the text is cut to _MAX_TEXT_CHARS (its head and its tail, saying how much went).
+  * so is every Azure account key and SAS signature, by its shape (`AccountKey=`, `sig=`...);
+  * error text is cut to _MAX_TEXT_CHARS (its head and its tail, saying how much went): `cap`, which
+    the grader applies to a failure's text and the crash log only; an episode's prompt or
+    observation is scrubbed, never cut (the episode loop bounds it in tokens).
 
 This is a second line. The worker starts without these variables and cannot read the files or
 processes that hold them (`sandbox`); a reward function that gets hold of a secret some other way
@@ -33,8 +36,18 @@ from typing import Iterator, Mapping
 # a phase message in the record and one log line.
 _MAX_TEXT_CHARS = 4_000
 _MIN_SECRET_CHARS = 8  # shorter values ("1", "true", "us-east") would redact ordinary words
-_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|^AWS_|^HF_TOKEN$|^WANDB_API_KEY$"
-                          r"|^MLFLOW_TRACKING_(TOKEN|PASSWORD|USERNAME)$", re.IGNORECASE)
+# CONNECTION_STRING and SAS: Azure's AZURE_STORAGE_CONNECTION_STRING holds `AccountKey=` and its SAS
+# variables a signature, and neither name says KEY or TOKEN.
+_SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|CONNECTION_?STRING|CONN_?STR|(^|_)SAS(_|$)"
+                          r"|^AWS_|^HF_TOKEN$|^WANDB_API_KEY$|^MLFLOW_TRACKING_(TOKEN|PASSWORD|USERNAME)$",
+                          re.IGNORECASE)
+# The secret parts of an Azure connection string (`AccountKey=...;`, `SharedAccessSignature=...`) and
+# of a SAS token or a URL that carries one (`sig=...`), found by their shape wherever they appear: an
+# error may quote the key alone, or a URL signed with a SAS the node never had in a variable.
+_AZURE_SECRETS = (
+    re.compile(r"(?P<name>SharedAccessSignature)=(?P<value>[^;\s\"'<>]{8,2048})", re.IGNORECASE),  # sv=..&sig=..
+    re.compile(r"(?P<name>AccountKey|SharedAccessKey|(?<![\w-])sig)=(?P<value>[^;&\s\"'<>]{8,2048})", re.IGNORECASE),
+)
 
 
 def secret_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
@@ -46,6 +59,9 @@ def secret_names(environ: Mapping[str, str] | None = None) -> list[tuple[str, st
     found = [(f"${name}", value) for name, value in env.items()
              if _SECRET_NAME.search(name) and len(value) >= _MIN_SECRET_CHARS]
     found += file_secrets(env)
+    # a connection string's key (or a SAS token's signature) alone, as an error may quote it
+    found += [(label, match.group("value")) for label, value in list(found)
+              for pattern in _AZURE_SECRETS for match in pattern.finditer(value)]
     return sorted(set(found), key=lambda item: (-len(item[1]), item[0]))
 
 
@@ -143,11 +159,17 @@ def _json_secrets(data: object, key: str) -> Iterator[str]:
         yield from (line for line in data.splitlines() if len(line) >= _MIN_SECRET_CHARS)   # a PEM key's lines
 
 
-def scrub(text: str, environ: Mapping[str, str] | None = None) -> str:
-    """`text` with every secret value replaced by `[redacted LABEL]`."""
-    for label, value in secret_names(environ):
+def scrub(text: str, environ: Mapping[str, str] | None = None,
+          secrets: list[tuple[str, str]] | None = None) -> str:
+    """`text` with every secret value replaced by `[redacted LABEL]`, and every Azure account key and
+    SAS signature (`AccountKey=...`, `sig=...`) by `[redacted]`. `secrets`: `secret_names(environ)`,
+    when the caller scrubs many texts at once (it costs a glob and a dozen stat calls)."""
+    for label, value in secret_names(environ) if secrets is None else secrets:
         if value in text:
             text = text.replace(value, f"[redacted {label}]")
+    if "=" in text:
+        for pattern in _AZURE_SECRETS:
+            text = pattern.sub(lambda m: f"{m.group('name')}=[redacted]", text)
     return text
 
 
