@@ -21,7 +21,8 @@ import yaml
 from grpo_run.state.record import Record
 from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
-from grpo_run.trainer.sampling.vllm_server import TOKEN_ENV, VllmServerSampler, _handler, _Server, served_name
+from grpo_run.trainer.sampling.vllm_client import VllmServerSampler
+from grpo_run.trainer.sampling.vllm_server import TOKEN_ENV, _handler, _Server, served_name
 from tests.faults.harness import start_node, wait_until
 from tests.runner.test_resume import exported_bytes, grpo_run
 from tests.runner.test_vllm_jobs import tiny64, write_job  # noqa: F401 (the session's model fixture)

@@ -17,7 +17,8 @@ import json
 import time
 from typing import Any, Mapping, Sequence
 
-from grpo_run.trainer.grader.grader import Grader, RewardFunctionError, resolve_ref
+from grpo_run.trainer.grader.grader import Grader
+from grpo_run.trainer.grader.refs import RewardFunctionError, resolve_ref
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
 from grpo_run.trainer.grader.replies import Failure
 from grpo_run.trainer.grader.calls import MAX_ABS_REWARD
@@ -106,11 +107,7 @@ class EnvironmentHost(Grader):
             return out
 
     def _failed(self, where: str, failure: Failure) -> EnvironmentFailed:
-        what = {"exception": "raised", "timeout": "timed out", "invalid": "returned what it may not",
-                "hung": "hung", "crashed": "killed its process", "refused": "did what the grader refuses"}[failure.kind]
-        detail = failure.detail
-        if failure.kind == "timeout":
-            detail = f"timed out after timeout_s={self.timeout_s:g} s; it was interrupted here:\n{detail}"
+        what, detail = failure.describe(self.timeout_s, invalid="returned what it may not")
         return EnvironmentFailed(f"environment {self.reward_ref!r} {what} in the {where} (not retried: an "
                                  f"environment's state after a failure is unknown):\n{detail.rstrip()}",
                                  ref=self.reward_ref, kind=failure.kind)

@@ -22,54 +22,28 @@ completion was wrong. What it prints reaches the trainer's stderr, scrubbed, up 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import threading
 import time
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Literal, Mapping, Sequence, get_args
 
 from grpo_run.trainer.grader.layers import LAYERS, SandboxUnavailable, is_sandbox_frame
 from grpo_run.trainer.grader.reach import node_places, why_not
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess, how_it_died, section
-from grpo_run.trainer.grader.replies import Failure, FailureKind, outcome
+from grpo_run.trainer.grader.refs import RewardFunctionError, encode_items, resolve_ref
+from grpo_run.trainer.grader.replies import Failure, outcome
 from grpo_run.trainer.grader.sandbox import MAX_PROCESSES
 from grpo_run.trainer.grader.worker import MAX_ABS_REWARD
 
 __all__ = ["MAX_ABS_REWARD", "Grader", "RewardFunctionError", "SandboxUnavailable"]
-
-_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 log = logging.getLogger(__name__)
 
 NetworkSandbox = Literal["auto", "netns", "python"]
 FilesystemSandbox = Literal["auto", "landlock", "python"]
 SignalsSandbox = Literal["auto", "landlock", "pidns"]
-
-
-class RewardFunctionError(RuntimeError):
-    """The user's reward function failed (raised, hung, returned a non-number, or killed its process)
-    on every try, or did what the sandbox refuses. str() names the function ref and gives its own
-    error.
-
-    Also raised at once, without retries, when the ref cannot be loaded (malformed, module or file
-    not found, no such function, the module's top level raised).
-    """
-
-    def __init__(
-        self, message: str, *, ref: str | None = None, index: int | None = None, kind: FailureKind | None = None,
-        summary: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.ref = ref  # "pkg.module:function" or "/path/file.py:function"
-        self.index = index  # which completion of the batch failed; None for load failures
-        self.kind = kind  # how its last try (or its loading) failed; None when the ref is wrong
-        # a load failure in one line (FILE:LINE of a syntax error, the names a module defines), for
-        # a preflight; the message with the traceback otherwise
-        self.summary = summary if summary else message.split("\n", 1)[0]
 
 
 class Grader:
@@ -243,7 +217,7 @@ class Grader:
         sizes = list(groups) if groups is not None else [1] * len(completions)
         if sum(sizes) != len(completions) or any(size < 1 for size in sizes):
             raise ValueError(f"groups {sizes} do not split {len(completions)} completions into groups of 1 or more")
-        items = _encode_items(completions, tasks)
+        items = encode_items(completions, tasks)
         self._groups = {}
         start = 0
         for size in sizes:
@@ -473,17 +447,8 @@ class Grader:
                 index=index,
                 kind=failure.kind,
             )
-        what = {
-            "exception": "raised",
-            "timeout": "timed out",
-            "invalid": "returned a non-number",
-            "hung": "hung",
-            "crashed": "killed its process",
-        }[failure.kind]
-        detail = failure.detail
-        if failure.kind == "timeout":
-            detail = f"timed out after timeout_s={self.timeout_s:g} s; it was interrupted here:\n{detail}"
-        elif failure.kind == "invalid":
+        what, detail = failure.describe(self.timeout_s, invalid="returned a non-number")
+        if failure.kind == "invalid":
             detail = f"{self._ref.rpartition(':')[2]} {detail}"
         on_tries = "on its only try" if tries == 1 else f"on all {tries} tries"
         on_tries = (f"twice with the same error, so not again (retries={self.retries} are for failures a retry "
@@ -499,55 +464,9 @@ class Grader:
         )
 
 
-# helpers ---------------------------------------------------------------------------------------
-
-
 def _same_again(before: Failure | None, now: Failure) -> bool:
     """A raise or a non-number that repeats word for word on the same completion is the code's own
     (int('') raises every time): retrying it again only costs time. Timeouts, hangs and crashes
     depend on the node (its load, its memory) and keep their retries."""
     return (before is not None and now.kind in ("exception", "invalid")
             and (before.kind, before.detail) == (now.kind, now.detail))
-
-
-def resolve_ref(ref: str) -> str:
-    """The ref as the worker needs it (file paths absolute); RewardFunctionError when malformed
-    or naming a file that does not exist."""
-    target, sep, attr_path = ref.rpartition(":")
-    if not sep or not target or not _IDENTIFIER_PATH.match(attr_path):
-        raise RewardFunctionError(
-            f"reward function ref {ref!r} is malformed: expected 'package.module:function' or "
-            f"'/path/to/file.py:function'",
-            ref=ref,
-        )
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = Path(target).expanduser().resolve()
-        if not path.is_file():
-            raise RewardFunctionError(
-                f"cannot load reward function {ref!r}: no such file {str(path)!r}", ref=ref
-            )
-        return f"{path}:{attr_path}"
-    if not _IDENTIFIER_PATH.match(target):
-        raise RewardFunctionError(
-            f"reward function ref {ref!r} is malformed: {target!r} is not a module name "
-            f"(expected 'package.module:function' or '/path/to/file.py:function')",
-            ref=ref,
-        )
-    return ref
-
-
-def _encode_items(completions: Sequence[str], tasks: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
-    items: list[list[Any]] = []
-    for i, (completion, task) in enumerate(zip(completions, tasks)):
-        if not isinstance(completion, str):
-            raise TypeError(f"completions[{i}] is a {type(completion).__name__}; completions must be str")
-        task = dict(task)
-        try:
-            json.dumps(task)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"tasks[{i}] cannot be sent to the grader process ({error}); tasks must be "
-                f"JSON-compatible: dicts, lists, str, numbers, bool, None"
-            ) from None
-        items.append([completion, task])
-    return items

@@ -24,6 +24,16 @@ class Failure:
     kind: FailureKind
     detail: str
 
+    def describe(self, timeout_s: float, *, invalid: str) -> tuple[str, str]:
+        """What the code did, as a verb for a person ("raised", "timed out", ...; `invalid`: the
+        words for a reply it may not give), and the detail to show under it (a timeout's with
+        the limit it passed)."""
+        what = {"exception": "raised", "timeout": "timed out", "invalid": invalid, "hung": "hung",
+                "crashed": "killed its process", "refused": "did what the grader refuses"}[self.kind]
+        if self.kind == "timeout":
+            return what, f"timed out after timeout_s={timeout_s:g} s; it was interrupted here:\n{self.detail}"
+        return what, self.detail
+
 
 def outcome(frame: dict) -> float | Failure:
     """A result frame, checked as if a stranger wrote it (the reward function can): a reward is a

@@ -36,7 +36,7 @@ def start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, setti
                              finished=stop_strings_check(tokenizer, p.stopStrings), compiled=p.compileDecode,
                              keep_decoder=not sharded)
     if p.vllm.mode == "server":
-        from grpo_run.trainer.sampling.vllm_server import VllmServerSampler
+        from grpo_run.trainer.sampling.vllm_client import VllmServerSampler
 
         return VllmServerSampler(p.vllm.server, settings, model=model_path, method=p.method, lora_rank=p.lora.r,
                                  timeout_s=p.vllm.serverTimeoutSeconds, pad_id=pad_id, work=work)
