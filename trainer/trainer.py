@@ -446,7 +446,7 @@ class GRPOTrainer:
                  "clipped": clipped_tokens, "kl": kl_sum, "microBatches": len(parts),
                  "learning": int(learning.numel())}
         if played is not None:
-            local.update(turns=played.turns, truncatedBy=played.truncated, digests=digests)
+            local.update(turns=played.turns, truncatedBy=played.truncated, digests=sorted(digests.items()))
             if played.tool_calls is not None:
                 local.update(toolCalls=played.tool_calls, toolErrors=played.tool_errors)
         # what the model wrote: the step's first groups, for people to read (rank 0 reports them)
@@ -463,7 +463,7 @@ class GRPOTrainer:
         metrics = step_metrics(shares, p.numGenerations, tokens, primary=self.scorer.primary,
                                iterations=p.numIterations)
         if played is not None and world.main:      # every episode's digests, in the step's order (rank 0 reports)
-            self.episode_digests = [d for _, d in sorted(kv for share in shares for kv in share["digests"].items())]
+            self.episode_digests = [d for _, d in sorted(kv for share in shares for kv in share["digests"])]
         metrics.update(gradNorm=float(grad_norm), learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=t_sampled - t0, stepSeconds=time.perf_counter() - t0)
         if engine_logps is not None:
