@@ -118,9 +118,13 @@ def bound_rendezvous(params):
     import datetime as dt
 
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     class BoundStaticRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return RENDEZVOUS_BACKEND
+
         def next_rendezvous(self):
             if self._store is None and self.rank == 0:
                 sock = bound_listener(self.master_addr, self.master_port)
@@ -132,26 +136,35 @@ def bound_rendezvous(params):
                                        multi_tenant=True, master_listen_fd=None if sock is None else sock.detach())
             return super().next_rendezvous()
 
-    plain = create_rdzv_handler(params)
-    return BoundStaticRendezvous(plain.master_addr, plain.master_port, plain.rank, plain.world_size, plain.run_id,
-                                 int(plain.timeout.total_seconds()))
+    # what torch's own create_rdzv_handler reads, which torchrun fills for "static" alone: the rank and,
+    # on one node, the endpoint come in --rdzv_conf (machines())
+    endpoint = (params.endpoint or str(params.config.get("address", ""))).strip()
+    host, port = parse_rendezvous_endpoint(endpoint, -1)
+    if port == -1 or "rank" not in params.config:
+        raise ValueError(f"{RENDEZVOUS_BACKEND}: the rendezvous needs HOST:PORT and this node's rank (got "
+                         f"{endpoint!r}, rank {params.config.get('rank')!r})")
+    return BoundStaticRendezvous(host, port, int(params.config["rank"]), params.max_nodes, params.run_id,
+                                 int(params.config.get("timeout", RENDEZVOUS_TIMEOUT_S)))
 
 
 def machines(processes: int, env: Mapping[str, str]) -> list[str]:
     """accelerate's arguments for where the ranks are: this node alone (a free port on
     127.0.0.1), or one of NODES_ENV nodes (NODE_RANK_ENV, rank 0's node at MASTER_ENV, host:port)
-    on torch's static rendezvous: a TCP store on rank 0's node, each node's rank as given (rank 0
+    on torch's static rendezvous (RENDEZVOUS_BACKEND: its store bound to the address given, the rank
+    and one node's endpoint in --rdzv_conf): a TCP store on rank 0's node, each node's rank as given (rank 0
     is the node that holds the job's lease), and RENDEZVOUS_TIMEOUT_ENV seconds for every node to
     arrive, after which the agent gives up (default RENDEZVOUS_TIMEOUT_S)."""
     nodes = int(env.get(NODES_ENV) or 1)
     if nodes <= 1:
+        port = free_port()
         return ["--num_processes", str(processes), "--num_machines", "1", "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(free_port()), "--rdzv_backend", RENDEZVOUS_BACKEND]
+                "--main_process_port", str(port), "--rdzv_backend", RENDEZVOUS_BACKEND,
+                "--rdzv_conf", f"rank=0,address=127.0.0.1:{port}"]
     host, _, port = env[MASTER_ENV].rpartition(":")
     timeout = int(float(env.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S))
     return ["--num_processes", str(processes * nodes), "--num_machines", str(nodes),
             "--machine_rank", env[NODE_RANK_ENV], "--main_process_ip", host.strip("[]"), "--main_process_port", port,
-            "--same_network", "--rdzv_backend", RENDEZVOUS_BACKEND, "--rdzv_conf", f"timeout={timeout}"]
+            "--rdzv_backend", RENDEZVOUS_BACKEND, "--rdzv_conf", f"timeout={timeout},rank={int(env[NODE_RANK_ENV])}"]
 
 
 def launch(processes: int, plan: str) -> int:
@@ -172,6 +185,9 @@ def launch(processes: int, plan: str) -> int:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torchrun says master_addr and node_rank serve only its "static" backend: RENDEZVOUS_BACKEND is that one too
+    logging.getLogger("torch.distributed.run").addFilter(
+        lambda record: "only used for static rdzv_backend" not in record.getMessage())
 
     register_bound_rendezvous()
     os.environ.pop(CPP_LOG_ENV)

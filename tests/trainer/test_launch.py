@@ -6,7 +6,7 @@ import socket
 
 import psutil
 
-from grpo_run.trainer.launch import RENDEZVOUS_BACKEND, bound_listener, bound_rendezvous, machines
+from grpo_run.trainer.launch import RENDEZVOUS_BACKEND, bound_listener, machines, register_bound_rendezvous
 
 
 def _free_port() -> int:
@@ -22,9 +22,12 @@ def _listening(port: int) -> set[str]:
 def test_the_rendezvous_store_listens_only_on_the_address_it_was_given():
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
     port = _free_port()
-    handler = bound_rendezvous(RendezvousParameters(RENDEZVOUS_BACKEND, f"127.0.0.1:{port}", "job", 1, 1, rank=0,
-                                                    timeout=10))
+    register_bound_rendezvous()                     # as launch() does, so torchrun's agent finds it by name
+    handler = rendezvous_handler_registry.create_handler(RendezvousParameters(
+        RENDEZVOUS_BACKEND, "", "job", 1, 1, rank="0", address=f"127.0.0.1:{port}", timeout="10"))
     info = handler.next_rendezvous()
     info.store.set("k", "v")                       # a working store (the agent and the ranks use it)
     assert info.store.get("k") == b"v"
