@@ -23,7 +23,7 @@ from pathlib import Path
 from grpo_run.checkpoint.procs import die_with_parent
 from grpo_run.checkpoint.writer import WriterDied
 from grpo_run.trainer.checkpointing.checkpointer import CheckpointFailed
-from grpo_run.trainer.distributed import World
+from grpo_run.trainer.distributed import NODES_SECRET_ENV, Admission, NodesNotAdmitted, World, WireRefused, admit
 from grpo_run.trainer.episodes.host import EnvironmentFailed
 from grpo_run.trainer.grader.grader import RewardFunctionError, SandboxUnavailable
 from grpo_run.trainer.grader.judge import JudgeError, JudgeUnavailable
@@ -49,7 +49,6 @@ def child_main(argv: list[str] | None = None) -> int:
     plan = Plan.from_json(plan_path.read_text())
     work = plan_path.parent
     world = World.from_environment()
-    plan = shared_plan(plan, world)
     progress = os.environ.get(PROGRESS_ENV) == "1"
     trainer_logging(work, world.rank, progress_lines=not progress)     # no bar: the lines say how it goes
     path = os.environ.get(EVENTS_PATH_ENV)
@@ -66,7 +65,10 @@ def child_main(argv: list[str] | None = None) -> int:
     signal.signal(STOP_SIGNAL, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     signal.signal(CHECKPOINT_SIGNAL, on_checkpoint)
+    admission = None
     try:
+        admission = admit_nodes(world, plan)
+        plan = shared_plan(plan, world)
         ending = run(plan, work, events, requests, progress=progress, world=world)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
@@ -74,7 +76,7 @@ def child_main(argv: list[str] | None = None) -> int:
         what = "environment" if isinstance(e, EnvironmentFailed) else "reward function"
         events.emit(Failed(message=f"{what} failed: {e}", code=True))
         if world.node > 0:                             # rank 0's supervisor is on another node
-            world.tell_failure(f"{what} failed on node {world.node}: {e}")
+            world.tell_failure(f"{what} failed on node {world.node}: {e}", admission)
         log.error("%s failed: %s", what, e, extra=REPORTED)
         return CHILD_CODE_ERROR
     except EngineUnavailable as e:                     # the vLLM server: the attempt ends, restarted as a crash
@@ -91,15 +93,21 @@ def child_main(argv: list[str] | None = None) -> int:
         events.emit(Failed(message=str(e), code=True))
         log.error("%s", e, extra=REPORTED)
         if world.node > 0:
-            world.tell_failure(f"on node {world.node}: {e}")
+            world.tell_failure(f"on node {world.node}: {e}", admission)
         return CHILD_CODE_ERROR
+    except (NodesNotAdmitted, WireRefused) as e:       # not (only) the job's nodes in the group: as a lost node
+        events.emit(Failed(message=f"infrastructure failure: {e}", code=False))
+        log.error("%s", e, extra=REPORTED)
+        return CHILD_CRASHED
     except (CheckpointFailed, WriterDied) as e:         # its reason is the whole story: no traceback
         events.emit(Failed(message=str(e), code=False, diskFull=getattr(e, "errno", None) == errno.ENOSPC))
         log.error("%s", e)
         return CHILD_CRASHED
     except Exception as e:
-        told = world.failure_told() if world.main and world.nodes > 1 else None
-        if told is not None:                           # a peer on another node failed in the job's own code
+        # a peer on another node failed in the job's own code: believed only with this attempt's signature, since
+        # anyone who reaches the store's port can write there (unsigned: a lost rank, restarted)
+        told = world.failure_told(admission) if world.main and world.nodes > 1 else None
+        if told is not None:
             events.emit(Failed(message=told, code=True))
             log.error("%s", told, extra=REPORTED)
             return CHILD_CODE_ERROR
@@ -107,6 +115,17 @@ def child_main(argv: list[str] | None = None) -> int:
         log.exception("the trainer crashed")
         return CHILD_CRASHED
     return CHILD_DONE if ending.how == "done" else CHILD_STOPPED
+
+
+def admit_nodes(world: World, plan: Plan) -> Admission | None:
+    """Several nodes: every rank proves it holds the job's node secret (NODES_SECRET_ENV, from the
+    node's launcher, never from the job file or storage) before rank 0 sends the plan or a
+    checkpoint (trainer.distributed.admit). Raises NodesNotAdmitted. The secret leaves this
+    process's environment here, so nothing it starts inherits it."""
+    secret = os.environ.pop(NODES_SECRET_ENV, None)
+    if world.nodes <= 1:
+        return None
+    return admit(world, plan.name, secret)
 
 
 def shared_plan(plan: Plan, world: World) -> Plan:

@@ -106,10 +106,14 @@ def evaluate(trainer: Answerer, tasks: Sequence[Task], *,
             raise
         stopped = True                               # the others still come to the gather below
     if world.distributed:
-        shares = world.gather((stopped, computed, kept))
+        # JSON between ranks (trainer.distributed): batch numbers as pairs, samples as their JSON form
+        shares = world.gather([stopped, sorted(computed.items()),
+                               [(i, [g.model_dump(mode="json") for g in gs]) for i, gs in sorted(kept.items())]])
         for rank, (_, theirs, their_samples) in enumerate(shares):
             if rank == world.rank:
                 continue
+            theirs = dict(theirs)
+            their_samples = {i: [SampleGroup.model_validate(g) for g in gs] for i, gs in their_samples}
             computed.update(theirs)
             kept.update(their_samples)
             for i, batch in theirs.items():

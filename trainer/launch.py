@@ -14,6 +14,8 @@ sees one trainer as before:
   to rank 0, and the ranks agree on it at the step boundary;
 - the exit status: trainer.protocol's CHILD_* (done, stopped, the reward function's error,
   crashed) from the ranks' exit statuses, which the agent reports only as a failure;
+- the rendezvous store bound to the address it was given (`bound_rendezvous`): torch's own static
+  rendezvous listens on every interface, even for 127.0.0.1;
 - threads: a first attempt's pool (GRPO_RUN_CPU_SHARE) is split evenly among the ranks, each rank
   gets the same count (replicas must round their optimizer steps alike), and the ranks take no
   further share of the node's other trainers.
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 MONITOR_INTERVAL_S = 0.2       # how often the agent looks at its ranks: a dead one is seen this fast
 CPP_LOG_ENV = "TORCH_CPP_LOG_LEVEL"
 RENDEZVOUS_TIMEOUT_S = 600     # several nodes: how long one waits for the others (torchrun's own default)
+RENDEZVOUS_BACKEND = "grpo-run-static"     # torch's static rendezvous, its store bound to the given address
 
 
 def free_port() -> int:
@@ -80,21 +83,88 @@ def exit_status(codes: dict[int, int]) -> int:
     return CHILD_CRASHED
 
 
+def bound_listener(host: str, port: int) -> socket.socket | None:
+    """A listening socket on `host`:`port` (the rendezvous store's, handed to torch's TCPStore as
+    master_listen_fd), or None when `host` is not an address of this node (a Kubernetes Service's
+    cluster IP, a NAT'd public address): then the store listens on every interface, as torch's own
+    does, and only the network keeps strangers from the port (docs/security.md)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            return sock
+        except OSError:
+            sock.close()
+    return None
+
+
+def register_bound_rendezvous() -> None:
+    """Register RENDEZVOUS_BACKEND with torch's rendezvous handlers (`bound_rendezvous`). The agent
+    runs in this process, so the registration reaches it."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, bound_rendezvous)
+
+
+def bound_rendezvous(params):
+    """torch's static rendezvous for `params`, with rank 0's store listening on the address it was
+    given (`bound_listener`) where that is one of this node's."""
+    import datetime as dt
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    class BoundStaticRendezvous(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return RENDEZVOUS_BACKEND
+
+        def next_rendezvous(self):
+            if self._store is None and self.rank == 0:
+                sock = bound_listener(self.master_addr, self.master_port)
+                if sock is None:
+                    log.warning("the rendezvous address %s is not one of this node's, so the store listens on every "
+                                "interface at port %s: only the job's nodes may reach it (docs/security.md)",
+                                self.master_addr, self.master_port)
+                self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                                       multi_tenant=True, master_listen_fd=None if sock is None else sock.detach())
+            return super().next_rendezvous()
+
+    # what torch's own create_rdzv_handler reads, which torchrun fills for "static" alone: the rank and,
+    # on one node, the endpoint come in --rdzv_conf (machines())
+    endpoint = (params.endpoint or str(params.config.get("address", ""))).strip()
+    host, port = parse_rendezvous_endpoint(endpoint, -1)
+    if port == -1 or "rank" not in params.config:
+        raise ValueError(f"{RENDEZVOUS_BACKEND}: the rendezvous needs HOST:PORT and this node's rank (got "
+                         f"{endpoint!r}, rank {params.config.get('rank')!r})")
+    return BoundStaticRendezvous(host, port, int(params.config["rank"]), params.max_nodes, params.run_id,
+                                 int(params.config.get("timeout", RENDEZVOUS_TIMEOUT_S)))
+
+
 def machines(processes: int, env: Mapping[str, str]) -> list[str]:
     """accelerate's arguments for where the ranks are: this node alone (a free port on
     127.0.0.1), or one of NODES_ENV nodes (NODE_RANK_ENV, rank 0's node at MASTER_ENV, host:port)
-    on torch's static rendezvous: a TCP store on rank 0's node, each node's rank as given (rank 0
+    on torch's static rendezvous (RENDEZVOUS_BACKEND: its store bound to the address given, the rank
+    and one node's endpoint in --rdzv_conf): a TCP store on rank 0's node, each node's rank as given (rank 0
     is the node that holds the job's lease), and RENDEZVOUS_TIMEOUT_ENV seconds for every node to
     arrive, after which the agent gives up (default RENDEZVOUS_TIMEOUT_S)."""
     nodes = int(env.get(NODES_ENV) or 1)
     if nodes <= 1:
+        port = free_port()
         return ["--num_processes", str(processes), "--num_machines", "1", "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(free_port())]
+                "--main_process_port", str(port), "--rdzv_backend", RENDEZVOUS_BACKEND,
+                "--rdzv_conf", f"rank=0,address=127.0.0.1:{port}"]
     host, _, port = env[MASTER_ENV].rpartition(":")
     timeout = int(float(env.get(RENDEZVOUS_TIMEOUT_ENV) or RENDEZVOUS_TIMEOUT_S))
     return ["--num_processes", str(processes * nodes), "--num_machines", str(nodes),
             "--machine_rank", env[NODE_RANK_ENV], "--main_process_ip", host.strip("[]"), "--main_process_port", port,
-            "--same_network", "--rdzv_backend", "static", "--rdzv_conf", f"timeout={timeout}"]
+            "--rdzv_backend", RENDEZVOUS_BACKEND, "--rdzv_conf", f"timeout={timeout},rank={int(env[NODE_RANK_ENV])}"]
 
 
 def launch(processes: int, plan: str) -> int:
@@ -115,7 +185,11 @@ def launch(processes: int, plan: str) -> int:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torchrun says master_addr and node_rank serve only its "static" backend: RENDEZVOUS_BACKEND is that one too
+    logging.getLogger("torch.distributed.run").addFilter(
+        lambda record: "only used for static rdzv_backend" not in record.getMessage())
 
+    register_bound_rendezvous()
     os.environ.pop(CPP_LOG_ENV)
     if user_cpp_log is not None:
         os.environ[CPP_LOG_ENV] = user_cpp_log

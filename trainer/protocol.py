@@ -69,6 +69,7 @@ SHARE_ENV = "GRPO_RUN_CPU_SHARE"            # the node's pool of threads to shar
 # rendezvous, and how long a node waits there for the others
 NODES_ENV, NODE_RANK_ENV, MASTER_ENV = "GRPO_RUN_NODES", "GRPO_RUN_NODE_RANK", "GRPO_RUN_MASTER"
 RENDEZVOUS_TIMEOUT_ENV = "GRPO_RUN_RENDEZVOUS_TIMEOUT_S"
+NODES_SECRET_ENV = "GRPO_RUN_NODES_SECRET"   # several nodes: the same secret on each, from its launcher (trainer.distributed)
 TORCH_MASTER_PORT = 29500                   # torch.distributed's default MASTER_PORT, where no launcher names one
 WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")   # torchrun's
 

@@ -288,7 +288,8 @@ class GRPOTrainer:
         keep = p.sampleGroups if world.main else 0
         episodes = batch.episode_view(self.rollout.decode_ids, keep * p.numGenerations)
         if batch.episodes is not None:
-            local.update(turns=episodes["turns"], truncatedBy=episodes["truncated_by"], digests=digests)
+            local.update(turns=episodes["turns"], truncatedBy=episodes["truncated_by"],
+                         digests=sorted(digests.items()))     # JSON between ranks: pairs, not int keys
             if episodes["tools"] is not None:
                 local.update(toolCalls=episodes["tools"][0], toolErrors=episodes["tools"][1])
         self.samples = kept_samples.step_groups(batch.prompts[::p.numGenerations], batch.texts, by_reward,
@@ -298,7 +299,7 @@ class GRPOTrainer:
         metrics = step_metrics(shares, p.numGenerations, tokens, primary=self.scorer.primary,
                                iterations=p.numIterations)
         if batch.episodes is not None and world.main:   # every episode's digests, in the step's order
-            self.episode_digests = [d for _, d in sorted(kv for share in shares for kv in share["digests"].items())]
+            self.episode_digests = [d for _, d in sorted(kv for share in shares for kv in share["digests"])]
         metrics.update(gradNorm=done.grad_norm, learningRate=self.scheduler.get_last_lr()[0],
                        sampleSeconds=seconds[0], stepSeconds=seconds[1])
         if done.mismatch is not None:

@@ -10,7 +10,7 @@ import yaml
 from grpo_run.runner.deploy import stores
 from grpo_run.runner.deploy.node import NodeSettings
 from grpo_run.runner.exits import EXIT_BUDGET, EXIT_PREEMPTED, EXIT_USAGE
-from grpo_run.trainer.protocol import MASTER_ENV, NODES_ENV, TORCH_MASTER_PORT
+from grpo_run.trainer.protocol import MASTER_ENV, NODES_ENV, NODES_SECRET_ENV, TORCH_MASTER_PORT
 from grpo_run.runner.spec.gpus import ALIASES
 
 # Node labels and taints of the common managed spot pools: Karpenter, EKS managed node groups,
@@ -195,7 +195,11 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
     env += [{"name": k, "value": v} for k, v in s.env() if v]       # the store's settings: S3's, or Azure's account
     if nodes > 1:        # the rank comes from JOB_COMPLETION_INDEX; pod 0 is rank 0's node
         env += [{"name": NODES_ENV, "value": str(nodes)},
-                {"name": MASTER_ENV, "value": f"{name}-0.{name}:{TORCH_MASTER_PORT}"}]
+                {"name": MASTER_ENV, "value": f"{name}-0.{name}:{TORCH_MASTER_PORT}"},
+                # the node secret (trainer.distributed.admit): the Job's uid, which every pod of this Job
+                # carries and a host that only reaches the pod network does not know
+                {"name": NODES_SECRET_ENV, "valueFrom": {"fieldRef": {
+                    "fieldPath": f"metadata.labels['{JOB_UID_LABEL}']"}}}]
     resources: dict = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
     if memory:           # request = limit: the pod's cgroup bounds the reward's tree where nothing else does
         resources = {"requests": {"memory": memory}, "limits": {**resources.get("limits", {}), "memory": memory}}
@@ -263,7 +267,25 @@ def kubernetes_job(s: NodeSettings, *, image: str, pool: str = "karpenter", gpus
                         "ports": [{"name": "rendezvous", "port": TORCH_MASTER_PORT}]}}
     return (note + said + "\n" + _store_note(s) + f"# {nodes} nodes: an indexed Job of {nodes} pods and the headless "
             f"Service that names them ({name}-0.{name} is rank 0's)\n" + yaml.safe_dump(service, sort_keys=False)
+            + "---\n" + NETWORK_POLICY_NOTE + yaml.safe_dump(job_network_policy(name, labels), sort_keys=False)
             + "---\n" + yaml.safe_dump(job, sort_keys=False))
+
+
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"     # set by the Job controller on each of its pods (1.27+)
+NETWORK_POLICY_NOTE = (
+    "# Only the job's own pods may reach its pods: rank 0's rendezvous store (port "
+    f"{TORCH_MASTER_PORT}) has no\n# authentication, and gloo/NCCL between the ranks is not encrypted "
+    "(docs/security.md). A NetworkPolicy\n# is enforced only where the cluster's network plugin does it "
+    "(Calico, Cilium, GKE Dataplane V2, the\n# EKS VPC CNI with network policies on): check yours.\n")
+
+
+def job_network_policy(name: str, labels: dict[str, str]) -> dict:
+    """A NetworkPolicy that admits to the job's pods only the job's own pods, on any port: the
+    rendezvous port, and the ports gloo and NCCL open between the ranks."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-nodes", "labels": dict(labels)},
+            "spec": {"podSelector": {"matchLabels": dict(labels)}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": dict(labels)}}]}]}}
 
 
 def _store_note(s: NodeSettings) -> str:

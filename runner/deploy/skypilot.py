@@ -9,6 +9,7 @@ import yaml
 
 from grpo_run.runner.deploy.node import NodeSettings, install_script
 from grpo_run.runner.spec.gpus import ALIASES
+from grpo_run.trainer.protocol import TORCH_MASTER_PORT
 
 
 def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = None, all_jobs: bool = False,
@@ -57,7 +58,17 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
                 'if [ "$status" -eq 3 ]; then sleep 900; fi\n'
                 'exit "$status"\n'),
     }
-    return yaml.dump(task, Dumper=_BlockDumper, sort_keys=False)
+    text = yaml.dump(task, Dumper=_BlockDumper, sort_keys=False)
+    return SKYPILOT_NODES_NOTE + text if nodes > 1 else text
+
+
+# Several nodes: who may reach rank 0's rendezvous port (docs/security.md, "Several nodes").
+SKYPILOT_NODES_NOTE = (
+    f"# {TORCH_MASTER_PORT} on the first node is rank 0's rendezvous store: no authentication, and gloo/NCCL between\n"
+    "# the nodes is not encrypted. Only the cluster's own nodes may reach it: SkyPilot's security group admits\n"
+    "# them and SSH alone, so never list the port under `ports:`. Give every node one secret, which proves\n"
+    "# membership before rank 0 sends its plan or a checkpoint and signs a node's failure:\n"
+    "#   sky launch task.yaml --env GRPO_RUN_NODES_SECRET=$(openssl rand -hex 32)\n")
 
 
 # On a SkyPilot node grpo-run goes into the home folder of SkyPilot's user (not root).

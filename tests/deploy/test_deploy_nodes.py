@@ -20,15 +20,15 @@ def test_the_kubernetes_files_for_two_nodes_are_an_indexed_job_and_its_headless_
 
     text = printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--job", "big", "--image", "registry/grpo-run:1",
                    "--nodes", "2")
-    service, job = list(yaml.safe_load_all(text))
-    for doc in (service, job):
+    service, policy, job = list(yaml.safe_load_all(text))
+    for doc in (service, policy, job):
         kubernetes_validate.validate(doc, version, strict=True)
     assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 2, 2)
     assert service["spec"]["selector"] == job["spec"]["template"]["metadata"]["labels"]
     assert pod["subdomain"] == service["metadata"]["name"] == "grpo-run-big"
-    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e}
     # what each pod resolves: its rank from the indexed Job, pod 0 (rank 0) at NAME-0.NAME
     for index in (0, 1):
         place = resolve(SimpleNamespace(name="big", nodes=2), None, None, None,
@@ -39,6 +39,28 @@ def test_the_kubernetes_files_for_two_nodes_are_an_indexed_job_and_its_headless_
         in spec["podFailurePolicy"]["rules"]
 
 
+def test_only_the_jobs_own_pods_may_reach_its_pods_and_each_pod_gets_the_jobs_node_secret(capsys):
+    import kubernetes_validate
+
+    text = printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--job", "big", "--image", "registry/grpo-run:1",
+                   "--nodes", "2")
+    docs = list(yaml.safe_load_all(text))
+    policy = next(d for d in docs if d["kind"] == "NetworkPolicy")
+    job = next(d for d in docs if d["kind"] == "Job")
+    kubernetes_validate.validate(policy, "1.31.0", strict=True)
+    pods = job["spec"]["template"]["metadata"]["labels"]
+    # it selects the job's pods, and admits (on any port: the rendezvous', gloo's and NCCL's) their own alone
+    assert policy["spec"]["podSelector"] == {"matchLabels": pods} and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": pods}}]}]
+    assert "only the job's own pods may reach its pods" in text.lower()
+    secret = next(e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
+                  if e["name"] == "GRPO_RUN_NODES_SECRET")
+    assert secret["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/controller-uid']"
+    one = list(yaml.safe_load_all(printed(capsys, "k8s", "--storage", "s3://bucket/grpo", "--job", "big", "--image",
+                                          "registry/grpo-run:1")))
+    assert [d["kind"] for d in one] == ["Job"]           # one node: no port to reach, no policy
+
+
 def test_the_skypilot_task_for_two_nodes_loads_with_skypilots_own_loader(tmp_path, capsys, skypilot_python):
     task = tmp_path / "task.yaml"
     task.write_text(printed(capsys, "skypilot", "-f", sky_job_file(tmp_path, gpu="H100", nodes=2,
@@ -46,6 +68,8 @@ def test_the_skypilot_task_for_two_nodes_loads_with_skypilots_own_loader(tmp_pat
     loaded = load_with_skypilot(skypilot_python, task)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
     assert yaml.safe_load(task.read_text())["num_nodes"] == 2
+    said = task.read_text()                 # who may reach rank 0's port, and the node secret to give
+    assert "Only the cluster's own nodes may reach it" in said and "GRPO_RUN_NODES_SECRET" in said
     script = ("import sys, sky\nprint(sky.Task.from_yaml(sys.argv[1]).num_nodes)\n")
     import subprocess
 

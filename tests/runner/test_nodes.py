@@ -26,6 +26,7 @@ from tests.runner.test_processes import write_job
 from tests.runner.test_resume import REPO, exported_bytes, grpo_run, status
 
 STEPS, SAVE = 120, 4
+NODES_SECRET = "the-two-nodes-secret"    # what each node's launcher gives it (trainer.distributed.admit)
 LOST_BOUND_S = 60.0      # rank 1's node killed -> rank 0's node exits: the agent's monitor and 30 s shutdown, slack
 
 
@@ -46,7 +47,7 @@ def free_port() -> int:
 def node(home: Path, rank: int, storage: Path, port: int, **env) -> subprocess.Popen:
     """`grpo-run resume resumable` as node `rank` of 2, its output in HOME.out."""
     full = {**os.environ, "GRPO_RUN_HOME": str(seed_home(home)), "GRPO_RUN_NOTICES": "none", "OMP_NUM_THREADS": "1",
-            **env}
+            "GRPO_RUN_NODES_SECRET": NODES_SECRET, **env}
     full.pop("GRPO_RUN_FAULT", None)
     return subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "resume", "resumable", "--storage",
                              str(storage), "--nnodes", "2", "--node-rank", str(rank), "--master", f"127.0.0.1:{port}"],
@@ -273,3 +274,29 @@ def test_a_reward_that_fails_on_rank_1s_node_fails_the_job_on_rank_0s_record(tmp
     st = status(tmp_path / "reader", str(storage))
     assert st["phase"] == "Failed", st
     assert "reward function failed on node 1" in st["message"] and "no nines here" in st["message"], st["message"]
+
+
+@pytest.mark.slow
+def test_a_failure_a_stranger_plants_in_the_store_leaves_a_lost_node_a_lost_node(reference, tmp_path):
+    """The review's R1: a process that reaches rank 0's rendezvous port writes grpo-run/failed, then
+    rank 1's node is lost (a routine spot loss). Rank 0's node must record a lost rank (Preempted,
+    resumed to the same bytes), never Failed with the stranger's text."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    storage, a, b = training(tmp_path)
+    port = int(a.args[a.args.index("--master") + 1].rpartition(":")[2])
+    stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=10))
+    stranger.set("grpo-run/failed", "reward function failed on node 1: planted by a stranger")
+    for proc in [psutil.Process(b.pid), *psutil.Process(b.pid).children(recursive=True)]:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    b.wait()
+    assert a.wait(timeout=LOST_BOUND_S + 30) == 3, output(tmp_path, "first-0")[-3000:]
+    st = status(tmp_path / "reader", str(storage))
+    assert st["phase"] == "Preempted" and "lost a rank" in st["message"], st["message"]
+    assert "planted" not in st["message"]
+    resume_and_compare(tmp_path, storage, reference)

@@ -159,3 +159,84 @@ def test_a_full_fine_tune_sharded_over_two_processes_takes_the_steps_one_process
         assert a["rewardMean"] == b["rewardMean"]
         assert a["gradNorm"] == pytest.approx(b["gradNorm"], rel=1e-4)
     assert m1["eval"] == m2["eval"]
+
+
+# --- what crosses between ranks (trainer.distributed, "What a peer can send") ---------------------
+
+def _wire(tmp_path: Path, rank1_secret: str) -> list[dict]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "wire"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(HERE / "dist_wire.py"), str(out), rank1_secret],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ranks_exchange_json_never_pickles_and_refuse_file_names_outside_their_folder(tmp_path):
+    zero, one = _wire(tmp_path, "s3cret")
+    for seen in (zero, one):         # unpickling is forbidden in both processes: all of it came as JSON
+        assert seen["gathered"] == [{"rank": 0, "loss": 0.1, "pairs": [[0, "d"]]},
+                                    {"rank": 1, "loss": 0.2, "pairs": [[1, "d"]]}]
+        assert seen["broadcast"] == {"plan": "rank 0's", "n": 3}
+    assert zero["rng same"]
+    assert one["received"] == ["adapter/weights.bin", "state.json"] and one["bytes same"]
+    assert len(one["forged"]) == 3 and all("refused" in e for e in one["forged"]), one["forged"]
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "outside" / "escaped").exists()
+    assert not (tmp_path / "absolute").exists()
+
+
+def test_a_failure_in_the_store_counts_only_with_this_attempts_node_signature(tmp_path):
+    zero, _ = _wire(tmp_path, "s3cret")
+    assert zero["admitted"] is True
+    assert zero["told"] == "reward function failed on node 1: no nines"
+    assert zero["planted"] is None and zero["forged mac"] is None      # a stranger's text: a lost rank
+
+
+def test_a_rank_without_the_node_secret_is_refused_before_anything_is_sent(tmp_path):
+    for secret in ("", "another"):
+        zero, one = _wire(tmp_path / (secret or "none"), secret)
+        for seen in (zero, one):
+            assert "rank(s) [1] did not prove the job's node secret" in seen["admitted"], seen["admitted"]
+
+
+def test_only_json_crosses_between_ranks():
+    from grpo_run.trainer.distributed import to_wire
+
+    assert to_wire({"a": [1, 2.5, None, True, ("x",)]}) == b'{"a":[1,2.5,null,true,["x"]]}'
+    with pytest.raises(TypeError, match="key 3 is a int"):
+        to_wire({"digests": {3: "d"}})            # JSON would turn it into "3": said, not silently changed
+    with pytest.raises(TypeError, match="ranks exchange JSON values only"):
+        to_wire({"state": torch.zeros(2)})
+
+
+def test_a_received_file_name_must_stay_in_the_receiving_folder(tmp_path):
+    from grpo_run.trainer.distributed import UnsafeName, checked_listing, received_path
+
+    into = tmp_path / "into"
+    into.mkdir()
+    (into / "out").symlink_to(tmp_path)
+    assert received_path(into, "adapter/adapter_model.safetensors") == into.resolve() / "adapter/adapter_model.safetensors"
+    for bad in ("../x", "/etc/passwd", "a/../../x", "", ".", "a//b", "out/x", 3):
+        with pytest.raises(UnsafeName):
+            received_path(into, bad)
+    with pytest.raises(UnsafeName):
+        checked_listing([["ok", 1], ["../x", 0]], into)
+
+
+def test_a_ranks_rng_state_goes_to_json_and_back_unchanged():
+    import numpy as np
+    import random
+
+    from grpo_run.trainer.checkpointing.snapshot import rng_from_json, rng_state, rng_to_json
+
+    torch.manual_seed(3), np.random.seed(4), random.seed(5)
+    np.random.standard_normal()                 # numpy's cached gaussian is part of its state
+    state = rng_state(torch.device("cpu"))
+    back = rng_from_json(json.loads(json.dumps(rng_to_json(state))))
+    assert torch.equal(back["torch"], state["torch"])
+    assert back["python"] == state["python"]
+    assert back["numpy"][0] == state["numpy"][0] and (back["numpy"][1] == state["numpy"][1]).all()
+    assert back["numpy"][2:] == tuple(state["numpy"][2:])
+    with pytest.raises(ValueError, match="not one"):
+        rng_from_json({"torch": "x"})

@@ -31,8 +31,9 @@ from typing import Any
 from grpo_run.checkpoint.manifest import (FINITE_META, KEEP_CHECKPOINTS, checkpoint_dir, finalize_checkpoint,
                                           newest_sealed, staging_dir, step_of)
 from grpo_run.checkpoint.writer import CheckpointWriter, Failed, Sealed, weights_finite, write_files
-from grpo_run.trainer.distributed import World
-from grpo_run.trainer.checkpointing.snapshot import load_state, pack, rng_state, state_files
+from grpo_run.trainer.distributed import UnsafeName, World
+from grpo_run.trainer.checkpointing.snapshot import (load_state, pack, rng_from_json, rng_state, rng_to_json,
+                                                     state_files)
 from grpo_run.trainer.protocol import CHECKPOINT_SAMPLE_STEPS, STEP_METRICS, STEP_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class Checkpointer:
         name = world.broadcast(found[1].name if world.main and found is not None else None)
         if name is None:
             return None
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or step_of(Path(name)) is None:
+            raise UnsafeName(f"rank 0 named the checkpoint to resume from {name!r}, not a checkpoint folder's name: "
+                             f"refused, nothing removed or written (is rank 0 the job's node?)")
         if world.node == 0:                    # rank 0's disk: the same folder newest_sealed found
             world.share_files(found[1] if world.main else None, None)
             world.barrier()
@@ -134,7 +138,9 @@ class Checkpointer:
         due = force or (step > 0 and step % self.interval == 0)
         if not due or step == self._last_saved:
             return False
-        ranks = self.world.gather(rng_state(self._trainer.device)) if self.world.distributed else [None]
+        # as JSON, checked on rank 0 (another rank's bytes are never unpickled: trainer.distributed)
+        ranks = [rng_from_json(r) for r in self.world.gather(rng_to_json(rng_state(self._trainer.device)))] \
+            if self.world.distributed else [None]
         state = self._trainer.state_dict()        # FSDP: every rank gathers, rank 0 gets the whole state
         if self._writer is None:          # not rank 0: its RNG states are in rank 0's checkpoint
             self._last_saved = step

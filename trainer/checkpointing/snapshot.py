@@ -64,6 +64,35 @@ def rng_state(device: torch.device) -> dict[str, Any]:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
+def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """`rng_state()`'s JSON form, as ranks send it to rank 0 (never a pickle: trainer.distributed)."""
+    numpy_state, python_state = state["numpy"], state["python"]
+    return {"torch": state["torch"].tolist(),
+            "numpy": [numpy_state[0], numpy_state[1].tolist(), int(numpy_state[2]), int(numpy_state[3]),
+                      float(numpy_state[4])],
+            "python": [python_state[0], list(python_state[1]), python_state[2]],
+            "cuda": None if state["cuda"] is None else state["cuda"].tolist()}
+
+
+def rng_from_json(doc: Any) -> dict[str, Any]:
+    """`rng_state()` from `rng_to_json`'s form, checked (it comes from another rank). ValueError
+    when it is not one."""
+    try:
+        numpy_keys = np.array(doc["numpy"][1], dtype=np.uint32)
+        python = doc["python"]
+        out = {"torch": torch.tensor(doc["torch"], dtype=torch.uint8),
+               "numpy": (str(doc["numpy"][0]), numpy_keys, int(doc["numpy"][2]), int(doc["numpy"][3]),
+                         float(doc["numpy"][4])),
+               "python": (int(python[0]), tuple(int(x) for x in python[1]),
+                          None if python[2] is None else float(python[2])),
+               "cuda": None if doc["cuda"] is None else torch.tensor(doc["cuda"], dtype=torch.uint8)}
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as e:
+        raise ValueError(f"a rank's RNG state is not one ({type(e).__name__}: {e})") from None
+    if out["numpy"][0] != "MT19937" or numpy_keys.shape != (624,) or len(out["python"][1]) != 625:
+        raise ValueError("a rank's RNG state is not one (its generator's shape)")
+    return out
+
+
 def state_files(trainer, step: int, *, state: dict[str, Any] | None = None, weights_only: bool = False,
                 other_ranks: list[dict[str, Any]] | None = None) -> dict[str, TensorFile | str]:
     """The checkpoint of `trainer` after `step` completed steps, by relative path: text, or a
