@@ -35,7 +35,8 @@ import torch
 
 from grpo_run.trainer import evaluation, grpo, kept_samples
 from grpo_run.trainer.config import GRPOParams
-from grpo_run.trainer.distributed import World, full_state, load_full_state, shard_fsdp
+from grpo_run.trainer.distributed import World
+from grpo_run.trainer.sharding import full_state, load_full_state, shard_fsdp
 from grpo_run.trainer.envs.catalog import Environment
 from grpo_run.trainer.envs.tasks import Task
 from grpo_run.trainer.episodes import replay

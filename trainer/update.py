@@ -20,7 +20,8 @@ from torch import Tensor
 
 from grpo_run.trainer import grpo
 from grpo_run.trainer.config import GRPOParams, default_micro_batch
-from grpo_run.trainer.distributed import World, unsharded, wrap_ddp
+from grpo_run.trainer.distributed import World
+from grpo_run.trainer.sharding import unsharded, wrap_ddp
 from grpo_run.trainer.model import llama
 from grpo_run.trainer.model.policy import compute_dtype
 from grpo_run.trainer.rollout import Rollouts

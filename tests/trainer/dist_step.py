@@ -15,7 +15,8 @@ def main(reward: str, loss_type: str, out: str, method: str = "LoRA", steps: str
     from safetensors.torch import save_file
 
     from grpo_run.trainer.config import GRPOParams
-    from grpo_run.trainer.distributed import World, full_state
+    from grpo_run.trainer.distributed import World
+    from grpo_run.trainer.sharding import full_state
     from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
     from grpo_run.trainer.trainer import GRPOTrainer
     from grpo_run.runner.home import ensure_model
