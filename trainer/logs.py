@@ -37,13 +37,15 @@ def trainer_logging(work: Path, rank: int = 0, progress_lines: bool = False) -> 
     # recipe's, from rank 0 only) and any warning.
     # An error the trainer also sends as its Failed event (REPORTED) goes to the file only: the supervisor says it once.
     shown = ("grpo_run.trainer.recipe", "grpo_run.trainer.progress") if progress_lines else ("grpo_run.trainer.recipe",)
+    # vLLM's lines (its engine config, the kernels a CPU build lacks) go to the file unless they are errors
     to_terminal.addFilter(lambda r: not getattr(r, "reported", False) and (
-        r.levelno >= logging.WARNING or (r.name in shown and rank == 0)))
+        r.levelno >= (logging.ERROR if r.name.split(".")[0] == "vllm" else logging.WARNING)
+        or (r.name in shown and rank == 0)))
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
     root.addHandler(to_file)
     root.addHandler(to_terminal)
-    for name in ("grpo_run.trainer", "grpo_run.checkpoint"):
+    for name in ("grpo_run.trainer", "grpo_run.checkpoint", "vllm"):
         logging.getLogger(name).setLevel(logging.INFO)
     quiet_libraries()
     warnings.filterwarnings("ignore", category=FutureWarning)

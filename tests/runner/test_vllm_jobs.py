@@ -53,8 +53,17 @@ def doc(home: Path, storage: Path | None = None) -> dict:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny64):
     folder = tmp_path_factory.mktemp("vllm-reference")
-    grpo_run(folder / "home", "apply", "-f", str(write_job(folder, tiny64)))
+    applied = grpo_run(folder / "home", "apply", "-f", str(write_job(folder, tiny64)))
+    (folder / "console.txt").write_text(applied.stdout + applied.stderr)
     return doc(folder / "home"), exported_bytes(folder / "home", None, folder / "export"), folder / "home"
+
+
+def test_vllm_s_own_lines_go_to_the_trainer_s_log_not_the_console(uninterrupted):
+    home = uninterrupted[2]
+    console = (home.parent / "console.txt").read_text()
+    assert "vllm" not in console.lower().replace("sampler: vllm", "")       # the job's own word for it aside
+    log = "".join(p.read_text() for p in home.rglob("trainer.log"))
+    assert " vllm." in log                                                  # vLLM's loggers, in the file
 
 
 def test_a_job_with_sampler_vllm_trains_on_the_engine_and_get_tj_and_the_report_say_which(uninterrupted, tmp_path):

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 import grpo_run
-from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost
+from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost, Reply
+from grpo_run.trainer.episodes.limits import Truncation
 
 GUESS = '''
 from grpo_run import Step
@@ -36,9 +37,9 @@ def test_each_episode_has_its_own_object_that_answers_its_replies(tmp_path):
     with EnvironmentHost(ref, timeout_s=5) as host:
         prompts = host.reset([{"prompt": "?", "secret": 3}, {"prompt": "!", "secret": 7}], [1, 2])
         assert prompts == ["?", "!"]
-        assert host.step([0, 1], ["5", "7"]) == [{"observation": "-", "reward": 0.0, "done": False},
-                                                 {"observation": None, "reward": 1.0, "done": True}]
-        assert host.step([0], ["3"]) == [{"observation": None, "reward": 1.0, "done": True}]
+        assert host.step([0, 1], ["5", "7"]) == [Reply(observation="-", reward=0.0, done=False),
+                                                 Reply(observation=None, reward=1.0, done=True)]
+        assert host.step([0], ["3"]) == [Reply(observation=None, reward=1.0, done=True)]
 
 
 def test_the_public_step_is_the_one_environments_import():
@@ -57,8 +58,8 @@ def test_a_chat_messages_prompt_and_observation_pass_as_they_are(tmp_path):
     ''') + ":Chat"
     with EnvironmentHost(ref, timeout_s=5) as host:
         assert host.reset([{}], [42]) == [[{"role": "user", "content": "seed 42"}]]
-        assert host.step([0], ["x"]) == [{"observation": [{"role": "user", "content": "again"}], "reward": 0.25,
-                                          "done": False}]
+        assert host.step([0], ["x"]) == [Reply(observation=[{"role": "user", "content": "again"}], reward=0.25,
+                                               done=False)]
 
 
 def test_an_environment_that_raises_is_its_codes_failure_never_a_score(tmp_path):
@@ -190,19 +191,25 @@ def test_an_environment_that_reads_outside_its_folder_is_refused_as_a_reward_wou
 
 
 def test_a_forged_reply_frame_is_the_environments_failure_never_training_data():
-    from grpo_run.trainer.episodes.host import frame_problem
+    from grpo_run.trainer.episodes.host import frame_value
 
     good = {"ok": {"observation": "+", "reward": 0.5, "done": False}}
-    assert frame_problem("step", good) is None
-    assert frame_problem("reset", {"ok": [{"role": "user", "content": "hi"}]}) is None
+    assert frame_value("step", good) == (Reply(observation="+", reward=0.5, done=False), None)
+    assert frame_value("reset", {"ok": [{"role": "user", "content": "hi"}]}) == ([{"role": "user", "content": "hi"}],
+                                                                                 None)
+    tooled = {"ok": {"observation": None, "reward": 0.0, "done": True, "truncated": "toolTime", "toolCalls": 2,
+                     "toolErrors": 1}}
+    assert frame_value("step", tooled) == (Reply(None, 0.0, True, Truncation.TOOL_TIME, 2, 1), None)
     for op, frame in [("step", {"ok": {"observation": "+", "reward": 1e9, "done": False}}),
                       ("step", {"ok": {"observation": "+", "reward": float("nan"), "done": False}}),
                       ("step", {"ok": {"observation": None, "reward": 1.0, "done": False}}),
                       ("step", {"ok": {"observation": 5, "reward": 1.0, "done": False}}),
                       ("step", {"ok": {"observation": "+", "reward": True, "done": False}}),
                       ("step", {"ok": {"observation": "+", "reward": 1.0, "done": False, "extra": 1}}),
+                      ("step", {"ok": {"observation": None, "reward": 0.0, "done": True, "truncated": "maxTurns"}}),
+                      ("step", {"ok": {"observation": "+", "reward": 0.0, "done": False, "toolCalls": -1}}),
                       ("reset", {"ok": 3}), ("reset", {"ok": [{"role": "user"}]}), ("reset", {"nothing": 1})]:
-        failure = frame_problem(op, frame)
+        value, failure = frame_value(op, frame)
         assert failure is not None and failure.kind == "invalid", frame
 
 
@@ -225,9 +232,9 @@ def test_a_step_past_step_timeout_seconds_ends_its_episode_and_the_others_go_on(
     with EnvironmentHost(ref, timeout_s=5, step_timeout_s=0.3) as host:
         host.reset([{"prompt": "a"}, {"prompt": "b"}], [1, 2])
         assert host.step([0, 1], ["30", "0"]) == [
-            {"observation": None, "reward": 0.0, "done": True, "truncated": "stepTime"},
-            {"observation": "more", "reward": 1.0, "done": False}]
-        assert host.step([1], ["0"]) == [{"observation": "more", "reward": 1.0, "done": False}]
+            Reply(observation=None, reward=0.0, done=True, truncated=Truncation.STEP_TIME),
+            Reply(observation="more", reward=1.0, done=False)]
+        assert host.step([1], ["0"]) == [Reply(observation="more", reward=1.0, done=False)]
     with EnvironmentHost(ref, timeout_s=0.3) as host:              # no stepTimeoutSeconds: the job's failure
         host.reset([{"prompt": "a"}], [1])
         with pytest.raises(EnvironmentFailed, match="timed out"):
@@ -246,4 +253,4 @@ def test_a_long_prompt_and_observation_reach_the_trainer_whole(tmp_path):
     ''') + ":Long"
     with EnvironmentHost(ref, timeout_s=5) as host:
         assert host.reset([{}], [0]) == ["p" * 5_003]
-        assert host.step([0], ["x"]) == [{"observation": "o" * 9_004, "reward": 0.0, "done": False}]
+        assert host.step([0], ["x"]) == [Reply(observation="o" * 9_004, reward=0.0, done=False)]

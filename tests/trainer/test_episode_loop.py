@@ -1,11 +1,13 @@
 """The episode loop with a stand-in sampler and environment: ids appended as sampled, masks beside
 them, and the limits that end an episode said by name."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from grpo_run.trainer.episodes.host import Reply
 from grpo_run.trainer.episodes.loop import left_padded, run_episodes
 from grpo_run.trainer.seeds import member_seed as episode_seed, turn_seed
 
@@ -62,7 +64,7 @@ class Env:
         for i in episodes:
             self.turn[i] += 1
             done = self.turn[i] >= self.done_at
-            out.append({"observation": None if done else "no", "reward": 0.5, "done": done})
+            out.append(Reply(observation=None if done else "no", reward=0.5, done=done))
         return out
 
 
@@ -113,7 +115,7 @@ def test_episodes_of_a_batch_end_on_their_own_and_the_rest_go_on():
     class Staggered(Env):
         def step(self, episodes, replies):
             out = super().step(episodes, replies)
-            return [dict(o, done=True, observation=None) if i == 0 else o for i, o in zip(episodes, out)]
+            return [dataclasses.replace(o, done=True, observation=None) if i == 0 else o for i, o in zip(episodes, out)]
 
     played, sample = play([ord("y"), EOS], Staggered(done_at=2), tasks=[{"prompt": "a"}, {"prompt": "b"}])
     assert played.turns == [1, 2] and played.truncated == [None, None]

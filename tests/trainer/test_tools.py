@@ -11,8 +11,8 @@ from typing import Literal, Optional
 import pytest
 
 from grpo_run.trainer.envs.catalog import ANSWER_AFTER_TOOLS
-from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
+from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost, Reply
+from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS, Truncation
 from grpo_run.trainer.grader.tools import ToolProblem, tool_calls, tool_schema
 
 TOOLS = '''
@@ -131,19 +131,19 @@ def test_the_sandboxed_worker_answers_tool_calls_and_the_reply_without_one_ends_
         assert host.reset([{"prompt": [{"role": "user", "content": "2+3?"}]}], [1]) == \
             [[{"role": "user", "content": "2+3?"}]]
         call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-        assert host.step([0], [call]) == [{"observation": [{"role": "tool", "name": "add", "content": "5"}],
-                                           "reward": 0.0, "done": False, "toolCalls": 1, "toolErrors": 0}]
+        assert host.step([0], [call]) == [Reply(observation=[{"role": "tool", "name": "add", "content": "5"}],
+                                                reward=0.0, done=False, tool_calls=1, tool_errors=0)]
         # a tool that raises, a tool that is not there, arguments it does not take: the model reads why
         wrong = ('<tool_call>{"name": "divide", "arguments": {"a": 1, "b": 0}}</tool_call>'
                  '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
                  '<tool_call>{"name": "add", "arguments": {"c": 1}}</tool_call>')
         answer, = host.step([0], [wrong])
-        assert answer["toolCalls"] == 3 and answer["toolErrors"] == 3 and not answer["done"]
-        said = [m["content"] for m in answer["observation"]]
+        assert answer.tool_calls == 3 and answer.tool_errors == 3 and not answer.done
+        said = [m["content"] for m in answer.observation]
         assert said[0] == "error: ZeroDivisionError: division by zero"
         assert said[1] == "error: there is no tool 'mul'; the tools are add, divide"
         assert said[2].startswith("error: TypeError: add() got an unexpected keyword argument 'c'")
-        assert host.step([0], ["It is 5."]) == [{"observation": None, "reward": 0.0, "done": True}]
+        assert host.step([0], ["It is 5."]) == [Reply(observation=None, reward=0.0, done=True)]
 
 
 def test_a_tool_past_its_time_limit_ends_the_episode_by_that_limit(tmp_path):
@@ -153,10 +153,10 @@ def test_a_tool_past_its_time_limit_ends_the_episode_by_that_limit(tmp_path):
         late = '<tool_call>{"name": "slow", "arguments": {"seconds": 30}}</tool_call>'
         quick = '<tool_call>{"name": "slow", "arguments": {"seconds": 0}}</tool_call>'
         assert host.step([0, 1], [late, quick]) == [
-            {"observation": None, "reward": 0.0, "done": True, "truncated": "toolTime", "toolCalls": 1,
-             "toolErrors": 1},
-            {"observation": [{"role": "tool", "name": "slow", "content": "awake"}], "reward": 0.0, "done": False,
-             "toolCalls": 1, "toolErrors": 0}]
+            Reply(observation=None, reward=0.0, done=True, truncated=Truncation.TOOL_TIME, tool_calls=1,
+                  tool_errors=1),
+            Reply(observation=[{"role": "tool", "name": "slow", "content": "awake"}], reward=0.0, done=False,
+                  tool_calls=1, tool_errors=0)]
 
 
 def test_a_tool_without_type_hints_fails_to_load_naming_it(tmp_path):

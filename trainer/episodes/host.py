@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from grpo_run.trainer.grader.grader import Grader
@@ -22,13 +23,43 @@ from grpo_run.trainer.grader.refs import RewardFunctionError, resolve_ref
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
 from grpo_run.trainer.grader.replies import Failure
 from grpo_run.trainer.grader.calls import MAX_ABS_REWARD
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
+from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS, Truncation
+from grpo_run.trainer.episodes.step import Observation
 
 
 class EnvironmentFailed(RewardFunctionError):
     """The episodes environment failed (raised, hung, killed its process, returned something
     that is not a prompt or a Step, did what the sandbox refuses), or cannot be loaded. Like a
     reward function's failure: the job fails as the user's code's, never as a score."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An environment's answer to one model reply, as the trainer takes it from the worker (a
+    Step, or the tools' answer: grpo_run.trainer.grader.episodes), checked as a stranger's frame."""
+    observation: Observation           # what the model reads next; None when done
+    reward: float                      # this turn's
+    done: bool
+    truncated: Truncation | None = None     # a tool or the step past its time limit ended the episode
+    tool_calls: int = 0                # the reply's tool calls, and how many were answered with an error
+    tool_errors: int = 0
+
+    @classmethod
+    def read(cls, value: Any) -> Reply | None:
+        """The frame's value as a Reply; None when it is not one (keys, types, bounds)."""
+        from grpo_run.trainer.grader.episodes import prompt_problem
+
+        if not isinstance(value, dict) or value.keys() - _TOOL_KEYS != {"observation", "reward", "done"}:
+            return None
+        calls, errors = value.get("toolCalls", 0), value.get("toolErrors", 0)
+        observation, reward, done = value["observation"], value["reward"], value["done"]
+        if (not all(type(n) is int and 0 <= n <= 10_000 for n in (calls, errors))
+                or value.get("truncated", "toolTime") not in (Truncation.TOOL_TIME, Truncation.STEP_TIME)
+                or not isinstance(done, bool) or type(reward) not in (int, float) or not abs(reward) <= MAX_ABS_REWARD
+                or not (observation is None and done or observation is not None and not prompt_problem(observation))):
+            return None
+        truncated = value.get("truncated")
+        return cls(observation, float(reward), done, None if truncated is None else Truncation(truncated), calls, errors)
 
 
 class EnvironmentHost(Grader):
@@ -78,8 +109,8 @@ class EnvironmentHost(Grader):
         items = [[dict(t), int(s)] for t, s in zip(tasks, seeds, strict=True)]
         return [frame for frame in self._call("reset", items, [f"reset of episode {i}" for i in range(len(items))])]
 
-    def step(self, episodes: Sequence[int], replies: Sequence[str]) -> list[dict[str, Any]]:
-        """Each running episode's Step for its reply: {"observation", "reward", "done"}."""
+    def step(self, episodes: Sequence[int], replies: Sequence[str]) -> list[Reply]:
+        """Each running episode's answer to its reply."""
         items = [[int(i), r] for i, r in zip(episodes, replies, strict=True)]
         return self._call("step", items, [f"step of episode {i}" for i in episodes])
 
@@ -96,10 +127,10 @@ class EnvironmentHost(Grader):
             try:
                 worker.send({"op": op, "items": items}, time.monotonic() + wait)
                 for i in range(len(items)):
-                    failure = frame_problem(op, frame := worker.read(time.monotonic() + wait))
+                    value, failure = frame_value(op, worker.read(time.monotonic() + wait))
                     if failure is not None:
                         raise self._failed(where[i], failure)
-                    out.append(frame["ok"])
+                    out.append(value)
             except WorkerGone:
                 raise self._failed(where[len(out)], self._restart_after(worker, "crashed")) from None
             except WorkerOverdue:
@@ -116,26 +147,21 @@ class EnvironmentHost(Grader):
 _TOOL_KEYS = {"toolCalls", "toolErrors", "truncated"}     # a reply the tools answered (grader.tools)
 
 
-def frame_problem(op: str, frame: dict) -> Failure | None:
-    """A reply frame checked as if a stranger wrote it (the environment's code runs in the
-    worker and can write frames itself): None when it is a prompt (reset) or a Step (step)."""
+def frame_value(op: str, frame: dict) -> tuple[Any, Failure | None]:
+    """A reply frame read as if a stranger wrote it (the environment's code runs in the worker and
+    can write frames itself): a prompt (reset) or a Reply (step), or the failure it is."""
     from grpo_run.trainer.grader.episodes import prompt_problem
     from grpo_run.trainer.grader.replies import outcome
 
     if frame.keys() != {"ok"}:
         got = outcome(frame)            # the worker's failure frame, or a reply it cannot read
-        return got if isinstance(got, Failure) else Failure("invalid", f"sent a reply it cannot read: {frame}")
+        return None, got if isinstance(got, Failure) else Failure("invalid", f"sent a reply it cannot read: {frame}")
     value = frame["ok"]
     if op == "reset":
-        return Failure("invalid", f"reset {prompt_problem(value)}") if prompt_problem(value) else None
-    ok = (isinstance(value, dict) and value.keys() - _TOOL_KEYS == {"observation", "reward", "done"}
-          and all(type(value.get(k, 0)) is int and 0 <= value.get(k, 0) <= 10_000 for k in ("toolCalls", "toolErrors"))
-          and value.get("truncated", "toolTime") in ("toolTime", "stepTime")
-          and isinstance(value["done"], bool) and type(value["reward"]) in (int, float)
-          and abs(value["reward"]) <= MAX_ABS_REWARD
-          and (value["observation"] is None and value["done"]
-               or value["observation"] is not None and not prompt_problem(value["observation"])))
-    return None if ok else Failure("invalid", f"sent a step reply it cannot read: {str(value)[:200]}")
+        problem = prompt_problem(value)
+        return value, Failure("invalid", f"reset {problem}") if problem else None
+    reply = Reply.read(value)
+    return reply, None if reply is not None else Failure("invalid", f"sent a step reply it cannot read: {str(value)[:200]}")
 
 
 def _named(message: str) -> str:

@@ -22,10 +22,3 @@ class Truncation(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-    @classmethod
-    def reported(cls, value: str) -> Truncation:
-        """What an environment's worker said ended an episode (only its own limits)."""
-        if value not in (cls.TOOL_TIME.value, cls.STEP_TIME.value):
-            raise ValueError(f"an environment ends an episode by toolTime or stepTime, not {value!r}")
-        return cls(value)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -30,6 +30,9 @@ from torch import Tensor
 from grpo_run.trainer.episodes.limits import Truncation
 from grpo_run.trainer.episodes.tokens import TurnRenderer
 from grpo_run.trainer.seeds import turn_seed
+
+if TYPE_CHECKING:
+    from grpo_run.trainer.episodes.host import EnvironmentHost
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class Episodes:
 Sample = Callable[[Tensor, Tensor, Sequence[int]], Any]     # (ids, mask, seeds) -> sampler.Completions
 
 
-def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Mapping[str, Any]],
+def run_episodes(sample: Sample, render: TurnRenderer, host: EnvironmentHost, tasks: Sequence[Mapping[str, Any]],
                  seeds: Sequence[int], *, max_turns: int, context: int, pad_id: int) -> Episodes:
     """Play one episode per task to its end. `sample(ids, mask, seeds)`: one reply per row
     (left-padded ids [n, L]), row i drawing from seeds[i]; `host`: the environment
@@ -131,20 +134,20 @@ def run_episodes(sample: Sample, render: TurnRenderer, host, tasks: Sequence[Map
         answers = host.step(told, texts) if told else []
         for i, text, answer in zip(told, texts, answers):
             replies[i].append(text)
-            rewards[i] += float(answer["reward"])
-            calls[i] += answer.get("toolCalls", 0)
-            errors[i] += answer.get("toolErrors", 0)
-            if answer.get("truncated"):                        # a tool, or the step, past its time limit
-                truncated[i] = Truncation.reported(answer["truncated"])
+            rewards[i] += answer.reward
+            calls[i] += answer.tool_calls
+            errors[i] += answer.tool_errors
+            if answer.truncated is not None:                   # a tool, or the step, past its time limit
+                truncated[i] = answer.truncated
                 continue
-            if answer["done"]:
+            if answer.done:
                 running.remove(i)
                 continue
             if turn == max_turns - 1:
                 truncated[i] = Truncation.MAX_TURNS
                 continue
             with _rendering(host, f"episode {i}'s observation after turn {turn + 1}"):
-                added, conversation[i] = render.observation(conversation[i], newest[i], text, answer["observation"])
+                added, conversation[i] = render.observation(conversation[i], newest[i], text, answer.observation)
             if len(first[i]) + len(tails[i]) + len(added) >= context:
                 truncated[i] = Truncation.CONTEXT                       # no room for the observation and a reply
                 continue

@@ -81,6 +81,9 @@ class VllmSampler:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"      # before vllm is imported: the engine in-process
         # and no usage report to stats.vllm.ai (vLLM's default) from the trainer or a vllm-server
         os.environ["VLLM_NO_USAGE_STATS"] = os.environ["DO_NOT_TRACK"] = "1"
+        # vLLM's own lines (its engine config, kernels it lacks, thread counts) go to the trainer's log through
+        # the root logger (trainer.logs), not to the terminal, where the progress line is
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
         import vllm
