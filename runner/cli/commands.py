@@ -344,13 +344,17 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
 @cli.command("tiny-model", short_help="build the tiny local demo model (tiny:char) into a folder")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="folder to write")
 @click.option("--seed", type=int, default=0, help="initialisation seed (default 0)")
-def cmd_tiny_model(out_dir: str, seed: int) -> int:
+@click.option("--head-dim", type=click.Choice(["16", "64"]), default="16", show_default=True,
+              help="attention head size: 16 is tiny:char's; 64 is tiny:char64's, which vLLM's CPU build serves")
+def cmd_tiny_model(out_dir: str, seed: int, head_dim: str) -> int:
     """Build a tiny Qwen3-style causal LM with a character tokenizer, saved with save_pretrained, for trying
-    grpo-run without downloads.
+    grpo-run without downloads. With --head-dim 64 it is the model `sampler: vllm` runs on a CPU
+    (as spec.model: tiny:char64 builds it).
 
     \b
     example:
       grpo-run tiny-model --out ./tiny-model
+      grpo-run tiny-model --out ./tiny-model-64 --head-dim 64
     """
     from grpo_run.trainer.model.tinymodel import build_tiny_model
 
@@ -360,7 +364,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
         return EXIT_USAGE
     if out.exists():
         out.rmdir()
-    build_tiny_model(out, seed=seed)
+    build_tiny_model(out, seed=seed, head_dim=int(head_dim))
     print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
     return EXIT_OK

@@ -97,9 +97,16 @@ def sampler_choice(job: TrainingJob, *, here: bool):
                   processes=node_processes(job.resources), here=here)
 
 
+def decided_here(job: TrainingJob, mode: Mode) -> bool:
+    """Whether this machine decides the engine `job` samples with: apply runs it here, and a dry run
+    of a job without storage can run nowhere else (so it says what apply would, refusal included);
+    --detach and a dry run of a stored job leave it to the node that first starts it."""
+    return mode == "apply" or (mode == "dry-run" and job.storage is None)
+
+
 def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
-        choice = sampler_choice(job, here=mode == "apply")
+        choice = sampler_choice(job, here=decided_here(job, mode))
     except ValueError as e:
         found.problems.append(str(e))
         return

@@ -66,12 +66,12 @@ def check_job_file(file: str, *, dry_run: bool, detach: bool, live=None) -> Chec
 def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """check_job_file for a TrainingJob already built (the Python API builds one from arguments)."""
     from grpo_run.runner.estimate.estimate import check_fits, estimate
-    from grpo_run.runner.jobs.preflight import check_before_apply, sampler_choice
+    from grpo_run.runner.jobs.preflight import check_before_apply, decided_here, sampler_choice
 
     check_before_apply(file, job, dry_run=dry_run, detach=detach)   # reward, tasks, storage, model: before any node
     choice = None
-    try:                                         # here: apply, or a dry run of a job no other node can take
-        choice = sampler_choice(job, here=not detach and (not dry_run or job.storage is None))
+    try:
+        choice = sampler_choice(job, here=decided_here(job, "dry-run" if dry_run else "detach" if detach else "apply"))
     except (LookupError, ValueError):
         pass                                     # refused above (ValueError) or said by the preflight
     try:
