@@ -552,3 +552,42 @@ def test_the_user_data_of_a_job_file_reads_as_written_and_warns_past_ec2s_limit(
     assert len(out.encode()) > 16_384 and cloud_config_errors(out) == []
     assert f"warning: this user-data is {len(out.encode()):,} bytes, over EC2's limit of 16,384" in err
     assert f"grpo-run apply -f {job} --detach" in err and "--job boot-job" in err and "gzip" in err
+
+
+@pytest.mark.parametrize("all_jobs", [False, True])
+@pytest.mark.parametrize("record, waits", [
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted", "notice": "aws"}]}, True),       # a notice here
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted"}]}, True),     # a notice on another node of the group
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted"}, {"reason": "Crashed"}]}, False),   # a lost peer
+    (None, True),                                                          # the record cannot be read: as before
+])
+def test_the_skypilot_run_waits_after_exit_3_only_when_a_notice_stopped_the_job(tmp_path, capsys, all_jobs, record,
+                                                                                 waits):
+    """Exit 3 after a spot notice: the node is going away, and the task waits for it so that
+    SkyPilot sees a preemption (not a failure, which it would not retry). A lost peer or a
+    rendezvous timeout also exits 3 on a node that stays: no 15 paid minutes of sleep there.
+    grpo-run is a stand-in that exits 3 and answers `get tj` with `record`; `sleep` one that notes its
+    argument."""
+    import json
+    import os
+    import sys
+
+    args = ["--all"] if all_jobs else ["--job", "sky-job"]
+    doc = yaml.safe_load(printed(capsys, "skypilot", "--storage", "s3://bucket/grpo", "--accelerators", "L4:1", *args))
+    venv = tmp_path / "grpo-run" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    answer = "" if record is None else json.dumps(
+        {"kind": "TrainingJob", "status": record} if not all_jobs else {"kind": "List", "items": [{"status": record}]})
+    (tmp_path / "answer.json").write_text(answer)
+    (venv / "grpo-run").write_text(f'#!/bin/bash\ncase "$1" in resume) exit 3;; get) cat {tmp_path}/answer.json;; esac\n')
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sleep").write_text(f'#!/bin/bash\necho "$1" >> {tmp_path}/slept\n')
+    for script in (venv / "grpo-run", fake / "sleep"):
+        script.chmod(0o755)
+    env = {**os.environ, **doc["envs"], "HOME": str(tmp_path), "PATH": f"{fake}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", doc["run"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    slept = (tmp_path / "slept").read_text().split() if (tmp_path / "slept").exists() else []
+    assert slept == (["900"] if waits else []), done.stderr
