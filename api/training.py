@@ -152,12 +152,13 @@ def _dry_run(checked) -> dict[str, Any]:
 
     from grpo_run.runner.estimate.summary import budget_warning, summary
     from grpo_run.runner.exits import EXIT_USAGE, Refused
+    from grpo_run.runner.jobs.run import sampler_lines
 
     job, est = checked.job, checked.estimate
     if est:
         print(summary(job.name, est, job_file=SOURCE, max_cost_usd=job.maxCostUSD))
         if checked.sampler:
-            print(f"  sampler     {checked.sampler['engine']}: {checked.sampler['why']}")
+            print(sampler_lines(checked.sampler))
         if short := budget_warning(job.name, est, job.maxCostUSD):
             print(short, file=sys.stderr)
     if checked.refusal:

@@ -101,7 +101,8 @@ def sampler_choice(job: TrainingJob, *, here: bool):
 
 def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
-        choice = sampler_choice(job, here=mode == "apply")
+        # a dry run of a job that keeps its storage on this machine can only run here: refused as apply refuses it
+        choice = sampler_choice(job, here=mode == "apply" or (mode == "dry-run" and job.storage is None))
     except ValueError as e:
         found.problems.append(str(e))
         return

@@ -47,6 +47,16 @@ class Checked:
         return doc
 
 
+def sampler_lines(sampler: dict) -> str:
+    """The dry run's sampler line(s): the engine and why; for a job with storage whose run here
+    (apply without --detach) would sample otherwise than a node's, that too (Checked.sampler)."""
+    here = sampler.get("here")
+    if here is None:
+        return f"  sampler     {sampler['engine']}: {sampler['why']}"
+    return (f"  sampler     on a node it is submitted to (--detach): {sampler['engine']}: {sampler['why']}\n"
+            f"              here (apply without --detach): {here['engine']}: {here['why']}")
+
+
 def check_job_file(file: str, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """Read the job file, run apply's preflight and estimate it. Raises Refused: a job file that
     is missing or wrong (EXIT_USAGE, its problems all at once), a preflight refusal, a model
@@ -84,6 +94,17 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Chec
     sampler = None
     if dry_run and choice:
         sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
+    if sampler and job.storage is not None:
+        # A job with storage may run on a GPU node (the prediction above) or here (apply without
+        # --detach): where the two differ (tiny:char: vLLM on a GPU node, native on this CPU), both
+        # are said, so the dry run never contradicts the run that follows it here.
+        try:
+            here = sampler_choice(job, here=True)
+        except (LookupError, ValueError) as e:
+            here = None
+            sampler["here"] = {"engine": "none", "why": str(e)}
+        if here is not None and here.engine != choice.engine:
+            sampler["here"] = {"engine": here.engine, "why": here.why}
     return Checked(file, job, est, check_fits(est) if est else None, sampler)
 
 
