@@ -31,3 +31,17 @@ def test_every_storage_recipe_names_the_venvs_programs_by_their_path(doc):
     bare = [line for block in bash_blocks(DOCS / doc) for line in block.splitlines()
             if re.search(r"(^|[\s$(=])(python3?|grpo-run|pip) ", line.split("#")[0])]
     assert bare == []
+
+
+def test_the_readme_says_where_a_run_keeps_its_files(monkeypatch):
+    """A newcomer's first question after the demo: where did it write? The README names the
+    default home (the one runner.home uses) and the variable that moves it."""
+    from pathlib import Path as P
+
+    from grpo_run.runner.home import grpo_run_home, work_dir
+
+    monkeypatch.delenv("GRPO_RUN_HOME")
+    readme = (DOCS.parent / "README.md").read_text()
+    shown = "~/" + str(grpo_run_home().relative_to(P.home()))
+    assert f"under `{shown}` (set `GRPO_RUN_HOME`" in readme
+    assert f"`{work_dir('NAME').relative_to(grpo_run_home())}/` is the job's work folder" in readme
