@@ -323,6 +323,10 @@ def stored_job_problem(storage: str, job: str) -> str | None:
     nodes = (stored["spec"].get("spec") or {}).get("nodes") or 1
     if nodes > 1:
         return one_node_only(f"--job {job}: {storage} holds it with spec.nodes {nodes}", storage, job, None)
+    if str(stored["phase"]) in ("Succeeded", "Cancelled"):       # said, not refused: it may be applied again first
+        print(f"warning: --job {job} is {stored['phase']} in {storage}: a node booted now finds nothing to do and "
+              f"idles, billed, until it is stopped; apply a changed spec first (the job goes on from its newest "
+              f"checkpoint), or pick another job", file=sys.stderr)
     return None
 
 

@@ -134,3 +134,15 @@ def test_cloud_init_for_a_store_it_cannot_read_warns_and_still_prints(capsys):
     assert out.startswith("#cloud-config\n")
     assert "warning: could not check that gs://some-bucket/grpo holds job my-job (" in err
     assert "no Google credentials found" in err and "Traceback" not in err
+
+
+def test_cloud_init_for_a_finished_job_warns_that_its_node_would_idle(tmp_path, capsys):
+    job = sky_job_file(tmp_path)
+    storage = str(tmp_path / "bucket")
+    assert main(["apply", "-f", job, "--detach"]) == 0
+    assert main(["cancel", "sky-job", "--storage", storage]) == 0          # Pending -> Cancelled at once
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", storage, "--job", "sky-job"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#cloud-config\n")
+    assert f"warning: --job sky-job is Cancelled in {storage}: a node booted now finds nothing to do" in err
