@@ -15,6 +15,9 @@ STORES = {
     "az://some-container/grpo": "no Azure storage account",
     "s3://some-bucket/grpo": "missing or incomplete credentials",
 }
+# an Azure account named, and no credential for it: azure-identity tries each it knows (no managed
+# identity answers: conftest points it at a closed port) and logged a dozen lines before the error
+SIGNED_IN = {"az://some-container/grpo": "no Azure credential found"}
 COMMANDS = {
     "get": ["get", "tj", "my-job"],
     "samples": ["samples", "my-job"],
@@ -44,3 +47,13 @@ def test_a_store_without_credentials_is_one_line_naming_the_fix(no_credentials, 
     assert out == ""
     assert err.count("\n") == 1 and err.startswith(f"error: storage {url}/my-job: "), err
     assert STORES[url] in err
+
+
+@pytest.mark.parametrize("command", ["get", "cancel"])
+def test_an_azure_account_without_a_credential_is_one_line_too(no_credentials, monkeypatch, capfd, command):
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT", "someaccount")
+    (url, says), = SIGNED_IN.items()
+    assert main([*COMMANDS[command], "--storage", url]) == EXIT_FAILED
+    out, err = capfd.readouterr()                     # the file descriptors: a library's log handler included
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith(f"error: storage {url}/my-job: {says}"), err
