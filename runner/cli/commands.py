@@ -132,7 +132,9 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
 
             print(summary(checked.job.name, checked.estimate, job_file=file, max_cost_usd=checked.job.maxCostUSD))
             if checked.sampler:                  # which engine samples, and why (docs/sampling.md)
-                print(f"  sampler     {checked.sampler['engine']}: {checked.sampler['why']}")
+                from grpo_run.runner.jobs.run import sampler_lines
+
+                print(sampler_lines(checked.sampler))
         if checked.refusal:                      # refused before anything starts, with the numbers
             raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)      # what apply would answer
         if dry_run:                              # maxCostUSD ends training early: said where it cannot be missed

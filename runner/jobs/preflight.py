@@ -21,7 +21,8 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
                   is not handed (QLoRA), a head size vLLM's CPU attention lacks on a CPU
                   (trainer.sampling.choice)
 and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
-checkpoint before the end). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
+checkpoint before the end); prompts with characters the model's tokenizer reads as <unk> (tiny:char's
+20 tokens; `_check_vocabulary`). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_tasks(job, found)
     _check_rewards(job, found)
     _check_episodes(job, found)
+    _check_vocabulary(job, found)
     _check_judges(job, mode, found)
     _check_sampler(job, mode, found)
     return found
@@ -524,6 +526,81 @@ def _check_episodes(job: TrainingJob, found: Findings) -> None:
         if not summary.startswith((name + " ", name + ".", name + "(")):      # not the class check's own words
             summary = _reward_fix(e.summary, env.episodes).replace(":FUNCTION)", ":CLASS)")
         found.problems.append(f"spec.environment.episodes: {summary}")
+
+
+def _check_vocabulary(job: TrainingJob, found: Findings) -> None:
+    """A warning for the first rows' prompts (task files, local data sets; an episodes
+    environment's first prompt, from reset) with characters the model's tokenizer does not know:
+    tiny:char reads 20 tokens, and the rest of a newcomer's first own prompt would be <unk>. Only
+    tokenizers this machine has without a download (tiny:char, a local model folder) are asked;
+    byte-level ones (Qwen's, Llama's) have no unknown token. The observations are checked at the
+    first episode (trainer.episodes.tokens)."""
+    from grpo_run.trainer.episodes.tokens import unknown_characters_problem
+
+    tokenizer = _local_tokenizer(job.model)
+    if tokenizer is None:
+        return
+    env = job.environment
+    sources = {f"spec.environment.{key}": getattr(env, key) for key in ("tasks", "evalTasks")}
+    sources |= {f"spec.environment.dataFiles.{split}": path for split, path in (env.dataFiles or {}).items()}
+    first_task = None
+    for where, path in sources.items():
+        if path is None or not env.reads_tasks:
+            continue
+        try:
+            rows = first_rows(path)
+        except ValueError:
+            continue                            # _check_tasks said why
+        for i, row in enumerate(rows, 1):
+            task = {**row, **{k: row.get(c) for k, c in env.columns.items()}} if isinstance(row, dict) else {}
+            first_task = first_task or (task if "prompt" in task else None)
+            problem = unknown_characters_problem(tokenizer, task.get("prompt"), f"{where}: {Path(path).name} row {i}'s prompt")
+            if problem:
+                found.warnings.append(problem)
+                break
+    if env.episodes and first_task is not None:
+        prompt = _first_episode_prompt(job, first_task)
+        problem = unknown_characters_problem(tokenizer, prompt, "spec.environment.episodes: reset's first prompt")
+        if problem:
+            found.warnings.append(problem)
+
+
+def _local_tokenizer(model: str):
+    """The tokenizer of `model` when this machine has it without a download and it has an unknown
+    token (tiny:char, a local folder); None otherwise."""
+    if model == "tiny:char":
+        from grpo_run.trainer.model.tinymodel import build_tokenizer
+
+        return build_tokenizer()
+    if not Path(model).is_dir():
+        return None
+    try:
+        with _quiet("transformers"):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:                       # a folder without a tokenizer: the model check says so
+        return None
+    return tokenizer if getattr(tokenizer, "unk_token_id", None) is not None else None
+
+
+def _first_episode_prompt(job: TrainingJob, task: dict[str, Any]) -> Any:
+    """What the episodes environment's reset returns for `task` (seed 0), from the grader's sandboxed
+    worker as the trainer runs it; None when it cannot be had here (the environment's own problems
+    are _check_episodes')."""
+    from grpo_run.trainer.episodes.host import EnvironmentHost
+
+    env, p = job.environment, job.parameters
+    try:
+        with _quiet_grader():
+            host = EnvironmentHost(env.episodes, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
+                                   memory_mb=p.rewardMemoryMB, retries=0, strict=True, tools=env.tools)
+            try:
+                return host.reset([task], [0])[0]
+            finally:
+                host.close()
+    except Exception:
+        return None
 
 
 def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:

@@ -244,3 +244,23 @@ def test_a_restarted_trainer_runs_with_the_thread_count_the_first_one_took(tmp_p
         kept = record.value("cpuThreads")
     assert (tmp_path / "fired").exists()                                     # the trainer did die once
     assert kept and f"trainer threads: {kept}, as the run's first trainer took" in caplog.text
+
+
+def test_get_says_when_it_answers_from_this_machines_copy_of_a_job_stored_elsewhere(tmp_path, capsys):
+    """A job run here keeps a work folder, and `get tj NAME` answers from it, even for a job whose
+    storage another node may have gone on with since (it answered Succeeded for a gs:// job with
+    no credentials and no emulator). It says so, and which command asks storage; -o json stays JSON."""
+    storage = tmp_path / "bucket"
+    job = write_job(tmp_path, maxSteps=2, saveSteps=1)
+    doc = yaml.safe_load(job.read_text())
+    doc["spec"]["storage"] = str(storage)
+    job.write_text(yaml.safe_dump(doc))
+    assert main(["apply", "-f", str(job)]) == EXIT_OK
+    capsys.readouterr()
+    assert main(["get", "tj", "cli-job", "-o", "json"]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert json.loads(out)["status"]["phase"] == "Succeeded"
+    assert err.startswith("note: cli-job: from this machine's copy (") and "another node may have gone on" in err
+    assert err.rstrip().endswith(f"grpo-run get tj cli-job --storage {storage}")
+    assert main(["get", "tj", "cli-job", "--storage", str(storage)]) == EXIT_OK   # asked of storage: no note
+    assert capsys.readouterr().err == ""

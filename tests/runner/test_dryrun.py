@@ -479,3 +479,43 @@ def test_pricing_problems_are_reported_with_the_others(qwen3_8b):
 def test_an_empty_pricing_block_is_a_problem(qwen3_8b):
     with pytest.raises(JobError, match="spec.pricing: must be a mapping with usdPerHour, stepSeconds, memoryGB"):
         parse_job(manifest(qwen3_8b, pricing={}))
+
+
+def _tiny_job(tmp_path: Path, storage: str | None, **parameters) -> Path:
+    spec = {"model": "tiny:char", "environment": {"name": "arithmetic"}, "parameters": parameters}
+    if storage is not None:
+        spec["storage"] = storage
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob",
+                                    "metadata": {"name": "tiny-engine"}, "spec": spec}))
+    return path
+
+
+def test_a_dry_run_with_storage_says_how_the_job_samples_here_when_a_node_would_sample_otherwise(tmp_path, capsys):
+    """A job with storage may be submitted to a GPU node (vLLM there, under auto) or run here with
+    apply (native on this CPU): the dry run said only the first, and the run that followed it here
+    sampled otherwise. It says both when they differ."""
+    job = _tiny_job(tmp_path, str(tmp_path / "store"))
+    capsys.readouterr()
+    assert main(["apply", "-f", str(job), "--dry-run", "-o", "json"]) == EXIT_OK
+    sampler = json.loads(capsys.readouterr().out)["status"]["sampler"]
+    assert sampler["here"]["engine"] == "native" and sampler["here"]["why"].startswith("auto: no GPU on this node")
+    assert main(["apply", "-f", str(job), "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"here (apply without --detach): native: auto: no GPU on this node" in out, out
+    # no storage: the job runs here only, one line as before
+    assert main(["apply", "-f", str(_tiny_job(tmp_path, None)), "--dry-run", "-o", "json"]) == EXIT_OK
+    assert "here" not in json.loads(capsys.readouterr().out)["status"]["sampler"]
+
+
+def test_a_dry_run_refuses_sampler_vllm_where_apply_does(tmp_path, capsys):
+    """tiny:char's head_dim 16 has no kernel in vLLM's CPU attention: apply refuses sampler: vllm
+    with exit 2; a dry run of a job that can only run here (no storage) said nothing and exited 0."""
+    job = _tiny_job(tmp_path, None, sampler="vllm")
+    capsys.readouterr()
+    said = []
+    for dry in (["--dry-run"], []):
+        assert main(["apply", "-f", str(job), *dry]) == EXIT_USAGE
+        said.append(capsys.readouterr().err)
+    assert "spec.parameters.sampler: vllm cannot sample this job" in said[0]
+    assert said[0] == said[1]

@@ -114,3 +114,24 @@ def test_score_says_an_episodes_only_job_has_no_reward_functions_to_score_comple
     code = main(["score", "-f", str(write_job(folder)), "--completions", str(folder / "completions.jsonl")])
     assert code == EXIT_USAGE
     assert "scores the episodes it plays, not completions" in capsys.readouterr().err
+
+
+def test_a_dry_run_warns_of_prompts_tiny_char_cannot_read(capsys, tmp_path):
+    """tiny:char reads 20 tokens (digits, + = - : , | and space): a newcomer's first own tasks
+    and environment, in words, would train on <unk>s. The dry run says so, for the task files'
+    prompts and for the prompt the environment's reset returns; it does not refuse (a warning)."""
+    (tmp_path / "env.py").write_text(GUESS.replace('return task["prompt"]', 'return "digit " + task["prompt"]'))
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1:", "secret": 1}\n{"prompt": "guess 2:", "secret": 2}\n')
+    (tmp_path / "eval.jsonl").write_text('{"prompt": "3:", "secret": 3}\n')
+    code, out, err = dry_run(capsys, write_job(tmp_path))
+    assert code == 0, err
+    assert ("warning: spec.environment.tasks: train.jsonl row 2's prompt 'guess 2:' has characters the model's "
+            "tokenizer does not know ('g' 'u' 'e' 's'): each becomes <unk>, one and the same token to the model; "
+            "it reads only ' +,-0123456789:=|' (docs/environments.md)") in err
+    assert "warning: spec.environment.episodes: reset's first prompt 'digit 1:' has characters" in err
+    assert "eval.jsonl" not in err                                     # its prompts are all known
+
+
+def test_a_dry_run_of_prompts_tiny_char_reads_says_nothing_of_them(capsys, folder):
+    code, out, err = dry_run(capsys, write_job(folder))
+    assert code == 0 and "does not know" not in err, err

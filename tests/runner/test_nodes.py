@@ -300,3 +300,26 @@ def test_a_failure_a_stranger_plants_in_the_store_leaves_a_lost_node_a_lost_node
     assert st["phase"] == "Preempted" and "lost a rank" in st["message"], st["message"]
     assert "planted" not in st["message"]
     resume_and_compare(tmp_path, storage, reference)
+
+
+def test_apply_detach_of_a_multi_node_job_says_how_each_node_starts_it(tmp_path):
+    """A plain `grpo-run resume NAME` is refused for a job of several nodes (exit 2): the advice
+    after the submit gives the form each node takes instead."""
+    storage = tmp_path / "store"
+    said = grpo_run(tmp_path / "submit", "apply", "-f", str(two_node_job(tmp_path, storage)), "--detach").stdout
+    assert (f"its nodes train it with: grpo-run resume resumable --storage {storage} --nnodes 2 --node-rank R "
+            f"--master HOST:PORT on each of its 2 nodes (R = 0 on the node at HOST, 1 to 1 on the others)") in said
+    assert "a node trains it with: grpo-run resume resumable --storage" not in said
+
+
+def test_a_rendezvous_that_times_out_says_how_to_start_both_nodes_again(tmp_path):
+    """Rank 0's node alone: the rendezvous times out (3 s), the job stops Preempted (exit 3), and
+    the summary's next step is the multi-node form, not the plain resume the job refuses."""
+    storage = submitted(tmp_path)
+    proc = node(tmp_path / "alone", 0, storage, free_port(), GRPO_RUN_RENDEZVOUS_TIMEOUT_S="3")
+    code = proc.wait(timeout=240)
+    out = output(tmp_path, "alone")
+    assert code == 3, out[-3000:]
+    assert (f"continue with: grpo-run resume resumable --storage {storage} --nnodes 2 --node-rank R --master "
+            f"HOST:PORT on each of its 2 nodes") in out, out[-3000:]
+    assert "continue with: grpo-run resume resumable\n" not in out

@@ -97,3 +97,66 @@ def test_text_observations_are_tokenized_on_their_own_without_a_template(tmp_pat
     assert added == tok("+|", add_special_tokens=False).input_ids
     with pytest.raises(ValueError, match="no chat template"):
         render.observation(None, [5], "x", [{"role": "user", "content": "+"}])
+
+
+# --- characters the tokenizer does not know (tiny:char reads 20 tokens) ------------------------------
+
+
+@pytest.fixture
+def char():
+    from grpo_run.trainer.model.tinymodel import build_tokenizer
+
+    tok = build_tokenizer()
+    return tok, TurnRenderer(PromptEncoder(tok), [tok.eos_token_id])
+
+
+def test_an_observation_the_tokenizer_cannot_read_is_warned_of_once_naming_what_it_reads(char, caplog):
+    """An own environment on tiny:char: " higher:" and " lower:" reach the model as <unk>s and
+    a colon, which the environment's author never sees unless told."""
+    tok, render = char
+    with caplog.at_level("WARNING", logger="grpo_run.trainer.episodes.tokens"):
+        render.first("7+1=")                                            # all known: nothing said
+        assert caplog.records == []
+        for _ in range(3):                                              # every turn of every episode
+            render.observation(None, [5], "5", " higher:")
+            render.observation(None, [5], "5", " lower:")
+        render.first("digit 15:")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said                                         # once for observations, once for prompts
+    assert said[0].startswith("the environment's observation ' higher:' has characters the model's tokenizer does "
+                              "not know ('h' 'i' 'g' 'e' 'r'): each becomes <unk>")
+    assert "it reads only ' +,-0123456789:=|' (docs/environments.md)" in said[0]
+    assert said[1].startswith("the episode's prompt 'digit 15:' has characters")
+
+
+def test_a_tokenizer_without_an_unknown_token_is_never_warned_of(chat, caplog):
+    tok, render = chat                                                  # byte-level BPE: every text has ids
+    with caplog.at_level("WARNING", logger="grpo_run.trainer.episodes.tokens"):
+        first, conversation = render.first("Ünïcode → ok")
+        render.observation(conversation, [], "", "ünïcode ✓")
+    assert caplog.records == []
+
+
+def test_people_see_the_unknown_token_where_the_model_read_one(char):
+    from grpo_run.trainer.episodes.tokens import readable
+
+    tok, _ = char
+    ids = tok(" higher:", add_special_tokens=False).input_ids
+    assert tok.decode(ids, skip_special_tokens=True) == " :"            # what samples showed before
+    assert readable(tok, ids) == " <unk><unk><unk><unk><unk><unk>:"
+    assert readable(tok, tok("1+2", add_special_tokens=False).input_ids + [tok.eos_token_id]) == "1+2"
+
+
+def test_an_episodes_exchanges_for_samples_show_the_unknown_token(char):
+    """What `grpo-run samples` shows of an episode's turns (Rollouts.episode_view, through the
+    episodes' decode_ids): the observation as the model read it, <unk>s and all, not " :"."""
+    import threading
+
+    import torch
+
+    from grpo_run.trainer.rollout import MultiTurn, Text
+
+    tok, _ = char
+    episodes = MultiTurn(None, Text(tok, PromptEncoder(tok)), None, [tok.eos_token_id], max_turns=2, context=64,
+                         pad_id=tok.pad_token_id, device=torch.device("cpu"), stop=threading.Event())
+    assert episodes.decode_ids(tok(" lower:", add_special_tokens=False).input_ids) == " <unk><unk><unk><unk><unk>:"
