@@ -22,7 +22,7 @@ import yaml
 import grpo_run
 from grpo_run.package import package_reward
 from grpo_run.runner.cli.commands import main
-from tests.runner.test_resume import grpo_run as cli
+from tests.runner.jobs.test_resume import grpo_run as cli
 
 SCALE = 2.0
 LIVE = object()
@@ -316,7 +316,7 @@ def test_tasks_as_a_dataset_or_chat_rows_are_written_as_parquet_the_trainer_read
 
 
 def test_a_reward_model_and_a_judge_are_given_as_the_job_file_gives_them(tmp_path, monkeypatch):
-    from tests.trainer.test_reward_model import build_reward_model
+    from tests.trainer.grader.test_reward_model import build_reward_model
 
     build_reward_model(tmp_path / "rm")              # a folder beside the script
     monkeypatch.chdir(tmp_path)

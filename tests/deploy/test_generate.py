@@ -110,7 +110,7 @@ def test_a_job_file_with_local_files_is_refused_for_cloud_init_and_nothing_is_up
     """The user-data carries the job file alone: its reward and task files would not be on the node,
     whose submit at boot would fail while `resume --wait` holds a paid GPU. Refused (exit 2) with
     the two commands that work, before anything goes into storage."""
-    from tests.runner.test_resume import write_job
+    from tests.runner.jobs.test_resume import write_job
 
     storage = tmp_path / "bucket"
     job = write_job(tmp_path, str(storage))
