@@ -42,6 +42,8 @@ class Browser:
             target = next(t for t in json.load(r) if t["type"] == "page")
         self.ws = connect(target["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
         self._ids = itertools.count(1)
+        # the page's size: headless chromium's window size is not always its viewport's
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
         mine = next(self._ids)

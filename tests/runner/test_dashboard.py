@@ -61,6 +61,7 @@ def finished_job(storage: Path, name: str = "finished-run") -> None:
         r.end_attempt(second, AttemptEnd.SUCCEEDED)
         r.set_value(values.LEDGER.key, {str(first): {"seconds": 60.0, "usd": 0.03, "usdPerHour": 1.8},
                                         str(second): {"seconds": 100.0, "usd": 0.05, "usdPerHour": 1.8}})
+        r.set_value(values.SAMPLER.key, {"engine": "native", "why": "the default"})
         r.set_phase(Phase.SUCCEEDED)
 
 
@@ -92,8 +93,9 @@ def test_the_list_shows_each_job_with_its_phase_step_spend_and_held_out_rewards(
     done, live = rows["finished-run"], rows["running-run"]
     assert (done["phase"], done["step"], done["maxSteps"], done["maxCostUSD"]) == ("Succeeded", 8, 8, 5.0)
     assert (done["baseline"], done["final"], done["nodes"]) == (0.125, 0.625, ["node-a", "node-b"])
-    assert done["costUSD"] == pytest.approx(0.08)
+    assert done["costUSD"] == pytest.approx(0.08) and done["engine"] == "native"
     assert (live["phase"], live["step"], live["maxSteps"], live["nodes"]) == ("Training", 2, 20, ["node-c"])
+    assert live["costUSD"] == pytest.approx(0.02)      # no ledger yet: its newest step's
 
 
 def test_a_jobs_page_has_its_timeline_curves_and_samples(bucket):

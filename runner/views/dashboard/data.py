@@ -164,7 +164,9 @@ def list_row(doc: dict[str, Any]) -> dict[str, Any]:
         if a.get("node") and a["node"] not in nodes:
             nodes.append(a["node"])
     return {"name": doc["metadata"]["name"], "phase": status["phase"], "step": status["step"],
-            "maxSteps": spec["parameters"].get("maxSteps"), "costUSD": status.get("costUSD"),
+            "maxSteps": spec["parameters"].get("maxSteps"),
+            # the ledger's spend; while the first attempt runs (nothing in the ledger yet), its newest step's
+            "costUSD": status.get("costUSD", (status.get("lastStep") or {}).get("costUSD")),
             "maxCostUSD": spec.get("maxCostUSD"),
             "baseline": (status.get("baseline") or {}).get("meanReward"),
             "final": (status.get("final") or {}).get("meanReward"),
