@@ -64,7 +64,7 @@ def cmd_dashboard(storage: str, port: int, host: str) -> int:
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
-        _error(f"the dashboard could not listen on {host}:{port}: {e.strerror or e}; pick another --port")
+        _error(f"the dashboard could not listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}; pick another --port")
         return EXIT_FAILED
     server = uvicorn.Server(uvicorn.Config(create_app(Bucket(storage), token=token), log_level="warning",
                                            access_log=False))

@@ -34,7 +34,10 @@ def a_group(step: int) -> dict:
             "completions": [{"text": "5", "rewards": {"exact": 1.0}, "reward": 1.0, "length": 1, "truncated": False,
                              "advantage": 0.87},
                             {"text": "<b>6</b>", "rewards": {"exact": 0.0}, "reward": 0.0, "length": 3,
-                             "truncated": False, "advantage": -0.87}]}
+                             "truncated": False, "advantage": -0.87},
+                            {"text": "<tool_call>add(2, 3)</tool_call>5", "rewards": {"exact": 1.0}, "reward": 1.0,
+                             "length": 9, "truncated": False, "advantage": 0.87, "turns": 2,
+                             "exchange": ["<tool_call>add(2, 3)</tool_call>", "<tool_response>5</tool_response>", "5"]}]}
 
 
 def finished_job(storage: Path, name: str = "finished-run") -> None:
@@ -108,9 +111,38 @@ def test_a_jobs_page_has_its_timeline_curves_and_samples(bucket):
     assert page["steps"]["step"] == list(range(1, 9))
     assert {"rewardMean", "gradNorm", "tokenEntropy", "logprobMismatch"} <= set(page["steps"])
     assert "clipRatio" not in page["steps"]           # no step recorded it: no chart for it
-    assert [r["completion"] for r in page["samples"]["step"]] == ["5", "<b>6</b>"]
+    kept = page["samples"]["step"]
+    assert [r["completion"] for r in kept[:2]] == ["5", "<b>6</b>"]
+    assert [t["from"] for t in kept[2]["exchange"]] == ["model", "tools", "model"]     # an episode, turn by turn
     assert page["spend"]["maxCostUSD"] == 5.0 and "spend $0.0800" in page["spend"]["projection"]
     assert "environment" not in page["spec"] and page["log"] is None     # not run on this machine
+
+
+def test_a_job_run_on_this_machine_shows_the_end_of_its_log(bucket, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_RUN_HOME", str(tmp_path / "home"))
+    log = tmp_path / "home" / "runs" / "running-run" / "logs" / "trainer.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("".join(f"step {i}\n" for i in range(10_000)))
+    page, _ = Bucket(str(bucket)).job("running-run")
+    assert page["log"]["text"].endswith("step 9999\n") and len(page["log"]["text"]) <= 32_000
+    assert page["log"]["text"].startswith("step ")      # whole lines only
+
+
+def test_a_storage_slower_than_the_limit_is_said_and_never_holds_the_server(bucket):
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(Bucket):
+        def jobs(self):
+            release.wait(60)
+            return super().jobs()
+
+    with TestClient(create_app(Stuck(str(bucket)), read_limit_s=0.2)) as client:
+        got = client.get("/api/jobs").json()
+        assert got["jobs"] is None and got["error"].startswith("storage did not answer within 0.2 s")
+        assert client.get("/static/uPlot.LICENSE").status_code == 200     # served while the read hangs
+        release.set()
 
 
 def test_open_pages_share_one_read_of_each_record_per_interval(bucket):

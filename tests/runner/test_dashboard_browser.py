@@ -75,5 +75,21 @@ def test_a_jobs_page_shows_its_preempted_attempt_and_draws_its_charts(served):
             "logprobMismatch"} <= set(charts)
     assert all(inked > 500 for inked in charts.values()), charts
     assert browser.until("document.querySelector('#samples pre') && document.querySelectorAll('#samples pre')[1].textContent") == "5"
+    turns = browser.until("Array.from(document.querySelectorAll('#samples .turn'), t => t.textContent)")
+    assert ["reply 1 (tool call)", "tools", "reply 2"] == turns[-3:]       # an episode, turn by turn
     if shots():
         browser.screenshot(shots() / "dashboard-job.png")
+
+
+@pytest.mark.slow
+def test_the_list_follows_a_running_job_without_a_reload(served, tmp_path):
+    from grpo_run.state.record import RECORD_FILE, Record
+    from tests.runner.test_dashboard import metrics
+
+    browser, address = served
+    browser.open(address)
+    assert browser.until("document.querySelector('tr[data-job=\\'running-run\\']')?.cells[2].textContent") == "2 / 20"
+    with Record(tmp_path / "bucket" / "running-run" / RECORD_FILE) as r:     # the node's next step reaches storage
+        r.log_step(3, metrics(3))
+    assert browser.until("document.querySelector('tr[data-job=\\'running-run\\']').cells[2].textContent == '3 / 20'",
+                         timeout_s=30)
