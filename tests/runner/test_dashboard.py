@@ -126,6 +126,12 @@ def test_a_job_run_on_this_machine_shows_the_end_of_its_log(bucket, tmp_path, mo
     page, _ = Bucket(str(bucket)).job("running-run")
     assert page["log"]["text"].endswith("step 9999\n") and len(page["log"]["text"]) <= 32_000
     assert page["log"]["text"].startswith("step ")      # whole lines only
+    client = TestClient(create_app(Bucket(str(bucket))))
+    etag = client.get("/api/jobs/running-run").headers["etag"]
+    with open(log, "a") as f:                            # the log grows, the record does not change
+        f.write("step 10000\n")
+    grown = client.get("/api/jobs/running-run", headers={"If-None-Match": etag})
+    assert grown.status_code == 200 and grown.json()["log"]["text"].endswith("step 10000\n")
 
 
 def test_a_storage_slower_than_the_limit_is_said_and_never_holds_the_server(bucket):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,8 @@ def create_app(bucket: Bucket, *, token: str | None = None, read_limit_s: float 
             return f"storage did not answer within {read_limit_s:g} s; showing what was read before"
 
     def answer(request: Request, body: dict[str, Any], version: int) -> Response:
-        etag = f'W/"{version}-{hash(repr(body.get("error")))& 0xffffffff:x}"'
+        # the records' version, and what is read besides them on every request (the error, the local log)
+        etag = f'W/"{version}-{zlib.crc32(repr((body.get("error"), body.get("log"))).encode()):x}"'
         if request.headers.get("if-none-match") == etag:
             return Response(status_code=304, headers={"ETag": etag, **HEADERS})
         return JSONResponse(body, headers={"ETag": etag, **HEADERS})
