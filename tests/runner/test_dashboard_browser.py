@@ -63,17 +63,19 @@ def test_a_jobs_page_shows_its_preempted_attempt_and_draws_its_charts(served):
     assert attempts[0].startswith("attempt 1 on node-a: steps 0 \u2192 3, Preempted (aws); ")
     assert "until the next attempt began" in attempts[0]
     assert attempts[1].startswith("attempt 2 on node-b: steps 3 \u2192 8, Succeeded")
-    # every chart's canvas has drawn pixels (not a blank box)
+    # every chart's canvas has its curve drawn (not a blank box, not axes alone)
     drawn = browser.until("""(() => { const cs = Array.from(document.querySelectorAll('#charts .chart'));
         if (cs.length < 5) return null;
         return cs.map(c => { const cv = c.querySelector('canvas');
             const px = cv.getContext('2d').getImageData(0, 0, cv.width, cv.height).data;
-            let inked = 0; for (let i = 3; i < px.length; i += 4) if (px[i] > 0) inked++;
+            let inked = 0;          // pixels in the first series' colour (#3b75c4): its line, not the axes
+            for (let i = 0; i < px.length; i += 4)
+                if (Math.abs(px[i] - 59) < 30 && Math.abs(px[i + 1] - 117) < 30 && Math.abs(px[i + 2] - 196) < 30) inked++;
             return [c.dataset.chart, inked]; }); })()""")
     charts = dict(drawn)
     assert {"rewardMean heldOut", "solvedGroups noSignalGroups", "tokenEntropy", "gradNorm",
             "logprobMismatch"} <= set(charts)
-    assert all(inked > 500 for inked in charts.values()), charts
+    assert all(inked > 200 for inked in charts.values()), charts
     assert browser.until("document.querySelector('#samples pre') && document.querySelectorAll('#samples pre')[1].textContent") == "5"
     turns = browser.until("Array.from(document.querySelectorAll('#samples .turn'), t => t.textContent)")
     assert ["reply 1 (tool call)", "tools", "reply 2"] == turns[-3:]       # an episode, turn by turn
