@@ -101,6 +101,8 @@ function drawTimeline(page) {
     let text = "attempt " + a.id + " on " + a.node + ": steps " + from + " \u2192 " + to + ", " +
       (a.reason === "Preempted" && a.notice ? "Preempted (" + a.notice + ")" : a.reason || "ended");
     if (a.lostSeconds !== null) text += "; " + duration(a.lostSeconds) + " until the next attempt began";
+    const cut = page.boundaries.find((b) => b.attempt === a.id);
+    if (cut && cut.redone) text += ", which redid " + cut.redone + " step" + (cut.redone === 1 ? "" : "s");
     if (a.message) text += " \u2014 " + a.message;
     const bar = el("div", null, "bar"), span = el("span", null, a.reason || "running");
     span.style.left = (100 * from / total) + "%";
