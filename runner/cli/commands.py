@@ -21,6 +21,7 @@ from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report, cmd_samples
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
 from grpo_run.runner.cli.score import cmd_score
+from grpo_run.runner.cli.dashboard import cmd_dashboard
 
 
 
@@ -427,6 +428,8 @@ cli.add_command(cmd_delete)
 cli.add_command(cmd_deploy)
 # rewards tried on completions from a file (runner/cli/score.py)
 cli.add_command(cmd_score)
+# a read-only web page for the jobs in a storage (runner/cli/dashboard.py)
+cli.add_command(cmd_dashboard)
 
 
 # --- entry point ---------------------------------------------------------------------------------
