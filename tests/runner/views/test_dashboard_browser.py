@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.runner.browser import Browser, needs_chromium
-from tests.runner.test_dashboard import finished_job, running_job
+from tests.runner.views.browser import Browser, needs_chromium
+from tests.runner.views.test_dashboard import finished_job, running_job
 
 pytestmark = needs_chromium
 
@@ -86,7 +86,7 @@ def test_a_jobs_page_shows_its_preempted_attempt_and_draws_its_charts(served):
 @pytest.mark.slow
 def test_the_list_follows_a_running_job_without_a_reload(served, tmp_path):
     from grpo_run.state.record import RECORD_FILE, Record
-    from tests.runner.test_dashboard import metrics
+    from tests.runner.views.test_dashboard import metrics
 
     browser, address = served
     browser.open(address)

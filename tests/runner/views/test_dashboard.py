@@ -220,7 +220,7 @@ def test_the_dashboard_refuses_to_listen_beyond_loopback_without_a_token(tmp_pat
 
 
 def test_every_asset_is_package_data_with_the_charting_librarys_license():
-    static = Path(__file__).resolve().parents[2] / "runner" / "views" / "dashboard" / "static"
+    static = Path(__file__).resolve().parents[3] / "runner" / "views" / "dashboard" / "static"
     names = {p.name for p in static.iterdir()}
     assert {"index.html", "job.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js", "uPlot.LICENSE"} <= names
     for page in ("index.html", "job.html"):
