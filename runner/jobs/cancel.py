@@ -32,8 +32,9 @@ from pathlib import Path
 from grpo_run.checkpoint.storage.by_url import open_store
 from grpo_run.checkpoint.storage.lease import LEASE_KEY, LeaseHeld, held
 from grpo_run.runner.home import home, job_store_url, work_dir
-from grpo_run.state.phases import FINISHED, AttemptEnd, Phase
+from grpo_run.state.phases import FINISHED
 from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401
+from grpo_run.runner.supervisor.endings import ENDINGS, End
 from grpo_run.state.record import RECORD_FILE, Record
 
 
@@ -78,14 +79,15 @@ def cancel_job(name: str, storage: str | None) -> Cancelled:
                 was = books.record.job()["phase"]
                 if was in FINISHED:
                     return Cancelled("finished", str(was))
-                books.finish(Phase.CANCELLED, AttemptEnd.CANCELLED, f"cancelled by {by} while {was}; no node runs it again")
+                ending = ENDINGS[End.CANCELLED]        # as a supervisor ends a cancelled run
+                books.finish(ending.phase, ending.attempt, f"cancelled by {by} while {was}; no node runs it again")
             finally:
                 books.close()
     except LeaseHeld as taken:       # a node runs it: it stops at its next step boundary
         from grpo_run.checkpoint.storage.lease import describe_holder
 
         return Cancelled("requested", str(stored["phase"]), holder=describe_holder(taken.holder))
-    return Cancelled("cancelled", str(Phase.CANCELLED), was=str(was))
+    return Cancelled("cancelled", str(ENDINGS[End.CANCELLED].phase), was=str(was))
 
 
 def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:

@@ -25,9 +25,9 @@ import subprocess
 import threading
 from pathlib import Path
 
-from grpo_run.runner.exits import EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
 from grpo_run.runner.supervisor.attempt import spawn_trainer
+from grpo_run.runner.supervisor.endings import ENDINGS, End
 from grpo_run.runner.supervisor.runspec import RunSpec, SupervisorResult
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, CHILD_CODE_ERROR, CHILD_DONE, CHILD_NO_GROUP, CHILD_STOPPED,
                                        RENDEZVOUS_TIMEOUT_ENV, STOP_SIGNAL, Failed, Plan, parse_event)
@@ -96,23 +96,25 @@ class Follower:
                     self.failed = event
 
     def _result(self, code: int) -> SupervisorResult:
+        """What this node's ranks' exit says, with the endings table's exit status (this node writes no
+        record: rank 0's node ends the job's)."""
         nodes, why = self.spec.nodes, f" ({self.failed.message})" if self.failed else ""
+        here = f"node {nodes.rank} of {nodes.count}"
         if code == CHILD_DONE:
-            return SupervisorResult(EXIT_OK, f"node {nodes.rank} of {nodes.count}: the job is done (rank 0's node "
-                                             f"holds its record and final weights)")
+            return _ended(End.SUCCEEDED, f"{here}: the job is done (rank 0's node holds its record and final weights)")
         if code == CHILD_STOPPED:
-            return SupervisorResult(EXIT_PREEMPTED, f"node {nodes.rank} of {nodes.count}: the group stopped at the "
-                                                    f"same step (a notice); rank 0's node made it durable; resume "
-                                                    f"continues from there", notice="group")
+            return _ended(End.PREEMPTED, f"{here}: the group stopped at the same step (a notice); rank 0's node made "
+                                         f"it durable; resume continues from there", notice="group")
         if code == CHILD_NO_GROUP:
-            return SupervisorResult(EXIT_FAILED, f"node {nodes.rank} of {nodes.count}: no group formed at {nodes.master} "
-                                                 f"(the node of rank 0 did not answer there, or not every node came, "
-                                                 f"within the rendezvous timeout, {RENDEZVOUS_TIMEOUT_ENV}): start the "
-                                                 f"node of rank 0 with --master at an address this node reaches; "
-                                                 f"nothing was trained or written")
+            return _ended(End.FAILED, f"{here}: no group formed at {nodes.master} (the node of rank 0 did not answer "
+                                      f"there, or not every node came, within the rendezvous timeout, "
+                                      f"{RENDEZVOUS_TIMEOUT_ENV}): start the node of rank 0 with --master at an address "
+                                      f"this node reaches; nothing was trained or written")
         if code == CHILD_CODE_ERROR:
-            return SupervisorResult(EXIT_FAILED, f"node {nodes.rank} of {nodes.count}: the job's own code failed{why}",
-                                    code_error=True)
-        return SupervisorResult(EXIT_PREEMPTED, f"node {nodes.rank} of {nodes.count}: the group lost a rank (this "
-                                                f"node's ranks ended with status {code}{why}); the group started "
-                                                f"again resumes from rank 0's newest durable checkpoint")
+            return _ended(End.FAILED, f"{here}: the job's own code failed{why}", code_error=True)
+        return _ended(End.GROUP_LOST, f"{here}: the group lost a rank (this node's ranks ended with status {code}{why}); "
+                                      f"the group started again resumes from rank 0's newest durable checkpoint")
+
+
+def _ended(end: End, message: str, **result) -> SupervisorResult:
+    return SupervisorResult(ENDINGS[end].exit_code, message, **result)

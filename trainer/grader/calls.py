@@ -130,7 +130,7 @@ def _raise_timeout(_signum: int, _frame: Any) -> None:
     raise RewardTimeout()
 
 
-def _call_with_alarm(call: Callable[[], Any], timeout_s: float) -> Any:
+def call_with_alarm(call: Callable[[], Any], timeout_s: float) -> Any:
     # Reinstalled every call: the previous call's user code may have replaced or ignored it.
     signal.signal(signal.SIGALRM, _raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -140,7 +140,7 @@ def _call_with_alarm(call: Callable[[], Any], timeout_s: float) -> Any:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def _failed(error: BaseException) -> dict:
+def failed_reply(error: BaseException) -> dict:
     """The result frame of a call that raised: its time ran out, or the user's code failed
     (SystemExit and KeyboardInterrupt too: all the user's failures)."""
     if isinstance(error, RewardTimeout):
@@ -178,7 +178,7 @@ def as_reward(value: Any) -> float:
         kind = type(value).__name__
         if isinstance(value, (str, bytes)) and len(value) > _SHOWN.maxstring:
             kind += f" of length {len(value):,}"
-        raise TypeError(f"returned {_shown(value)} ({kind}); a reward must be a number (float, int or bool)")
+        raise TypeError(f"returned {shown(value)} ({kind}); a reward must be a number (float, int or bool)")
     try:
         reward = float(value)
     except Exception as error:  # a 10**400 int, a complex, a many-element array
@@ -193,7 +193,7 @@ _SHOWN = reprlib.Repr()  # slices a string before repr(): a 1 GB return value is
 _SHOWN.maxstring = _SHOWN.maxother = 200
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     try:
         return _SHOWN.repr(value)
     except Exception as error:  # a broken (or enormous) __repr__
@@ -203,9 +203,9 @@ def _shown(value: Any) -> str:
 def score_one(fn: RewardFn, completion: str, task: dict, timeout_s: float) -> dict:
     """One completion's result frame; never raises (a RewardTimeout included)."""
     try:
-        value = _call_with_alarm(lambda: fn(completion, task), timeout_s)
+        value = call_with_alarm(lambda: fn(completion, task), timeout_s)
     except BaseException as error:
-        return _failed(error)
+        return failed_reply(error)
     try:
         return {"ok": as_reward(value)}
     except (TypeError, ValueError) as error:
@@ -221,11 +221,11 @@ def score_batch(fn: Callable[..., Any], items: list, timeout_s: float) -> list[d
     long for the first frame). A failure of the call is the first item's; a wrong length or a
     value that is not a finite number, that item's."""
     try:
-        values = _call_with_alarm(lambda: fn(**batch_arguments(fn, items)), timeout_s)
+        values = call_with_alarm(lambda: fn(**batch_arguments(fn, items)), timeout_s)
     except BaseException as error:  # the user's failures, all of them, as score_one
-        return [_failed(error)]
+        return [failed_reply(error)]
     if _not_a_list(values):
-        return [{"kind": "invalid", "error": f"returned {_shown(values)} ({type(values).__name__}); a batched reward "
+        return [{"kind": "invalid", "error": f"returned {shown(values)} ({type(values).__name__}); a batched reward "
                  f"(TRL's signature) returns a list with one number per completion ({len(items)} here)"}]
     if len(values) != len(items):
         return [{"kind": "invalid", "error": f"returned {len(values)} values for {len(items)} completions; a batched "
@@ -250,11 +250,11 @@ def score_group(fn: Callable[..., Any], items: list, timeout_s: float) -> list[d
     call failed (a wrong length, or a value that is not a finite number, fails the whole group):
     the parent retries a group whole."""
     try:
-        values = _call_with_alarm(lambda: fn([completion for completion, _ in items], items[0][1]), timeout_s)
+        values = call_with_alarm(lambda: fn([completion for completion, _ in items], items[0][1]), timeout_s)
     except BaseException as error:  # the user's failures, all of them, as score_one
-        return [_failed(error)]
+        return [failed_reply(error)]
     if _not_a_list(values):
-        return [{"kind": "invalid", "error": f"returned {_shown(values)} ({type(values).__name__}); a group reward "
+        return [{"kind": "invalid", "error": f"returned {shown(values)} ({type(values).__name__}); a group reward "
                  f"returns a list with one number per completion of the group ({len(items)} here)"}]
     if len(values) != len(items):
         return [{"kind": "invalid", "error": f"returned {len(values)} values for a group of {len(items)} completions; "

@@ -23,7 +23,7 @@ import inspect
 import os
 from typing import Any, Callable
 
-from grpo_run.trainer.grader.calls import RewardTimeout, _call_with_alarm, _failed, _shown, as_reward
+from grpo_run.trainer.grader.calls import RewardTimeout, call_with_alarm, failed_reply, shown, as_reward
 from grpo_run.trainer.grader.tools import ToolTime, answer_calls, tool_calls
 
 
@@ -64,7 +64,7 @@ def prompt_problem(value: Any) -> str:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             and all(isinstance(k, str) for k in m) for m in value):
         return ""
-    return (f"returned {_shown(value)} ({type(value).__name__}); expected text or chat messages like "
+    return (f"returned {shown(value)} ({type(value).__name__}); expected text or chat messages like "
             "[{\"role\": \"user\", \"content\": \"...\"}]")
 
 
@@ -74,11 +74,11 @@ def as_step(value: Any) -> dict:
     fields = value if isinstance(value, dict) else {k: getattr(value, k) for k in ("observation", "reward", "done")
                                                      if hasattr(value, k)}
     if set(fields) != {"observation", "reward", "done"}:
-        raise TypeError(f"returned {_shown(value)} ({type(value).__name__}); step must return "
+        raise TypeError(f"returned {shown(value)} ({type(value).__name__}); step must return "
                         "grpo_run.Step(observation=..., reward=..., done=...)")
     done, observation = fields["done"], fields["observation"]
     if not isinstance(done, bool):
-        raise TypeError(f"returned a Step whose done is {_shown(done)} ({type(done).__name__}); done must be "
+        raise TypeError(f"returned a Step whose done is {shown(done)} ({type(done).__name__}); done must be "
                         "True or False")
     if observation is None and not done:
         raise ValueError("returned a Step with observation None and done False; an episode that goes on needs "
@@ -118,10 +118,10 @@ def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[
 def _reset(cls: type, episodes: list[Any], task: dict, seed: int, timeout_s: float) -> dict:
     episodes.append(None)
     try:
-        env = _call_with_alarm(cls, timeout_s)
-        prompt = _call_with_alarm(lambda: env.reset(task, seed), timeout_s)
+        env = call_with_alarm(cls, timeout_s)
+        prompt = call_with_alarm(lambda: env.reset(task, seed), timeout_s)
     except BaseException as error:
-        return _failed(error)
+        return failed_reply(error)
     problem = prompt_problem(prompt)
     if problem:
         return {"kind": "invalid", "error": f"reset {problem}"}
@@ -146,14 +146,14 @@ def _step(episodes: list[Any], index: int, reply: str, timeout_s: float,
         return {"ok": {"observation": messages, "reward": 0.0, "done": False, "toolCalls": len(calls),
                        "toolErrors": errors}}
     try:
-        value = _call_with_alarm(lambda: env.step(reply), step_timeout_s or timeout_s)
+        value = call_with_alarm(lambda: env.step(reply), step_timeout_s or timeout_s)
     except RewardTimeout as error:
         if step_timeout_s is None:
-            return _failed(error)
+            return failed_reply(error)
         episodes[index] = None                     # its state after the interrupt is unknown: it ends here
         return {"ok": {"observation": None, "reward": 0.0, "done": True, "truncated": "stepTime"}}
     except BaseException as error:
-        return _failed(error)
+        return failed_reply(error)
     try:
         step = as_step(value)
     except (TypeError, ValueError) as error:

@@ -34,7 +34,7 @@ through the bucket): it must take nothing of the node's. Each layer, and which a
     loop); multiprocessing's fork start method is let through, as its children always exit. A
     copy forked below Python (ctypes, C code) that returns into the worker's serve loop exits
     before it can answer. The worker is a child subreaper: processes an item leaves running,
-    grandchildren included, are killed (`_end_leftover_processes`) before the item's answer is
+    grandchildren included, are killed (`end_leftover_processes`) before the item's answer is
     sent. Those started while the module was imported are its helpers (a REPL, a server) and live
     as long as the worker;
   * limits on the whole tree (`namespaces.contain`, reported as the sandbox frame's "limits"): the
@@ -302,9 +302,9 @@ def _children_of_one_thread(me: int) -> set[int] | None:
     return {int(pid) for pid in listed.split()}
 
 
-def _children() -> set[int]:
+def children_of() -> set[int]:
     """This process's children, running or not yet reaped. Empty in a PID namespace whose /proc is
-    the host's: its pids are not ours to kill (`_end_leftover_processes` kills the whole namespace)."""
+    the host's: its pids are not ours to kill (`end_leftover_processes` kills the whole namespace)."""
     me = os.getpid()
     pids: set[int] = set()
     if namespaces.foreign_proc:
@@ -339,7 +339,7 @@ def _children() -> set[int]:
     return pids
 
 
-def _end_leftover_processes(keep: frozenset[int]) -> None:
+def end_leftover_processes(keep: frozenset[int]) -> None:
     """SIGKILL and reap every child but those in `keep`. Their own children are orphaned onto us
     (a subreaper), so repeat until none is left; a fork bomb that outpaces this dies with the
     worker's process group, which the parent kills."""
@@ -347,7 +347,7 @@ def _end_leftover_processes(keep: frozenset[int]) -> None:
         _end_namespace()
         return
     for _ in range(_MAX_KILL_ROUNDS):
-        leftover = _children() - keep
+        leftover = children_of() - keep
         if not leftover:
             return
         for pid in leftover:

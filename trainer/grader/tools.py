@@ -22,7 +22,7 @@ import typing
 from typing import Any, Callable
 
 from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
-from grpo_run.trainer.grader.calls import RewardTimeout, _call_with_alarm, _shown
+from grpo_run.trainer.grader.calls import RewardTimeout, call_with_alarm, shown
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 RESULT_CHARS = 4000        # a tool's result is cut here (with a note of how much more there was)
@@ -41,7 +41,7 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     function a docstring (what the model reads to decide when to call it); raises ToolProblem."""
     name = getattr(fn, "__name__", None)
     if not callable(fn) or not isinstance(name, str) or inspect.isclass(fn):
-        raise ToolProblem(f"{_shown(fn)} is not a function; a tool is a typed Python function with a docstring")
+        raise ToolProblem(f"{shown(fn)} is not a function; a tool is a typed Python function with a docstring")
     doc = inspect.getdoc(fn)
     if not doc or not doc.strip():
         raise ToolProblem(f"tool {name} has no docstring; say in one what it does (and each argument under Args:), "
@@ -173,7 +173,7 @@ def answer_calls(tools: dict[str, Callable[..., Any]], calls: list[dict[str, Any
             text, failed = f"error: there is no tool {name!r}; the tools are {', '.join(sorted(tools))}", True
         else:
             try:
-                text, failed = _as_text(_call_with_alarm(lambda: fn(**call["arguments"]), timeout_s)), False
+                text, failed = _as_text(call_with_alarm(lambda: fn(**call["arguments"]), timeout_s)), False
             except RewardTimeout:
                 raise ToolTime(f"tool {name} did not return within {timeout_s:g} s") from None
             except Exception as error:               # the model called it wrongly, or it failed: the model reads why

@@ -57,7 +57,7 @@ from grpo_run.trainer.grader.calls import (  # noqa: F401  (MAX_ABS_REWARD, rewa
     _MAX_MESSAGE_CHARS, _OWN_FILES, MAX_ABS_REWARD, RewardFn, _describe, reward_problem, score_batch, score_group,
     score_one,
 )
-from grpo_run.trainer.grader.sandbox import _children, _end_leftover_processes, apply_sandbox
+from grpo_run.trainer.grader.sandbox import children_of, end_leftover_processes, apply_sandbox
 from grpo_run.trainer.grader.trl import is_batched
 
 _HEADER = struct.Struct(">I")  # big-endian payload length in bytes
@@ -189,7 +189,7 @@ def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, hel
                 start += size
                 if os.getpid() != worker_pid:
                     os._exit(0)  # as below: only the worker answers
-                _end_leftover_processes(helpers)
+                end_leftover_processes(helpers)
                 for result in results:
                     write_frame(response_fd, result)
                 if "ok" not in results[0]:
@@ -199,7 +199,7 @@ def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, hel
             results = score_batch(fn, request["items"], timeout_s) if request["items"] else []
             if os.getpid() != worker_pid:
                 os._exit(0)  # as below: only the worker answers
-            _end_leftover_processes(helpers)
+            end_leftover_processes(helpers)
             for result in results:
                 write_frame(response_fd, result)
             continue
@@ -210,7 +210,7 @@ def serve(fn: RewardFn, request_fd: int, response_fd: int, timeout_s: float, hel
                 # function: only the worker answers, or the parent would take its frame for the
                 # next item's.
                 os._exit(0)
-            _end_leftover_processes(helpers)
+            end_leftover_processes(helpers)
             write_frame(response_fd, result)
             if "ok" not in result:
                 # Stop at the first failure: the parent retries from here, or gives up, and
@@ -329,23 +329,23 @@ def main(argv: list[str]) -> int:
     except BaseException as error:
         kind, text = _describe(error)
         write_frame(response_fd, {"type": "load_error", "kind": kind, "error": text, "summary": load_summary(error)})
-        _end_leftover_processes(frozenset())
+        end_leftover_processes(frozenset())
         return 1
-    helpers = frozenset(_children())
+    helpers = frozenset(children_of())
     write_frame(response_fd, {"type": "ready", "pid": os.getpid(), **({"tools": schemas} if tools else {})})
     try:
         if config.get("episodes"):          # an environment's objects, one per episode (trainer.episodes)
             from grpo_run.trainer.grader.episodes import serve_episodes
 
             serve_episodes(fn, lambda: read_frame(request_fd), lambda frame: write_frame(response_fd, frame),
-                           config["timeout_s"], lambda: _end_leftover_processes(helpers), tools=tools,
+                           config["timeout_s"], lambda: end_leftover_processes(helpers), tools=tools,
                            tool_timeout_s=config.get("tool_timeout_s", config["timeout_s"]),
                            step_timeout_s=config.get("step_timeout_s"))
         else:
             serve(fn, request_fd, response_fd, config["timeout_s"], helpers, group=config.get("group", False))
     except BrokenPipeError:
         pass  # the parent went away mid-batch: nothing left to report to
-    _end_leftover_processes(frozenset())
+    end_leftover_processes(frozenset())
     return 0
 
 

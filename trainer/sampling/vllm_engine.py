@@ -137,8 +137,12 @@ class VllmSampler:
         model.save_pretrained(str(self.folder), save_embedding_layers=False)
         self.use_adapter_folder(self.folder)
 
-    def use_adapter_folder(self, folder: Path) -> None:
-        """Sample with the PEFT adapter in `folder` from now on (loaded again even under the same name)."""
+    def use_adapter_folder(self, folder: Path | None) -> None:
+        """Sample with the PEFT adapter in `folder` from now on (loaded again even under the same name);
+        None: with the base model itself."""
+        if folder is None:
+            self._lora = None
+            return
         from vllm.lora.request import LoRARequest
 
         self._lora = LoRARequest("policy", 1, str(folder), load_inplace=True)

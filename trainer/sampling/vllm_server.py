@@ -352,10 +352,7 @@ class _Engine:
         self.sampler, self.version = sampler, sampler.version
 
     def use_adapter(self, folder: Path | None) -> None:
-        if folder is None:
-            self.sampler._lora = None            # the base itself
-        else:
-            self.sampler.use_adapter_folder(folder)
+        self.sampler.use_adapter_folder(folder)          # None: the base itself
 
     def load_weights(self, weights: list) -> None:
         self.sampler.load_weights(weights)

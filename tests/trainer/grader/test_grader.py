@@ -754,7 +754,7 @@ def test_the_workers_children_are_read_from_its_open_proc_files_while_it_has_one
         assert threading.active_count() == 1
         child = subprocess.Popen(["sleep", "60"])
         try:
-            assert sandbox._children_of_one_thread(me) == {child.pid} == sandbox._children()
+            assert sandbox._children_of_one_thread(me) == {child.pid} == sandbox.children_of()
         finally:
             child.kill()
             child.wait()
@@ -764,7 +764,7 @@ def test_the_workers_children_are_read_from_its_open_proc_files_while_it_has_one
         thread.start()
         try:
             assert sandbox._children_of_one_thread(me) is None      # two threads: the full scan
-            assert sandbox._children() == set()
+            assert sandbox.children_of() == set()
         finally:
             done.set()
             thread.join()
