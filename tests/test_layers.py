@@ -96,11 +96,11 @@ def test_the_public_face_is_imported_by_no_package_below_it():
 # The seam between the node's side and one trainer process (SPEC §5b, LAYOUT): the supervisor
 # starts trainers and reads what they report; of trainer/ it knows the plan, the events and the exit
 # statuses (protocol), the job's parameters (config), the environments it hands over (envs), which
-# engine a run samples with (sampling.choice), the episode limits its hang watchdog counts, and
-# how to leave a delegated cgroup root before it starts any (grader.cgroup). Never the recipe, the
+# engine a run samples with (sampling.choice), the tool calls a reply may make (grader.tools: its hang
+# watchdog counts them), and how to leave a delegated cgroup root before it starts any (grader.cgroup). Never the recipe, the
 # rollout, the engines or the model: those live and die with the trainer process.
 SUPERVISOR_SEES = ("trainer.protocol", "trainer.config", "trainer.envs", "trainer.sampling.choice",
-                   "trainer.episodes.limits", "trainer.grader.cgroup")
+                   "trainer.grader.tools.MAX_TOOL_CALLS", "trainer.grader.cgroup")
 
 
 def test_the_supervisor_sees_of_the_trainer_only_its_seam():
@@ -124,3 +124,18 @@ def test_the_tests_mirror_the_packages():
         for folder in sorted((REPO / "tests" / top).iterdir()):
             if folder.is_dir() and any(folder.glob("test_*.py")):
                 assert (REPO / top / folder.name / "__init__.py").exists(), f"tests/{top}/{folder.name}"
+
+
+def test_no_package_s_rooms_import_each_other_in_a_circle():
+    """scripts/house draws each package's rooms and arrows: a circle (episodes -> grader -> episodes)
+    means two rooms that cannot be read, tested or moved apart."""
+    import subprocess
+    import sys
+
+    table = subprocess.run([sys.executable, str(REPO / "scripts" / "house")], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    start = table[0].index("circles")          # the column's text: 0, or the circle drawn
+    rows = [line for line in table[1:] if line.strip() and not line.startswith("files over")]
+    assert len(rows) > 10
+    circles = [line for line in rows if line[start:].strip() != "0"]
+    assert not circles, "\n".join(circles)

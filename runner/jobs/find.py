@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_run.runner.exits import EXIT_USAGE, Refused
+from grpo_run.runner.views.status import job_document
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE
@@ -64,7 +65,7 @@ def already_finished(job, record) -> tuple[Phase, dict[str, Any]] | None:
     done = record.job() if record is not None else None
     if done and (done["phase"] == Phase.CANCELLED
                  or (done["phase"] == Phase.SUCCEEDED and done["spec"] == job.to_dict())):
-        return done["phase"], as_doc(record)
+        return done["phase"], job_document(record)
     return None
 
 
@@ -114,7 +115,7 @@ def open_record(name: str, storage: str | None):
 def get_job(name: str, storage: str | None) -> dict[str, Any]:
     """The job as {apiVersion, kind, metadata, spec, status}."""
     with open_record(name, storage) as record:
-        return as_doc(record)
+        return job_document(record)
 
 
 def job_doc(path: Path) -> dict[str, Any]:
@@ -122,19 +123,7 @@ def job_doc(path: Path) -> dict[str, Any]:
     from grpo_run.state.record import Record
 
     with Record(path) as record:
-        return as_doc(record)
-
-
-def as_doc(record) -> dict[str, Any]:
-    from grpo_run.runner.views.status import job_status
-
-    job = record.job()
-    if job is None:            # a record this instant created, its job not written into it yet
-        raise LookupError("the job's record is being created; ask again in a moment")
-    status = job_status(record)
-    spec = job["spec"]
-    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
-            "spec": spec.get("spec"), "status": status}
+        return job_document(record)
 
 
 def local_jobs() -> list[str]:

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from grpo_run.trainer.config import GRPOParams
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
+from grpo_run.trainer.grader.tools import MAX_TOOL_CALLS
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,17 @@ def _rounded(v: Any) -> Any:
     return round(v, 4) if isinstance(v, float) else v
 
 
+def job_document(record: Record) -> dict[str, Any]:
+    """The job as `grpo-run get tj` shows it: {apiVersion, kind, metadata, spec, status}. Raises
+    LookupError for a record this instant created, its job not written into it yet."""
+    job = record.job()
+    if job is None:
+        raise LookupError("the job's record is being created; ask again in a moment")
+    spec = job["spec"]
+    return {"apiVersion": spec.get("apiVersion"), "kind": spec.get("kind"), "metadata": spec.get("metadata"),
+            "spec": spec.get("spec"), "status": job_status(record)}
+
+
 def job_status(record: Record) -> dict[str, Any]:
     """{phase, message, step, baseline, final, diagnostics, attempts, checkpoints, lastStep}."""
     job = record.job()

@@ -23,7 +23,8 @@ from grpo_run.trainer.grader.refs import RewardFunctionError, resolve_ref
 from grpo_run.trainer.grader.process import WorkerGone, WorkerOverdue, WorkerProcess
 from grpo_run.trainer.grader.replies import Failure
 from grpo_run.trainer.grader.calls import MAX_ABS_REWARD
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS, Truncation
+from grpo_run.trainer.episodes.limits import Truncation
+from grpo_run.trainer.grader.tools import MAX_TOOL_CALLS
 from grpo_run.trainer.episodes.step import Observation
 
 

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 from enum import Enum
 
-# A reply's tool calls past these are answered with an error, not run (trainer.grader.tools); the
-# supervisor's hang watchdog counts them in an episode's longest silence.
-MAX_TOOL_CALLS = 8
-
 
 class Truncation(str, Enum):
     """The limit that ended a completion or an episode. Equal to its value as a string, and written

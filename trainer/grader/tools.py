@@ -21,8 +21,11 @@ import types
 import typing
 from typing import Any, Callable
 
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS
 from grpo_run.trainer.grader.calls import RewardTimeout, call_with_alarm, shown
+
+# a reply's calls past these are answered with an error, not run; the supervisor's hang watchdog counts
+# them in an episode's longest silence
+MAX_TOOL_CALLS = 8
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 RESULT_CHARS = 4000        # a tool's result is cut here (with a note of how much more there was)

@@ -1,5 +1,5 @@
 """What the dashboard's pages show, read from the jobs' records in storage with the books the CLI
-uses (runner.books.replica.stored_record, runner.jobs.find.as_doc, runner.views.report.gather) and
+uses (runner.books.replica.stored_record, runner.views.status.job_document, runner.views.report.gather) and
 never written to: storage is only listed and read.
 
 A page left open polls; what it costs storage is bounded here, not by the number of pages: each
@@ -121,9 +121,11 @@ class Bucket:
     def _read_job(self, name: str) -> dict[str, Any]:
         from grpo_run.checkpoint.storage.by_url import open_store
         from grpo_run.runner.books.replica import stored_record
-        from grpo_run.runner.jobs.stored import check_folder_name
+        from grpo_run.runner.spec.job import name_problem
 
-        check_folder_name(name, self.storage)
+        trouble = name_problem(name)             # a folder no job can be named: nothing of it is read
+        if trouble:
+            raise ValueError(f"{self.storage} holds a folder {name!r} that is no job's name: {trouble}")
         store = open_store(job_store_url(self.storage, name), retry_seconds=RETRY_S)
         with stored_record(store) as record:      # a scratch copy: storage is only read
             if record is None:
@@ -133,12 +135,12 @@ class Bucket:
 
 def job_page(record) -> dict[str, Any]:
     """Everything a job's page shows, from its record (the list's row among it)."""
-    from grpo_run.runner.jobs.find import as_doc
+    from grpo_run.runner.views.status import job_document
     from grpo_run.runner.views.completions import NoSamples, eval_tasks, rows, step_groups
     from grpo_run.runner.views.live import view
     from grpo_run.runner.views.report import boundaries, gather
 
-    doc = as_doc(record)                 # LookupError while the record is being created: the last good state stays
+    doc = job_document(record)                 # LookupError while the record is being created: the last good state stays
     run = gather(record)
     status, spec = doc["status"], doc["spec"]
     samples = {}

@@ -12,8 +12,8 @@ import pytest
 
 from grpo_run.trainer.envs.catalog import ANSWER_AFTER_TOOLS
 from grpo_run.trainer.episodes.host import EnvironmentFailed, EnvironmentHost, Reply
-from grpo_run.trainer.episodes.limits import MAX_TOOL_CALLS, Truncation
-from grpo_run.trainer.grader.tools import ToolProblem, tool_calls, tool_schema
+from grpo_run.trainer.episodes.limits import Truncation
+from grpo_run.trainer.grader.tools import MAX_TOOL_CALLS, ToolProblem, tool_calls, tool_schema
 
 TOOLS = '''
 import time
