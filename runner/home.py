@@ -9,7 +9,7 @@ from pathlib import Path
 from grpo_run.trainer.protocol import HOME_ENV
 
 TINY_PREFIX = "tiny:"
-TINY_NAMES = ("char", "chat")
+TINY_NAMES = ("char", "chat", "chat-tools")
 
 
 def grpo_run_home() -> Path:
@@ -56,7 +56,8 @@ def ensure_model(model: str) -> str:
         return model
     path = tiny_model_path(model)
     if not (path / "config.json").exists():
-        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model
+        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model, build_tool_chat_model
 
-        (build_chat_model if model == TINY_PREFIX + "chat" else build_tiny_model)(path)
+        {TINY_PREFIX + "chat": build_chat_model, TINY_PREFIX + "chat-tools": build_tool_chat_model}.get(
+            model, build_tiny_model)(path)
     return str(path)
