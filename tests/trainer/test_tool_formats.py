@@ -179,3 +179,50 @@ def test_the_template_files_are_each_familys_own():
     assert "Environment: ipython" in (TEMPLATES / "llama-3.1-instruct.jinja").read_text()
     assert "[TOOL_CALLS]" in (TEMPLATES / "mistral-7b-instruct-v0.3.jinja").read_text()
     assert "You are a function calling AI model" in (TEMPLATES / "hermes-2-pro-llama-3-8b-tool-use.jinja").read_text()
+
+
+# A tokenizer that declares its response format (transformers' response parsing): a template
+# teaching <function_call> JSON, which grpo-run's template reading does not know, declared by the
+# tokenizer's response_template; the declaration is what the worker reads.
+DECLARED_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nCall a function as <function_call>{\"name\": ..., \"arguments\": ...}"
+    "</function_call>. Functions: {{ tools | tojson }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {},
+        "tool_calls": {"open": "<function_call>", "close": "</function_call>", "content": "json", "repeats": True,
+                       "transform": {"type": "function",
+                                     "function": {"name": "{content.name}", "arguments": "{content.arguments}"}}},
+    },
+}
+
+
+def test_a_tokenizers_declared_response_format_is_the_one_read(tmp_path):
+    tok = family_tokenizer(DECLARED_TEMPLATE, bos="<s>", eos="<|im_end|>", specials=["<|im_start|>"])
+    with pytest.raises(ToolFormatUnknown, match="in a tool-call format grpo-run does not read"):
+        tool_format_of(tok)                                   # the template alone: unknown
+    tok.response_template = RESPONSE_TEMPLATE
+    fmt = tool_format_of(tok)
+    reply = 'Let me add. <function_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</function_call>'
+    assert tool_calls(reply, fmt) == [ADD]
+    parsed = tok.parse_response(reply, prefix="")             # transformers' own reading agrees
+    assert [c["function"] for c in parsed["tool_calls"]] == [ADD]
+    assert tool_calls("It is 5.", fmt) == []
+    assert tool_calls("<function_call>{oops}</function_call>", fmt)[0].startswith("error: the tool call is not JSON")
+    (tmp_path / "tools.py").write_text(textwrap.dedent(TOOLS))
+    with EnvironmentHost(ANSWER_AFTER_TOOLS, timeout_s=5, tools=[f"{tmp_path}/tools.py:add"], tool_format=fmt) as host:
+        host.reset([{"prompt": "2+3?"}], [1])
+        answer, = host.step([0], [reply])
+    assert answer.tool_calls == 1 and answer.tool_errors == 0
+    assert answer.observation == [{"role": "tool", "name": "add", "content": "5"}]
+
+
+def test_a_declared_format_the_worker_cannot_read_is_refused_with_why():
+    tok = family_tokenizer(DECLARED_TEMPLATE, bos="<s>", eos="<|im_end|>", specials=["<|im_start|>"])
+    tok.response_template = {**RESPONSE_TEMPLATE, "fields": {
+        "tool_calls": {**RESPONSE_TEMPLATE["fields"]["tool_calls"], "content": "xml-inline"}}}
+    with pytest.raises(ToolFormatUnknown, match="reads plain JSON tool calls only"):
+        tool_format_of(tok)

@@ -22,11 +22,12 @@ Mistral's template demands) and the tool's `name` (Hermes'). A template that ref
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
 from jinja2 import TemplateError
 
-from grpo_run.trainer.grader.tools import template_tool_format, tool_calls
+from grpo_run.trainer.grader.tools import declared_tool_format, template_tool_format, tool_calls
 from grpo_run.trainer.model.prompts import Message, Prompt, PromptEncoder, chat_messages
 
 
@@ -44,12 +45,23 @@ def chat_template_text(tokenizer: Any) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def tool_format_of(tokenizer: Any) -> str:
-    """The tool-call format `tokenizer`'s chat template teaches (grader.tools.TOOL_FORMATS).
-    Raises ToolFormatUnknown saying why there is none."""
+def tool_format_of(tokenizer: Any) -> str | dict[str, Any]:
+    """The tool-call format of `tokenizer`: the one it declares (transformers' response parsing,
+    `tokenizer.response_template`, as grader.tools.declared_tool_format reads it) when it declares
+    one, else the one its chat template teaches (grader.tools.TOOL_FORMATS). Raises
+    ToolFormatUnknown saying why there is none."""
+    name = getattr(tokenizer, "name_or_path", "") or "the model"
+    declared = getattr(tokenizer, "response_template", None)
+    if declared is not None:
+        fmt, why = declared_tool_format(declared)
+        if fmt is None:
+            raise ToolFormatUnknown(f"{name}: {why}")
+        template = chat_template_text(tokenizer)
+        if not template or not re.search(r"\btools\b", template):          # the model would never see them
+            raise ToolFormatUnknown(f"{name}: {template_tool_format(template)[1]}")
+        return fmt
     fmt, why = template_tool_format(chat_template_text(tokenizer))
     if fmt is None:
-        name = getattr(tokenizer, "name_or_path", "") or "the model"
         raise ToolFormatUnknown(f"{name}: {why}")
     return fmt
 

@@ -95,7 +95,7 @@ def as_step(value: Any) -> dict:
 def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[dict], None], timeout_s: float,
                    cleanup: Callable[[], None], *, tools: dict[str, Callable[..., Any]] | None = None,
                    tool_timeout_s: float | None = None, step_timeout_s: float | None = None,
-                   tool_format: str = "hermes") -> None:
+                   tool_format: str | dict = "hermes") -> None:
     """Answer the parent's requests until it closes the pipe. `cleanup`: ends what a call left
     running (the worker's own, after each call). `tools`: a reply that calls them is answered by
     them (grpo_run.trainer.grader.tools), each call under `tool_timeout_s`; the others go to `step`.
@@ -134,7 +134,7 @@ def _reset(cls: type, episodes: list[Any], task: dict, seed: int, timeout_s: flo
 
 def _step(episodes: list[Any], index: int, reply: str, timeout_s: float,
           tools: dict[str, Callable[..., Any]] | None = None, tool_timeout_s: float = 0.0,
-          step_timeout_s: float | None = None, tool_format: str = "hermes") -> dict:
+          step_timeout_s: float | None = None, tool_format: str | dict = "hermes") -> dict:
     env = episodes[index] if 0 <= index < len(episodes) else None
     if env is None:
         return {"kind": "invalid", "error": f"episode {index} has ended or was never started"}

@@ -136,6 +136,9 @@ def _parse_doc(doc: str) -> tuple[str, dict[str, str], str]:
 # The trainer decodes replies without special tokens, and <|python_tag|> and [TOOL_CALLS] are
 # special tokens of those tokenizers: their marker is read when it is there, and a reply that is
 # exactly a call (a JSON list of calls, for Mistral) is a call without it.
+# A tokenizer that declares its response format (transformers' `response_template`, read by
+# `tokenizer.parse_response`) is read by that declaration instead: its "tool_calls" field's
+# delimiters and transform, as `declared_tool_format` takes them, passed as a dict for `fmt`.
 TOOL_FORMATS = ("hermes", "llama3", "mistral")
 _HOW = {"hermes": '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
         "llama3": '{"name": ..., "parameters": {...}} as the whole reply',
@@ -164,13 +167,43 @@ def template_tool_format(template: str | None) -> tuple[str | None, str]:
                   "be read as answers, so the job is refused")
 
 
-def tool_calls(reply: str, fmt: str = "hermes") -> list[dict[str, Any] | str]:
-    """The tool calls in `reply` written in format `fmt` (TOOL_FORMATS), in order: {"name",
-    "arguments"} for each that parses, else the text saying what is wrong with it (told to the
-    model as that call's result). [] for a reply that calls nothing."""
-    if fmt not in TOOL_FORMATS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(TOOL_FORMATS)}")
-    calls = {"hermes": _hermes_calls, "llama3": _llama3_calls, "mistral": _mistral_calls}[fmt](reply)
+def declared_tool_format(response_template: Any) -> tuple[dict[str, Any] | None, str]:
+    """The tool-call field of a tokenizer's declared `response_template` (transformers' response
+    parsing) as the worker reads it: {"open": [regex, ...], "close": [regex, ...], "transform",
+    "transform_each"}; (None, why) when there is none, or it declares what the worker does not
+    read (content parsed other than as plain JSON)."""
+    fields = response_template.get("fields") if isinstance(response_template, dict) else None
+    field = fields.get("tool_calls") if isinstance(fields, dict) else None
+    if not isinstance(field, dict):
+        return None, "its declared response_template has no \"tool_calls\" field"
+    if field.get("content", "text") != "json" or set(field.get("content_args") or {}) - {"allow_non_json"}:
+        return None, ("its declared response_template parses tool calls with content "
+                      f"{field.get('content', 'text')!r} {field.get('content_args') or ''}; grpo-run's sandboxed worker "
+                      "reads plain JSON tool calls only")
+    anchors = {}
+    for side in ("open", "close"):
+        if f"{side}_pattern" in field:
+            anchors[side] = [str(field[f"{side}_pattern"])]
+        elif side in field:
+            literal = field[side] if isinstance(field[side], list) else [field[side]]
+            anchors[side] = [re.escape(str(text)) for text in literal]
+        else:
+            return None, f"its declared response_template's tool_calls field has no {side} delimiter"
+    return {"open": anchors["open"], "close": anchors["close"], "transform": field.get("transform"),
+            "transform_each": bool(field.get("transform_each"))}, ""
+
+
+def tool_calls(reply: str, fmt: str | dict[str, Any] = "hermes") -> list[dict[str, Any] | str]:
+    """The tool calls in `reply` written in format `fmt` (TOOL_FORMATS, or a declared format:
+    declared_tool_format), in order: {"name", "arguments"} for each that parses, else the text
+    saying what is wrong with it (told to the model as that call's result). [] for a reply that
+    calls nothing."""
+    if isinstance(fmt, dict):
+        calls = _declared_calls(reply, fmt)
+    elif fmt in TOOL_FORMATS:
+        calls = {"hermes": _hermes_calls, "llama3": _llama3_calls, "mistral": _mistral_calls}[fmt](reply)
+    else:
+        raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(TOOL_FORMATS)}, or a declared one")
     return [*calls[:MAX_TOOL_CALLS], *(f"error: at most {MAX_TOOL_CALLS} tool calls are answered per reply; this "
                                        "one was not run" for _ in calls[MAX_TOOL_CALLS:])]
 
@@ -214,6 +247,60 @@ def _mistral_calls(reply: str) -> list[dict[str, Any] | str]:
     if at < 0 and not all(isinstance(v, dict) and "name" in v for v in listed):
         return []
     return [_as_call(v, "mistral") for v in listed] or [f"error: the list of tool calls is empty; write {_HOW['mistral']}"]
+
+
+def _declared_calls(reply: str, fmt: dict[str, Any]) -> list[dict[str, Any] | str]:
+    """Each region of `reply` between the declared open and close delimiters, its JSON shaped by
+    the declared transform (placeholders "{content}", "{content.name}", "{NAME}" of a named group
+    of the open delimiter, as transformers' response parsing fills them)."""
+    opener = re.compile("|".join(f"(?:{p})" for p in fmt["open"]), re.S)
+    closer = re.compile("|".join(f"(?:{p})" for p in fmt["close"]), re.S)
+    calls: list[dict[str, Any] | str] = []
+    at = 0
+    while (opened := opener.search(reply, at)) is not None:
+        closed = closer.search(reply, opened.end())
+        body = reply[opened.end():closed.start() if closed else len(reply)]
+        at = closed.end() if closed else len(reply)
+        try:
+            value = json.loads(body)
+        except ValueError as error:
+            calls.append(f"error: the tool call is not JSON ({error})")
+            continue
+        captures = {k: v for k, v in opened.groupdict().items() if v is not None}
+        transform = fmt.get("transform")
+        try:
+            if transform is None:
+                shaped = value if isinstance(value, list) else [value]
+            elif fmt.get("transform_each"):
+                shaped = [_transformed(transform, {**captures, **item}) for item in value]
+            else:
+                shaped = [_transformed(transform, {**captures, "content": value})]
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            calls.append(f"error: the tool call does not have the declared shape ({error})")
+            continue
+        for one in shaped:
+            function = one.get("function", one) if isinstance(one, dict) else one
+            calls.append(_as_call(function, "hermes") if isinstance(function, dict)
+                         else "error: a tool call is a JSON object with a name and arguments")
+    return calls
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+(?:\.\w+)*)\}")
+
+
+def _transformed(transform: Any, scope: dict[str, Any]) -> Any:
+    if isinstance(transform, dict):
+        return {k: _transformed(v, scope) for k, v in transform.items()}
+    if isinstance(transform, list):
+        return [_transformed(v, scope) for v in transform]
+    whole = _PLACEHOLDER.fullmatch(transform) if isinstance(transform, str) else None
+    if not whole:
+        return transform
+    root, *keys = whole.group(1).split(".")
+    value = scope[root]
+    for key in keys:
+        value = value[key]
+    return value
 
 
 def _json_values(text: str, separator: str) -> tuple[list[Any] | None, str]:
