@@ -1,8 +1,8 @@
 """Tools for chat models, inside the environment's sandboxed worker: each tool's JSON schema
 from its signature and docstring (the format transformers' `get_json_schema` writes and chat
 templates render), the tool calls in a reply in the job's format (Qwen/Hermes `<tool_call>` JSON,
-Llama 3.x JSON, Mistral `[TOOL_CALLS]`: TOOL_FORMATS), and the calls run, each under its own time limit. Standard library only,
-as the worker is.
+Llama 3.x JSON, Mistral `[TOOL_CALLS]`: TOOL_FORMATS; or as the tokenizer declares them), and
+the calls run, each under its own time limit. Standard library only, as the worker is.
 
 A reply with tool calls is answered by the tools, their results given back as "tool" messages
 for the chat template to render; a reply without one goes to the environment's `step` (a job with
@@ -177,9 +177,9 @@ def declared_tool_format(response_template: Any) -> tuple[dict[str, Any] | None,
     if not isinstance(field, dict):
         return None, "its declared response_template has no \"tool_calls\" field"
     if field.get("content", "text") != "json" or set(field.get("content_args") or {}) - {"allow_non_json"}:
-        return None, ("its declared response_template parses tool calls with content "
-                      f"{field.get('content', 'text')!r} {field.get('content_args') or ''}; grpo-run's sandboxed worker "
-                      "reads plain JSON tool calls only")
+        how = f"{field.get('content', 'text')!r} {field.get('content_args') or ''}".strip()
+        return None, (f"its declared response_template parses tool calls with content {how}; grpo-run's "
+                      "sandboxed worker reads plain JSON tool calls only")
     anchors = {}
     for side in ("open", "close"):
         if f"{side}_pattern" in field:
@@ -246,7 +246,8 @@ def _mistral_calls(reply: str) -> list[dict[str, Any] | str]:
     listed = values[0] if isinstance(values[0], list) else [values[0]]
     if at < 0 and not all(isinstance(v, dict) and "name" in v for v in listed):
         return []
-    return [_as_call(v, "mistral") for v in listed] or [f"error: the list of tool calls is empty; write {_HOW['mistral']}"]
+    empty = f"error: the list of tool calls is empty; write {_HOW['mistral']}"
+    return [_as_call(v, "mistral") for v in listed] or [empty]
 
 
 def _declared_calls(reply: str, fmt: dict[str, Any]) -> list[dict[str, Any] | str]:
