@@ -29,7 +29,7 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
           held_out_fraction: float | None = None, storage: str | None = None, gpu: str | None = None,
           max_cost_usd: float | None = None, system_prompt: str | None = None, detach: bool = False,
           episodes: type | None = None, max_turns: int | None = None, tools: list[Any] | None = None,
-          **parameters: Any) -> Job:
+          dry_run: bool = False, **parameters: Any) -> Any:
     """Train `model` with GRPO on `tasks`, scored by `rewards`, as the job file
 
         metadata: {name: NAME}
@@ -40,7 +40,10 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
     would, on the same supervisor: in the foreground here (the live view on stderr; returns when
     the run stops: Succeeded, or Preempted after a SIGINT with its checkpoint durable), or with
     `detach=True` submitted to `storage` for a node to train (`grpo-run resume NAME --storage
-    STORAGE`). Returns the Job.
+    STORAGE`). Returns the Job. With `dry_run=True`, start nothing: check the job as `grpo-run apply
+    --dry-run` does, print its estimate (cost, time, memory fit, the sampler) and return the job
+    with status.estimate, as `grpo_run.apply(path, dry_run=True)` does (the functions and tasks
+    are written to $GRPO_RUN_HOME/python/NAME/ as a run would write them, and nothing else).
 
     rewards: functions `f(completion: str, task: dict) -> float`, each alone (weight 1) or as
       `(f, weight)`; `{"function": f, "weight": w, "group": True}` for a group reward,
@@ -134,9 +137,33 @@ def train(*, model: str, tasks: Any, name: str, rewards: list[Any] | None = None
             job = parse_job(doc, source=SOURCE, base=folder)
         except ValueError as e:                     # JobError: every problem, one per line
             raise JobError(str(e)) from None
-        checked = check_job(SOURCE, job, dry_run=False, detach=detach)
+        checked = check_job(SOURCE, job, dry_run=dry_run, detach=detach)
+        if dry_run:
+            return _dry_run(checked)
         start(checked, detach=detach, output=None, stop=threading.Event(), progress=live_view())
     return Job(name, storage if detach else None)
+
+
+def _dry_run(checked) -> dict[str, Any]:
+    """train(dry_run=True)'s answer: the estimate printed as `apply --dry-run` prints it, the
+    budget's warning on stderr, and the job with status.estimate returned; Refused (JobError) for
+    a job that does not fit, after its estimate."""
+    import sys
+
+    from grpo_run.runner.estimate.summary import budget_warning, summary
+    from grpo_run.runner.exits import EXIT_USAGE, Refused
+    from grpo_run.runner.jobs.run import sampler_lines
+
+    job, est = checked.job, checked.estimate
+    if est:
+        print(summary(job.name, est, job_file=SOURCE, max_cost_usd=job.maxCostUSD))
+        if checked.sampler:
+            print(sampler_lines(checked.sampler))
+        if short := budget_warning(job.name, est, job.maxCostUSD):
+            print(short, file=sys.stderr)
+    if checked.refusal:
+        raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)
+    return checked.dry_run_doc()
 
 
 def _parameters(given: dict[str, Any]) -> dict[str, Any]:
@@ -148,11 +175,23 @@ def _parameters(given: dict[str, Any]) -> dict[str, Any]:
     params = {}
     for key, value in given.items():
         if key not in known:
-            near = difflib.get_close_matches(key, [*known, "eval_tasks", "held_out_fraction", "system_prompt"], n=1)
-            hint = f"; did you mean {near[0]}?" if near else f"; train() takes {', '.join(sorted(known))}"
-            raise JobError(f"{SOURCE}: unknown argument {key}{hint}")
+            raise JobError(f"{SOURCE}: unknown argument {key}; {_hint(key, known)}")
         params[known[key]] = value
     return params
+
+
+def _hint(key: str, known: dict[str, str]) -> str:
+    """What to write instead of the unknown keyword `key`: TRL's GRPOConfig names from their table
+    (grpo_run.trl_names), else a near spelling that is a close match (a typo: num_generation), else
+    what train() takes. A cutoff above difflib's 0.6: a loose match names another setting
+    (per_device_train_batch_size was "eval_batch_size")."""
+    from grpo_run.trl_names import trl_hint
+
+    if (trl := trl_hint(key)) is not None:
+        return trl + " (docs/python-api.md has TRL's names beside grpo-run's)"
+    near = difflib.get_close_matches(key, [*known, "eval_tasks", "held_out_fraction", "system_prompt"], n=1,
+                                     cutoff=0.8)
+    return f"did you mean {near[0]}?" if near else f"train() takes {', '.join(sorted(known))}"
 
 
 def _snake(camel: str) -> str:

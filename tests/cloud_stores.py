@@ -176,6 +176,11 @@ class FakeGcs(_Server):
 
 # --- Azure Blob: Azurite ----------------------------------------------------------------------
 
+# Without them Azurite 3.35 refuses azure-storage-blob's API version and sends telemetry to
+# Microsoft; docs/storage.md's recipe gives them too (tests/test_docs_recipes.py).
+AZURITE_FLAGS = ("--disableTelemetry", "--skipApiVersionCheck")
+
+
 def find_azurite() -> str | None:
     """azurite-blob from .venv/azurite (scripts/setup --test), or on PATH."""
     venv = Path(sys.prefix)
@@ -213,8 +218,7 @@ class Azurite(_Server):
         if binary is None:
             pytest.fail("azurite-blob not found: scripts/setup --test installs it (npm) under .venv/azurite")
         return [binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
-                "--location", str(self.folder / "data"), "--silent", "--disableTelemetry",
-                "--skipApiVersionCheck"]
+                "--location", str(self.folder / "data"), "--silent", *AZURITE_FLAGS]
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "AZURITE_ACCOUNTS": f"{self.account.name}:{self.account.key}"}

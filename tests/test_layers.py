@@ -114,3 +114,13 @@ def test_the_supervisor_sees_of_the_trainer_only_its_seam():
     assert not wrong, "\n".join(wrong)
     assert any("trainer.protocol" in n for path in (REPO / "runner" / "supervisor").rglob("*.py")
                for node in ast.walk(ast.parse(path.read_text())) for n in _imported_names(node))
+
+
+def test_the_tests_mirror_the_packages():
+    """STYLE: tests mirror the packages. tests/runner/ has no flat test file, and each folder of
+    tests/runner/ and tests/trainer/ that holds tests is a sub-package of runner/ or trainer/."""
+    assert not sorted(p.name for p in (REPO / "tests" / "runner").glob("test_*.py"))
+    for top in ("runner", "trainer"):
+        for folder in sorted((REPO / "tests" / top).iterdir()):
+            if folder.is_dir() and any(folder.glob("test_*.py")):
+                assert (REPO / top / folder.name / "__init__.py").exists(), f"tests/{top}/{folder.name}"

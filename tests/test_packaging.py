@@ -148,3 +148,25 @@ def test_a_dry_run_and_a_short_job_run_from_a_folder_with_decoys(installed, deco
     status = yaml.safe_load(got.stdout)["status"]
     assert status["phase"] == "Succeeded" and status["step"] == 4
     assert status["final"]["tasks"] == status["baseline"]["tasks"] > 0      # the grader scored every task
+
+
+def test_the_dashboard_serves_its_pages_and_charting_library_from_the_installed_wheel(installed, decoys):
+    import re
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
+    proc = subprocess.Popen([str(installed / "bin" / "grpo-run"), "dashboard", "--storage", str(decoys / "bucket"),
+                             "--port", "0"], cwd=decoys, env={**env, "GRPO_RUN_HOME": str(decoys / "home")},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        address = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert address, (line, proc.stderr.read() if proc.poll() is not None else "")
+        for path, says in (("", b"/static/dashboard.js"), ("job/x", b"/static/uPlot.iife.min.js"),
+                           ("static/uPlot.iife.min.js", b"uPlot"), ("static/uPlot.LICENSE", b"MIT"),
+                           ("api/jobs", b'"jobs":[]')):
+            with urllib.request.urlopen(address.group(0) + path, timeout=30) as r:
+                assert r.status == 200 and says in r.read(), path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

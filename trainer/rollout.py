@@ -25,7 +25,7 @@ from torch import Tensor
 from grpo_run.trainer.envs.tasks import Task
 from grpo_run.trainer.episodes.limits import Truncation
 from grpo_run.trainer.episodes.loop import Episodes, run_episodes
-from grpo_run.trainer.episodes.tokens import TurnRenderer
+from grpo_run.trainer.episodes.tokens import TurnRenderer, readable
 from grpo_run.trainer.model.prompts import Prompt, PromptEncoder
 from grpo_run.trainer.sampling.engines import Sampler
 from grpo_run.trainer.seeds import member_seed
@@ -134,7 +134,7 @@ class MultiTurn:
         self.max_turns, self.context, self.pad_id = max_turns, context, pad_id
 
     def decode_ids(self, ids: list[int]) -> str:
-        return self.text.decode_ids(ids)
+        return readable(self.text.tokenizer, ids)      # for people (episode_view): an <unk> shown, not dropped
 
     def play(self, tasks: Sequence[Task], seeds: Sequence[int] | None, temperature: float) -> Rollouts:
         """Raises what the episode loop raises (GenerationInterrupted, EnvironmentFailed)."""

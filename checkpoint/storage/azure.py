@@ -80,6 +80,10 @@ def container_client(url: str, container: str) -> Any:
         from azure.identity import DefaultAzureCredential
     except ImportError as exc:
         raise needs_extra(url, "azure-identity", "azure") from exc
+    # When no credential answers, azure-identity logs a dozen lines (one per credential it tried) as a
+    # warning before raising; the store's error says it in one line (retry.config_reason), so only
+    # azure-identity's errors are shown.
+    logging.getLogger("azure.identity").setLevel(logging.ERROR)
     service = BlobServiceClient(f"https://{account}.blob.core.windows.net",
                                 credential=DefaultAzureCredential(), retry_total=0, **TIMEOUTS)
     return service.get_container_client(container)

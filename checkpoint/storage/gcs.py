@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from .cas import Conflict, Found, http_age, probe_beside
 from .fsio import fsync_dir, fsync_file, temp_sibling
-from .retry import StorageConfigError, describe
+from .retry import StorageConfigError, config_reason, describe
 from .store import BucketStore, ObjectTooLarge, check_key, needs_extra, within
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,14 @@ class _Client:
         """Made on first use, so that a URL is checked before credentials are looked for."""
         with self._lock:
             if self._made is None:
-                client = self._storage.Client(project=None)   # no project: objects only, never buckets
+                from google.auth import exceptions as gax
+
+                try:
+                    client = self._storage.Client(project=None)   # no project: objects only, never buckets
+                except gax.DefaultCredentialsError as exc:
+                    # raised here, outside any store call's retry wrapper: said as the configuration
+                    # error it is, so every command (get, samples, cancel, ...) prints one line
+                    raise StorageConfigError(f"storage {self.url}: {config_reason(exc)}") from None
                 client._http.hooks["response"].append(self._remember)
                 self._made = client
             return self._made

@@ -308,7 +308,9 @@ def _cloud_config_reason(exc: BaseException) -> str | None:
             "AuthenticationFailed", "AuthorizationFailure", "InvalidAuthenticationInfo"):
         return "Azure refused the credentials (check the account key, or the identity's role on the container)"
     if ax is not None and isinstance(exc, ax.ClientAuthenticationError):
-        if type(exc).__name__ == "CredentialUnavailableError":       # azure-identity's
+        # azure-identity's: one credential unavailable, or DefaultAzureCredential's chain of them all
+        if type(exc).__name__ == "CredentialUnavailableError" or str(exc).startswith(
+                "DefaultAzureCredential failed to retrieve a token"):
             return ("no Azure credential found (a managed identity on the VM or AKS pod, `az login`, "
                     "or AZURE_STORAGE_CONNECTION_STRING)")
         return "Azure refused the credentials (check the account key, or the identity's role on the container)"
@@ -344,7 +346,8 @@ def describe(exc: BaseException | None) -> str:
     """`ClassName: message (S3 Code, HTTP status)` for messages; never credentials."""
     if exc is None:
         return "no error"
-    text = f"{exc.__class__.__name__}: {str(exc) or '-'}"
+    # the first line: a cloud library's message can run to a dozen (azure-identity's, one per credential)
+    text = f"{exc.__class__.__name__}: {(str(exc).strip().splitlines() or ['-'])[0][:300]}"
     for response in client_errors(exc):  # the S3 error code says more than errno
         code = response["Error"].get("Code")
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -21,6 +21,7 @@ from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report, cmd_samples
 from grpo_run.runner.cli.deploy import cmd_deploy
 from grpo_run.runner.cli.lifecycle import cmd_cancel, cmd_delete
 from grpo_run.runner.cli.score import cmd_score
+from grpo_run.runner.cli.dashboard import cmd_dashboard
 
 
 
@@ -132,7 +133,9 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
 
             print(summary(checked.job.name, checked.estimate, job_file=file, max_cost_usd=checked.job.maxCostUSD))
             if checked.sampler:                  # which engine samples, and why (docs/sampling.md)
-                print(f"  sampler     {checked.sampler['engine']}: {checked.sampler['why']}")
+                from grpo_run.runner.jobs.run import sampler_lines
+
+                print(sampler_lines(checked.sampler))
         if checked.refusal:                      # refused before anything starts, with the numbers
             raise Refused(checked.refusal, EXIT_USAGE, prefixed=False)      # what apply would answer
         if dry_run:                              # maxCostUSD ends training early: said where it cannot be missed
@@ -344,13 +347,17 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
 @cli.command("tiny-model", short_help="build the tiny local demo model (tiny:char) into a folder")
 @click.option("--out", "out_dir", required=True, metavar="DIR", help="folder to write")
 @click.option("--seed", type=int, default=0, help="initialisation seed (default 0)")
-def cmd_tiny_model(out_dir: str, seed: int) -> int:
+@click.option("--head-dim", type=click.Choice(["16", "64"]), default="16", show_default=True,
+              help="attention head size: 16 is tiny:char's; 64 is tiny:char64's, which vLLM's CPU build serves")
+def cmd_tiny_model(out_dir: str, seed: int, head_dim: str) -> int:
     """Build a tiny Qwen3-style causal LM with a character tokenizer, saved with save_pretrained, for trying
-    grpo-run without downloads.
+    grpo-run without downloads. With --head-dim 64 it is the model `sampler: vllm` runs on a CPU
+    (as spec.model: tiny:char64 builds it).
 
     \b
     example:
       grpo-run tiny-model --out ./tiny-model
+      grpo-run tiny-model --out ./tiny-model-64 --head-dim 64
     """
     from grpo_run.trainer.model.tinymodel import build_tiny_model
 
@@ -360,7 +367,7 @@ def cmd_tiny_model(out_dir: str, seed: int) -> int:
         return EXIT_USAGE
     if out.exists():
         out.rmdir()
-    build_tiny_model(out, seed=seed)
+    build_tiny_model(out, seed=seed, head_dim=int(head_dim))
     print(f"wrote a tiny Qwen3-style model and character tokenizer to {out}; load it with "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r}) or use it as spec.model")
     return EXIT_OK
@@ -421,6 +428,8 @@ cli.add_command(cmd_delete)
 cli.add_command(cmd_deploy)
 # rewards tried on completions from a file (runner/cli/score.py)
 cli.add_command(cmd_score)
+# a read-only web page for the jobs in a storage (runner/cli/dashboard.py)
+cli.add_command(cmd_dashboard)
 
 
 # --- entry point ---------------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
                wait: bool, nodes: int | None = None, with_vllm: bool = False, memory: str | None = None) -> int:
     """Print KIND filled in for the job's nodes: `systemd` (the boot unit for --prefix; it reads the job's
     settings from the node's /etc/grpo-run/env), `cloud-init` (user-data that
-    installs grpo-run and runs that unit at every boot; cloud-init and skypilot nodes install the wheel of
+    installs grpo-run and runs that unit at every boot, for a job of one node: a job of several nodes is
+    refused, as is a --job its storage does not hold, and user-data past EC2's 16,384 bytes is warned
+    of; cloud-init and skypilot nodes install the wheel of
     the grpo-run installed here, which this command puts into --storage, unless --repo is given), `k8s` (a Job for a spot node pool: preemptions
     retried without counting against backoffLimit), `skypilot` (a managed-job task on spot capacity that
     SkyPilot relaunches), `iam` (what a node may do: read, write,
@@ -170,6 +172,9 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
         job_text = Path(file).read_text()
         if kind == "cloud-init" and not all_jobs and refuse_local_files(file, spec, storage):
             return EXIT_USAGE
+        if kind == "cloud-init" and spec_nodes > 1:
+            _error(one_node_only(f"{file} says spec.nodes {spec_nodes}", storage, job, file))
+            return EXIT_USAGE
     if kind == "image":                     # a build context: the image has no storage or job in it
         return deploy_image(out_dir, torch_build, vllm=with_vllm, storage=storage)
     nodes = nodes or (spec_nodes if not all_jobs else None) or 1
@@ -196,6 +201,11 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
     except ValueError as e:
         _error(str(e))
         return EXIT_USAGE
+    if kind == "cloud-init" and job is not None and job_text is None:
+        refusal = stored_job_problem(storage, job)      # before anything is put into storage
+        if refusal:
+            _error(refusal)
+            return EXIT_USAGE
     if kind == "skypilot":                  # refused before anything is put into storage
         from grpo_run.runner.deploy.skypilot import skypilot_accelerators
 
@@ -248,8 +258,76 @@ def cmd_deploy(kind: str, file: str | None, storage: str | None, job: str | None
             return EXIT_USAGE
         print(manifest, end="")
         return EXIT_OK
-    print(cloud_init(settings), end="")
+    user_data = cloud_init(settings)
+    print(user_data, end="")
+    warn_if_too_big(user_data, file=file, storage=storage, job=job)
     return EXIT_OK
+
+
+def warn_if_too_big(user_data: str, *, file: str | None, storage: str, job: str | None) -> None:
+    """A warning on stderr for user-data over EC2's limit (EC2_USER_DATA_BYTES), which EC2 refuses
+    at launch: what makes it smaller. Only a warning: GCE and Azure take more."""
+    from grpo_run.runner.deploy.node import EC2_USER_DATA_BYTES
+
+    size = len(user_data.encode())
+    if size <= EC2_USER_DATA_BYTES:
+        return
+    smaller = (f"submit the job first (grpo-run apply -f {file} --detach) and print the user-data for it by name, "
+               f"which carries no job file (grpo-run deploy cloud-init --storage {storage} --job {job}); or "
+               if file else "")
+    print(f"warning: this user-data is {size:,} bytes, over EC2's limit of {EC2_USER_DATA_BYTES:,} (an instance "
+          f"launched with it is refused; GCE takes 256 KB, Azure 64 KB): {smaller}gzip it (cloud-init reads gzipped "
+          f"user-data, and EC2 counts the compressed bytes): gzip -9 user-data.yaml", file=sys.stderr)
+
+
+def one_node_only(why: str, storage: str, job: str, file: str | None) -> str:
+    """The refusal of cloud-init user-data for a job of several nodes: the user-data starts one
+    `grpo-run resume NAME` per instance with no node count, rank or master, which such a job
+    refuses (exit 2, not restarted), so every instance would sit billed doing nothing."""
+    source = f"-f {file}" if file else f"--storage {storage} --job {job}"
+    return (f"{why}: cloud-init user-data starts each instance as a job of one node, which a job of several "
+            f"refuses (each instance would install, exit 2, and sit idle, billed); launch its nodes together: "
+            f"grpo-run deploy skypilot {source} (a SkyPilot cluster of N) or grpo-run deploy k8s {source} "
+            f"--image IMAGE (an indexed Job of N pods), or by hand on each node: grpo-run resume {job} "
+            f"--storage {storage} --nnodes N --node-rank R --master HOST:PORT (docs/multi-gpu.md)")
+
+
+# How long deploy tries a store it checks for the job (a store that does not answer is no refusal).
+CHECK_RETRY_S = 10.0
+
+
+def stored_job_problem(storage: str, job: str) -> str | None:
+    """Why user-data for job `job` under `storage` would give nodes nothing to train, from
+    storage's record, read here before any node boots: the job is not there (the node's `resume
+    --wait` would wait GRPO_RUN_WAIT_LIMIT_S, then exit 2 and idle), or it is a job of several
+    nodes (one_node_only). None when it is there and runs on one node. A store this machine
+    cannot read (no credentials, no answer) is said as a warning on stderr and is no refusal: the
+    nodes may well reach what this machine cannot."""
+    from grpo_run.checkpoint.storage.by_url import open_store
+    from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
+    from grpo_run.runner.books.replica import stored_record
+    from grpo_run.runner.home import job_store_url
+
+    try:
+        with stored_record(open_store(job_store_url(storage, job), retry_seconds=CHECK_RETRY_S)) as record:
+            stored = record.job() if record is not None else None
+    except (StorageConfigError, StorageUnavailable) as e:
+        print(f"warning: could not check that {storage} holds job {job} ({e}); a node for a job that is not "
+              f"there waits for it, then stops and idles, billed", file=sys.stderr)
+        return None
+    if stored is None:
+        return (f"--job {job}: {storage} holds no job {job}, so a node would wait for it (GRPO_RUN_WAIT_LIMIT_S, "
+                f"30 minutes), then exit 2 and idle, billed; submit it first: grpo-run apply -f JOB.yaml --detach "
+                f"(spec.storage {storage}), or carry the job file in the user-data: grpo-run deploy cloud-init "
+                f"-f JOB.yaml")
+    nodes = (stored["spec"].get("spec") or {}).get("nodes") or 1
+    if nodes > 1:
+        return one_node_only(f"--job {job}: {storage} holds it with spec.nodes {nodes}", storage, job, None)
+    if str(stored["phase"]) in ("Succeeded", "Cancelled"):       # said, not refused: it may be applied again first
+        print(f"warning: --job {job} is {stored['phase']} in {storage}: a node booted now finds nothing to do and "
+              f"idles, billed, until it is stopped; apply a changed spec first (the job goes on from its newest "
+              f"checkpoint), or pick another job", file=sys.stderr)
+    return None
 
 
 def pod_gpus(given: int | None, processes: int | str | None, job_file: str | None) -> int:

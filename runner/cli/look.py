@@ -19,7 +19,9 @@ from grpo_run.state.phases import TERMINAL
 @click.command("get", short_help="show jobs (get tj: tj is TrainingJob, kubectl-style): phase, step, rewards")
 @click.argument("resource")
 @click.argument("name", required=False, callback=job_name)
-@click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder")
+@click.option("--storage", metavar="URL", help="read the job from this storage URL instead of this node's work folder "
+              "(default: the work folder of a job run here, which says so on stderr when the job's storage is "
+              "elsewhere; else where apply --detach sent it)")
 @click.option("-o", "--output", type=FORMAT, help="output format (default: a table)")
 @click.option("-w", "--watch", is_flag=True, help="follow the job until it stops: a live bar per phase with steps/s, ETA, "
               "reward, spend and projected cost (with -o: the job again on every change)")
@@ -55,7 +57,23 @@ def cmd_get(resource: str, name: str | None, storage: str | None, output: str | 
         print(_dump(out, output), end="")
     else:
         print(table(docs))
+    if name and storage is None:
+        said_local(name, docs[0])
     return EXIT_OK
+
+
+def said_local(name: str, doc: dict) -> None:
+    """A note on stderr when `get tj NAME` answered from this machine's work folder (the job ran
+    here) for a job that keeps its storage elsewhere: another node may have gone on with it since,
+    and storage's record is the one to ask (the answer itself stays on stdout, -o json unchanged)."""
+    from grpo_run.runner.home import default_storage
+    from grpo_run.state.record import RECORD_FILE
+
+    stored = (doc.get("spec") or {}).get("storage")
+    if not stored or stored == default_storage() or not (work_dir(name) / RECORD_FILE).exists():
+        return
+    print(f"note: {name}: from this machine's copy ({work_dir(name)}), as of its run here; another node may have "
+          f"gone on with it since: grpo-run get tj {name} --storage {printable(stored)}", file=sys.stderr)
 
 
 TERMINAL_PHASES = tuple(str(p) for p in TERMINAL)

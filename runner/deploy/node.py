@@ -13,6 +13,7 @@ What each store (S3, GCS, Azure, a folder) needs on a node is runner/deploy/stor
 from __future__ import annotations
 
 import importlib.resources
+import json
 import re
 import shlex
 import shutil
@@ -32,6 +33,9 @@ INSTALL = "install-node.sh"
 DOCKERFILE = "Dockerfile"
 INSTALL_PREFIX = "/opt/grpo-run"
 JOB_FILE = "/etc/grpo-run/job.yaml"     # a job file handed over in user-data: submitted at boot
+# EC2 refuses user-data of more raw bytes than this (before its base64); GCE's metadata takes 256 KB,
+# Azure's custom data 64 KB.
+EC2_USER_DATA_BYTES = 16_384
 
 # PyTorch's wheel indexes, by the node's accelerator: the node installs the matching torch build.
 TORCH_INDEXES = {
@@ -218,4 +222,33 @@ def cloud_init(s: NodeSettings) -> str:
               f"runuser -u grpo-run -- {s.prefix}/.venv/bin/grpo-run apply -f {JOB_FILE} --detach")
     start = next(i for i, cmd in enumerate(doc["runcmd"]) if isinstance(cmd, list) and cmd[:1] == ["bash"])
     doc["runcmd"].insert(start + 1, ["bash", "-c", submit])
-    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1000)
+    # Added to the filled template as text, so the person who pays for the node reads what runs on
+    # it as root as it was written: the template's comments, install.sh and the job file as literal
+    # blocks (a YAML dump would drop every comment and fold each file into one escaped string).
+    readable = _with_job_file(text, s.job_file, submit)
+    if readable is not None and yaml.safe_load(readable) == doc:
+        return readable
+    return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, width=1000)   # a file no literal block holds
+
+
+def _with_job_file(text: str, job_file: str, submit: str) -> str | None:
+    """The filled user-data `text` with the job file as one more write_files entry (a literal
+    block, after install.sh's) and its submit as the last runcmd entry, right after the install
+    step's; None when the template has no runcmd to end with. The caller checks the result
+    parses to the same document."""
+    head, sep, runcmd = text.partition("\nruncmd:\n")
+    if not sep:
+        return None
+    body = job_file.rstrip("\n")
+    trailing = len(job_file) - len(body)            # a literal block keeps them with the chomping it names
+    chomp = "-" if trailing == 0 else "" if trailing == 1 else "+"
+    # indented 2 past the entry's keys, said explicitly: a file whose first line is indented stays so
+    block = textwrap.indent(body, " " * 6, lambda line: True) + "\n" * max(trailing, 1)
+    entry = (f"  # the job file given to `grpo-run deploy cloud-init -f`, as written\n"
+             f"  - path: {JOB_FILE}\n    owner: root:root\n    permissions: \"0644\"\n"
+             f"    content: |2{chomp}\n{block}")
+    step = ("  # the job file: submitted on each node's first boot (apply --detach: a second submit of the same\n"
+            "  # file changes nothing), so whichever node boots first starts the job\n"
+            f"  - [bash, -c, {json.dumps(submit)}]\n")
+    # after a block that keeps its trailing newlines, no blank line: it would be the file's
+    return f"{head.rstrip(chr(10))}\n{entry}{'' if chomp == '+' else chr(10)}runcmd:\n{runcmd.rstrip(chr(10))}\n{step}"

@@ -53,9 +53,21 @@ def skypilot_task(s: NodeSettings, *, accelerators: str, cloud: str | None = Non
                 + ('--storage "$GRPO_RUN_STORAGE" --all' if all_jobs else '$GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE"')
                 + (' --wait' if wait else '') + '\n'
                 'status=$?\n'
-                '# 3: preempted; the checkpoint is durable and the node is going away. Wait for it to go, so\n'
-                '# SkyPilot sees a preemption and relaunches, not a failed run (which it would not retry).\n'
-                'if [ "$status" -eq 3 ]; then sleep 900; fi\n'
+                '# 3: stopped with the checkpoint durable. After a spot notice (on this node or, for a job of several\n'
+                '# nodes, another of them) the cluster is going away: wait for it to go, so SkyPilot sees a preemption\n'
+                '# and relaunches, not a failed run (which it would not retry). A lost peer or a rendezvous timeout\n'
+                '# also exits 3, on nodes that stay: the record says so (its newest attempt Crashed, not Preempted),\n'
+                '# and the task ends now instead of 15 paid minutes later. A record that cannot be read: wait.\n'
+                f'if [ "$status" -eq 3 ] && ! {SKYPILOT_PREFIX}/.venv/bin/grpo-run get tj '
+                + ('-o json' if all_jobs else '$GRPO_RUN_JOB --storage "$GRPO_RUN_STORAGE" -o json')
+                + f' 2>/dev/null | {SKYPILOT_PREFIX}/.venv/bin/python -c \'import json, sys\n'
+                'try:\n'
+                '    doc = json.load(sys.stdin)\n'
+                '    ended = [(j["status"].get("attempts") or [{}])[-1].get("reason") for j in doc.get("items", [doc])\n'
+                '             if j["status"].get("phase") == "Preempted"]\n'
+                'except Exception:\n'
+                '    sys.exit(1)\n'
+                'sys.exit(0 if ended and all(r == "Crashed" for r in ended) else 1)\'; then sleep 900; fi\n'
                 'exit "$status"\n'),
     }
     text = yaml.dump(task, Dumper=_BlockDumper, sort_keys=False)

@@ -10,7 +10,7 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
                   (runner.estimate.model_config), so the memory fit is always checked
     the rewards   each reward file imported, and its function found, by the grader's own
                   sandboxed worker, the way the trainer will (trainer.grader)
-    the tasks     the first FIRST_ROWS rows of every task file and local data set, read through
+    the tasks     the first rows of every task file and local data set (trainer.envs.sources), read through
                   spec.environment.columns and checked for a prompt, as the trainer reads them
     the storage   a scheme the job's lease works on (s3:// or a folder); for s3://, credentials
                   found, and (not on a dry run) a small object written, read and deleted under
@@ -21,32 +21,31 @@ once, each naming its field and the fix), and `apply` exits 2 as for any bad job
                   is not handed (QLoRA), a head size vLLM's CPU attention lacks on a CPU
                   (trainer.sampling.choice)
 and warnings, which do not refuse the job: saveSteps >= maxSteps on a job with storage (no
-checkpoint before the end). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
+checkpoint before the end); prompts with characters the model's tokenizer reads as <unk> (tiny:char's
+20 tokens; `_check_vocabulary`). `check_before_apply` is apply's one call (the CLI's and the Python API's); `preflight` the library's.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from grpo_run.runner.spec.job import TrainingJob
+from grpo_run.trainer.envs.sources import (dataset_problems, first_line, first_rows, gsm8k_problems, quiet,
+                                           task_file_problems)
 
 Mode = Literal["dry-run", "apply", "detach"]
 
-FIRST_ROWS = 5                  # rows read of each task file: enough to catch a wrong column or format
 PROBE_RETRY_S = 15.0            # how long the storage probe retries a store that does not answer
 SUPPORTED_STORAGE = ("s3://bucket/prefix (AWS S3, or MinIO, SeaweedFS, R2 and other S3-compatible stores "
                      "through AWS_ENDPOINT_URL), gs://bucket/prefix (Google Cloud Storage), az://container/prefix "
                      "(Azure Blob Storage) or a local folder")
 # columns that usually hold a data set's prompt, in the order a hint tries them
-_PROMPT_LIKE = ("prompt", "question", "problem", "instruction", "input", "query", "messages", "text")
 
 
 @dataclass
@@ -80,6 +79,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_rewards(job, found)
     _check_episodes(job, found)
     _check_tool_format(job, mode, found)
+    _check_vocabulary(job, found)
     _check_judges(job, mode, found)
     _check_sampler(job, mode, found)
     return found
@@ -98,9 +98,16 @@ def sampler_choice(job: TrainingJob, *, here: bool):
                   processes=node_processes(job.resources), here=here)
 
 
+def decided_here(job: TrainingJob, mode: Mode) -> bool:
+    """Whether this machine decides the engine `job` samples with: apply runs it here, and a dry run
+    of a job without storage can run nowhere else (so it says what apply would, refusal included);
+    --detach and a dry run of a stored job leave it to the node that first starts it."""
+    return mode == "apply" or (mode == "dry-run" and job.storage is None)
+
+
 def _check_sampler(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
-        choice = sampler_choice(job, here=mode == "apply")
+        choice = sampler_choice(job, here=decided_here(job, mode))
     except ValueError as e:
         found.problems.append(str(e))
         return
@@ -191,7 +198,7 @@ def _check_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
         source = aws_credentials_source()
     except Exception as e:                  # a profile that does not exist, a config file that does not parse
-        found.problems.append(f"spec.storage: the AWS credentials for {url} cannot be read: {_first_line(e)}")
+        found.problems.append(f"spec.storage: the AWS credentials for {url} cannot be read: {first_line(e)}")
         return
     if source is None:
         found.problems.append(
@@ -222,7 +229,7 @@ def _check_cloud_storage(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
         open_store(where)           # the URL's form, the library, the account: nothing sent yet
     except StorageConfigError as e:
-        found.problems.append(f"spec.storage: {_first_line(e)}")
+        found.problems.append(f"spec.storage: {first_line(e)}")
         return
     if mode == "dry-run":
         found.notes.append(f"spec.storage: credentials not tried on a dry run: apply and --detach first write, "
@@ -249,9 +256,9 @@ def _probe(url: str, found: Findings) -> None:
     try:
         open_store(url, retry_seconds=PROBE_RETRY_S).check()
     except StorageConfigError as e:         # no such bucket, access denied, credentials refused
-        found.problems.append(f"spec.storage: {_first_line(e)}")
+        found.problems.append(f"spec.storage: {first_line(e)}")
     except StorageUnavailable as e:
-        raise StorageUnreachable(f"spec.storage: {_first_line(e)}; nothing was submitted or started") from None
+        raise StorageUnreachable(f"spec.storage: {first_line(e)}; nothing was submitted or started") from None
 
 
 # --- the model --------------------------------------------------------------------------------------
@@ -279,7 +286,7 @@ def _check_model(job: TrainingJob, mode: Mode, found: Findings) -> None:
     try:
         model_shape(config)
     except ValueError as e:
-        found.warnings.append(f"spec.model: the memory fit on spec.gpu is not checked: {_first_line(e)}")
+        found.warnings.append(f"spec.model: the memory fit on spec.gpu is not checked: {first_line(e)}")
 
 
 def _check_folders(job: TrainingJob, mode: Mode, found: Findings) -> None:
@@ -305,7 +312,7 @@ def _check_tasks(job: TrainingJob, found: Findings) -> None:
     base = "spec.environment"
     if not env.reads_tasks:
         for split, path in (env.dataFiles or {}).items():     # gsm8k's own files
-            found.problems += _gsm8k_rows(path, f"{base}.dataFiles.{split}")
+            found.problems += gsm8k_problems(path, f"{base}.dataFiles.{split}")
         return
     from grpo_run.trainer.envs.catalog import CATALOG
 
@@ -313,149 +320,15 @@ def _check_tasks(job: TrainingJob, found: Findings) -> None:
     for key in ("tasks", "evalTasks"):
         path = getattr(env, key)
         if path is not None:
-            found.problems += _task_rows(path, env.columns, f"{base}.{key}", check)
+            found.problems += task_file_problems(path, env.columns, f"{base}.{key}", check)
     for split, path in (env.dataFiles or {}).items():
-        found.problems += _task_rows(path, env.columns, f"{base}.dataFiles.{split}", check)
+        found.problems += task_file_problems(path, env.columns, f"{base}.dataFiles.{split}", check)
     if env.dataset is not None:
         if not Path(env.dataset).exists():
             found.notes.append(f"{base}.dataset: {env.dataset} is a data set on the hub, not read here; its columns "
                                "are checked when a node loads it")
             return
-        found.problems += _dataset_rows(env, f"{base}.dataset")
-
-
-def _task_rows(path: str, columns: Mapping[str, str], where: str,
-               check: Callable[[Any], str | None] | None = None) -> list[str]:
-    try:
-        rows = first_rows(path)
-    except ValueError as e:
-        return [f"{where}: {e}"]
-    return row_problems(rows, columns, where, Path(path).name, check)
-
-
-def _dataset_rows(env, where: str) -> list[str]:
-    """A local data set folder: the train split there, the held-out one (or heldOutFraction), and
-    the first rows of each through the columns."""
-    from grpo_run.trainer.envs.data import open_source, splits_of
-
-    try:
-        splits = splits_of(open_source(env.dataset, config=env.datasetConfig))
-    except Exception as e:                  # datasets raises many kinds for a folder it cannot read
-        return [f"{where}: {env.dataset} cannot be read as a data set: {_first_line(e)}"]
-    names = ", ".join(splits)
-    if env.trainSplit not in splits:
-        return [f"spec.environment.trainSplit: {env.dataset} has no split {env.trainSplit!r} (it has {names}): "
-                "set trainSplit to one of them"]
-    problems = []
-    if env.evalSplit not in splits and env.heldOutFraction is None:
-        problems.append(f"spec.environment.evalSplit: {env.dataset} has no split {env.evalSplit!r} for held-out "
-                        f"tasks (it has {names}): set evalSplit, or heldOutFraction to hold out part of "
-                        f"{env.trainSplit}")
-    for split in dict.fromkeys((env.trainSplit, env.evalSplit)):
-        if split in splits:
-            data = splits[split]
-            rows = data.select(range(min(FIRST_ROWS, len(data)))).to_list()
-            problems += row_problems(rows, env.columns, where, f"{Path(env.dataset).name} split {split!r}")
-    return problems
-
-
-def first_rows(path: str, n: int = FIRST_ROWS) -> list[dict[str, Any]]:
-    """The first `n` rows of a task file (JSONL, JSON, CSV, Parquet) or save_to_disk folder,
-    without reading the rest. Raises ValueError saying what cannot be read, and where."""
-    source = Path(path)
-    if source.is_dir():
-        from grpo_run.trainer.envs.data import open_source, splits_of
-
-        try:
-            splits = splits_of(open_source(path))
-        except Exception as e:
-            raise ValueError(f"{path} cannot be read as a data set folder: {_first_line(e)}") from None
-        if "train" not in splits:
-            raise ValueError(f"{path} has no split 'train' (it has {', '.join(splits)}): a folder of tasks is "
-                             "one save_to_disk split, or a DatasetDict with a train split")
-        data = splits["train"]
-        return data.select(range(min(n, len(data)))).to_list()
-    if source.suffix.lower() == ".jsonl":
-        rows = []
-        with open(source, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{source.name}:{lineno}: not JSON ({e.msg}): one JSON object per line") from None
-                if len(rows) == n:
-                    break
-        return rows
-    from grpo_run.trainer.envs.data import builder_of
-
-    builder = builder_of(path)             # ValueError for a suffix it cannot read
-    try:
-        import datasets
-
-        datasets.disable_progress_bars()
-        with _quiet("datasets"):            # it logs the error it then raises: said once, below
-            stream = datasets.load_dataset(builder, data_files={"train": str(source)}, split="train", streaming=True)
-            return list(itertools.islice(stream, n))
-    except Exception as e:                  # a CSV that does not parse, a Parquet file that is not one
-        raise ValueError(f"{source.name} cannot be read as {builder}: {_first_line(e)}") from None
-
-
-def row_problems(rows: list[Any], columns: Mapping[str, str], where: str, name: str,
-                 check: Callable[[Any], str | None] | None = None) -> list[str]:
-    """At most one line for `rows` read through `columns` (task key -> column) as
-    trainer.envs.data.as_tasks reads them: a mapped column missing, or no usable prompt, or what
-    `check` (a catalog environment's task_problem) finds."""
-    from grpo_run.trainer.envs.tasks import prompt_problem
-
-    if not rows:
-        return [f"{where}: {name} has no rows: one task per row, each with a prompt"]
-    mapping = f" (now columns: {json.dumps(dict(columns))})" if columns else ""
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            return [f"{where}: {name} row {i} is not an object (got {type(row).__name__}): each task is a JSON "
-                    "object with a prompt"]
-        have = ", ".join(map(str, row)) or "none"
-        for key, column in columns.items():
-            if column not in row:
-                return [f"spec.environment.columns.{key}: {name} has no column {column!r} (row {i} has {have}): "
-                        f"map {key} to one of those"]
-        task = {**row, **{key: row[column] for key, column in columns.items()}}
-        if "prompt" not in task:
-            guess = _prompt_like(row)
-            return [f"{where}: {name} has no column \"prompt\" (row {i} has {have}): spec.environment.columns maps "
-                    f"a column to it, e.g. columns: {{prompt: {guess or 'COLUMN'}}}{mapping}"]
-        trouble = prompt_problem(task)
-        if trouble:
-            via = f" (column {columns['prompt']!r})" if "prompt" in columns else ""
-            return [f"{where}: {name} row {i}: {trouble}{via}"]
-        trouble = check(task) if check is not None else None
-        if trouble:
-            return [f"{where}: {name} row {i}: {trouble}"]
-    return []
-
-
-def _prompt_like(row: Mapping[str, Any]) -> str | None:
-    """The row's column most likely to be the prompt: a usual name holding text, else the first text."""
-    for name in _PROMPT_LIKE:
-        if isinstance(row.get(name), (str, list)):
-            return name
-    return next((k for k, v in row.items() if isinstance(v, str)), None)
-
-
-def _gsm8k_rows(path: str, where: str) -> list[str]:
-    """gsm8k's own files: GSM8K's columns, question and an answer ending in '#### N'."""
-    try:
-        rows = first_rows(path)
-    except ValueError as e:
-        return [f"{where}: {e}"]
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or "####" not in str(row.get("answer", "")):
-            have = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
-            return [f"{where}: {Path(path).name} row {i} is not GSM8K's: gsm8k needs the columns question and answer "
-                    f"(ending in '#### N'); it has {have}"]
-    return [] if rows else [f"{where}: {Path(path).name} has no rows"]
+        found.problems += dataset_problems(env, f"{base}.dataset")
 
 
 # --- the rewards ------------------------------------------------------------------------------------
@@ -540,6 +413,81 @@ def _check_tool_format(job: TrainingJob, mode: Mode, found: Findings) -> None:
         found.problems.append(f"spec.environment.tools: the model {e}")
 
 
+def _check_vocabulary(job: TrainingJob, found: Findings) -> None:
+    """A warning for the first rows' prompts (task files, local data sets; an episodes
+    environment's first prompt, from reset) with characters the model's tokenizer does not know:
+    tiny:char reads 20 tokens, and the rest of a newcomer's first own prompt would be <unk>. Only
+    tokenizers this machine has without a download (tiny:char, a local model folder) are asked;
+    byte-level ones (Qwen's, Llama's) have no unknown token. The observations are checked at the
+    first episode (trainer.episodes.tokens)."""
+    from grpo_run.trainer.episodes.tokens import unknown_characters_problem
+
+    tokenizer = _local_tokenizer(job.model)
+    if tokenizer is None:
+        return
+    env = job.environment
+    sources = {f"spec.environment.{key}": getattr(env, key) for key in ("tasks", "evalTasks")}
+    sources |= {f"spec.environment.dataFiles.{split}": path for split, path in (env.dataFiles or {}).items()}
+    first_task = None
+    for where, path in sources.items():
+        if path is None or not env.reads_tasks:
+            continue
+        try:
+            rows = first_rows(path)
+        except ValueError:
+            continue                            # _check_tasks said why
+        for i, row in enumerate(rows, 1):
+            task = {**row, **{k: row.get(c) for k, c in env.columns.items()}} if isinstance(row, dict) else {}
+            first_task = first_task or (task if "prompt" in task else None)
+            problem = unknown_characters_problem(tokenizer, task.get("prompt"), f"{where}: {Path(path).name} row {i}'s prompt")
+            if problem:
+                found.warnings.append(problem)
+                break
+    if env.episodes and first_task is not None:
+        prompt = _first_episode_prompt(job, first_task)
+        problem = unknown_characters_problem(tokenizer, prompt, "spec.environment.episodes: reset's first prompt")
+        if problem:
+            found.warnings.append(problem)
+
+
+def _local_tokenizer(model: str):
+    """The tokenizer of `model` when this machine has it without a download and it has an unknown
+    token (tiny:char, a local folder); None otherwise."""
+    if model == "tiny:char":
+        from grpo_run.trainer.model.tinymodel import build_tokenizer
+
+        return build_tokenizer()
+    if not Path(model).is_dir():
+        return None
+    try:
+        with quiet("transformers"):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:                       # a folder without a tokenizer: the model check says so
+        return None
+    return tokenizer if getattr(tokenizer, "unk_token_id", None) is not None else None
+
+
+def _first_episode_prompt(job: TrainingJob, task: dict[str, Any]) -> Any:
+    """What the episodes environment's reset returns for `task` (seed 0), from the grader's sandboxed
+    worker as the trainer runs it; None when it cannot be had here (the environment's own problems
+    are _check_episodes')."""
+    from grpo_run.trainer.episodes.host import EnvironmentHost
+
+    env, p = job.environment, job.parameters
+    try:
+        with _quiet_grader():
+            host = EnvironmentHost(env.episodes, search_path=env.path, timeout_s=p.rewardTimeoutSeconds,
+                                   memory_mb=p.rewardMemoryMB, retries=0, strict=True, tools=env.tools)
+            try:
+                return host.reset([task], [0])[0]
+            finally:
+                host.close()
+    except Exception:
+        return None
+
+
 def _check_judges(job: TrainingJob, mode: Mode, found: Findings) -> None:
     """An LLM judge needs its node's allow (runner.spec.judge): refused here when this machine
     is the node (apply), a note when another node will run it (a dry run, --detach)."""
@@ -565,24 +513,7 @@ def _reward_fix(summary: str, ref: str) -> str:
     return f"importing {Path(module).name if module.endswith('.py') else module} for {function} failed: {summary}"
 
 
-@contextmanager
-def _quiet(name: str, level: int = logging.CRITICAL) -> Iterator[None]:
-    """Logger `name` holds back records below `level` for a while."""
-    log = logging.getLogger(name)
-    before = log.level
-    log.setLevel(level)
-    try:
-        yield
-    finally:
-        log.setLevel(before)
-
-
 def _quiet_grader():
     """The grader's warning that this machine cannot sandbox fully is about this machine, not the
     node the job runs on: left out of the preflight."""
-    return _quiet("grpo_run.trainer.grader.grader", logging.ERROR)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    return quiet("grpo_run.trainer.grader.grader", logging.ERROR)

@@ -47,6 +47,16 @@ class Checked:
         return doc
 
 
+def sampler_lines(sampler: dict) -> str:
+    """The dry run's sampler line(s): the engine and why; for a job with storage whose run here
+    (apply without --detach) would sample otherwise than a node's, that too (Checked.sampler)."""
+    here = sampler.get("here")
+    if here is None:
+        return f"  sampler     {sampler['engine']}: {sampler['why']}"
+    return (f"  sampler     on a node it is submitted to (--detach): {sampler['engine']}: {sampler['why']}\n"
+            f"              here (apply without --detach): {here['engine']}: {here['why']}")
+
+
 def check_job_file(file: str, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """Read the job file, run apply's preflight and estimate it. Raises Refused: a job file that
     is missing or wrong (EXIT_USAGE, its problems all at once), a preflight refusal, a model
@@ -66,12 +76,12 @@ def check_job_file(file: str, *, dry_run: bool, detach: bool, live=None) -> Chec
 def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Checked:
     """check_job_file for a TrainingJob already built (the Python API builds one from arguments)."""
     from grpo_run.runner.estimate.estimate import check_fits, estimate
-    from grpo_run.runner.jobs.preflight import check_before_apply, sampler_choice
+    from grpo_run.runner.jobs.preflight import check_before_apply, decided_here, sampler_choice
 
     check_before_apply(file, job, dry_run=dry_run, detach=detach)   # reward, tasks, storage, model: before any node
     choice = None
-    try:                                         # here: apply, or a dry run of a job no other node can take
-        choice = sampler_choice(job, here=not detach and (not dry_run or job.storage is None))
+    try:
+        choice = sampler_choice(job, here=decided_here(job, "dry-run" if dry_run else "detach" if detach else "apply"))
     except (LookupError, ValueError):
         pass                                     # refused above (ValueError) or said by the preflight
     try:
@@ -84,6 +94,17 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Chec
     sampler = None
     if dry_run and choice:
         sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
+    if sampler and job.storage is not None:
+        # A job with storage may run on a GPU node (the prediction above) or here (apply without
+        # --detach): where the two differ (tiny:char: vLLM on a GPU node, native on this CPU), both
+        # are said, so the dry run never contradicts the run that follows it here.
+        try:
+            here = sampler_choice(job, here=True)
+        except (LookupError, ValueError) as e:
+            here = None
+            sampler["here"] = {"engine": "none", "why": str(e)}
+        if here is not None and here.engine != choice.engine:
+            sampler["here"] = {"engine": here.engine, "why": here.why}
     return Checked(file, job, est, check_fits(est) if est else None, sampler)
 
 
@@ -143,7 +164,12 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
               f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
     elif est:
         print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
-    print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
+    if (job.nodes or 1) > 1:                # a plain resume is refused for it: say the form that works
+        from grpo_run.runner.jobs.nodes import each_node
+
+        print(f"  its nodes train it with: {each_node(job.name, storage, job.nodes)}")
+    else:
+        print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
     print(f"  follow it: grpo-run get tj {job.name} -w")
     return EXIT_OK
 
@@ -248,7 +274,8 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     if output:
         print(dump(doc, output), end="")
     else:
-        print(run_summary(job.name, doc["status"], result, job_file=job_file))
+        print(run_summary(job.name, doc["status"], result, job_file=job_file, nodes=job.nodes or 1,
+                          storage=storage))
     return result.exit_code
 
 
@@ -276,9 +303,11 @@ def remember_step_time(job, status: dict) -> None:
                                      engine_start_seconds=sampler.get("startSeconds"))
 
 
-def run_summary(name: str, status: dict, result, job_file: str | None = None) -> str:
+def run_summary(name: str, status: dict, result, job_file: str | None = None, nodes: int = 1,
+                storage: str | None = None) -> str:
     """The lines a run ends with: phase and step, the held-out rewards, the notice's timing, and
-    how to go on (`job_file` as run_job's)."""
+    how to go on (`job_file` as run_job's; a job of several `nodes` goes on with each node's flags,
+    from `storage`)."""
     from grpo_run.runner.views.status import reward_signal_warning
 
     lines = [f"{name}: {status['phase']} after {status['step']} steps"]
@@ -295,6 +324,10 @@ def run_summary(name: str, status: dict, result, job_file: str | None = None) ->
                      f"{result.notice_to_durable_s:.2f} s")
     if getattr(result, "code_error", False):
         lines.append(f"  {code_error_advice(status.get('message', ''), job_file)}")
+    elif status["phase"] in STOPPED and nodes > 1:      # a plain resume is refused for it (runner.jobs.nodes)
+        from grpo_run.runner.jobs.nodes import each_node
+
+        lines.append(f"  continue with: {each_node(name, storage, nodes)}")
     elif status["phase"] in STOPPED:
         lines.append(f"  continue with: grpo-run resume {name}")
     return "\n".join(lines)

@@ -443,15 +443,16 @@ def environment_of(env: EnvironmentSpec, p: GRPOParams):
     from dataclasses import replace
 
     from grpo_run.trainer.envs.catalog import catalog_environment, user_environment
+    from grpo_run.trainer.envs.sources import checked_tasks, own_tasks     # the tasks' files and data sets, read
 
     if env.is_catalog:
-        own = _checked(env, _own_tasks(env, p.seed)) if env.reads_tasks else None
+        own = checked_tasks(env, own_tasks(env, p.seed)) if env.reads_tasks else None
         built = catalog_environment(env.name, seed=p.seed, n_train=p.trainTasks, n_eval=p.evalTasks,
                                     data_files=None if own else env.dataFiles, tasks=own)
         return replace(built, rewards=rewards_of(env))      # the job's rewards, by the job's names
     from grpo_run.trainer.envs.catalog import ANSWER_AFTER_TOOLS, EpisodeSettings
 
-    train, held = _own_tasks(env, p.seed)
+    train, held = own_tasks(env, p.seed)
     episodes = EpisodeSettings(env.episodes or ANSWER_AFTER_TOOLS, env.maxTurns or DEFAULT_MAX_TURNS,
                                tools=env.tools, tool_timeout_s=env.toolTimeoutSeconds,
                                step_timeout_s=env.stepTimeoutSeconds) if env.plays_episodes else None
@@ -477,60 +478,3 @@ def rewards_of(env: EnvironmentSpec) -> tuple:
                  for r in env.rewards)
 
 
-def _checked(env: EnvironmentSpec, tasks: tuple[list, list]) -> tuple[list, list]:
-    """Your tasks for a catalog environment that takes them, each checked by the environment
-    (a code task needs its tests). Raises ValueError naming the first bad one."""
-    check = CATALOG[env.name].task_problem
-    source = "tasks" if env.tasks is not None else "dataset" if env.dataset is not None else "dataFiles"
-    for held_out, rows in enumerate(tasks):
-        where = "evalTasks" if held_out and env.evalTasks is not None else source
-        for task in rows:
-            trouble = check(task) if check is not None else None
-            if trouble:
-                raise ValueError(f"spec.environment.{where}: the task with prompt {str(task.get('prompt'))[:60]!r}: "
-                                 f"{trouble} ({env.name} environment)")
-    return tasks
-
-
-_SAID: set[str] = set()       # what repeated_prompts reported in this process: once, though the tasks are read again
-
-
-def _own_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
-    """(train, held-out) tasks of your own environment, from its one source; prompts that are on
-    both sides, or repeated, are reported (a warning, once per process)."""
-    from grpo_run.trainer.envs.data import repeated_prompts
-
-    train, held = _split_tasks(env, seed)
-    said = repeated_prompts(train, held)
-    if said and said not in _SAID:
-        _SAID.add(said)
-        log.warning("spec.environment: %s", said)
-    return train, held
-
-
-def _split_tasks(env: EnvironmentSpec, seed: int) -> tuple[list, list]:
-    from grpo_run.trainer.envs import data
-    from grpo_run.trainer.envs.tasks import read_tasks
-
-    def read(path: str, where: str) -> list:
-        if path.endswith(".jsonl") and not env.columns:
-            return read_tasks(Path(path))          # line-numbered errors for the common case
-        return data.as_tasks(data.load_split(path, "train"), env.columns, where)
-
-    if env.tasks is not None:
-        train = read(env.tasks, "spec.environment.tasks")
-        if env.evalTasks is not None:
-            return train, read(env.evalTasks, "spec.environment.evalTasks")
-        return data.held_out(train, env.heldOutFraction, seed)
-    source = env.dataFiles if env.dataFiles is not None else env.dataset
-    splits = data.splits_of(data.open_source(source, config=env.datasetConfig))
-    where = "spec.environment." + ("dataFiles" if env.dataFiles is not None else "dataset")
-    if env.trainSplit not in splits:
-        raise ValueError(f"{where}: no split {env.trainSplit!r} (it has {', '.join(splits)}): set trainSplit")
-    train = data.as_tasks(splits[env.trainSplit].to_list(), env.columns, where)
-    if env.evalSplit in splits:
-        return train, data.as_tasks(splits[env.evalSplit].to_list(), env.columns, where)
-    if env.heldOutFraction is None:
-        raise ValueError(f"{where}: no split {env.evalSplit!r} for held-out tasks (it has {', '.join(splits)}): "
-                         "set evalSplit, or heldOutFraction to hold out part of the train split")
-    return data.held_out(train, env.heldOutFraction, seed)

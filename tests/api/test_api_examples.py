@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.runner.test_resume import REPO
+from tests.runner.jobs.test_resume import REPO
 
 
 def run(args: list[str], cwd) -> str:

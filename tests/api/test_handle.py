@@ -12,7 +12,7 @@ import yaml
 import grpo_run
 from grpo_run.checkpoint.storage.lease import Lease
 from grpo_run.runner.cli.commands import main
-from tests.runner.test_resume import REPO, grpo_run as cli, write_job
+from tests.runner.jobs.test_resume import REPO, grpo_run as cli, write_job
 
 
 def test_import_grpo_run_loads_nothing_but_itself():

@@ -22,7 +22,7 @@ import yaml
 import grpo_run
 from grpo_run.package import package_reward
 from grpo_run.runner.cli.commands import main
-from tests.runner.test_resume import grpo_run as cli
+from tests.runner.jobs.test_resume import grpo_run as cli
 
 SCALE = 2.0
 LIVE = object()
@@ -316,7 +316,7 @@ def test_tasks_as_a_dataset_or_chat_rows_are_written_as_parquet_the_trainer_read
 
 
 def test_a_reward_model_and_a_judge_are_given_as_the_job_file_gives_them(tmp_path, monkeypatch):
-    from tests.trainer.test_reward_model import build_reward_model
+    from tests.trainer.grader.test_reward_model import build_reward_model
 
     build_reward_model(tmp_path / "rm")              # a folder beside the script
     monkeypatch.chdir(tmp_path)
@@ -338,3 +338,44 @@ def test_a_reward_model_and_a_judge_are_given_as_the_job_file_gives_them(tmp_pat
                                                 r"weight \(got group\)"):
         grpo_run.train(model="tiny:char", name="judged", tasks=tasks, held_out_fraction=0.3,
                        rewards=[uses_its_module, {"model": "rm", "group": True}], max_steps=2)
+
+
+@pytest.mark.parametrize("trl_name, says", [
+    ("num_train_epochs", "TRL's num_train_epochs: grpo-run counts steps, not epochs: max_steps"),
+    ("per_device_train_batch_size", "TRL's per_device_train_batch_size: TRL's counts completions per device; "
+                                    "grpo-run counts prompts: prompts_per_step"),
+    ("max_prompt_length", "TRL's max_prompt_length: grpo-run takes prompts whole"),
+    ("use_vllm", "TRL's use_vllm: sampler='vllm'"),
+])
+def test_trls_names_get_grpo_runs_own_never_a_look_alike_setting(tmp_path, trl_name, says):
+    """difflib matched num_train_epochs to num_iterations (GRPO's inner iterations), 
+    per_device_train_batch_size to eval_batch_size and max_prompt_length to max_completion_length:
+    a TRL user took the hint and changed another setting. TRL's names answer from their table."""
+    with pytest.raises(grpo_run.JobError) as refused:
+        grpo_run.train(model="tiny:char", name="x", tasks=[{"prompt": "1"}], rewards=[uses_its_module],
+                       **{trl_name: 1})
+    said = str(refused.value)
+    assert said.startswith(f"grpo_run.train(): unknown argument {trl_name}; {says}"), said
+    assert "did you mean" not in said and "docs/python-api.md" in said
+
+
+def test_the_docs_table_of_trls_names_is_the_one_train_answers_from():
+    from grpo_run.trl_names import TRL_NAMES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "python-api.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.+) \|$", doc, re.M))
+    assert rows == {name: advice.replace("|", "\\|") for name, advice in TRL_NAMES.items()}
+
+
+def test_a_dry_run_from_python_prints_the_estimate_and_starts_nothing(tmp_path, capsys):
+    doc = grpo_run.train(model="tiny:char", name="dry", tasks=[{"prompt": "1+1=", "n": "2"}] * 4,
+                         held_out_fraction=0.5, rewards=[uses_its_module], max_steps=5, dry_run=True)
+    out = capsys.readouterr().out
+    assert doc["status"]["phase"] == "Pending" and "totalGB" in doc["status"]["estimate"]["memory"]
+    assert doc["spec"]["parameters"]["maxSteps"] == 5
+    assert out.startswith("dry:") and "sampler" in out, out
+    home = tmp_path / "grpo-run-home"
+    assert not (home / "runs").exists()                                # nothing ran, no record anywhere
+    with pytest.raises(grpo_run.JobError, match="--dry-run and --detach together"):
+        grpo_run.train(model="tiny:char", name="dry", tasks=[{"prompt": "1+1=", "n": "2"}] * 4, held_out_fraction=0.5,
+                       rewards=[uses_its_module], storage=str(tmp_path / "store"), detach=True, dry_run=True)

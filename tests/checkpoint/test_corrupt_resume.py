@@ -24,7 +24,7 @@ from grpo_run.checkpoint.storage.store import ObjectStore
 from grpo_run.state.record import Record
 from tests.campaign import full_campaign_only
 from tests.cloud_stores import STORE_NAMES
-from tests.runner.test_resume import SAVE, STEPS, exported_bytes, grpo_run, uninterrupted, write_job  # noqa: F401
+from tests.runner.jobs.test_resume import SAVE, STEPS, exported_bytes, grpo_run, uninterrupted, write_job  # noqa: F401
 
 JOB = "resumable"                 # write_job's metadata.name
 

@@ -94,3 +94,55 @@ def test_nodes_are_refused_where_they_cannot_be(tmp_path, capsys):
     # without --nodes the job file's spec.nodes decides
     assert main(["deploy", "k8s", "-f", job, "--image", "registry/grpo-run:1"]) == 0
     assert yaml.safe_load_all(capsys.readouterr().out).__next__()["kind"] == "Service"
+
+
+def test_cloud_init_refuses_a_job_of_several_nodes_from_its_file_and_from_storage(tmp_path, capsys):
+    """cloud-init user-data starts every instance as a job of one node; a job of several refuses
+    that (exit 2, never restarted), so its instances would sit idle and billed. Refused here, from
+    the file (-f) and from storage's copy (--job), naming the launchers that start N nodes."""
+    job = sky_job_file(tmp_path, nodes=2, parameters={"promptsPerStep": 2})
+    storage = str(tmp_path / "bucket")
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "-f", job]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{job} says spec.nodes 2: cloud-init user-data starts each instance as a job of one node" in err
+    assert f"grpo-run deploy skypilot -f {job}" in err and f"grpo-run deploy k8s -f {job}" in err
+    assert not (tmp_path / "bucket").exists()                           # no wheel put anywhere
+    assert main(["apply", "-f", job, "--detach"]) == 0                 # submitted, then asked for by name
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", storage, "--job", "sky-job"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--job sky-job: {storage} holds it with spec.nodes 2" in err
+    assert f"grpo-run deploy skypilot --storage {storage} --job sky-job" in err
+
+
+def test_cloud_init_refuses_a_job_its_reachable_storage_does_not_hold(tmp_path, capsys):
+    storage = tmp_path / "bucket"
+    storage.mkdir()
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", str(storage), "--job", "not-submitted"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"--job not-submitted: {storage} holds no job not-submitted" in err
+    assert "grpo-run apply -f JOB.yaml --detach" in err and "grpo-run deploy cloud-init -f JOB.yaml" in err
+    assert list(storage.iterdir()) == []                               # refused before the wheel goes there
+
+
+def test_cloud_init_for_a_store_it_cannot_read_warns_and_still_prints(capsys):
+    # gs:// with no credentials here (conftest): the nodes' own service account may well reach it
+    assert main(["deploy", "cloud-init", "--storage", "gs://some-bucket/grpo", "--job", "my-job"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#cloud-config\n")
+    assert "warning: could not check that gs://some-bucket/grpo holds job my-job (" in err
+    assert "no Google credentials found" in err and "Traceback" not in err
+
+
+def test_cloud_init_for_a_finished_job_warns_that_its_node_would_idle(tmp_path, capsys):
+    job = sky_job_file(tmp_path)
+    storage = str(tmp_path / "bucket")
+    assert main(["apply", "-f", job, "--detach"]) == 0
+    assert main(["cancel", "sky-job", "--storage", storage]) == 0          # Pending -> Cancelled at once
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "--storage", storage, "--job", "sky-job"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("#cloud-config\n")
+    assert f"warning: --job sky-job is Cancelled in {storage}: a node booted now finds nothing to do" in err

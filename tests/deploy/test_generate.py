@@ -63,7 +63,13 @@ def test_the_generated_unit_passes_systemd_analyze_verify(tmp_path, capsys):
     assert subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True).returncode != 0
 
 
-def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_filled(capsys, s3_env, wheel):
+def submit(job: Path) -> None:
+    """`apply --detach` the job file: storage holds the job, as `deploy cloud-init --job` requires."""
+    assert main(["apply", "-f", str(job), "--detach"]) == EXIT_OK
+
+
+def test_the_generated_user_data_is_valid_for_cloud_init_with_every_setting_filled(tmp_path, capsys, s3_env, wheel):
+    submit(_job_file(tmp_path, s3_env.url, name="my-job"))
     text = printed(capsys, "cloud-init", "--storage", s3_env.url, "--job", "my-job", "--region", "eu-west-1",
                    "--torch", "cu126")
     assert cloud_config_errors(text) == []
@@ -104,7 +110,7 @@ def test_a_job_file_with_local_files_is_refused_for_cloud_init_and_nothing_is_up
     """The user-data carries the job file alone: its reward and task files would not be on the node,
     whose submit at boot would fail while `resume --wait` holds a paid GPU. Refused (exit 2) with
     the two commands that work, before anything goes into storage."""
-    from tests.runner.test_resume import write_job
+    from tests.runner.jobs.test_resume import write_job
 
     storage = tmp_path / "bucket"
     job = write_job(tmp_path, str(storage))
@@ -419,6 +425,7 @@ def generated_files(capsys, tmp_path, storage: str, *extra: str) -> dict[str, st
     job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "any-job"},
                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
                                             "storage": storage, "gpu": "H100-SXM-80GB"}}))
+    submit(job)                                 # cloud-init --job checks that storage holds the job
     files = {kind: printed(capsys, kind, "--storage", storage, "--job", "any-job", *extra)
              for kind in ("systemd", "cloud-init", "iam")}
     files["skypilot"] = printed(capsys, "skypilot", "--storage", storage, "--job", "any-job", "--accelerators", "H100:1",
@@ -480,9 +487,9 @@ def test_a_launch_file_prints_without_write_access_and_says_the_wheel_must_be_pu
     assert hashlib.sha256(Store(s3_env.url).get_bytes(stored)).hexdigest() == pinned
 
 
-def _job_file(tmp_path: Path, storage: str, **parameters) -> Path:
+def _job_file(tmp_path: Path, storage: str, name: str = "boot-job", **parameters) -> Path:
     job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "boot-job"},
+    job.write_text(yaml.safe_dump({"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name},
                                    "spec": {"model": "tiny:char", "environment": {"name": "arithmetic"},
                                             "storage": storage, "parameters": parameters}}))
     return job
@@ -502,6 +509,7 @@ def test_a_job_that_samples_with_vllm_gets_a_node_that_installs_the_engine(tmp_p
     assert '-c "$constraints" "$wheel"\n' in install(sampler="native")
     assert '-c "$constraints" "$wheel"\n' in install(sampler="vllm", vllm={"mode": "server",
                                                                             "server": "http://10.0.0.5:8000"})
+    submit(_job_file(tmp_path, s3_env.url, sampler="native"))
     forced = printed(capsys, "cloud-init", "--storage", s3_env.url, "--job", "boot-job", "--vllm")
     assert '"$wheel[vllm]"' in install_sh(yaml.safe_load(forced))
     task = printed(capsys, "skypilot", "-f", str(_job_file(tmp_path, s3_env.url, sampler="vllm")), "--accelerators", "L4:1")
@@ -516,3 +524,70 @@ def test_a_repository_install_asks_its_setup_for_the_engine(tmp_path):
     assert "scripts/setup --vllm\n" in script
     assert "scripts/setup\n" in install_script(NodeSettings(storage="s3://bucket/grpo",
                                                             repo="https://example.invalid/grpo-run.git"))
+
+
+def test_the_user_data_of_a_job_file_reads_as_written_and_warns_past_ec2s_limit(tmp_path, capsys, s3_env):
+    """`deploy cloud-init -f`: the person paying for the node reads what runs on it as root: the
+    template's comments, install.sh and the job file as literal blocks, comments and all (a YAML
+    dump would drop every comment and fold each file into one escaped string). Past EC2's 16,384
+    bytes (which EC2 refuses at launch) a warning says what makes it smaller."""
+    job = _job_file(tmp_path, s3_env.url)
+    commented = "# my own notes on this job\n" + job.read_text()
+    job.write_text(commented)
+    capsys.readouterr()
+    assert main(["deploy", "cloud-init", "-f", str(job)]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert cloud_config_errors(out) == [] and "warning: this user-data is" not in err
+    assert "# Credentials: none in here, ever." in out                 # the template's comments
+    assert "\n      set -euo pipefail\n" in out and "pipefail\\n" not in out     # install.sh line by line
+    assert "\n      # my own notes on this job\n" in out               # the job file as written
+    doc = yaml.safe_load(out)
+    (handed,) = [f for f in doc["write_files"] if f["path"] == JOB_FILE]
+    assert handed["content"] == commented
+    assert len(out.encode()) < 16_384
+    # a job file with many comments: the user-data passes EC2's limit, and says so
+    job.write_text(commented + "".join(f"# note {i}: {'why this setting ' * 5}\n" for i in range(200)))
+    assert main(["deploy", "cloud-init", "-f", str(job)]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert len(out.encode()) > 16_384 and cloud_config_errors(out) == []
+    assert f"warning: this user-data is {len(out.encode()):,} bytes, over EC2's limit of 16,384" in err
+    assert f"grpo-run apply -f {job} --detach" in err and "--job boot-job" in err and "gzip" in err
+
+
+@pytest.mark.parametrize("all_jobs", [False, True])
+@pytest.mark.parametrize("record, waits", [
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted", "notice": "aws"}]}, True),       # a notice here
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted"}]}, True),     # a notice on another node of the group
+    ({"phase": "Preempted", "attempts": [{"reason": "Preempted"}, {"reason": "Crashed"}]}, False),   # a lost peer
+    (None, True),                                                          # the record cannot be read: as before
+])
+def test_the_skypilot_run_waits_after_exit_3_only_when_a_notice_stopped_the_job(tmp_path, capsys, all_jobs, record,
+                                                                                 waits):
+    """Exit 3 after a spot notice: the node is going away, and the task waits for it so that
+    SkyPilot sees a preemption (not a failure, which it would not retry). A lost peer or a
+    rendezvous timeout also exits 3 on a node that stays: no 15 paid minutes of sleep there.
+    grpo-run is a stand-in that exits 3 and answers `get tj` with `record`; `sleep` one that notes its
+    argument."""
+    import json
+    import os
+    import sys
+
+    args = ["--all"] if all_jobs else ["--job", "sky-job"]
+    doc = yaml.safe_load(printed(capsys, "skypilot", "--storage", "s3://bucket/grpo", "--accelerators", "L4:1", *args))
+    venv = tmp_path / "grpo-run" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    answer = "" if record is None else json.dumps(
+        {"kind": "TrainingJob", "status": record} if not all_jobs else {"kind": "List", "items": [{"status": record}]})
+    (tmp_path / "answer.json").write_text(answer)
+    (venv / "grpo-run").write_text(f'#!/bin/bash\ncase "$1" in resume) exit 3;; get) cat {tmp_path}/answer.json;; esac\n')
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sleep").write_text(f'#!/bin/bash\necho "$1" >> {tmp_path}/slept\n')
+    for script in (venv / "grpo-run", fake / "sleep"):
+        script.chmod(0o755)
+    env = {**os.environ, **doc["envs"], "HOME": str(tmp_path), "PATH": f"{fake}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", doc["run"]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    slept = (tmp_path / "slept").read_text().split() if (tmp_path / "slept").exists() else []
+    assert slept == (["900"] if waits else []), done.stderr

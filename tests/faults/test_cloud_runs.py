@@ -1,5 +1,5 @@
 """Runs on Google Cloud Storage (fake-gcs-server) and Azure Blob (Azurite), held to what S3 is
-held to in test_split_brain.py and tests/runner/test_resume.py: a kill and a resume on a fresh
+held to in test_split_brain.py and tests/runner/jobs/test_resume.py: a kill and a resume on a fresh
 node end byte-identical, two nodes resuming at once leave one training. (The store faults and the
 kill campaign run on every store, in test_store_faults.py and test_kill_campaign.py.)"""
 
@@ -9,8 +9,8 @@ import pytest
 
 from tests.cloud_stores import STORE_NAMES
 from tests.faults.harness import start_node
-from tests.runner.test_resume import STEPS as SHORT_STEPS
-from tests.runner.test_resume import grpo_run, kill_and_resume, status, uninterrupted  # noqa: F401
+from tests.runner.jobs.test_resume import STEPS as SHORT_STEPS
+from tests.runner.jobs.test_resume import grpo_run, kill_and_resume, status, uninterrupted  # noqa: F401
 
 pytestmark = pytest.mark.fault
 
@@ -31,7 +31,7 @@ def test_a_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(tmp_path, 
 
 
 def test_two_nodes_resuming_one_job_at_once_leave_exactly_one_training(tmp_path, cloud, figures):
-    from tests.runner.test_resume import write_job
+    from tests.runner.jobs.test_resume import write_job
 
     path = write_job(tmp_path, cloud.url, maxSteps=300, saveSteps=50)
     grpo_run(tmp_path / "laptop", "apply", "--detach", "-f", str(path))

@@ -15,7 +15,7 @@ from grpo_run.checkpoint.manifest import newest_sealed, verify
 from tests.faults.harness import start_node, wait_until
 from tests.faults.test_store_faults import checkpoints
 from tests.checkpoint.test_corrupt_resume import durable_steps
-from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
+from tests.runner.jobs.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 STEPS, SAVE = 120, 4

@@ -35,7 +35,7 @@ from tests.campaign import stores
 from tests.cloud_stores import STORE_NAMES
 from tests.faults.harness import children, cmdline, start_node, wait_until
 from tests.once import once
-from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
+from tests.runner.jobs.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 KILLS = int(os.environ.get("GRPO_RUN_KILLS", "8"))      # a seeded sample (two of each target); the full campaign: 50

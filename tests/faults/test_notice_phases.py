@@ -24,8 +24,8 @@ import pytest
 from tests.faults.harness import NOTICE_WINDOW_S, SOURCES, marker, notice_source, start_node, wait_until
 from tests.campaign import full_campaign_only
 from tests.checkpoint.test_corrupt_resume import durable_steps
-from tests.runner.test_eval_preemption import EVAL_BATCH, EVAL_TASKS, finished_batches, write_eval_heavy_job
-from tests.runner.test_resume import exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
+from tests.runner.supervisor.test_eval_preemption import EVAL_BATCH, EVAL_TASKS, finished_batches, write_eval_heavy_job
+from tests.runner.jobs.test_resume import exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 pytestmark = pytest.mark.fault
 PHASES = ("sampling", "backward", "upload", "baseline", "final", "restore")

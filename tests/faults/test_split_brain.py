@@ -8,7 +8,7 @@ import pytest
 
 from tests.campaign import full_campaign_only
 from tests.faults.harness import start_node
-from tests.runner.test_resume import grpo_run, status, write_job
+from tests.runner.jobs.test_resume import grpo_run, status, write_job
 
 pytestmark = pytest.mark.fault
 

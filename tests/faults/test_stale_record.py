@@ -22,7 +22,7 @@ from grpo_run.state import values
 from grpo_run.state.record import Record
 from tests.campaign import stores
 from tests.faults.harness import start_node, wait_until
-from tests.runner.test_resume import grpo_run, write_job
+from tests.runner.jobs.test_resume import grpo_run, write_job
 
 pytestmark = pytest.mark.fault
 

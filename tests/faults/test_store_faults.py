@@ -24,7 +24,7 @@ from tests.cloud_stores import STORE_NAMES, delete_bucket, through
 from tests.faults.harness import NOTICE_WINDOW_S, notice_source, start_node, wait_until
 from tests.faults.s3proxy import S3Proxy
 from tests.once import once
-from tests.runner.test_resume import exported_bytes, grpo_run, status, write_job
+from tests.runner.jobs.test_resume import exported_bytes, grpo_run, status, write_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 STEPS, SAVE = 500, 4

@@ -22,6 +22,7 @@ Mistral's template demands) and the tool's `name` (Hermes'). A template that ref
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Mapping, Sequence
 
@@ -29,6 +30,59 @@ from jinja2 import TemplateError
 
 from grpo_run.trainer.grader.tools import declared_tool_format, template_tool_format, tool_calls
 from grpo_run.trainer.model.prompts import Message, Prompt, PromptEncoder, chat_messages
+
+log = logging.getLogger(__name__)
+
+# A vocabulary this small is listed in full in the warning (tiny:char's has 20 tokens).
+LISTED_VOCABULARY = 64
+
+
+def unknown_characters(tokenizer: Any, text: str) -> str:
+    """The characters of `text` that `tokenizer` reads as its unknown token, each once in the order
+    they first appear; "" when there are none, or the tokenizer has no unknown token (byte-level
+    BPE, as Qwen's and Llama's: every text has ids of its own)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in tokenizer(text, add_special_tokens=False).input_ids:
+        return ""
+    return "".join(c for c in dict.fromkeys(text) if unk in tokenizer(c, add_special_tokens=False).input_ids)
+
+
+def _as_text(text: Any) -> str:
+    """A prompt or observation as one text: itself, or its chat messages' contents."""
+    if isinstance(text, str):
+        return text
+    if isinstance(text, Sequence):
+        return "".join(m["content"] for m in text if isinstance(m, Mapping) and isinstance(m.get("content"), str))
+    return ""
+
+
+def unknown_characters_problem(tokenizer: Any, text: Any, what: str) -> str | None:
+    """One line saying that `what` (a prompt, an observation: text or chat messages) has
+    characters `tokenizer` does not know, which the model reads as one and the same unknown token
+    (two observations that differ only there look alike to it); None when it has none."""
+    whole = _as_text(text)
+    unknown = unknown_characters(tokenizer, whole)
+    if not unknown:
+        return None
+    shown = " ".join(repr(c) for c in unknown[:20]) + (" ..." if len(unknown) > 20 else "")
+    special = set(getattr(tokenizer, "all_special_tokens", []))
+    known = [t for t in tokenizer.get_vocab() if t not in special] if len(tokenizer) <= LISTED_VOCABULARY else []
+    reads = (f"; it reads only {''.join(sorted(known))!r} (docs/environments.md): write with those, or use a model "
+             f"with a full vocabulary" if known else "")
+    quoted = repr(whole) if len(whole) <= 60 else repr(whole[:57]) + "..."
+    return (f"{what} {quoted} has characters the model's tokenizer does not know ({shown}): each becomes "
+            f"{tokenizer.unk_token}, one and the same token to the model{reads}")
+
+
+def readable(tokenizer: Any, ids: Sequence[int]) -> str:
+    """`ids` as text for people (samples, logs): special tokens skipped, except the unknown token,
+    which is shown (skipping it would show a reply the model never read: " higher:" and " lower:"
+    both as ":" to tiny:char)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or unk not in ids:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    hidden = set(tokenizer.all_special_ids) - {unk}
+    return tokenizer.decode([t for t in ids if t not in hidden], skip_special_tokens=False)
 
 
 class ToolFormatUnknown(ValueError):
@@ -80,20 +134,37 @@ class TurnRenderer:
         self.eos_ids = tuple(eos_ids)
         # with tools, the format their calls are read in (the worker reads them the same way)
         self.tool_format = tool_format_of(self.tokenizer) if encoder.template_kwargs.get("tools") else None
+        self._unknown_told: set[str] = set()       # what was warned of (prompt, observation)
 
     def first(self, prompt: Prompt) -> tuple[list[int], list[Message] | None]:
         """The first prompt's ids, and the conversation it stands for (None without a template).
         Raises ValueError as PromptEncoder does (messages without a chat template)."""
         ids, mask = self.encoder.encode([prompt])            # exactly as a single-turn prompt's
         ids = ids[0][mask[0].bool()].tolist()
+        self._tell_unknown(ids, prompt, "the episode's prompt")
         return ids, (chat_messages(prompt, self.encoder.system_prompt) if self.encoder.templated else None)
+
+    def _tell_unknown(self, ids: Sequence[int], text: Any, what: str) -> None:
+        """A warning (the terminal and trainer.log) the first time a prompt or an observation has
+        characters the tokenizer does not know: the environment runs, but what it says is lost on
+        the model. Once for prompts and once for observations per renderer (one per attempt), not
+        on every turn; the warning lists what the tokenizer does read, when that is short."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if what in self._unknown_told or unk is None or unk not in ids:   # usually one membership test
+            return
+        problem = unknown_characters_problem(self.tokenizer, text, what)
+        if problem:
+            self._unknown_told.add(what)
+            log.warning(problem)
 
     def observation(self, conversation: list[Message] | None, reply_ids: Sequence[int], reply: str,
                     observation: str | list[Mapping[str, Any]]) -> tuple[list[int], list[Message] | None]:
         """The ids appended after a reply (`reply_ids`, sampled; `reply`, their text) for the
         environment's `observation`, and the conversation afterwards."""
         if conversation is None:
-            return self._text_ids(observation, "step's observation"), None
+            ids = self._text_ids(observation, "step's observation")
+            self._tell_unknown(ids, observation, "the environment's observation")
+            return ids, None
         added = [{"role": "user", "content": observation}] if isinstance(observation, str) else \
             [dict(m) for m in observation]
         plain: Message = {"role": "assistant", "content": reply}
@@ -116,7 +187,9 @@ class TurnRenderer:
                 "the chat template renders the conversation so far differently once the environment's turn is "
                 "added (it is not prefix-stable), so the turn's ids cannot be appended without re-tokenizing the "
                 "history; use a template that renders earlier turns the same way whatever follows them")
-        return self._after_reply(without, reply_ids) + with_[len(without):], [*talked, *added]
+        added_ids = with_[len(without):]
+        self._tell_unknown(added_ids, observation, "the environment's observation")
+        return self._after_reply(without, reply_ids) + added_ids, [*talked, *added]
 
     def _tool_turn(self, conversation: list[Message], reply: str,
                    results: list[dict[str, Any]]) -> tuple[Message, list[dict[str, Any]]]:

@@ -282,7 +282,7 @@ class LlamaFamily:
         """The update's forward: the logits of the last `keep` positions [N, keep, V] of ids, mask,
         positions [N, S], differentiable, with the model's gradient checkpointing; what the model's
         own forward returns (logits_to_keep=keep, no cache), bit for bit, and its gradients too
-        (tests/trainer/test_decode.py), for a model `training_refusal` accepts. The library's
+        (tests/trainer/sampling/test_decode.py), for a model `training_refusal` accepts. The library's
         per-call machinery was a quarter of a small model's forward and backward."""
         attn = None if bool(mask.all()) else causal_over(mask)                         # as _prefill's
 

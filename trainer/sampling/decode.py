@@ -124,7 +124,7 @@ class LlamaFamilyDecoder(LlamaFamily):
     run, the cache keeps only those (never fewer than MIN_ROWS rows), so a step's arithmetic
     follows the completions still being written, not the longest one. Each row's arithmetic does
     not depend on which other rows are in the batch (checked token for token against the
-    uncompacted decoder in tests/trainer/test_decode.py; CPU matrix products of fewer than 4 rows
+    uncompacted decoder in tests/trainer/sampling/test_decode.py; CPU matrix products of fewer than 4 rows
     take another kernel, hence MIN_ROWS), and when to compact depends only on the tokens drawn,
     so a seeded run replays exactly.
     """
@@ -230,7 +230,7 @@ class CompiledDecoder(LlamaFamilyDecoder):
     written is a tensor, and ended completions stay in the batch. The step goes through
     torch.compile (mode "reduce-overhead" on CUDA: CUDA graphs), compiled once per batch shape and
     kept with the model. The arithmetic is the same as LlamaFamilyDecoder's, but compiled kernels
-    may round differently: tests/trainer/test_decode.py checks on CPU that a seeded run draws the
+    may round differently: tests/trainer/sampling/test_decode.py checks on CPU that a seeded run draws the
     same tokens.
     """
 

@@ -32,7 +32,7 @@ class EngineDisagrees(EngineUnavailable):
 
 
 # The mean |trainer - engine| log-probability over a step's drawn tokens an engine may show (nats),
-# by compute dtype: float32 on a CPU measured below 1e-3 (tests/trainer/test_vllm_engine.py), so
+# by compute dtype: float32 on a CPU measured below 1e-3 (tests/trainer/sampling/test_vllm_engine.py), so
 # 0.05 leaves fifty times the room; 16-bit kernels round far more (bfloat16 keeps 8 bits of
 # mantissa), so 0.3, not yet measured on a GPU (bench/gpu_check.py reports the step's mismatch). A
 # missing adapter or another base is far beyond either (test_vllm_engine's forced disagreement).

@@ -131,7 +131,7 @@ class _Draws:
     torch draws one sample as argmax(p / q), q ~ Exp(1) drawn with `exponential_` over the rows'
     [rows, V] probabilities; its CPU generator fills a tensor element after element, so noise for
     the next `ahead` tokens drawn in one call per generator is the noise those tokens' calls would
-    have drawn, and the tokens are the same (tests/trainer/test_sampling.py). On this machine's
+    have drawn, and the tokens are the same (tests/trainer/sampling/test_sampling.py). On this machine's
     demo (8 generators, 8 tokens) multinomial's checks and per-call overhead were 1.4 ms of a 25 ms
     step. A large vocabulary, and any device but the CPU (a CUDA generator's stream depends on the
     call's shape), draws token by token into each block's rows of one buffer: the calls multinomial

@@ -129,7 +129,7 @@ class VllmServerSampler:
             folder = self.work / "vllm-adapter"
             if folder.exists():
                 shutil.rmtree(folder)
-            model.save_pretrained(str(folder))
+            model.save_pretrained(str(folder), save_embedding_layers=False)
             config = base64.b64encode((folder / "adapter_config.json").read_bytes()).decode()
             self._send("/adapter", (folder / "adapter_model.safetensors").read_bytes(), {"X-Adapter-Config": config})
         else:

@@ -99,7 +99,8 @@ class VllmSampler:
                            gpu_memory_utilization=gpu_memory_utilization, enable_lora=lora,
                            max_lora_rank=max(8, lora_rank) if lora else 16, max_loras=1,
                            logprobs_mode="processed_logprobs", enable_sleep_mode=self.gpu,
-                           enforce_eager=not self.gpu, enable_prefix_caching=True)
+                           enforce_eager=not self.gpu, enable_prefix_caching=True,
+                           use_tqdm_on_load=False)      # no progress bar of its own beside the run's
         except ValueError as e:           # vLLM's own word on memory and on models it cannot serve
             if "memory" not in str(e).lower():
                 raise EngineRefused(f"spec.parameters.sampler: vLLM cannot serve spec.model here ({e}); use "
@@ -131,7 +132,9 @@ class VllmSampler:
     def _load_adapter(self, model) -> None:
         if self.folder.exists():
             shutil.rmtree(self.folder)
-        model.save_pretrained(str(self.folder))      # adapter_config.json and adapter_model.safetensors only
+        # adapter_config.json and adapter_model.safetensors only (embeddings are never the adapter's: PEFT need not
+        # look for the base's config, which a tiny: or hub name does not locate)
+        model.save_pretrained(str(self.folder), save_embedding_layers=False)
         self.use_adapter_folder(self.folder)
 
     def use_adapter_folder(self, folder: Path) -> None:
