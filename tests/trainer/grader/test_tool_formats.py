@@ -226,3 +226,24 @@ def test_a_declared_format_the_worker_cannot_read_is_refused_with_why():
         "tool_calls": {**RESPONSE_TEMPLATE["fields"]["tool_calls"], "content": "xml-inline"}}}
     with pytest.raises(ToolFormatUnknown, match="reads plain JSON tool calls only"):
         tool_format_of(tok)
+
+
+def test_a_turn_the_template_refuses_in_its_own_shape_is_rendered_with_the_reply_as_text():
+    """Llama 3.1's template raises for two calls in one turn ("This model only supports single
+    tool-calls at once!"): the turn is rendered with the reply as the assistant's text instead,
+    both results after it, and the episode goes on."""
+    spec = FAMILIES["llama-3.1"]
+    tok = family_tokenizer((TEMPLATES / spec["template"]).read_text(), bos=spec["bos"], eos=spec["eos"],
+                           specials=spec["specials"])
+    schema = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    render = TurnRenderer(PromptEncoder(tok, template_kwargs={"tools": schema}), [tok.eos_token_id])
+    _, conversation = render.first([{"role": "user", "content": "2+3? and 1+1?"}])
+    reply = '{"name": "add", "parameters": {"a": 2, "b": 3}}; {"name": "add", "parameters": {"a": 1, "b": 1}}'
+    ids = tok(reply, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    added, after = render.observation(conversation, ids, reply, [{"role": "tool", "name": "add", "content": "5"},
+                                                                 {"role": "tool", "name": "add", "content": "2"}])
+    assert tok.decode(added) == ('<|start_header_id|>ipython<|end_header_id|>\n\n"5"<|eot_id|>'
+                                 '<|start_header_id|>ipython<|end_header_id|>\n\n"2"<|eot_id|>'
+                                 '<|start_header_id|>assistant<|end_header_id|>\n\n')
+    assert after[-3] == {"role": "assistant", "content": reply}
