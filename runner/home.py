@@ -9,8 +9,9 @@ from pathlib import Path
 from grpo_run.trainer.protocol import HOME_ENV
 
 TINY_PREFIX = "tiny:"
-TINY_NAMES = ("char", "char64", "chat")
+TINY_NAMES = ("char", "char64", "chat", "chat-tools")
 # tiny:char64: the demo's model with head_dim 64 (tiny:char's is 16), which vLLM's CPU attention serves
+# tiny:chat-tools: tiny:chat set to open every answer with a tool call (examples/calculator-tools)
 
 
 def grpo_run_home() -> Path:
@@ -57,11 +58,13 @@ def ensure_model(model: str) -> str:
         return model
     path = tiny_model_path(model)
     if not (path / "config.json").exists():
-        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model
+        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model, build_tool_chat_model
 
         name = model[len(TINY_PREFIX):]
         if name == "chat":
             build_chat_model(path)
+        elif name == "chat-tools":
+            build_tool_chat_model(path)
         else:
             build_tiny_model(path, head_dim=64 if name == "char64" else 16)
     return str(path)

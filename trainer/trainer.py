@@ -127,12 +127,15 @@ class GRPOTrainer:
         self.environment = None
         if env.episodes is not None:
             from grpo_run.trainer.episodes.host import EnvironmentHost
+            from grpo_run.trainer.episodes.tokens import tool_format_of
 
             self.environment = EnvironmentHost(env.episodes.ref, search_path=env.search_path,
                                                timeout_s=params.rewardTimeoutSeconds, memory_mb=params.rewardMemoryMB,
                                                retries=0, strict=sandbox_strict, tools=env.episodes.tools,
                                                tool_timeout_s=env.episodes.tool_timeout_s,
-                                               step_timeout_s=env.episodes.step_timeout_s)
+                                               step_timeout_s=env.episodes.step_timeout_s,
+                                               tool_format=tool_format_of(self.tokenizer) if env.episodes.tools
+                                               else "hermes")
         # the engine, with the run's generation settings (a trainer built without a work folder, for
         # benchmarks and the API's tests, hands vLLM its adapters in a scratch folder)
         self._scratch = None

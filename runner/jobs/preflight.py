@@ -78,6 +78,7 @@ def preflight(job: TrainingJob, *, mode: Mode) -> Findings:
     _check_tasks(job, found)
     _check_rewards(job, found)
     _check_episodes(job, found)
+    _check_tool_format(job, mode, found)
     _check_vocabulary(job, found)
     _check_judges(job, mode, found)
     _check_sampler(job, mode, found)
@@ -390,6 +391,26 @@ def _check_episodes(job: TrainingJob, found: Findings) -> None:
         if not summary.startswith((name + " ", name + ".", name + "(")):      # not the class check's own words
             summary = _reward_fix(e.summary, env.episodes).replace(":FUNCTION)", ":CLASS)")
         found.problems.append(f"spec.environment.episodes: {summary}")
+
+
+def _check_tool_format(job: TrainingJob, mode: Mode, found: Findings) -> None:
+    """A job with tools on a model whose chat template teaches no tool-call format grpo-run reads
+    (trainer.episodes.tokens.tool_format_of) is refused at apply, where the model is here: its
+    calls would otherwise be read as answers."""
+    from grpo_run.runner.home import ensure_model
+    from grpo_run.trainer.episodes.tokens import ToolFormatUnknown, tool_format_of
+    from grpo_run.trainer.model.policy import load_tokenizer
+
+    if mode != "apply" or not job.environment.tools:
+        return
+    try:
+        tokenizer = load_tokenizer(ensure_model(job.model))
+    except (OSError, ValueError):        # a model that is not here: _check_model says so
+        return
+    try:
+        tool_format_of(tokenizer)
+    except ToolFormatUnknown as e:
+        found.problems.append(f"spec.environment.tools: the model {e}")
 
 
 def _check_vocabulary(job: TrainingJob, found: Findings) -> None:

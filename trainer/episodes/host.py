@@ -69,12 +69,18 @@ class EnvironmentHost(Grader):
     class cannot be loaded or is not an environment (no reset(task, seed), no step(reply))."""
 
     def __init__(self, ref: str, *, tools: Sequence[str] = (), tool_timeout_s: float | None = None,
-                 step_timeout_s: float | None = None, **settings: Any) -> None:
+                 step_timeout_s: float | None = None, tool_format: str | dict[str, Any] = "hermes",
+                 **settings: Any) -> None:
         settings.pop("group", None)
         for name, value in (("tool_timeout_s", tool_timeout_s), ("step_timeout_s", step_timeout_s)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name}: must be > 0 (got {value})")
         self._step_timeout_s = step_timeout_s
+        from grpo_run.trainer.grader.tools import TOOL_FORMATS
+
+        if not isinstance(tool_format, dict) and tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format: {tool_format!r} is not one of {', '.join(TOOL_FORMATS)} nor a declared one")
+        self._tool_format = tool_format       # how the model writes a tool call (grader.tools.TOOL_FORMATS)
         self._tools = [resolve_ref(t) for t in tools]
         self._tool_timeout_s = tool_timeout_s or settings.get("timeout_s", 10.0)
         self.tool_schemas: list[dict[str, Any]] = []      # as the worker described the tools, in the job's order
@@ -84,7 +90,8 @@ class EnvironmentHost(Grader):
             raise EnvironmentFailed(_named(str(e)), ref=e.ref, kind=e.kind, summary=e.summary) from None
 
     def _more_config(self) -> dict[str, Any]:
-        return {**({"tools": self._tools, "tool_timeout_s": self._tool_timeout_s} if self._tools else {}),
+        return {**({"tools": self._tools, "tool_timeout_s": self._tool_timeout_s, "tool_format": self._tool_format}
+                   if self._tools else {}),
                 **({"step_timeout_s": self._step_timeout_s} if self._step_timeout_s else {})}
 
     def _ready(self, hello: dict[str, Any], worker: WorkerProcess) -> None:

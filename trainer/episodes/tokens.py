@@ -12,13 +12,23 @@ observation's turn. What the template puts after the assistant's end-of-turn tok
 every assistant-to-tool boundary); a reply cut before its end-of-turn token gets the template's
 own end of turn, as environment tokens. The reply's text (derived from its sampled ids) is only
 what the template is rendered with to find the boundary: the trained ids are the sampled ones.
+
+Tools: a reply the tools answered is rendered as the template expects a tool-calling turn, the
+assistant's message with its calls in `tool_calls` (read from the reply in the job's format,
+grader.tools) and each result with the `tool_call_id` of its call (9 letters and digits, as
+Mistral's template demands) and the tool's `name` (Hermes'). A template that refuses that shape
+(Llama 3.1's: one call per turn) is rendered with the reply as the assistant's text instead.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Mapping, Sequence
 
+from jinja2 import TemplateError
+
+from grpo_run.trainer.grader.tools import declared_tool_format, template_tool_format, tool_calls
 from grpo_run.trainer.model.prompts import Message, Prompt, PromptEncoder, chat_messages
 
 log = logging.getLogger(__name__)
@@ -75,6 +85,41 @@ def readable(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode([t for t in ids if t not in hidden], skip_special_tokens=False)
 
 
+class ToolFormatUnknown(ValueError):
+    """A job with tools whose model's chat template has no tool-call format grpo-run reads: its
+    calls would be read as answers, so the job is refused (with why)."""
+
+
+def chat_template_text(tokenizer: Any) -> str | None:
+    """The template `apply_chat_template(..., tools=...)` renders with: a tokenizer with several
+    named templates uses its "tool_use" one for tools, as transformers does."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return template if isinstance(template, str) else None
+
+
+def tool_format_of(tokenizer: Any) -> str | dict[str, Any]:
+    """The tool-call format of `tokenizer`: the one it declares (transformers' response parsing,
+    `tokenizer.response_template`, as grader.tools.declared_tool_format reads it) when it declares
+    one, else the one its chat template teaches (grader.tools.TOOL_FORMATS). Raises
+    ToolFormatUnknown saying why there is none."""
+    name = getattr(tokenizer, "name_or_path", "") or "the model"
+    declared = getattr(tokenizer, "response_template", None)
+    if declared is not None:
+        fmt, why = declared_tool_format(declared)
+        if fmt is None:
+            raise ToolFormatUnknown(f"{name}: {why}")
+        template = chat_template_text(tokenizer)
+        if not template or not re.search(r"\btools\b", template):          # the model would never see them
+            raise ToolFormatUnknown(f"{name}: {template_tool_format(template)[1]}")
+        return fmt
+    fmt, why = template_tool_format(chat_template_text(tokenizer))
+    if fmt is None:
+        raise ToolFormatUnknown(f"{name}: {why}")
+    return fmt
+
+
 class BoundaryMismatch(ValueError):
     """The chat template renders the conversation so far differently once a turn is added, so the
     added turn's ids cannot be told apart from the history's without re-tokenizing it."""
@@ -87,6 +132,8 @@ class TurnRenderer:
     def __init__(self, encoder: PromptEncoder, eos_ids: Sequence[int]) -> None:
         self.encoder, self.tokenizer = encoder, encoder.tokenizer
         self.eos_ids = tuple(eos_ids)
+        # with tools, the format their calls are read in (the worker reads them the same way)
+        self.tool_format = tool_format_of(self.tokenizer) if encoder.template_kwargs.get("tools") else None
         self._unknown_told: set[str] = set()       # what was warned of (prompt, observation)
 
     def first(self, prompt: Prompt) -> tuple[list[int], list[Message] | None]:
@@ -120,9 +167,21 @@ class TurnRenderer:
             return ids, None
         added = [{"role": "user", "content": observation}] if isinstance(observation, str) else \
             [dict(m) for m in observation]
-        talked = [*conversation, {"role": "assistant", "content": reply}]
-        without = self._render(talked, generation_prompt=False)
-        with_ = self._render([*talked, *added], generation_prompt=True)
+        plain: Message = {"role": "assistant", "content": reply}
+        talked = [*conversation, plain]
+        if self.tool_format and added and all(m.get("role") == "tool" for m in added):
+            called, added = self._tool_turn(conversation, reply, added)
+            try:                                   # the template's own shape of a tool-calling turn
+                talked = [*conversation, called]
+                without = self._render(talked, generation_prompt=False)
+                with_ = self._render([*talked, *added], generation_prompt=True)
+            except TemplateError:                  # the template's raise_exception: the reply as plain text
+                talked = [*conversation, plain]
+                without = self._render(talked, generation_prompt=False)
+                with_ = self._render([*talked, *added], generation_prompt=True)
+        else:
+            without = self._render(talked, generation_prompt=False)
+            with_ = self._render([*talked, *added], generation_prompt=True)
         if with_[:len(without)] != without:
             raise BoundaryMismatch(
                 "the chat template renders the conversation so far differently once the environment's turn is "
@@ -131,6 +190,26 @@ class TurnRenderer:
         added_ids = with_[len(without):]
         self._tell_unknown(added_ids, observation, "the environment's observation")
         return self._after_reply(without, reply_ids) + added_ids, [*talked, *added]
+
+    def _tool_turn(self, conversation: list[Message], reply: str,
+                   results: list[dict[str, Any]]) -> tuple[Message, list[dict[str, Any]]]:
+        """The assistant's message with the calls read from `reply`, and the tools' results paired
+        with them in order (the worker answers each call, parsed or not, with one message)."""
+        before = sum(1 for m in conversation if m.get("role") == "tool")     # ids unique in the conversation
+        calls = tool_calls(reply, self.tool_format or "hermes")
+        ids = [f"call{before + k:05d}" for k in range(len(results))]
+        structured = [{"id": ids[k], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                      for k, c in enumerate(calls[:len(results)]) if isinstance(c, dict)]
+        answered = []
+        for k, message in enumerate(results):
+            call = calls[k] if k < len(calls) else None
+            named = call["name"] if isinstance(call, dict) else "error"       # a call that did not parse
+            answered.append({**message, "tool_call_id": message.get("tool_call_id", ids[k]),
+                             "name": message.get("name", named)})
+        called: Message = {"role": "assistant", "content": reply}
+        if structured:
+            called["tool_calls"] = structured
+        return called, answered
 
     def _after_reply(self, without: list[int], reply_ids: Sequence[int]) -> list[int]:
         """What the template renders after the assistant's reply, from its end-of-turn token on:

@@ -94,10 +94,13 @@ def as_step(value: Any) -> dict:
 
 def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[dict], None], timeout_s: float,
                    cleanup: Callable[[], None], *, tools: dict[str, Callable[..., Any]] | None = None,
-                   tool_timeout_s: float | None = None, step_timeout_s: float | None = None) -> None:
+                   tool_timeout_s: float | None = None, step_timeout_s: float | None = None,
+                   tool_format: str | dict = "hermes") -> None:
     """Answer the parent's requests until it closes the pipe. `cleanup`: ends what a call left
     running (the worker's own, after each call). `tools`: a reply that calls them is answered by
     them (grpo_run.trainer.grader.tools), each call under `tool_timeout_s`; the others go to `step`.
+    `tool_format`: how the model writes a call (grader.tools.TOOL_FORMATS), chosen by the trainer
+    from the model's chat template.
     `step_timeout_s`: a `step` past it ends its episode ("stepTime") instead of failing the batch."""
     worker_pid = os.getpid()
     episodes: list[Any] = []
@@ -106,7 +109,7 @@ def serve_episodes(cls: type, read: Callable[[], dict | None], write: Callable[[
             episodes = []
         for item in request["items"]:
             result = _reset(cls, episodes, *item, timeout_s) if request["op"] == "reset" else \
-                _step(episodes, *item, timeout_s, tools, tool_timeout_s or timeout_s, step_timeout_s)
+                _step(episodes, *item, timeout_s, tools, tool_timeout_s or timeout_s, step_timeout_s, tool_format)
             if os.getpid() != worker_pid:
                 os._exit(0)          # a copy forked below Python returned here: only the worker answers
             cleanup()
@@ -131,11 +134,11 @@ def _reset(cls: type, episodes: list[Any], task: dict, seed: int, timeout_s: flo
 
 def _step(episodes: list[Any], index: int, reply: str, timeout_s: float,
           tools: dict[str, Callable[..., Any]] | None = None, tool_timeout_s: float = 0.0,
-          step_timeout_s: float | None = None) -> dict:
+          step_timeout_s: float | None = None, tool_format: str | dict = "hermes") -> dict:
     env = episodes[index] if 0 <= index < len(episodes) else None
     if env is None:
         return {"kind": "invalid", "error": f"episode {index} has ended or was never started"}
-    calls = tool_calls(reply) if tools else []
+    calls = tool_calls(reply, tool_format) if tools else []
     if calls:                                      # the tools answer; the environment does not see this reply
         try:
             messages, errors = answer_calls(tools, calls, tool_timeout_s)

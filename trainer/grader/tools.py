@@ -1,8 +1,8 @@
 """Tools for chat models, inside the environment's sandboxed worker: each tool's JSON schema
 from its signature and docstring (the format transformers' `get_json_schema` writes and chat
-templates render), the tool calls in a reply (Qwen's `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>`), and the calls run, each under its own time limit. Standard library only,
-as the worker is.
+templates render), the tool calls in a reply in the job's format (Qwen/Hermes `<tool_call>` JSON,
+Llama 3.x JSON, Mistral `[TOOL_CALLS]`: TOOL_FORMATS; or as the tokenizer declares them), and
+the calls run, each under its own time limit. Standard library only, as the worker is.
 
 A reply with tool calls is answered by the tools, their results given back as "tool" messages
 for the chat template to render; a reply without one goes to the environment's `step` (a job with
@@ -130,32 +130,214 @@ def _parse_doc(doc: str) -> tuple[str, dict[str, str], str]:
     return description, args, returns
 
 
-def tool_calls(reply: str) -> list[dict[str, Any] | str]:
-    """The tool calls in `reply`, in order: {"name", "arguments"} for each that parses, else the
-    text saying what is wrong with it (told to the model as that call's result). [] for a reply
-    that calls nothing."""
-    calls: list[dict[str, Any] | str] = []
-    for body in TOOL_CALL.findall(reply):
-        try:
-            call = json.loads(body)
-        except ValueError as error:
-            calls.append(f"error: the tool call is not JSON ({error}); write "
-                         '<tool_call>{"name": ..., "arguments": {...}}</tool_call>')
-            continue
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):               # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-            calls.append('error: a tool call is {"name": "<tool>", "arguments": {<argument>: <value>, ...}}')
-            continue
-        calls.append({"name": call["name"], "arguments": arguments})
-    if not calls and "<tool_call>" in reply:
-        calls.append("error: the tool call has no closing </tool_call>")
+# The tool-call formats a reply is read in, one per job, chosen from the model's chat template
+# (`template_tool_format`) and given to the worker in its config:
+#   "hermes"   Qwen2.5/3, Hermes 2/3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
+#   "llama3"   Llama 3.1/3.2/3.3: the whole reply one JSON object {"name": ..., "parameters": {...}}
+#              ("arguments" too), after <|python_tag|> or not; several separated by ";"
+#   "mistral"  Mistral v0.3 / Nemo / Small: [TOOL_CALLS] then a JSON list of {"name", "arguments"}
+# The trainer decodes replies without special tokens, and <|python_tag|> and [TOOL_CALLS] are
+# special tokens of those tokenizers: their marker is read when it is there, and a reply that is
+# exactly a call (a JSON list of calls, for Mistral) is a call without it.
+# A tokenizer that declares its response format (transformers' `response_template`, read by
+# `tokenizer.parse_response`) is read by that declaration instead: its "tool_calls" field's
+# delimiters and transform, as `declared_tool_format` takes them, passed as a dict for `fmt`.
+TOOL_FORMATS = ("hermes", "llama3", "mistral")
+_HOW = {"hermes": '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+        "llama3": '{"name": ..., "parameters": {...}} as the whole reply',
+        "mistral": '[TOOL_CALLS][{"name": ..., "arguments": {...}}]'}
+
+
+def template_tool_format(template: str | None) -> tuple[str | None, str]:
+    """The tool-call format a chat template teaches its model, from the template's own text, and
+    (None, why) when it has none grpo-run reads: no template, a template that renders no tools,
+    or one that renders them in another format. A job with tools is refused with the why."""
+    if not template or not isinstance(template, str):
+        return None, ("the tokenizer has no chat template, so the tools' schemas cannot reach the model; use an "
+                      "instruct model with a chat template that renders tools")
+    if not re.search(r"\btools\b", template):
+        return None, ("its chat template does not render tools (it never reads `tools`), so the model would never "
+                      "see them; use a model whose chat template supports tool calling (Qwen2.5/3, Llama 3.1+, "
+                      "Mistral v0.3+, Hermes 2/3)")
+    if "[TOOL_CALLS]" in template:
+        return "mistral", ""
+    if "<tool_call>" in template:
+        return "hermes", ""
+    if "<|python_tag|>" in template or ('"parameters"' in template and "ipython" in template):
+        return "llama3", ""
+    return None, ("its chat template renders tools, but in a tool-call format grpo-run does not read (it reads "
+                  "Qwen/Hermes <tool_call> JSON, Llama 3.x JSON calls and Mistral [TOOL_CALLS]); its calls would "
+                  "be read as answers, so the job is refused")
+
+
+def declared_tool_format(response_template: Any) -> tuple[dict[str, Any] | None, str]:
+    """The tool-call field of a tokenizer's declared `response_template` (transformers' response
+    parsing) as the worker reads it: {"open": [regex, ...], "close": [regex, ...], "transform",
+    "transform_each"}; (None, why) when there is none, or it declares what the worker does not
+    read (content parsed other than as plain JSON)."""
+    fields = response_template.get("fields") if isinstance(response_template, dict) else None
+    field = fields.get("tool_calls") if isinstance(fields, dict) else None
+    if not isinstance(field, dict):
+        return None, "its declared response_template has no \"tool_calls\" field"
+    if field.get("content", "text") != "json" or set(field.get("content_args") or {}) - {"allow_non_json"}:
+        how = f"{field.get('content', 'text')!r} {field.get('content_args') or ''}".strip()
+        return None, (f"its declared response_template parses tool calls with content {how}; grpo-run's "
+                      "sandboxed worker reads plain JSON tool calls only")
+    anchors = {}
+    for side in ("open", "close"):
+        if f"{side}_pattern" in field:
+            anchors[side] = [str(field[f"{side}_pattern"])]
+        elif side in field:
+            literal = field[side] if isinstance(field[side], list) else [field[side]]
+            anchors[side] = [re.escape(str(text)) for text in literal]
+        else:
+            return None, f"its declared response_template's tool_calls field has no {side} delimiter"
+    return {"open": anchors["open"], "close": anchors["close"], "transform": field.get("transform"),
+            "transform_each": bool(field.get("transform_each"))}, ""
+
+
+def tool_calls(reply: str, fmt: str | dict[str, Any] = "hermes") -> list[dict[str, Any] | str]:
+    """The tool calls in `reply` written in format `fmt` (TOOL_FORMATS, or a declared format:
+    declared_tool_format), in order: {"name", "arguments"} for each that parses, else the text
+    saying what is wrong with it (told to the model as that call's result). [] for a reply that
+    calls nothing."""
+    if isinstance(fmt, dict):
+        calls = _declared_calls(reply, fmt)
+    elif fmt in TOOL_FORMATS:
+        calls = {"hermes": _hermes_calls, "llama3": _llama3_calls, "mistral": _mistral_calls}[fmt](reply)
+    else:
+        raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(TOOL_FORMATS)}, or a declared one")
     return [*calls[:MAX_TOOL_CALLS], *(f"error: at most {MAX_TOOL_CALLS} tool calls are answered per reply; this "
                                        "one was not run" for _ in calls[MAX_TOOL_CALLS:])]
+
+
+def _hermes_calls(reply: str) -> list[dict[str, Any] | str]:
+    calls = [_as_call(body, "hermes") for body in TOOL_CALL.findall(reply)]
+    if not calls and "<tool_call>" in reply:
+        calls.append("error: the tool call has no closing </tool_call>")
+    return calls
+
+
+def _llama3_calls(reply: str) -> list[dict[str, Any] | str]:
+    text = reply.strip()
+    tagged = text.startswith("<|python_tag|>")
+    text = text.removeprefix("<|python_tag|>").strip()
+    if not text.startswith("{") or '"name"' not in text:
+        return [f"error: after <|python_tag|> write {_HOW['llama3']}"] if tagged else []
+    values, rest = _json_values(text, ";")
+    if values is None or rest:            # JSON-looking with a name, yet not only calls: a malformed call
+        return [f"error: the tool call is not JSON ({rest or 'it does not parse'}); write {_HOW['llama3']}"]
+    if not all(isinstance(v, dict) and "name" in v for v in values):
+        return [] if not tagged else [f"error: write {_HOW['llama3']}"]
+    return [_as_call(v, "llama3") for v in values]
+
+
+def _mistral_calls(reply: str) -> list[dict[str, Any] | str]:
+    text = reply.strip()
+    at = text.find("[TOOL_CALLS]")
+    if at >= 0:
+        body = text[at + len("[TOOL_CALLS]"):].strip()
+    elif text.startswith("[") and '"name"' in text:
+        body = text                        # the marker, a special token, dropped by the decode
+    else:
+        return []
+    values, rest = _json_values(body, "")
+    if values is None or len(values) != 1 or rest:
+        if at < 0:
+            return []                      # without the marker only an exact list of calls is a call
+        return [f"error: the tool calls are not one JSON list ({rest or 'it does not parse'}); write {_HOW['mistral']}"]
+    listed = values[0] if isinstance(values[0], list) else [values[0]]
+    if at < 0 and not all(isinstance(v, dict) and "name" in v for v in listed):
+        return []
+    empty = f"error: the list of tool calls is empty; write {_HOW['mistral']}"
+    return [_as_call(v, "mistral") for v in listed] or [empty]
+
+
+def _declared_calls(reply: str, fmt: dict[str, Any]) -> list[dict[str, Any] | str]:
+    """Each region of `reply` between the declared open and close delimiters, its JSON shaped by
+    the declared transform (placeholders "{content}", "{content.name}", "{NAME}" of a named group
+    of the open delimiter, as transformers' response parsing fills them)."""
+    opener = re.compile("|".join(f"(?:{p})" for p in fmt["open"]), re.S)
+    closer = re.compile("|".join(f"(?:{p})" for p in fmt["close"]), re.S)
+    calls: list[dict[str, Any] | str] = []
+    at = 0
+    while (opened := opener.search(reply, at)) is not None:
+        closed = closer.search(reply, opened.end())
+        body = reply[opened.end():closed.start() if closed else len(reply)]
+        at = closed.end() if closed else len(reply)
+        try:
+            value = json.loads(body)
+        except ValueError as error:
+            calls.append(f"error: the tool call is not JSON ({error})")
+            continue
+        captures = {k: v for k, v in opened.groupdict().items() if v is not None}
+        transform = fmt.get("transform")
+        try:
+            if transform is None:
+                shaped = value if isinstance(value, list) else [value]
+            elif fmt.get("transform_each"):
+                shaped = [_transformed(transform, {**captures, **item}) for item in value]
+            else:
+                shaped = [_transformed(transform, {**captures, "content": value})]
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            calls.append(f"error: the tool call does not have the declared shape ({error})")
+            continue
+        for one in shaped:
+            function = one.get("function", one) if isinstance(one, dict) else one
+            calls.append(_as_call(function, "hermes") if isinstance(function, dict)
+                         else "error: a tool call is a JSON object with a name and arguments")
+    return calls
+
+
+_PLACEHOLDER = re.compile(r"\{(\w+(?:\.\w+)*)\}")
+
+
+def _transformed(transform: Any, scope: dict[str, Any]) -> Any:
+    if isinstance(transform, dict):
+        return {k: _transformed(v, scope) for k, v in transform.items()}
+    if isinstance(transform, list):
+        return [_transformed(v, scope) for v in transform]
+    whole = _PLACEHOLDER.fullmatch(transform) if isinstance(transform, str) else None
+    if not whole:
+        return transform
+    root, *keys = whole.group(1).split(".")
+    value = scope[root]
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def _json_values(text: str, separator: str) -> tuple[list[Any] | None, str]:
+    """The JSON values `text` is made of (separated by `separator` or whitespace), and what is left
+    after the last one ("" when nothing is); (None, the error) when the first does not parse."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError as error:
+            return (None, str(error)) if not values else (values, text[at:].strip()[:80])
+        values.append(value)
+        while at < len(text) and (text[at].isspace() or (separator and text[at] == separator)):
+            at += 1
+    return values, ""
+
+
+def _as_call(body: Any, fmt: str) -> dict[str, Any] | str:
+    """One call's JSON (text, or already parsed) as {"name", "arguments"}, or what is wrong with it."""
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError as error:
+            return f"error: the tool call is not JSON ({error}); write {_HOW[fmt]}"
+    arguments = body.get("arguments", body.get("parameters", {})) if isinstance(body, dict) else None
+    if isinstance(arguments, str):                   # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str) or not isinstance(arguments, dict):
+        return f"error: a tool call is {_HOW[fmt]}"
+    return {"name": body["name"], "arguments": arguments}
 
 
 class ToolTime(Exception):

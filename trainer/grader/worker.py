@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
             serve_episodes(fn, lambda: read_frame(request_fd), lambda frame: write_frame(response_fd, frame),
                            config["timeout_s"], lambda: end_leftover_processes(helpers), tools=tools,
                            tool_timeout_s=config.get("tool_timeout_s", config["timeout_s"]),
-                           step_timeout_s=config.get("step_timeout_s"))
+                           step_timeout_s=config.get("step_timeout_s"), tool_format=config.get("tool_format", "hermes"))
         else:
             serve(fn, request_fd, response_fd, config["timeout_s"], helpers, group=config.get("group", False))
     except BrokenPipeError:

@@ -135,6 +135,11 @@ def build_chat_model(out: Path, *, seed: int = 0, config: dict | None = None) ->
     `config`: Qwen3Config fields over a tiny default (2 layers x 64 hidden); a vocab_size larger
     than the tokenizer's is allowed (ids past it decode to nothing), so Qwen3-sized logits can
     be measured with a small tokenizer."""
+    model, tok = _chat_model(seed=seed, config=config)
+    return _save_atomically(model, tok, Path(out))
+
+
+def _chat_model(*, seed: int = 0, config: dict | None = None):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -151,6 +156,36 @@ def build_chat_model(out: Path, *, seed: int = 0, config: dict | None = None) ->
     model = AutoModelForCausalLM.from_config(Qwen3Config(**fields), dtype=torch.float32)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]   # as Qwen's instruct models
+    return model, tok
+
+
+# tiny:chat-tools: tiny:chat set by hand to open every answer with one tool call, so the tools
+# example (examples/calculator-tools) makes real calls on a model that knows nothing. The whole
+# call is one token of its tokenizer, and the model is made a bigram one (each layer's attention
+# and MLP write nothing), whose head puts that token after the newline that opens an assistant
+# turn and <|im_end|> after it, each about 40 logits above the rest: a sampled reply is the call
+# (the worker runs multiply(7, 35) and answers 245) at any temperature a job uses. Every other
+# weight is tiny:chat's, random.
+TOOL_LESSON_CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 7, "b": 35}}\n</tool_call>'
+
+
+def build_tool_chat_model(out: Path, *, seed: int = 0) -> Path:
+    """tiny:chat-tools (above), saved into `out`. Deterministic: seeded."""
+    import torch
+
+    model, tok = _chat_model(seed=seed, config={"tie_word_embeddings": False})
+    tok.add_tokens([TOOL_LESSON_CALL])
+    model.resize_token_embeddings(len(tok))
+    model.config.vocab_size = len(tok)
+    call, end = tok.convert_tokens_to_ids(TOOL_LESSON_CALL), tok.convert_tokens_to_ids("<|im_end|>")
+    newline = tok("\n", add_special_tokens=False).input_ids[-1]
+    with torch.no_grad():
+        for layer in model.model.layers:             # the hidden state is the token's embedding, normed
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head[call] = 5.0 * embed[newline] / embed[newline].norm()
+        head[end] = 5.0 * embed[call] / embed[call].norm()
     return _save_atomically(model, tok, Path(out))
 
 
