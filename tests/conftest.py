@@ -352,3 +352,15 @@ class Figures:
 @pytest.fixture
 def figures(request) -> Figures:
     return Figures(request.node.nodeid)
+
+
+# vLLM's colocated engine runs in the test's own process (as in a trainer) and leaves it changed:
+# torch.set_num_threads no longer raises the thread count afterwards. These modules run after every
+# other test of their worker (collected last; xdist hands tests out in collection order), as they did
+# when tests/trainer/ was flat and test_vllm_* sorted last; tests/trainer/sampling/conftest.py also
+# ends the one-process torch.distributed group each leaves.
+IN_PROCESS_ENGINE = {f"tests/trainer/sampling/test_vllm_{name}.py" for name in ("engine", "full", "episodes")}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] in IN_PROCESS_ENGINE)     # stable: the rest keep their order

@@ -69,6 +69,11 @@ def deployed_user_data(tmp_path: Path, s3_env, prefix: Path) -> str:
     laptop = tmp_path / "laptop"
     laptop.mkdir(exist_ok=True)
     user = {**os.environ, "GRPO_RUN_HOME": str(laptop / "home")}
+    if not (laptop / "job.yaml").exists():       # storage holds the job, as `deploy cloud-init --job` requires
+        submitted = subprocess.run([str(Path(sys.executable).parent / "grpo-run"), "apply", "-f",
+                                    str(write_job(laptop, s3_env.url)), "--detach"], cwd=laptop, env=user,
+                                   capture_output=True, text=True, timeout=300)
+        assert submitted.returncode == 0, submitted.stderr
     deployed = subprocess.run([str(Path(sys.executable).parent / "grpo-run"), "deploy", "cloud-init", "--storage",
                                s3_env.url, "--job", "resumable", "--endpoint", s3_env.server.endpoint_url, "--region",
                                "us-east-1", "--torch", "cpu", "--prefix", str(prefix)],
