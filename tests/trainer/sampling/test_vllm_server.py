@@ -330,7 +330,7 @@ class StubEngine:
 
 
 class FakeAdapter:
-    def save_pretrained(self, folder: str) -> None:
+    def save_pretrained(self, folder: str, **options) -> None:     # as PEFT takes them (save_embedding_layers)
         Path(folder).mkdir(parents=True)
         (Path(folder) / "adapter_config.json").write_text("{}")
         (Path(folder) / "adapter_model.safetensors").write_bytes(os.urandom(64))
