@@ -39,7 +39,7 @@ def test_every_package_folder_is_listed_for_the_wheel():
     setuptools = _pyproject()["tool"]["setuptools"]
     folders = {"grpo_run." + str(init.parent.relative_to(REPO)).replace("/", ".")
                for top in FOLDERS for init in (REPO / top).rglob("__init__.py")}
-    assert set(setuptools["packages"]) == folders | {"grpo_run.deploy", "grpo_run"}
+    assert set(setuptools["packages"]) == folders | {"grpo_run.deploy", "grpo_run", "grpo_run.runner.views.dashboard.static"}
     assert setuptools["package-dir"] == {**{f"grpo_run.{f}": f for f in (*FOLDERS, "deploy")}, "grpo_run": "api"}
     # a folder of modules without __init__.py would be left out of the wheel silently
     orphans = [str(p.relative_to(REPO)) for top in (*FOLDERS, "api") for p in (REPO / top).rglob("*.py")
