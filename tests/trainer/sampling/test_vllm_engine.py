@@ -3,6 +3,7 @@ shape its CPU attention serves (head_dim 64). One engine for the module (it take
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 from pathlib import Path
@@ -54,31 +55,19 @@ def test_the_engine_that_samples_is_vllm_and_says_its_version(trainer):
     assert status["startSeconds"] > 0
 
 
-def test_an_engine_that_samples_another_policy_fails_the_step_before_it_is_trained_on(trainer, monkeypatch):
-    """A reload that never reached the engine (here: load_policy does nothing) while the trainer's
-    adapter is far from the engine's: the step's agreement check fails the attempt as an
-    infrastructure failure naming the likely cause, and nothing of the step is applied."""
-    from grpo_run.trainer.sampling.engines import EngineDisagrees, EngineUnavailable
-
-    tr = trainer
+@contextlib.contextmanager
+def far_adapter(tr, seed: int):
+    """The trainer's adapter far from the identity (lora_B drawn at random) for the block; the
+    adapter as it was, in the trainer and the engine, afterwards."""
     saved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
     try:
-        tr.sampler.load_policy(tr.model)                       # the engine has the adapter as it is
         with torch.no_grad():
-            gen = torch.Generator().manual_seed(5)
+            gen = torch.Generator().manual_seed(seed)
             for n, p in tr.model.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        moved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
-        monkeypatch.setattr(tr.sampler, "load_policy", lambda model: 0.0)      # the sync fails silently
-        with pytest.raises(EngineDisagrees, match=r"step 1: the sampling engine's log-probabilities .* differ from "
-                                                  r"the trainer's by .* \(the bound for float32 is 0.05\).*failed "
-                                                  r"reload") as raised:
-            tr.train_step(0)
-        assert isinstance(raised.value, EngineUnavailable)        # an infrastructure failure: restarted
-        assert all(torch.equal(p, moved[n]) for n, p in tr.model.named_parameters() if n in moved)   # not applied
+        yield
     finally:
-        monkeypatch.undo()
         with torch.no_grad():
             for n, p in tr.model.named_parameters():
                 if n in saved:
@@ -86,17 +75,31 @@ def test_an_engine_that_samples_another_policy_fails_the_step_before_it_is_train
         tr.sampler.load_policy(tr.model)
 
 
+def test_an_engine_that_samples_another_policy_fails_the_step_before_it_is_trained_on(trainer, monkeypatch):
+    """A reload that never reached the engine (here: load_policy does nothing) while the trainer's
+    adapter is far from the engine's: the step's agreement check fails the attempt as an
+    infrastructure failure naming the likely cause, and nothing of the step is applied."""
+    from grpo_run.trainer.sampling.engines import EngineDisagrees, EngineUnavailable
+
+    tr = trainer
+    tr.sampler.load_policy(tr.model)                           # the engine has the adapter as it is
+    with far_adapter(tr, 5):
+        moved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
+        with monkeypatch.context() as patched:
+            patched.setattr(tr.sampler, "load_policy", lambda model: 0.0)      # the sync fails silently
+            with pytest.raises(EngineDisagrees, match=r"step 1: the sampling engine's log-probabilities .* differ "
+                                                      r"from the trainer's by .* \(the bound for float32 is 0.05\)"
+                                                      r".*failed reload") as raised:
+                tr.train_step(0)
+        assert isinstance(raised.value, EngineUnavailable)        # an infrastructure failure: restarted
+        assert all(torch.equal(p, moved[n]) for n, p in tr.model.named_parameters() if n in moved)   # not applied
+
+
 def test_the_engine_samples_with_the_trainer_s_adapter_not_the_base(trainer):
     # an adapter far from the identity: the engine's log-probabilities must be the policy's
     # (the trainer's own, recomputed), and far from the base model's
     tr = trainer
-    saved = {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_B" in n}
-    try:
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(3)
-            for n, p in tr.model.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    with far_adapter(tr, 3):
         tr.sampler.load_policy(tr.model)
         ids, mask = prompts(tr, 4)
         out = tr.sampler.sample(ids, mask, [11], temperature=1.0, should_stop=lambda: False)
@@ -107,12 +110,6 @@ def test_the_engine_samples_with_the_trainer_s_adapter_not_the_base(trainer):
         m = out.mask.bool()
         assert (policy[m] - out.logprobs[m]).abs().max() < 1e-3
         assert (base[m] - out.logprobs[m]).abs().max() > 0.1
-    finally:
-        with torch.no_grad():
-            for n, p in tr.model.named_parameters():
-                if n in saved:
-                    p.copy_(saved[n])
-        tr.sampler.load_policy(tr.model)
 
 
 def test_a_request_draws_from_its_own_seed_whatever_else_is_in_the_batch(trainer):
