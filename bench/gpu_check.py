@@ -116,7 +116,7 @@ def train_steps(job, steps: int, cuda: bool) -> tuple[dict[str, Any], Any]:
     left open for the decoders."""
     import torch
 
-    from grpo_run.runner.spec.job import build_environment
+    from grpo_run.runner.environments import build_environment
     from grpo_run.trainer.trainer import GRPOTrainer
 
     if cuda:

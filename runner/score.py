@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo_run.runner.spec.job import TrainingJob, build_environment
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import TrainingJob
 from grpo_run.runner.supervisor.runspec import sandbox_strict
-from grpo_run.runner.spec.environment import rewards_of
+from grpo_run.runner.environments import rewards_of
 from grpo_run.runner.spec.judge import judges_refused
 
 

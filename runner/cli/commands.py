@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import sys
 from pathlib import Path
@@ -12,9 +11,9 @@ from typing import Sequence
 import click
 
 from grpo_run.checkpoint.storage.retry import StorageConfigError, StorageUnavailable
-from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_HELD, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
-from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name, printable
-from grpo_run.runner.jobs.find import find_job as _find_job
+from grpo_run.runner.exits import EXIT_BUDGET, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Refused
+from grpo_run.runner.cli.output import CONTEXT, FORMAT, dump as _dump, error as _error, job_name
+from grpo_run.runner.jobs.wait import WAIT_LIMIT_ENV, WAIT_LIMIT_S, WAIT_POLL_S, poll_s
 from grpo_run.runner.home import default_storage
 from grpo_run.runner.jobs.stored import TRUST_STORED_URLS_ENV, trusts_stored_urls
 from grpo_run.runner.cli.look import cmd_get, cmd_logs, cmd_report, cmd_samples
@@ -151,28 +150,12 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
         return e.exit_code
 
 
-WAIT_POLL_S = 15.0      # resume --wait: how often storage is asked for the job
-HELD_POLL_S = 60.0      # ... and how often the lease is tried again while another node holds it (its expiry)
-WAIT_POLL_ENV = "GRPO_RUN_WAIT_POLL_S"   # the node's own setting for both (docs/deploy.md)
-# ... and for how long, in all, before the node gives up: a node booted for a job that is never
-# submitted (a launch file whose submit failed) or that a live node keeps, idles on a paid GPU.
-# 30 min: well past a lost node's lease (60 s) and the boot-time submit (seconds), short against
-# a day of idle GPU.
-WAIT_LIMIT_S = 1800.0
-WAIT_LIMIT_ENV = "GRPO_RUN_WAIT_LIMIT_S"
-
-
-def _poll_s(default: float) -> float:
-    """How long `resume --wait` waits between looks: WAIT_POLL_ENV, else `default`."""
-    return float(os.environ.get(WAIT_POLL_ENV, default))
-
-
 @cli.command("resume", short_help="continue a job from object storage alone")
 @click.argument("name", required=False, callback=job_name)
 @click.option("--storage", metavar="URL", help="storage URL (default: $GRPO_RUN_HOME/store)")
 @click.option("--wait", is_flag=True, help="wait for the job to be submitted (a node that boots first), and for another node's lease to end; "
                                            "with --all, wait for new jobs instead of ending")
-@click.option("--wait-limit", metavar="SECONDS", type=click.FloatRange(min=0), default=None,
+@click.option("--wait-limit", "wait_limit_given", metavar="SECONDS", type=click.FloatRange(min=0), default=None,
               help=f"with --wait (one job): give up after this long without starting the job (never submitted, or "
                    f"held by another node), exit 2 or 5, so the node stops instead of idling on a paid GPU; 0 waits "
                    f"forever (default: ${WAIT_LIMIT_ENV} or {WAIT_LIMIT_S:.0f} s)")
@@ -184,7 +167,7 @@ def _poll_s(default: float) -> float:
                    f"{TRUST_STORED_URLS_ENV}=1); by default this node's own configuration chooses them")
 @click.option("-o", "--output", type=FORMAT, help="print the job (with status) when done")
 @node_options
-def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: float | None, all_jobs: bool,
+def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit_given: float | None, all_jobs: bool,
                trust_stored_urls: bool, output: str | None, nnodes: int | None, node_rank: int | None,
                master: str | None) -> int:
     """Continue job NAME (optional when the storage holds one job) from its newest durable checkpoint in
@@ -218,10 +201,7 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
       grpo-run resume --storage s3://bucket/prefix --all                 # drain a sweep; N nodes share it
       MLFLOW_TRACKING_URI=http://mlflow:5000 grpo-run resume my-grpo-lora --storage s3://bucket/prefix
     """
-    import time
-
-    from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-    from grpo_run.runner.spec.job import JobError
+    from grpo_run.runner.jobs.wait import resume_when_ready, wait_limit
 
     storage = storage or default_storage()
     stop = threading.Event()        # the job's: a notice stops its storage's retries
@@ -233,57 +213,14 @@ def cmd_resume(name: str | None, storage: str | None, wait: bool, wait_limit: fl
             return EXIT_USAGE
         return _serve_queue(name, storage, wait=wait, output=output, stop=stop, trust_urls=trust_urls)
     try:
-        limit = wait_limit if wait_limit is not None else float(os.environ.get(WAIT_LIMIT_ENV, WAIT_LIMIT_S))
-    except ValueError:
-        _error(f"{WAIT_LIMIT_ENV}={os.environ.get(WAIT_LIMIT_ENV)!r}: expected seconds (a number; 0 waits forever)")
-        return EXIT_USAGE
-    give_up = time.monotonic() + limit if limit > 0 else float("inf")
-    told = False
-    while True:     # --wait: until the job is submitted, and while another node holds it (at most `limit` s)
-        missing = f"no job {name!r} in {storage}" if name else f"no jobs in {storage}"
-        down = False
-        try:
-            found = _find_job(name, storage, stop=stop)     # read again after each wait: the holder may change it
-        except StorageConfigError as e:
-            _error(str(e))
-            return EXIT_FAILED
-        except StorageUnavailable as e:
-            if not wait:
-                _error(str(e))
-                return EXIT_FAILED
-            found, missing = None, str(e)               # a node's network may come up late
-            down = True
-        except (JobError, ValueError) as e:            # several jobs; a spec that no longer parses
-            print("\n".join(printable(line) for line in str(e).split("\n")), file=sys.stderr)   # from storage
-            return EXIT_USAGE
-        if found is not None:
-            job, store = found
-            code = _run(job, output=output, storage=storage, store=store, stop=stop, trust_urls=trust_urls,
-                        nodes=(nnodes, node_rank, master))
-            if not (wait and code == EXIT_HELD):   # --wait: a node that still holds the job is waited for too
-                return code
-            if time.monotonic() >= give_up:
-                _error(f"{job.name}: another node still holds it after {limit:g} s of waiting (--wait-limit); "
-                       f"this node stops: `grpo-run get tj {job.name} --storage {storage}` shows who runs it")
-                return EXIT_HELD
-            time.sleep(min(_poll_s(HELD_POLL_S), max(0.0, give_up - time.monotonic())))
-            continue
-        if not wait:
-            _error(f"{missing}; submit it first (grpo-run apply -f JOB --detach, with spec.storage {storage}), "
-                   f"or wait for it with --wait")
-            return EXIT_USAGE
-        if time.monotonic() >= give_up:
-            if down:
-                _error(f"{missing}: still after {limit:g} s of waiting (--wait-limit); this node stops rather than idle")
-                return EXIT_FAILED
-            _error(f"{missing} after {limit:g} s of waiting (--wait-limit); this node stops rather than idle: "
-                   f"submit it (grpo-run apply -f JOB --detach, with spec.storage {storage}), then start a node")
-            return EXIT_USAGE
-        if not told:
-            until = f" (at most {limit:g} s, --wait-limit)" if limit > 0 else ""
-            print(f"waiting: {missing}; `grpo-run apply -f JOB --detach` submits it{until}", file=sys.stderr, flush=True)
-            told = True
-        time.sleep(min(_poll_s(WAIT_POLL_S), max(0.0, give_up - time.monotonic())))
+        return resume_when_ready(
+            name, storage, wait=wait, limit_s=wait_limit(wait_limit_given), stop=stop,
+            run=lambda job, store: _run(job, output=output, storage=storage, store=store, stop=stop,
+                                        trust_urls=trust_urls, nodes=(nnodes, node_rank, master)),
+            tell=lambda line: print(line, file=sys.stderr, flush=True))
+    except Refused as e:
+        print(e.text, file=sys.stderr)
+        return e.exit_code
 
 
 
@@ -301,7 +238,7 @@ def _serve_queue(name: str | None, storage: str, *, wait: bool, output: str | No
         _error(f"resume --all: -o prints one job; follow the queue's jobs with "
                f"`grpo-run get tj NAME --storage {storage} -o {output}`")
         return EXIT_USAGE
-    queue = Queue(storage, stop=stop, wait=wait, poll_s=_poll_s(WAIT_POLL_S),
+    queue = Queue(storage, stop=stop, wait=wait, poll_s=poll_s(WAIT_POLL_S),
                   run=lambda job, store: _run(job, output=None, storage=storage, store=store, stop=stop,
                                               trust_urls=trust_urls))
     return queue.serve()

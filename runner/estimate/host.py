@@ -45,7 +45,7 @@ class PodMemory:
 def graders(job: TrainingJob) -> int:
     """Sandboxed grader processes one trainer process keeps: one per reward function (a reward model
     or a judge runs in the trainer's own process) and one for an episodes environment."""
-    from grpo_run.runner.spec.environment import rewards_of
+    from grpo_run.runner.environments import rewards_of
 
     env = job.environment
     functions = sum(1 for r in rewards_of(env) if not r.model and r.judge is None)

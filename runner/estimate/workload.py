@@ -101,7 +101,7 @@ def _known_eval_count(job: TrainingJob) -> int | None:
 
 def _tasks(job: TrainingJob) -> tuple[list | None, list | None]:
     """(train, held-out) tasks when they can be read without the network, else (None, None)."""
-    from grpo_run.runner.spec.environment import environment_of
+    from grpo_run.runner.environments import environment_of
     from grpo_run.trainer.envs.catalog import CATALOG
 
     env, p = job.environment, job.parameters

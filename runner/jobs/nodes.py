@@ -86,15 +86,6 @@ def resolve(job, nnodes: int | None, node_rank: int | None, master: str | None,
     return Nodes(count=count, rank=rank, master=addr)
 
 
-def each_node(name: str, storage: str | None, count: int) -> str:
-    """The command that starts job `name` of `count` nodes, for advice (after `apply --detach`, at
-    the end of a stopped run): a plain `grpo-run resume NAME` is refused for it (resolve)."""
-    where = f" --storage {storage}" if storage else ""
-    return (f"grpo-run resume {name}{where} --nnodes {count} --node-rank R --master HOST:PORT on each of its "
-            f"{count} nodes (R = 0 on the node at HOST, 1 to {count - 1} on the others), or launch them together "
-            f"with grpo-run deploy skypilot or deploy k8s (docs/multi-gpu.md)")
-
-
 def _int(value: str, name: str) -> int:
     try:
         return int(value)

@@ -2,15 +2,14 @@
 on this node by the supervisor, or submitted to its storage; running one found in storage (resume).
 
 Refusals are raised as Refused (runner/exits.py) in the words the CLI prints, with its exit status;
-what a run tells as it goes (the summary, a submission's lines) is printed here, for the CLI and
-the Python API both.
+what a run tells as it goes (the budget's warning, a submission's lines, the summary) is written by
+runner/views/outcome.py and handed to the caller's `tell` (the CLI's and the Python API's print it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sqlite3
 import sys
 import tempfile
@@ -23,8 +22,10 @@ from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc
-from grpo_run.runner.text import dump, printable, printable_lines
-from grpo_run.state.phases import STOPPED, Phase
+from grpo_run.runner.text import dump, printable
+from grpo_run.runner.views import outcome
+from grpo_run.runner.views.outcome import Tell, to_terminal
+from grpo_run.state.phases import Phase
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Chec
 
 
 def start(checked: Checked, *, detach: bool, output: str | None, stop: threading.Event,
-          progress: bool | None = None, nodes: tuple[int | None, int | None, str | None] = (None, None, None)) -> int:
+          progress: bool | None = None, nodes: tuple[int | None, int | None, str | None] = (None, None, None),
+          tell: Tell = to_terminal) -> int:
     """What `apply` does once the job is checked: refuse a GPU it does not fit, record its files'
     hashes, then train it here in the foreground (run_job) or submit it (submit_job). Returns
     the exit status; raises Refused."""
@@ -121,17 +123,17 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
         from grpo_run.runner.estimate.summary import budget_warning
 
         if short := budget_warning(checked.job.name, checked.estimate, checked.job.maxCostUSD):
-            print(short, file=sys.stderr)
+            tell(short, err=True)
     try:
         job = with_file_hashes(checked.job)    # what the job's files are now, recorded in its spec
     except ValueError as e:
         raise Refused(str(e), EXIT_USAGE) from None
     if detach:
-        return submit_job(job, checked.estimate, output)
-    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file, nodes=nodes)
+        return submit_job(job, checked.estimate, output, tell=tell)
+    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file, nodes=nodes, tell=tell)
 
 
-def submit_job(job, est: dict | None, output: str | None) -> int:
+def submit_job(job, est: dict | None, output: str | None, *, tell: Tell = to_terminal) -> int:
     """`apply --detach`: write the job (and the installed grpo-run's wheel) into its storage,
     Pending, for a node to train; nothing runs here. Raises Refused."""
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
@@ -154,29 +156,15 @@ def submit_job(job, est: dict | None, output: str | None) -> int:
             raise Refused(str(e), EXIT_FAILED) from None
     remember(home(), job.name, storage)
     if output:
-        print(dump(get_job(job.name, storage), output), end="")
+        tell(dump(get_job(job.name, storage), output))
         return EXIT_OK
-    said = {"submitted": "submitted", "updated": "submitted again with the changed spec",
-            "unchanged": "already submitted with this spec"}[done.outcome]
-    print(f"{job.name}: {said} to {done.url} (phase {printable(done.phase)}); nothing runs on this machine.")
-    if est and est.get("costToCompletionUSD") is not None:
-        print(f"  estimate: ${est['costToCompletionUSD']:.2f} to completion on {est['gpu']} "
-              f"(first hold ${est['firstHoldUSD']:.2f}), {est['memory']['totalGB']:.1f} GB of memory")
-    elif est:
-        print(f"  estimate: {est['memory']['totalGB']:.1f} GB of memory; set spec.gpu for the cost")
-    if (job.nodes or 1) > 1:                # a plain resume is refused for it: say the form that works
-        from grpo_run.runner.jobs.nodes import each_node
-
-        print(f"  its nodes train it with: {each_node(job.name, storage, job.nodes)}")
-    else:
-        print(f"  a node trains it with: grpo-run resume {job.name} --storage {storage}")
-    print(f"  follow it: grpo-run get tj {job.name} -w")
+    tell(outcome.submitted(job.name, done.outcome, done.url, done.phase, est, nodes=job.nodes or 1, storage=storage))
     return EXIT_OK
 
 
 def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
             trust_urls: bool | None = None, progress: bool | None = None, job_file: str | None = None,
-            nodes: tuple[int | None, int | None, str | None] = (None, None, None)) -> int:
+            nodes: tuple[int | None, int | None, str | None] = (None, None, None), tell: Tell = to_terminal) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
@@ -202,11 +190,11 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
     with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
         return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
-                        progress=progress, job_file=job_file, nodes=place)
+                        progress=progress, job_file=job_file, nodes=place, tell=tell)
 
 
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
-             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes) -> int:
+             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes, tell: Tell) -> int:
     """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
@@ -233,10 +221,9 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
         over, missing = before_the_lease(job, store)
         if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
             phase, done = over
-            print(f"{job.name}: already succeeded; nothing to do" if phase == Phase.SUCCEEDED else
-                  f"{job.name}: cancelled ({printable(done['status'].get('message', ''))}); nothing to do; "
-                  f"`grpo-run delete {job.name} --yes` clears the name to train it again")
-            print(dump(done, output), end="") if output else None
+            tell(outcome.nothing_to_do(job.name, phase, done["status"].get("message", "")))
+            if output:
+                tell(dump(done, output))
             return EXIT_OK
         if missing is not None:             # before the lease: the job stays for a node that has the engine
             raise Refused(missing, EXIT_FAILED)
@@ -248,7 +235,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
 
             result = Follower(spec, work, watchers=watchers_for(local), notice_window_s=DEFAULT_NOTICE_WINDOW_S,
                               progress=progress, preempt=stop).run()
-            print(f"{job.name}: {result.message}", file=sys.stderr if result.exit_code else sys.stdout)
+            tell(f"{job.name}: {result.message}", err=bool(result.exit_code))
             return result.exit_code
         result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,
                             preempt=stop).run()
@@ -263,19 +250,19 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
                       f"{printable(result.message)}", EXIT_HELD)
     doc = job_doc(work / RECORD_FILE)
     if result.already_succeeded:   # finished by another node while this one waited for its lease: said as above
-        print(f"{job.name}: already succeeded; nothing to do")
-        print(dump(doc, output), end="") if output else None
+        tell(outcome.nothing_to_do(job.name, Phase.SUCCEEDED))
+        if output:
+            tell(dump(doc, output))
         return EXIT_OK
     if result.exit_code == EXIT_OK and job.gpu:
         remember_step_time(job, doc["status"])
     if result.exit_code == EXIT_FAILED:
-        print(f"error: {job.name} failed: {printable_lines(result.message or doc['status'].get('message', ''))}",
-              file=sys.stderr)          # the one place the failure is said: the summary and the trainer do not repeat it
+        tell(outcome.failed(job.name, result.message or doc["status"].get("message", "")), err=True)
     if output:
-        print(dump(doc, output), end="")
+        tell(dump(doc, output))
     else:
-        print(run_summary(job.name, doc["status"], result, job_file=job_file, nodes=job.nodes or 1,
-                          storage=storage))
+        tell(outcome.run_summary(job.name, doc["status"], result, job_file=job_file, nodes=job.nodes or 1,
+                                 storage=storage))
     return result.exit_code
 
 
@@ -301,54 +288,6 @@ def remember_step_time(job, status: dict) -> None:
                                      completion_length=sampled_length(job.to_dict()["spec"]),
                                      sampler=sampler.get("engine") or "native",
                                      engine_start_seconds=sampler.get("startSeconds"))
-
-
-def run_summary(name: str, status: dict, result, job_file: str | None = None, nodes: int = 1,
-                storage: str | None = None) -> str:
-    """The lines a run ends with: phase and step, the held-out rewards, the notice's timing, and
-    how to go on (`job_file` as run_job's; a job of several `nodes` goes on with each node's flags,
-    from `storage`)."""
-    from grpo_run.runner.views.status import reward_signal_warning
-
-    lines = [f"{name}: {status['phase']} after {status['step']} steps"]
-    if status.get("message") and status["phase"] not in (Phase.SUCCEEDED, Phase.FAILED):   # Failed: the error line
-        lines.append(f"  {printable(status['message'])}")
-    b, f = status.get("baseline"), status.get("final")
-    if b and f:
-        lines.append(f"  held-out mean reward: baseline {b['meanReward']:.3f} -> final {f['meanReward']:.3f} "
-                     f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
-    if said := reward_signal_warning(status):
-        lines.append(f"  warning: {printable(said)}")
-    if result.notice_to_durable_s is not None:
-        lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
-                     f"{result.notice_to_durable_s:.2f} s")
-    if getattr(result, "code_error", False):
-        lines.append(f"  {code_error_advice(status.get('message', ''), job_file)}")
-    elif status["phase"] in STOPPED and nodes > 1:      # a plain resume is refused for it (runner.jobs.nodes)
-        from grpo_run.runner.jobs.nodes import each_node
-
-        lines.append(f"  continue with: {each_node(name, storage, nodes)}")
-    elif status["phase"] in STOPPED:
-        lines.append(f"  continue with: grpo-run resume {name}")
-    return "\n".join(lines)
-
-
-_REWARD_FILE = re.compile(r"reward function '([^'\n]+\.py):[A-Za-z_][\w.]*'")
-
-
-def code_error_advice(message: str, job_file: str | None) -> str:
-    """What to do after the job's own code failed (a reward raised, returned a non-number): a
-    resume would run the copies stored at submit time and fail the same way, so the fix goes
-    into the user's files and the job is applied again (a changed spec continues the job)."""
-    if job_file is not None and not Path(job_file).is_file():     # the Python API: "grpo_run.train()"
-        return f"fix the function the error names, then call {job_file} again with the same name"
-    found = _REWARD_FILE.search(message)
-    what = "what the error names"
-    if found:
-        what = printable(found.group(1) if job_file is not None else f"your copy of {Path(found.group(1)).name}")
-    again = (f"grpo-run apply -f {printable(job_file)}" if job_file is not None else
-             "grpo-run apply -f JOB (the job file you submitted; --detach to submit it again)")
-    return f"fix {what}, then {again} again (resume would replay the copy stored at submit time)"
 
 
 def watchers_for(job):

@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from grpo_run.runner.spec.hardware import Pricing, Resources, positive_number
-from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, environment_of, resolve_path
+from grpo_run.runner.spec.environment import EnvironmentSpec, base_folder, resolve_path
 from grpo_run.runner.spec.gpus import GPUS, canonical_name, spelled_like, suggestion
 from grpo_run.runner.spec.yamlfile import FileRefused, load as load_yaml, read_text, value_problems
 from grpo_run.runner.notices.clouds import (AWS_METADATA_URL_ENV, AZURE_METADATA_URL_ENV, CLOUDS, GCP_METADATA_URL_ENV)
@@ -409,8 +409,3 @@ def load_job(path: str | Path) -> TrainingJob:
     except yaml.YAMLError as e:
         raise JobError(str(path), [f"not valid YAML: {e}"]) from None
     return parse_job(doc, source=str(path), base=path.resolve().parent)
-
-
-def build_environment(job: TrainingJob):
-    """The trainer's Environment for this job (see runner.environment.environment_of)."""
-    return environment_of(job.environment, job.parameters)

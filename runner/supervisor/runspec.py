@@ -13,7 +13,8 @@ from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.runner.spec.gpus import canonical_name
 from grpo_run.runner.spec import hardware
 from grpo_run.runner.spec.hardware import node_processes
-from grpo_run.runner.spec.job import JobError, TrainingJob, build_environment
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import JobError, TrainingJob
 from grpo_run.runner.spec.judge import judges_refused
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import Environment

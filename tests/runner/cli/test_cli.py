@@ -124,7 +124,7 @@ def test_a_reward_function_that_raises_fails_the_run_with_its_own_error(tmp_path
 
 
 def test_after_a_code_error_resume_and_the_python_api_are_told_to_run_the_fixed_files_again(tmp_path):
-    from grpo_run.runner.jobs.run import code_error_advice
+    from grpo_run.runner.views.outcome import code_error_advice
 
     message = "reward function failed: reward function '/node/work/j/files/rewards.py:score' raised on ..."
     assert code_error_advice(message, None) == (

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from grpo_run.runner.cli.commands import EXIT_HELD, EXIT_OK, EXIT_USAGE, main
+from grpo_run.runner.cli.commands import main
+from grpo_run.runner.exits import EXIT_HELD, EXIT_OK, EXIT_USAGE
 from grpo_run.runner.exits import EXIT_FAILED
 from tests.runner.jobs.test_resume import REPO, write_job
 
@@ -167,7 +168,7 @@ def test_a_stored_spec_whose_name_is_not_its_folder_s_is_refused(tmp_path, capsy
 
 def test_text_from_storage_is_printed_without_control_characters(tmp_path, capsys, figures):
     from grpo_run.checkpoint.storage.lease import Lease
-    from grpo_run.runner.jobs.run import run_summary as _summary
+    from grpo_run.runner.views.outcome import run_summary as _summary
     from grpo_run.runner.cli.output import printable
     from grpo_run.runner.text import printable_lines
 

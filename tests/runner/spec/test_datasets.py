@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from grpo_run.runner.books.fingerprint import baseline_fingerprint
-from grpo_run.runner.spec.job import JobError, build_environment, load_job, parse_job
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import JobError, load_job, parse_job
 from grpo_run.trainer.config import GRPOParams
 
 ROWS = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}

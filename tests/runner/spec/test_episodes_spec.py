@@ -11,7 +11,8 @@ import yaml
 
 from grpo_run.runner.cli.commands import EXIT_USAGE, main
 from grpo_run.runner.jobs.envfiles import local_files, with_file_hashes
-from grpo_run.runner.spec.job import load_job, build_environment
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import load_job
 
 GUESS = '''
 from grpo_run import Step

@@ -9,7 +9,8 @@ import time
 import pytest
 import yaml
 
-from grpo_run.runner.spec.job import JobError, build_environment, load_job
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import JobError, load_job
 from grpo_run.trainer.envs.code import extract_code
 from grpo_run.trainer.envs.code import tests_problem as code_task_problem  # not collected as a test
 from grpo_run.trainer.envs.codetasks import builtin_code_tasks, code_tasks

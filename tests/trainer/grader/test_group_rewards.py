@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from grpo_run.runner.spec.job import build_environment, load_job
+from grpo_run.runner.environments import build_environment
+from grpo_run.runner.spec.job import load_job
 from grpo_run.trainer.grader.grader import Grader, RewardFunctionError
 from grpo_run.trainer.grader.scoring import Scorer
 

@@ -264,7 +264,8 @@ def test_priced_judge_calls_are_the_run_s_cost_and_maxCostUSD_stops_the_run_befo
 
 def test_the_baseline_fingerprint_covers_the_judge_but_not_its_key_or_limits(tmp_path, server):
     from grpo_run.runner.books.fingerprint import baseline_fingerprint
-    from grpo_run.runner.spec.job import build_environment, load_job
+    from grpo_run.runner.environments import build_environment
+    from grpo_run.runner.spec.job import load_job
 
     def fingerprint(**judge) -> str:
         job = load_job(write_job(tmp_path, server, **judge))

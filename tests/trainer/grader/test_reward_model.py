@@ -87,7 +87,8 @@ def test_a_job_with_a_function_and_a_reward_model_trains_and_records_both(tmp_pa
 
 def test_the_baseline_fingerprint_covers_the_reward_models_weights(tmp_path):
     from grpo_run.runner.books.fingerprint import baseline_fingerprint
-    from grpo_run.runner.spec.job import build_environment, load_job
+    from grpo_run.runner.environments import build_environment
+    from grpo_run.runner.spec.job import load_job
 
     build_reward_model(tmp_path / "rm", seed=0)
     job = load_job(write_job(tmp_path, "./rm"))
