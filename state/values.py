@@ -103,6 +103,11 @@ HELD_OUT: Value[list[HeldOutPoint]] = Value("heldOut", list)   # the curve every
 REWARD_SIGNAL: Value[RewardSignal] = Value("rewardSignal")    # identical groups over the newest steps
 BASELINE_WARNING: Value[str] = Value("baselineWarning")   # the base model scores the same on every task
 LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot notice and how fast its step was durable
+# What `apply` estimated before anything was spent (the dry run's figures, ESTIMATE_KEYS of them),
+# written by the apply that started or submitted the job (a resume keeps it); status.estimate
+ESTIMATE: Value[dict] = Value("estimate")
+ESTIMATE_KEYS = ("startTime", "gpu", "gpus", "usdPerHour", "rateKind", "steps", "stepSeconds", "stepSecondsSource",
+                 "evalSeconds", "completionSeconds", "costToCompletionUSD", "firstHoldUSD", "preemption")
 # {judge reward: the run's answered calls}, every attempt's (a restarted trainer counts on from it)
 JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
 # {priced judge reward: the run's spend on its calls, USD}, likewise: part of the run's cost (spent_usd)

@@ -61,7 +61,8 @@ class Books:
 
     def __init__(self, store: ObjectStore, work: Path, *, name: str, manifest: dict[str, Any],
                  usd_per_hour: float | None, max_cost_usd: float | None,
-                 tracking: dict[str, Any] | None = None, after_upload: Callable[[], None] | None = None) -> None:
+                 tracking: dict[str, Any] | None = None, after_upload: Callable[[], None] | None = None,
+                 estimate: dict[str, Any] | None = None) -> None:
         self.store = store
         self._after_upload = after_upload   # called after each record upload (the supervisor: a cancel request?)
         self.work = Path(work)
@@ -79,6 +80,8 @@ class Books:
         self.run_id: str = values.RUN_ID.get(self.record) or uuid.uuid4().hex
         if values.RUN_ID.get(self.record) is None:
             values.RUN_ID.set(self.record, self.run_id)
+        if estimate is not None:     # this apply's estimate: what the job's spend is later set against
+            values.ESTIMATE.set(self.record, {k: estimate[k] for k in values.ESTIMATE_KEYS if k in estimate})
         self.ledger = Ledger(self.record, usd_per_hour=usd_per_hour, max_cost_usd=max_cost_usd)
         self.evals = Evals(self.record, store)
         self.samples = SampleBooks(self.record)

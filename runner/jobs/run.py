@@ -130,7 +130,8 @@ def start(checked: Checked, *, detach: bool, output: str | None, stop: threading
         raise Refused(str(e), EXIT_USAGE) from None
     if detach:
         return submit_job(job, checked.estimate, output, tell=tell)
-    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file, nodes=nodes, tell=tell)
+    return run_job(job, output=output, stop=stop, progress=progress, job_file=checked.file, nodes=nodes, tell=tell,
+                   estimate=checked.estimate)
 
 
 def submit_job(job, est: dict | None, output: str | None, *, tell: Tell = to_terminal) -> int:
@@ -149,7 +150,8 @@ def submit_job(job, est: dict | None, output: str | None, *, tell: Tell = to_ter
     with tempfile.TemporaryDirectory(prefix="grpo-run-wheel-") as tmp:
         try:
             wheel = build_wheel(Path(tmp))       # nodes install exactly this grpo-run (runner/deploy/wheel.py)
-            done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel)
+            done = submit(job, job_store_url(storage, job.name), holder=f"submit@{node_name()}", wheel=wheel,
+                          estimate=est)
         except SubmitRefused as e:
             raise Refused(printable(str(e)), EXIT_USAGE) from None       # it names the phase storage holds
         except (StorageConfigError, StorageUnavailable, LookupError, ValueError, WheelError) as e:
@@ -164,7 +166,8 @@ def submit_job(job, est: dict | None, output: str | None, *, tell: Tell = to_ter
 
 def run_job(job, *, output: str | None, stop: threading.Event, storage: str | None = None, store=None,
             trust_urls: bool | None = None, progress: bool | None = None, job_file: str | None = None,
-            nodes: tuple[int | None, int | None, str | None] = (None, None, None), tell: Tell = to_terminal) -> int:
+            nodes: tuple[int | None, int | None, str | None] = (None, None, None), tell: Tell = to_terminal,
+            estimate: dict[str, Any] | None = None) -> int:
     """Supervise an attempt at `job` on this node; outputs under `storage` (default: the job's
     spec.storage, else $GRPO_RUN_HOME/store). `store`: the job's store, already checked (resume).
     What the job needs is decided from storage's record: read here to skip a finished job, then
@@ -178,6 +181,7 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     after a failure in the job's own code (None: a job read from storage). `nodes`: --nnodes,
     --node-rank and --master (None: from the launcher's environment, runner.jobs.nodes): on one
     of several nodes rank 0 supervises, the others run their ranks only (runner.supervisor.follower).
+    `estimate`: apply's status.estimate, recorded for the spend to be set against (None: resume).
     Returns the exit status; raises Refused for a failure before or around the run (storage, a
     full disk, another node's lease)."""
     from grpo_run.runner.hubtoken import token_for_stored
@@ -190,11 +194,12 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
     # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
     with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
         return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
-                        progress=progress, job_file=job_file, nodes=place, tell=tell)
+                        progress=progress, job_file=job_file, nodes=place, tell=tell, estimate=estimate)
 
 
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
-             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes, tell: Tell) -> int:
+             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes, tell: Tell,
+             estimate: dict[str, Any] | None) -> int:
     """run_job's work, with the hub token as run_job decided."""
     from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
@@ -217,7 +222,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
         else:                                  # resume: nothing of this node's is read or sent for the job
             local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
             uploads = ()
-        spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes)
+        spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes, estimate=estimate)
         over, missing = before_the_lease(job, store)
         if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
             phase, done = over

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from grpo_run.checkpoint.storage.by_url import open_store
@@ -45,7 +46,8 @@ class Submitted:
     url: str                 # the job's storage folder
 
 
-def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = None) -> Submitted:
+def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = None,
+           estimate: dict[str, Any] | None = None) -> Submitted:
     """Write `job` into its storage folder `url` (Pending) without starting it; with `wheel` (the
     grpo-run installed here) also that, under the storage URL's _dist/ (runner/deploy/wheel.py), for the
     nodes to install: put like the environment's files, under the lease, only when the job is
@@ -74,7 +76,7 @@ def submit(job: TrainingJob, url: str, *, holder: str, wheel: Wheel | None = Non
             if wheel is not None:
                 publish(wheel, url.removesuffix(f"/{job.name}"))      # the storage URL: job_store_url's parent
             books = Books(store, work, name=job.name, manifest=manifest, usd_per_hour=usd_per_hour(job),
-                          max_cost_usd=job.maxCostUSD)
+                          max_cost_usd=job.maxCostUSD, estimate=estimate)
             try:
                 books.sync(wait=True)
             finally:

@@ -41,6 +41,7 @@ class RunSpec:
     environment_uploads: tuple[tuple[str, str, str], ...] = ()
     tracking: dict[str, Any] | None = None   # spec.tracking as this node writes it (resume: the node decides the URLs)
     nodes: "Nodes | None" = None     # one node of several (runner.jobs.nodes); None: this node alone
+    estimate: dict[str, Any] | None = None   # apply's status.estimate, recorded (None: resume keeps the recorded one)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class SupervisorResult:
 
 
 def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
-                   uploads: tuple[tuple[str, str, str], ...] = (), nodes: Nodes | None = None) -> RunSpec:
+                   uploads: tuple[tuple[str, str, str], ...] = (), nodes: Nodes | None = None,
+                   estimate: dict[str, Any] | None = None) -> RunSpec:
     """What the supervisor needs for `job` on this node, its outputs under `storage_url`: the
     processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
     `local`: the same job as this node runs it (its environment files where they are on this
@@ -116,7 +118,7 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
                    model_name=job.model, usd_per_hour=usd_per_hour(job, everywhere),
                    max_cost_usd=job.maxCostUSD, processes=processes, sandbox_strict=sandbox_strict(job),
                    environment_uploads=uploads, tracking=here.tracking.to_dict() if here.tracking is not None else None,
-                   nodes=nodes)
+                   nodes=nodes, estimate=estimate)
 
 
 SANDBOX_ENV = "GRPO_RUN_SANDBOX"    # the node's own setting: "strict" on nodes (the deploy files set it)

@@ -126,7 +126,8 @@ class Supervisor:
         try:
             self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
                                usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
-                               tracking=self.spec.tracking, after_upload=self._check_cancel)
+                               tracking=self.spec.tracking, after_upload=self._check_cancel,
+                               estimate=self.spec.estimate)
             if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
                 return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do",
                                         already_succeeded=True)

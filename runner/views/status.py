@@ -74,6 +74,8 @@ def job_status(record: Record) -> dict[str, Any]:
         status["judgeCalls"] = values.JUDGE_CALLS.get(record)      # the LLM judges' answered calls, whole run
     if values.JUDGE_USD.get(record):
         status["judgeCostUSD"] = {k: round(v, 4) for k, v in values.JUDGE_USD.get(record).items()}
+    if values.ESTIMATE.get(record):
+        status["estimate"] = values.ESTIMATE.get(record)     # what apply estimated, before anything was spent
     if values.LAST_NOTICE.get(record):
         status["lastNotice"] = values.LAST_NOTICE.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},

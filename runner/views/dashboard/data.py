@@ -211,10 +211,11 @@ def _series(steps: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 
 def _spend(status: dict[str, Any], spec: dict[str, Any], lines: list[str]) -> dict[str, Any]:
-    """What was spent beside the cap and the live view's projection (its last lines: the spend)."""
+    """What was spent beside the cap, the live view's projection (its last lines: the spend) and
+    what `apply` estimated before anything was spent (status.estimate, as recorded)."""
     said = [line.strip() for line in lines if line.strip().startswith("spend")]
     return {"costUSD": status.get("costUSD"), "maxCostUSD": spec.get("maxCostUSD"),
-            "projection": said[0] if said else None}
+            "projection": said[0] if said else None, "estimate": status.get("estimate")}
 
 
 def _public_spec(spec: dict[str, Any]) -> dict[str, Any]:

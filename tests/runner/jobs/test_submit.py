@@ -28,6 +28,8 @@ def test_detach_writes_the_job_pending_and_a_node_trains_it(tmp_path):
     assert not (laptop / "runs").exists()                          # nothing ran, nothing trained here
     assert get(laptop)["status"]["phase"] == "Pending"            # followed in storage, no --storage needed
     assert get(laptop, "--storage", storage)["status"]["step"] == 0
+    estimated = get(laptop)["status"]["estimate"]                  # what apply said, before anything was spent
+    assert estimated["steps"] == 8 and estimated["startTime"] and "memory" not in estimated
 
     again = grpo_run(laptop, "apply", "-f", str(job), "--detach").stdout
     assert "already submitted with this spec" in again             # idempotent
@@ -35,6 +37,7 @@ def test_detach_writes_the_job_pending_and_a_node_trains_it(tmp_path):
     grpo_run(node, "resume", "resumable", "--storage", storage)     # a node with nothing but the URI
     st = get(laptop)["status"]
     assert st["phase"] == "Succeeded" and st["baseline"]["runs"] == 1 and st["step"] == 8
+    assert st["estimate"] == estimated                            # the node's resume keeps apply's estimate
     done = grpo_run(laptop, "apply", "-f", str(job), "--detach").stdout
     assert "already submitted with this spec" in done and "(phase Succeeded)" in done
 

@@ -65,6 +65,8 @@ def finished_job(storage: Path, name: str = "finished-run") -> None:
         r.set_value(values.LEDGER.key, {str(first): {"seconds": 60.0, "usd": 0.03, "usdPerHour": 1.8},
                                         str(second): {"seconds": 100.0, "usd": 0.05, "usdPerHour": 1.8}})
         r.set_value(values.SAMPLER.key, {"engine": "native", "why": "the default"})
+        r.set_value(values.ESTIMATE.key, {"gpu": "L4", "gpus": 1, "usdPerHour": 0.8, "steps": 8, "stepSeconds": 20.0,
+                                          "costToCompletionUSD": 0.1, "firstHoldUSD": 0.05})
         r.set_phase(Phase.SUCCEEDED)
 
 
@@ -115,6 +117,7 @@ def test_a_jobs_page_has_its_timeline_curves_and_samples(bucket):
     assert [r["completion"] for r in kept[:2]] == ["5", "<b>6</b>"]
     assert [t["from"] for t in kept[2]["exchange"]] == ["model", "tools", "model"]     # an episode, turn by turn
     assert page["spend"]["maxCostUSD"] == 5.0 and "spend $0.0800" in page["spend"]["projection"]
+    assert page["spend"]["estimate"]["costToCompletionUSD"] == 0.1        # apply's estimate beside the spend
     assert "environment" not in page["spec"] and page["log"] is None     # not run on this machine
 
 

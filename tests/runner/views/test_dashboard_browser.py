@@ -63,6 +63,10 @@ def test_a_jobs_page_shows_its_preempted_attempt_and_draws_its_charts(served):
     assert attempts[0].startswith("attempt 1 on node-a: steps 0 \u2192 3, Preempted (aws); ")
     assert "until the next attempt began" in attempts[0]
     assert attempts[1].startswith("attempt 2 on node-b: steps 3 \u2192 8, Succeeded")
+    summary = browser.until("Object.fromEntries(Array.from(document.querySelectorAll('#summary dt'), "
+                            "dt => [dt.textContent, dt.nextElementSibling.textContent]))")
+    assert summary["estimated"] == ("$0.1000 to completion on L4 (8 steps of 20.000 s, at $0.8000/h); "
+                                    "spent so far 80% of it")       # the estimate beside what was spent
     # every chart's canvas has its curve drawn (not a blank box, not axes alone)
     drawn = browser.until("""(() => { const cs = Array.from(document.querySelectorAll('#charts .chart'));
         if (cs.length < 5) return null;

@@ -83,11 +83,27 @@ function drawSummary(page) {
   dl.replaceChildren();
   const rows = [["step", r.maxSteps ? r.step + " of " + r.maxSteps : r.step],
     ["spent", usd(page.spend.costUSD) + (page.spend.maxCostUSD ? " of the cap " + usd(page.spend.maxCostUSD) : " (no cap)")],
+    ["estimated", estimated(page.spend)],
     ["projection", page.spend.projection || "-"],
     ["held-out", num(r.baseline) + " \u2192 " + num(r.final)],
     ["sampler", r.engine || "-"], ["model", page.spec.model || "-"]];
   if (r.message) rows.push(["message", r.message]);
   for (const [k, v] of rows) dl.append(el("dt", k), el("dd", v));
+}
+
+// What apply estimated before anything was spent, and the spend so far as a share of it.
+function estimated(spend) {
+  const e = spend.estimate;
+  if (!e) return "not recorded (the job was applied by an earlier grpo-run)";
+  if (e.costToCompletionUSD == null) {
+    return "no cost: the job names no spec.gpu" + (e.stepSeconds ? "; " + num(e.stepSeconds) + " s a step" : "");
+  }
+  let text = usd(e.costToCompletionUSD) + " to completion on " + (e.gpus > 1 ? e.gpus + " × " : "") + e.gpu +
+    " (" + e.steps + " steps of " + num(e.stepSeconds) + " s, at " + usd(e.usdPerHour) + "/h)";
+  if (spend.costUSD != null && e.costToCompletionUSD > 0) {
+    text += "; spent so far " + Math.round(100 * spend.costUSD / e.costToCompletionUSD) + "% of it";
+  }
+  return text;
 }
 
 function drawTimeline(page) {
