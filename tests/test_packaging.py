@@ -14,6 +14,7 @@ line (nothing large is downloaded); that line adds the folder to sys.path withou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.runner.views.browser import needs_chromium
 
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("runner", "trainer", "checkpoint", "state")
@@ -150,23 +153,56 @@ def test_a_dry_run_and_a_short_job_run_from_a_folder_with_decoys(installed, deco
     assert status["final"]["tasks"] == status["baseline"]["tasks"] > 0      # the grader scored every task
 
 
-def test_the_dashboard_serves_its_pages_and_charting_library_from_the_installed_wheel(installed, decoys):
+@contextlib.contextmanager
+def _dashboard(venv: Path, folder: Path, storage: Path):
+    """`grpo-run dashboard` of the installed wheel, run from `folder`: its address."""
     import re
-    import urllib.request
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH", "VIRTUAL_ENV")}
-    proc = subprocess.Popen([str(installed / "bin" / "grpo-run"), "dashboard", "--storage", str(decoys / "bucket"),
-                             "--port", "0"], cwd=decoys, env={**env, "GRPO_RUN_HOME": str(decoys / "home")},
+    proc = subprocess.Popen([str(venv / "bin" / "grpo-run"), "dashboard", "--storage", str(storage),
+                             "--port", "0"], cwd=folder, env={**env, "GRPO_RUN_HOME": str(folder / "home")},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         address = re.search(r"http://127\.0\.0\.1:\d+/", line)
         assert address, (line, proc.stderr.read() if proc.poll() is not None else "")
-        for path, says in (("", b"/static/dashboard.js"), ("job/x", b"/static/uPlot.iife.min.js"),
-                           ("static/uPlot.iife.min.js", b"uPlot"), ("static/uPlot.LICENSE", b"MIT"),
-                           ("api/jobs", b'"jobs":[]')):
-            with urllib.request.urlopen(address.group(0) + path, timeout=30) as r:
-                assert r.status == 200 and says in r.read(), path
+        yield address.group(0)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_dashboard_serves_its_pages_and_charting_library_from_the_installed_wheel(installed, decoys):
+    import urllib.request
+
+    with _dashboard(installed, decoys, decoys / "bucket") as address:
+        for path, says in (("", b"/static/dashboard.js"), ("job/x", b"/static/uPlot.iife.min.js"),
+                           ("static/uPlot.iife.min.js", b"uPlot"), ("static/uPlot.LICENSE", b"MIT"),
+                           ("api/jobs", b'"jobs":[]')):
+            with urllib.request.urlopen(address + path, timeout=30) as r:
+                assert r.status == 200 and says in r.read(), path
+
+
+@needs_chromium
+def test_the_installed_wheels_dashboard_draws_a_preempted_and_resumed_run_in_a_browser(installed, decoys):
+    from tests.runner.views.browser import Browser
+    from tests.runner.views.test_dashboard import finished_job, running_job
+
+    finished_job(decoys / "bucket")
+    running_job(decoys / "bucket")
+    with _dashboard(installed, decoys, decoys / "bucket") as address:
+        browser = Browser()
+        try:
+            browser.open(address)
+            rows = browser.until("document.querySelectorAll('#jobs tbody tr').length == 2 && "
+                                 "Array.from(document.querySelectorAll('#jobs tbody tr'), r => r.cells[1].textContent)")
+            assert rows == ["Succeeded", "Training"]
+            browser.open(address + "job/finished-run")
+            first = browser.until("document.querySelectorAll('#timeline li').length == 2 && "
+                                  "document.querySelector('#timeline li').textContent")
+            assert first.startswith("attempt 1 on node-a: steps 0 \u2192 3, Preempted (aws)")
+            charts = browser.until("document.querySelectorAll('#charts .chart canvas').length >= 5 && "
+                                   "document.querySelectorAll('#charts .chart canvas').length")
+            assert charts >= 5                  # uPlot, from the wheel's package data, drew them
+        finally:
+            browser.close()
