@@ -41,12 +41,32 @@ def vllm_version() -> str | None:
     return None
 
 
+def vllm_loads_bitsandbytes() -> bool | None:
+    """Whether the installed vLLM has a bitsandbytes loader (its 4-bit path, what a QLoRA base is),
+    seen from its files without importing it; None without vLLM. vLLM 0.32.0, the version
+    constraints.txt pins, has none: its quantization methods no longer list bitsandbytes."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return (folder / "model_executor" / "model_loader" / "bitsandbytes_loader.py").is_file()
+
+
+def qlora_refusal() -> str:
+    """Why a QLoRA job is not sampled by vLLM, in the installed engine's terms."""
+    version = vllm_version()
+    if vllm_loads_bitsandbytes() is False:
+        return (f"method QLoRA: vLLM {version} has no bitsandbytes loader (its 4-bit path, which the QLoRA base "
+                f"is), so it cannot serve the base the adapter trains on; use sampler: native, or method LoRA")
+    return ("method QLoRA: grpo-run does not hand a 4-bit (bitsandbytes) base to vLLM (the pinned vLLM 0.32.0 "
+            "has no bitsandbytes loader); use sampler: native, or method LoRA")
+
+
 def vllm_refusal(method: str, config: dict, gpu: bool, processes: int = 1) -> str | None:
     """Why vLLM cannot sample for this model and method here, or None when it can. `config`: the
     model's config.json; `processes`: the trainer's (one per GPU)."""
     if method == "QLoRA":
-        return ("method QLoRA: grpo-run does not hand a 4-bit (bitsandbytes) base to vLLM yet; "
-                "use sampler: native, or method LoRA")
+        return qlora_refusal()
     if processes > 1:
         return (f"{processes} trainer processes: grpo-run samples with vLLM in one process only yet; "
                 "use sampler: native, or one process (spec.resources.processes: 1)")

@@ -147,3 +147,25 @@ def test_a_node_without_vllm_is_told_before_the_lease_and_leaves_the_job_as_it_w
     server = SimpleNamespace(name="job", parameters=GRPOParams(vllm={"mode": "server", "server": "http://127.0.0.1:1"}))
     monkeypatch.setattr(choice, "vllm_version", lambda: None)
     assert jobs.before_the_lease(server, store)[1] is None          # a server's node needs no engine of its own
+
+
+def test_a_qlora_refusal_names_what_the_installed_vllm_lacks(tmp_path, monkeypatch):
+    """vLLM 0.32.0 (constraints.txt) has no bitsandbytes loader; a vLLM that has one is seen as such."""
+    import importlib.util
+
+    fake = tmp_path / "vllm"
+    (fake / "model_executor" / "model_loader").mkdir(parents=True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=[str(fake)])
+                        if name == "vllm" else None)
+    monkeypatch.setattr(choice, "vllm_version", lambda: "0.32.0")
+    assert choice.vllm_loads_bitsandbytes() is False
+    assert choice.vllm_refusal("QLoRA", QWEN3_0_6B, gpu=True).startswith(
+        "method QLoRA: vLLM 0.32.0 has no bitsandbytes loader")
+    (fake / "model_executor" / "model_loader" / "bitsandbytes_loader.py").write_text("")
+    assert choice.vllm_loads_bitsandbytes() is True
+    assert "grpo-run does not hand a 4-bit (bitsandbytes) base to vLLM" in choice.vllm_refusal("QLoRA", {}, gpu=True)
+
+
+@pytest.mark.skipif(choice.vllm_version() != "0.32.0", reason="the pinned vLLM's own files")
+def test_the_pinned_vllm_has_no_bitsandbytes_loader():
+    assert choice.vllm_loads_bitsandbytes() is False
