@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from fractions import Fraction
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -29,6 +30,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.preemption import count_preemptions
+from grpo_run.runner.estimate.shapes import Rental, rental, shapes_of
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.spec.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
@@ -246,10 +248,17 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
                       "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
-    if card.spot_usd_per_hour is not None and not (pricing and pricing.usdPerHour):
-        # the same catalog's spot price, offered beside the on-demand one the estimate charges
-        spot = cost_estimate(usd_per_hour=card.spot_usd_per_hour, **priced)
-        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": card.spot_source,
+    rented = rental(card.name, "aws", gpus // (job.nodes or 1)) if card.listed else None
+    if rented is not None:                       # what the job rents: whole instances (shapes.py)
+        fields["shape"] = {**rented.to_dict(), "nodes": job.nodes or 1}
+    spot_rate, spot_source = _spot_rate(card, rented, gpus)
+    if rented is not None and spot_rate is None and not (pricing and pricing.usdPerHour):
+        fields["rate"]["noSpot"] = _no_spot(card, rented)
+        notes.append(f"spot: {fields['rate']['noSpot']}")
+    if spot_rate is not None and not (pricing and pricing.usdPerHour):
+        # the spot price of the shape the job rents, offered beside the on-demand one the estimate charges
+        spot = cost_estimate(usd_per_hour=spot_rate, **priced)
+        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": spot_source,
                                   "costToCompletionUSD": round(spot.cost_to_completion_usd + judges_usd, 2)}
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
@@ -298,6 +307,41 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      + (" and the judges' calls" if per_call else "")
                      + "): the run stops there (BudgetExceeded), before the final evaluation")
     return fields
+
+
+def _spot_rate(card: Gpu, rented: Rental | None, gpus: int) -> tuple[float | None, str]:
+    """The spot price per GPU-hour the job can take, and its source: the card's own (the table's
+    per-GPU price, or --live's) where the job fills the instance it rents or no shape is known;
+    the whole instances' price shared over the job's GPUs where it rents idle ones; None where the
+    shape it rents has no spot offer. The table's per-GPU price of a bigger instance is never
+    offered to a job that cannot fill it: spec.pricing.usdPerHour is how a user says otherwise."""
+    table = GPUS.get(card.name)
+    live = table is not None and (card.spot_usd_per_hour, card.spot_source) != (table.spot_usd_per_hour,
+                                                                                 table.spot_source)
+    if rented is None or live:
+        return card.spot_usd_per_hour, card.spot_source
+    if rented.spot is None:
+        return None, ""
+    shape = rented.shape
+    if rented.fills:
+        return card.spot_usd_per_hour, card.spot_source
+    per_gpu = float(Fraction(str(shape.spot)) * rented.instances / gpus)
+    return per_gpu, (f"{shape.source}, the whole {shape.instance} ({shape.gpus} x {card.name}, ${shape.spot:g}/h) for "
+                     f"this job's {gpus}: AWS rents no smaller {card.name} shape")
+
+
+def _no_spot(card: Gpu, rented: Rental) -> str:
+    """Why the job has no spot price: the shape it rents has no spot offer; what a bigger one asks."""
+    shape = rented.shape
+    bigger = [s for s in shapes_of(card.name, shape.cloud) if s.gpus > shape.gpus and s.spot is not None]
+    said = f"{shape.instance} ({shape.gpus} x {card.name}, the smallest {shape.cloud.upper()} shape for this job) has " \
+           f"{shape.no_spot}"
+    if bigger:
+        b = bigger[0]
+        said += (f"; {b.instance} ({b.gpus} x {card.name}) asks ${b.spot:g}/h spot, ${b.spot / b.gpus:.4g} a GPU only "
+                 f"if your job fills it (spec.resources.processes: {b.gpus}); to budget at a price you rent, set "
+                 "spec.pricing.usdPerHour")
+    return said
 
 
 def _judges(job: TrainingJob, work, notes: list[str]) -> dict[str, dict[str, Any]]:

@@ -55,6 +55,15 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     if est.get("livePrices"):                   # which prices --live read, or why it fell back to the table
         lines.append(f"  live        {est['livePrices']}")
     spot = rate.get("spot")
+    if rate.get("noSpot"):                      # the shape this job rents has no spot offer: said, not priced
+        lines.append(f"  spot        none: {rate['noSpot']}")
+    shape = est.get("shape") or {}
+    if shape.get("idleGPUs"):                   # the per-GPU rate assumes a full instance; this job leaves some idle
+        lines.append(f"  rents       {shape['instances']} x {shape['instance']} ({shape['gpusPerInstance']} x {gpu} each, "
+                     f"{shape['idleGPUs']} idle: {shape['cloud'].upper()} rents no smaller {gpu} shape), "
+                     + (f"${shape['onDemandUSDPerHour'] * shape['instances']:.2f}/h on demand, "
+                        if "onDemandUSDPerHour" in shape else "")
+                     + f"{shape['cloud'].upper()} {shape['region']}: the charge above is {gpus} GPU's share")
     if spot:
         lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
                      f"spot prices move, on-demand is their ceiling): to budget at it, spec.pricing.usdPerHour: "
