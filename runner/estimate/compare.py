@@ -22,7 +22,7 @@ from typing import Any
 from grpo_run.runner.estimate.estimate import estimate
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION
 from grpo_run.runner.estimate.preemption import preemptions
-from grpo_run.runner.estimate.shapes import CLOUDS, Rental, no_shape, rental
+from grpo_run.runner.estimate.shapes import CLOUDS, REGIONS, SOURCES, Rental, no_shape, rental
 from grpo_run.runner.estimate.summary import duration
 from grpo_run.runner.spec.gpus import GPUS
 from grpo_run.runner.spec.hardware import Pricing
@@ -56,15 +56,14 @@ def _usd(seconds: float, per_hour: float) -> float:
     return float(Fraction(str(seconds)) * Fraction(str(per_hour)) / 3600)
 
 
-def _row(est: dict[str, Any], rented: Rental, per_hour: float, judges: float) -> dict[str, Any]:
-    """One card on one cloud: the estimate's times at the rented shape's prices."""
+def _row(est: dict[str, Any], rented: Rental, per_hour: float, judges: float, nodes: int) -> dict[str, Any]:
+    """One card on one cloud: the estimate's times at the rented shape's prices, on each of `nodes`."""
     pre = est["preemption"]
     run = round(est["completionSeconds"] - pre["seconds"], 1)      # the estimate's time without its notices
     steps = est["steps"]
-    row: dict[str, Any] = {"gpu": est["gpu"], **rented.to_dict(), "gpus": est["gpus"],
+    row: dict[str, Any] = {"gpu": est["gpu"], **rented.to_dict(), "nodes": nodes, "gpus": est["gpus"],
                            "stepSeconds": est["stepSeconds"], "stepSecondsSource": est["stepSecondsSource"],
                            "completionSeconds": run}
-    nodes = est.get("shape", {}).get("nodes", 1)
     on_demand = rented.on_demand * nodes if rented.on_demand is not None else None
     spot = rented.spot * nodes if rented.spot is not None else None
     if on_demand is not None:
@@ -107,7 +106,7 @@ def compare(job, *, clouds: tuple[str, ...] = CLOUDS, sampler: str | None = None
             if rented is None:
                 unpriced.append({"gpu": name, "cloud": cloud, "why": no_shape(name, cloud)})
                 continue
-            row = _row(est, rented, per_hour, judges)
+            row = _row(est, rented, per_hour, judges, job.nodes or 1)
             (ranked if "costUSD" in row else unpriced).append(
                 row if "costUSD" in row else {"gpu": name, "cloud": cloud,
                                               "why": "the shape has no price that finishes the run"})
@@ -173,19 +172,17 @@ def compare_lines(name: str, data: dict[str, Any]) -> str:
     missing = _grouped(data["notPriced"])
     if missing:
         lines.append("  not priced  " + missing)
-    lines.append("  sources     the shapes and their prices: grpo-run apply ... --compare -o yaml "
-                 "(runner/estimate/shapes.py names each catalog file and commit)")
+    used = [c for c in data["clouds"] if any(r["cloud"] == c for r in data["ranked"])]
+    if used:                                     # the prices compared come from catalogs of different dates
+        lines.append("  sources     " + "; ".join(f"{c}: {SOURCES[c]}, {REGIONS[c]}" for c in used)
+                     + " (each row's: -o yaml)")
     return "\n".join(lines)
 
 
 def _grouped(unpriced: list[dict[str, Any]]) -> str:
-    """The cards with no price, by cloud: `aws: RTX4090, A6000; azure: every card (why)`."""
+    """The cards with no price, by cloud: `aws: RTX4090, A6000; gcp: ...` (-o yaml says why each)."""
     by_cloud: dict[str, list[str]] = {}
     for u in sorted(unpriced, key=lambda u: CLOUDS.index(u["cloud"])):
         by_cloud.setdefault(u["cloud"], []).append(u["gpu"])
-    parts = []
-    for cloud, cards in by_cloud.items():
-        every = len(cards) == len({u["gpu"] for u in unpriced}) and cloud == "azure"
-        parts.append(f"{cloud}: " + ("every card (no Azure price in this table; --live azure asks Azure's API)"
-                                     if every else ", ".join(cards)))
-    return "; ".join(parts)
+    return "; ".join(f"{cloud}: {', '.join(cards)}" for cloud, cards in by_cloud.items()) + \
+        (" (why, each: -o yaml's notPriced)" if by_cloud else "")

@@ -15,16 +15,26 @@ read through a stored copy of the repository at the commit named:
   SpotPrice in every us-east-1 zone of that file (use1-az1 to use1-az6) and in us-east-2 and
   us-west-2: no spot offer. p5en.48xlarge, p6-b200.48xlarge, p4de.24xlarge and p4d.24xlarge are
   the only instance types of their cards in that file (8 GPUs each).
-- GCP: catalogs/v8/gcp/vms.csv at commit 006059e0, region us-central1, zone us-central1-a. Google
-  prices a VM's host (its vCPUs and memory: the row of the machine type, no accelerator) apart from
-  its GPUs (a row with no machine type and the accelerator): an instance's price is the two added,
-  as SkyPilot adds them. a2-highgpu-1g = host $0.73948 (spot $0.36975) + 1 x A100 $2.93391
-  ($1.4341); a2-ultragpu-1g = host $1.09962 ($0.54978) + 1 x A100-80GB $1.8462 ($1.964: that
-  file asks more for the spot GPU than the on-demand one there); a3-highgpu-1g = host $1.18251
-  ($0.36117) + 1 x H100 $4.20076 ($2.9926; the same file asks $9.79655 for it in us-east4: dated
-  prices for one card differ 2-3x between sources and regions).
-- Azure: no SkyPilot Azure catalog of the current version (v8) was readable here, so no Azure
-  figure is in the table; `--live azure` asks Azure's Retail Prices API.
+- GCP: catalogs/v8/gcp/vms.csv at commit 006059e0, region us-central1 (zone us-central1-a; the
+  H200's and B200's only zone there, us-central1-b). Google prices a VM's host (its vCPUs and
+  memory: the row of the machine type, no accelerator) apart from its GPUs (a row with no machine
+  type and the accelerator and count): an instance's price is the two added, as SkyPilot adds them.
+  g2-standard-4 = host $0.14679 (spot $0.05874) + 1 x L4 $0.56004 ($0.2231); a2-highgpu-1g =
+  host $0.73948 ($0.36975) + 1 x A100 $2.93391 ($1.4341); a2-ultragpu-1g = host $1.09962
+  ($0.54978) + 1 x A100-80GB $1.8462 ($1.964: that file asks more for the spot GPU than the
+  on-demand one there); a3-highgpu-1g = host $1.18251 ($0.36117) + 1 x H100 $4.20076 ($2.9926;
+  the same file asks $9.79655 for it in us-east4: dated prices for one card differ 2-3x between
+  sources and regions); a3-ultragpu-8g = host $12.266 ($3.74713) + 8 x H200 $74.49392
+  ($37.2472); a4-highgpu-8g = host $0.0 ($0.0, as the file gives it) + 8 x B200 $90.216
+  ($32.6064). GCP attaches T4s to an N1 machine the user chooses: no one shape, not priced here.
+- Azure: catalogs/v6/azure/vms.csv at commit 098741e7, region eastus: the only Azure catalog the
+  stored copy has (v6, an older schema than the v8 files above; its date is that commit's, not
+  read here). Standard_NC4as_T4_v3 (1 x T4) $0.526, spot $0.062699; Standard_NC24ads_A100_v4
+  (1 x A100 80 GB, the PCIe card, which SkyPilot names A100-80GB) $3.673, spot $0.444433;
+  Standard_ND96asr_v4 (8 x A100) $27.197, spot $2.99167. Its H100 rows are not used: it lists
+  Standard_ND96isr_H100_v5 with 12 GPUs (Azure's ND H100 v5 has 8) and spot equal to on-demand,
+  and Standard_NC40ads_H100_v5 carries the H100 NVL (94 GB), another card. The L40S, L4, A10G,
+  H200 and B200 have no row there (Azure's A10 sizes are the A10).
 A card or cloud without a row here has no price: the estimate and --compare say so, and
 spec.pricing.usdPerHour prices what you rent.
 """
@@ -35,13 +45,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["CLOUDS", "REGIONS", "SHAPES", "Rental", "Shape", "no_shape", "rental", "shapes_of"]
+__all__ = ["CLOUDS", "REGIONS", "SHAPES", "SOURCES", "Rental", "Shape", "no_shape", "rental", "shapes_of"]
 
 CLOUDS = ("aws", "gcp", "azure")
-REGIONS = {"aws": "us-east-1", "gcp": "us-central1", "azure": None}
+REGIONS = {"aws": "us-east-1", "gcp": "us-central1", "azure": "eastus"}
 
 _AWS = "SkyPilot catalog v8 aws/vms.csv (commit 00148f2a)"
 _GCP = "SkyPilot catalog v8 gcp/vms.csv (commit 006059e0)"
+_AZURE = "SkyPilot catalog v6 azure/vms.csv (commit 098741e7)"
+SOURCES = {"aws": _AWS, "gcp": _GCP, "azure": _AZURE}   # each cloud's catalog file
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,26 @@ SHAPES: tuple[Shape, ...] = (
           f"{_GCP}, us-central1-a, host + GPU rows, read 2026-12-07"),
     Shape("H100", "gcp", "us-central1", "a3-highgpu-1g", 1, _gcp("1.18251", "4.20076"), _gcp("0.36117", "2.9926"),
           f"{_GCP}, us-central1-a, host + GPU rows, read 2026-12-07"),
+    Shape("L4", "gcp", "us-central1", "g2-standard-4", 1, _gcp("0.14679", "0.56004"), _gcp("0.05874", "0.2231"),
+          f"{_GCP}, us-central1-a, host + GPU rows, read 2026-12-07"),
+    Shape("H200", "gcp", "us-central1", "a3-ultragpu-8g", 8, _gcp("12.266", "74.49392"), _gcp("3.74713", "37.2472"),
+          f"{_GCP}, us-central1-b, host + GPU rows, read 2026-12-07"),
+    Shape("B200", "gcp", "us-central1", "a4-highgpu-8g", 8, _gcp("0.0", "90.216"), _gcp("0.0", "32.6064"),
+          f"{_GCP}, us-central1-b, host + GPU rows (the host's row is $0.0), read 2026-12-07"),
+    # Azure, eastus, read 2026-12-07 (the module's docstring: v6, the only Azure catalog there)
+    Shape("T4", "azure", "eastus", "Standard_NC4as_T4_v3", 1, 0.526, 0.062699, f"{_AZURE}, eastus, read 2026-12-07"),
+    Shape("A100-80GB", "azure", "eastus", "Standard_NC24ads_A100_v4", 1, 3.673, 0.444433,
+          f"{_AZURE}, eastus, the A100 80 GB PCIe, read 2026-12-07"),
+    Shape("A100", "azure", "eastus", "Standard_ND96asr_v4", 8, 27.197, 2.99167, f"{_AZURE}, eastus, read 2026-12-07"),
 )
+
+# Why a card has no shape on a cloud, where the source says more than "no row".
+_WHY_NOT = {
+    ("H100", "azure"): (f"{_AZURE} lists Standard_ND96isr_H100_v5 with 12 GPUs (Azure's ND H100 v5 has 8) and spot "
+                        "equal to on-demand, and Standard_NC40ads_H100_v5 carries the H100 NVL (94 GB), another card: "
+                        "no Azure H100 price here; `--live azure` asks Azure's Retail Prices API"),
+    ("T4", "gcp"): "GCP attaches T4s to an N1 machine you choose: no one shape, no price here",
+}
 
 
 def shapes_of(card: str, cloud: str) -> list[Shape]:
@@ -113,11 +144,8 @@ def shapes_of(card: str, cloud: str) -> list[Shape]:
 
 def no_shape(card: str, cloud: str) -> str:
     """Why `card` has no price on `cloud` here, in words for the dry run."""
-    if cloud == "azure":
-        return ("no Azure price in this table (no current SkyPilot Azure catalog was readable when it was written); "
-                "`--live azure` asks Azure's Retail Prices API, spec.pricing.usdPerHour prices what you rent")
-    return (f"no {cloud.upper()} shape of {card} in this table ({_AWS if cloud == 'aws' else _GCP} has no row of it "
-            "read here); spec.pricing.usdPerHour prices what you rent")
+    why = _WHY_NOT.get((card, cloud)) or f"{SOURCES[cloud]} has no {card} row in {REGIONS[cloud]}"
+    return f"{why}; spec.pricing.usdPerHour prices what you rent"
 
 
 @dataclass(frozen=True)

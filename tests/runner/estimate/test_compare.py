@@ -89,10 +89,13 @@ def test_the_job_s_own_rate_and_card_figures_do_not_price_the_other_cards(refere
     assert mine["ranked"] == plain["ranked"]
 
 
-def test_clouds_no_table_prices_are_said_not_ranked(reference):
+def test_cards_a_cloud_has_no_usable_price_for_are_said_not_ranked(reference):
     data = compare(reference(), clouds=("azure",))
-    assert data["ranked"] == [] and {u["cloud"] for u in data["notPriced"]} == {"azure"}
-    assert "no Azure price in this table" in data["notPriced"][0]["why"]
+    assert {r["gpu"] for r in data["ranked"]} == {"T4", "A100-80GB", "A100"}
+    why = {u["gpu"]: u["why"] for u in data["notPriced"]}
+    assert "Standard_ND96isr_H100_v5 with 12 GPUs" in why["H100"] and "H100 NVL" in why["H100"]
+    assert why["L4"].startswith("SkyPilot catalog v6 azure/vms.csv (commit 098741e7) has no L4 row in eastus")
+    assert "  not priced  azure: H100, H200, B200, L40S, L4, A10G, RTX4090, A6000" in compare_lines("est", data)
 
 
 def test_unknown_clouds_are_refused_naming_the_flag():
@@ -145,3 +148,14 @@ def test_bad_compare_flags_are_refused_naming_the_flag(capsys, tmp_path):
     rc, _, err = dry_run(capsys, tmp_path, document, "--compare", "--live")
     assert rc == EXIT_USAGE and "--compare ranks on the dated table's shapes" in err
     assert "Traceback" not in err
+
+
+def test_a_job_on_several_nodes_rents_its_shape_on_each(tmp_path):
+    model_folder(tmp_path, "qwen3-0.6b", QWEN3_0_6B)
+    job = parse_job(doc(tmp_path / "qwen3-0.6b", gpu="H100", parameters={**REFERENCE, "promptsPerStep": 16},
+                        nodes=2, resources={"processes": 8}))
+    data = compare(job, clouds=("aws",))
+    h100 = _rows(data, "H100")["aws"]
+    assert (h100["instance"], h100["instances"], h100["nodes"], h100["gpus"]) == ("p5.48xlarge", 1, 2, 16)
+    assert h100["onDemandUSD"] == round(h100["completionSeconds"] * 2 * 55.04 / 3600, 2)
+    assert h100["spotUSD"] == round(h100["completionSeconds"] * 2 * 17.6289 / 3600, 2)

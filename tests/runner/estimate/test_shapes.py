@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from grpo_run.runner.estimate.estimate import estimate
-from grpo_run.runner.estimate.shapes import CLOUDS, SHAPES, rental, shapes_of
+from grpo_run.runner.estimate.shapes import CLOUDS, SHAPES, no_shape, rental, shapes_of
 from grpo_run.runner.estimate.summary import summary
 from grpo_run.runner.spec.gpus import GPUS
 from grpo_run.runner.spec.job import parse_job
@@ -22,7 +22,7 @@ REFERENCE = {"numGenerations": 4, "maxCompletionLength": 64, "maxSteps": 1000}
 def test_every_shape_names_its_catalog_commit_region_and_the_day_it_was_read():
     for shape in SHAPES:
         assert shape.card in GPUS and shape.cloud in CLOUDS and shape.gpus >= 1
-        assert "SkyPilot catalog v8" in shape.source and "commit " in shape.source and "read 2026-12-" in shape.source
+        assert "SkyPilot catalog v" in shape.source and "commit " in shape.source and "read 2026-12-" in shape.source
         assert shape.region in shape.source
         assert (shape.spot is None) == bool(shape.no_spot)
 
@@ -49,12 +49,20 @@ def test_a_single_h100_rents_a_p5_4xlarge_which_has_no_spot_offer_and_eight_rent
     assert (a100.shape.instance, a100.idle, a100.fills) == ("p4d.24xlarge", 7, False)
 
 
-def test_gcp_instances_are_their_host_and_gpu_rows_added_and_azure_has_no_figure():
+def test_gcp_instances_are_their_host_and_gpu_rows_added():
     h100 = rental("H100", "gcp", 1).shape
     assert h100.instance == "a3-highgpu-1g" and h100.region == "us-central1"
     assert Fraction(str(h100.on_demand)) == Fraction("1.18251") + Fraction("4.20076")
     assert Fraction(str(h100.spot)) == Fraction("0.36117") + Fraction("2.9926")
+    l4 = rental("L4", "gcp", 1).shape
+    assert (l4.instance, Fraction(str(l4.on_demand))) == ("g2-standard-4", Fraction("0.14679") + Fraction("0.56004"))
+
+
+def test_azure_s_unusable_h100_rows_are_left_out_and_said():
     assert rental("H100", "azure", 1) is None and rental("RTX4090", "aws", 1) is None
+    assert "12 GPUs" in no_shape("H100", "azure") and no_shape("H100", "azure").endswith(
+        "spec.pricing.usdPerHour prices what you rent")
+    assert rental("A100-80GB", "azure", 1).shape.instance == "Standard_NC24ads_A100_v4"
 
 
 def test_an_unknown_cloud_is_refused_naming_the_field_and_the_clouds():
