@@ -196,7 +196,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     judges = _judges(job, work, judge_notes)
     priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
     if card is not None:
-        out.update(_cost(job, card, step, work, gpus, notes, judges_usd=sum(priced)))
+        out.update(_cost(job, card, step, work, gpus, notes, judges_usd=sum(priced),
+                         live_instance=live.instance_of(card.name) if live is not None else None))
     notes += judge_notes
     if judges:
         out["judgeCalls"] = judges
@@ -211,7 +212,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
 
 
 def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str], *,
-          judges_usd: float) -> dict[str, Any]:
+          judges_usd: float, live_instance: tuple[str, int] | None = None) -> dict[str, Any]:
     """The cost and time fields of the estimate for `card`, and their notes; `judges_usd`: the
     judges' calls priced per call, to completion (_judges), which count in whether and when
     maxCostUSD stops the run."""
@@ -251,7 +252,7 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     rented = rental(card.name, "aws", gpus // (job.nodes or 1)) if card.listed else None
     if rented is not None:                       # what the job rents: whole instances (shapes.py)
         fields["shape"] = {**rented.to_dict(), "nodes": job.nodes or 1}
-    spot_rate, spot_source = _spot_rate(card, rented, gpus)
+    spot_rate, spot_source = _spot_rate(card, rented, gpus, live_instance)
     if rented is not None and spot_rate is None and not (pricing and pricing.usdPerHour):
         fields["rate"]["noSpot"] = _no_spot(card, rented)
         notes.append(f"spot: {fields['rate']['noSpot']}")
@@ -309,25 +310,36 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     return fields
 
 
-def _spot_rate(card: Gpu, rented: Rental | None, gpus: int) -> tuple[float | None, str]:
-    """The spot price per GPU-hour the job can take, and its source: the card's own (the table's
-    per-GPU price, or --live's) where the job fills the instance it rents or no shape is known;
-    the whole instances' price shared over the job's GPUs where it rents idle ones; None where the
-    shape it rents has no spot offer. The table's per-GPU price of a bigger instance is never
-    offered to a job that cannot fill it: spec.pricing.usdPerHour is how a user says otherwise."""
+def _spot_rate(card: Gpu, rented: Rental | None, gpus: int, live_instance: tuple[str, int] | None = None,
+               ) -> tuple[float | None, str]:
+    """The spot price per GPU-hour the job can take, and its source. A price per GPU of an
+    instance of several (the table's, or --live's `live_instance`) is an offer only to a job that
+    fills that instance; a job that does not rents it whole, so it is shown the whole instances'
+    price shared over its GPUs. A job whose smallest shape has no spot offer gets None (the table's
+    rows only: --live asks about one instance). spec.pricing.usdPerHour is how a user says otherwise."""
     table = GPUS.get(card.name)
     live = table is not None and (card.spot_usd_per_hour, card.spot_source) != (table.spot_usd_per_hour,
                                                                                  table.spot_source)
-    if rented is None or live:
-        return card.spot_usd_per_hour, card.spot_source
+    per_node = rented.gpus if rented is not None else gpus
+    if live or rented is None:
+        if card.spot_usd_per_hour is None or live_instance is None or per_node % live_instance[1] == 0:
+            return card.spot_usd_per_hour, card.spot_source
+        instance, n = live_instance              # a price per GPU of `n`: the whole instances, shared
+        instances = -(-per_node // n)
+        whole = Fraction(str(card.spot_usd_per_hour)) * n
+        smaller = (f"; the smallest shape, {rented.shape.instance} ({rented.shape.gpus} x {card.name}), has "
+                   f"{rented.shape.no_spot}" if rented is not None and rented.spot is None else "")
+        return (float(whole * instances / per_node),
+                f"{card.spot_source}; the whole {instance} ({n} x {card.name}, ${float(whole):g}/h) for this job's "
+                f"{per_node}{smaller}")
     if rented.spot is None:
         return None, ""
     shape = rented.shape
     if rented.fills:
         return card.spot_usd_per_hour, card.spot_source
-    per_gpu = float(Fraction(str(shape.spot)) * rented.instances / gpus)
-    return per_gpu, (f"{shape.source}, the whole {shape.instance} ({shape.gpus} x {card.name}, ${shape.spot:g}/h) for "
-                     f"this job's {gpus}: AWS rents no smaller {card.name} shape")
+    return (float(Fraction(str(shape.spot)) * rented.instances / per_node),
+            f"{shape.source}, the whole {shape.instance} ({shape.gpus} x {card.name}, ${shape.spot:g}/h) for "
+            f"this job's {per_node}: {shape.cloud.upper()} rents no smaller {card.name} shape")
 
 
 def _no_spot(card: Gpu, rented: Rental) -> str:

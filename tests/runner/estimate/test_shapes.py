@@ -113,3 +113,9 @@ def test_a_user_s_own_rate_is_theirs_to_say_and_no_spot_note_is_added(tmp_path):
 def test_a_card_one_instance_holds_keeps_the_table_s_spot_line(tmp_path):
     est = estimate(_job(tmp_path, "L40S"))
     assert est["rate"]["spot"]["usdPerHour"] == 1.0492 and est["shape"]["instance"] == "g6e.xlarge"
+
+
+def test_each_node_of_a_job_rents_its_own_instance(tmp_path):
+    est = estimate(_job(tmp_path, "A100", nodes=2))             # one process on each of 2 nodes
+    assert (est["shape"]["instance"], est["shape"]["nodes"], est["gpus"]) == ("p4d.24xlarge", 2, 2)
+    assert est["rate"]["spot"]["usdPerHour"] == round(2 * 7.8799, 4)          # two whole instances
