@@ -159,3 +159,10 @@ def test_a_job_on_several_nodes_rents_its_shape_on_each(tmp_path):
     assert (h100["instance"], h100["instances"], h100["nodes"], h100["gpus"]) == ("p5.48xlarge", 1, 2, 16)
     assert h100["onDemandUSD"] == round(h100["completionSeconds"] * 2 * 55.04 / 3600, 2)
     assert h100["spotUSD"] == round(h100["completionSeconds"] * 2 * 17.6289 / 3600, 2)
+
+
+def test_a_spot_node_that_never_finishes_is_ranked_on_demand(reference):
+    # a notice every 36 s against restarts of minutes: on spot the run never ends (preemption.py)
+    l4 = _rows(compare(reference(pricing={"preemptionsPerHour": 100}), clouds=("aws",)), "L4")["aws"]
+    assert l4["preemption"]["restarts"] is None and "spotUSD" not in l4
+    assert (l4["pricedAt"], l4["costUSD"]) == ("on-demand", l4["onDemandUSD"])
