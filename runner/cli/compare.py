@@ -3,6 +3,8 @@ shapes each cloud rents, cheapest to completion first (runner/estimate/compare.p
 
 from __future__ import annotations
 
+import sys
+
 from grpo_run.runner.cli.output import dump, error
 from grpo_run.runner.exits import EXIT_OK, EXIT_USAGE, Refused
 
@@ -29,7 +31,7 @@ def run_compare(file: str, clouds: str, *, dry_run: bool, live: str | None, outp
     try:
         checked = check_job_file(file, dry_run=True, detach=False)
     except Refused as e:
-        print(e.text, file=__import__("sys").stderr)
+        print(e.text, file=sys.stderr)
         return e.exit_code
     if checked.estimate is None:            # the model's config cannot be read here: nothing to size or time
         error(f"--compare: {checked.job.name}'s model config cannot be read here, so no card can be sized or timed; "

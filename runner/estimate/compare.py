@@ -26,6 +26,7 @@ from grpo_run.runner.estimate.shapes import CLOUDS, REGIONS, SOURCES, Rental, no
 from grpo_run.runner.estimate.summary import duration
 from grpo_run.runner.spec.gpus import GPUS
 from grpo_run.runner.spec.hardware import Pricing
+from grpo_run.runner.spec.job import TrainingJob
 
 __all__ = ["compare", "compare_lines", "parse_clouds"]
 
@@ -43,7 +44,7 @@ def parse_clouds(value: str) -> tuple[str, ...]:
     return asked
 
 
-def _variant(job, card: str):
+def _variant(job: TrainingJob, card: str) -> TrainingJob:
     """`job` on `card`: spec.pricing keeps only what is not about spec.gpu (the notices and the
     restart time), since its rate, step time and card figures describe the card the job names."""
     pricing = job.pricing
@@ -60,7 +61,6 @@ def _row(est: dict[str, Any], rented: Rental, per_hour: float, judges: float, no
     """One card on one cloud: the estimate's times at the rented shape's prices, on each of `nodes`."""
     pre = est["preemption"]
     run = round(est["completionSeconds"] - pre["seconds"], 1)      # the estimate's time without its notices
-    steps = est["steps"]
     row: dict[str, Any] = {"gpu": est["gpu"], **rented.to_dict(), "nodes": nodes, "gpus": est["gpus"],
                            "stepSeconds": est["stepSeconds"], "stepSecondsSource": est["stepSecondsSource"],
                            "completionSeconds": run}
@@ -84,7 +84,7 @@ def _row(est: dict[str, Any], rented: Rental, per_hour: float, judges: float, no
     return row
 
 
-def compare(job, *, clouds: tuple[str, ...] = CLOUDS, sampler: str | None = None) -> dict[str, Any]:
+def compare(job: TrainingJob, *, clouds: tuple[str, ...] = CLOUDS, sampler: str | None = None) -> dict[str, Any]:
     """The cards of the table that fit `job`, each on the smallest shape `clouds` rent of it,
     ranked by cost to completion (the module's docstring). Raises LookupError / ValueError as
     estimate() does (a model config it cannot find or read)."""
