@@ -83,10 +83,14 @@ def node_options(command):
                    "catalog, needs GRPO_RUN_GCP_API_KEY); where it cannot, the dated table's, saying why")
 @click.option("--live-region", metavar="REGION",
               help="with --live: the cloud's region (default: aws AWS_REGION or us-east-1, azure eastus, gcp us-central1)")
+@click.option("--compare", is_flag=False, flag_value="all", default=None, metavar="[CLOUDS]",
+              help="with --dry-run: rank every card that fits the job, on the smallest shape each cloud rents (aws, gcp, "
+                   "azure; several with commas; default all), by cost to completion with spec.pricing's preemptions "
+                   "(-o yaml|json: as data)")
 @node_options
 def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_memory_check: bool,
-              live: str | None, live_region: str | None, nnodes: int | None, node_rank: int | None,
-              master: str | None) -> int:
+              live: str | None, live_region: str | None, compare: str | None, nnodes: int | None,
+              node_rank: int | None, master: str | None) -> int:
     """Run a TrainingJob in the foreground on this node: baseline evaluation, GRPO training, final evaluation.
     With --detach, only submit it: any node running `grpo-run resume NAME --storage URI` trains it.
 
@@ -96,6 +100,7 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
       grpo-run apply -f job.yaml --dry-run           # cost, time and fit in a few lines
       grpo-run apply -f job.yaml --dry-run -o yaml   # the whole job with status.estimate
       grpo-run apply -f job.yaml --dry-run --live    # today's EC2 spot price (--live azure, --live gcp)
+      grpo-run apply -f job.yaml --dry-run --compare # the cards that fit, cheapest to completion first
       grpo-run apply -f job.yaml --detach            # submit to spec.storage; a spot node trains it
     """
     from grpo_run.runner.jobs.run import check_job_file, start
@@ -107,6 +112,10 @@ def cmd_apply(file: str, dry_run: bool, detach: bool, output: str | None, skip_m
     if live_region and not live:
         print("error: --live-region goes with --live CLOUD (aws, azure or gcp)", file=sys.stderr)
         return EXIT_USAGE
+    if compare is not None:                      # runner/cli/compare.py: the ranking, then nothing else
+        from grpo_run.runner.cli.compare import run_compare
+
+        return run_compare(file, compare, dry_run=dry_run, live=live, output=output)
     prices = None
     if live:
         from grpo_run.runner.estimate.liveprices import LivePrices

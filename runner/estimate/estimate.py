@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from fractions import Fraction
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -29,6 +30,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.preemption import count_preemptions
+from grpo_run.runner.estimate.shapes import Rental, rental, shapes_of
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.spec.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
@@ -194,7 +196,8 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
     judges = _judges(job, work, judge_notes)
     priced = [j["usd"] for j in judges.values() if j["usd"] is not None]
     if card is not None:
-        out.update(_cost(job, card, step, work, gpus, notes, judges_usd=sum(priced)))
+        out.update(_cost(job, card, step, work, gpus, notes, judges_usd=sum(priced),
+                         live_instance=live.instance_of(card.name) if live is not None else None))
     notes += judge_notes
     if judges:
         out["judgeCalls"] = judges
@@ -209,7 +212,7 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
 
 
 def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: list[str], *,
-          judges_usd: float) -> dict[str, Any]:
+          judges_usd: float, live_instance: tuple[str, int] | None = None) -> dict[str, Any]:
     """The cost and time fields of the estimate for `card`, and their notes; `judges_usd`: the
     judges' calls priced per call, to completion (_judges), which count in whether and when
     maxCostUSD stops the run."""
@@ -246,10 +249,17 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
                       "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
-    if card.spot_usd_per_hour is not None and not (pricing and pricing.usdPerHour):
-        # the same catalog's spot price, offered beside the on-demand one the estimate charges
-        spot = cost_estimate(usd_per_hour=card.spot_usd_per_hour, **priced)
-        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": card.spot_source,
+    rented = rental(card.name, "aws", gpus // (job.nodes or 1)) if card.listed else None
+    if rented is not None:                       # what the job rents: whole instances (shapes.py)
+        fields["shape"] = {**rented.to_dict(), "nodes": job.nodes or 1}
+    spot_rate, spot_source = _spot_rate(card, rented, gpus, live_instance)
+    if rented is not None and spot_rate is None and not (pricing and pricing.usdPerHour):
+        fields["rate"]["noSpot"] = _no_spot(card, rented)
+        notes.append(f"spot: {fields['rate']['noSpot']}")
+    if spot_rate is not None and not (pricing and pricing.usdPerHour):
+        # the spot price of the shape the job rents, offered beside the on-demand one the estimate charges
+        spot = cost_estimate(usd_per_hour=spot_rate, **priced)
+        fields["rate"]["spot"] = {"usdPerHour": spot.usd_per_hour, "source": spot_source,
                                   "costToCompletionUSD": round(spot.cost_to_completion_usd + judges_usd, 2)}
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
@@ -298,6 +308,52 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      + (" and the judges' calls" if per_call else "")
                      + "): the run stops there (BudgetExceeded), before the final evaluation")
     return fields
+
+
+def _spot_rate(card: Gpu, rented: Rental | None, gpus: int, live_instance: tuple[str, int] | None = None,
+               ) -> tuple[float | None, str]:
+    """The spot price per GPU-hour the job can take, and its source. A price per GPU of an
+    instance of several (the table's, or --live's `live_instance`) is an offer only to a job that
+    fills that instance; a job that does not rents it whole, so it is shown the whole instances'
+    price shared over its GPUs. A job whose smallest shape has no spot offer gets None (the table's
+    rows only: --live asks about one instance). spec.pricing.usdPerHour is how a user says otherwise."""
+    table = GPUS.get(card.name)
+    live = table is not None and (card.spot_usd_per_hour, card.spot_source) != (table.spot_usd_per_hour,
+                                                                                 table.spot_source)
+    per_node = rented.gpus if rented is not None else gpus
+    if live or rented is None:
+        if card.spot_usd_per_hour is None or live_instance is None or per_node % live_instance[1] == 0:
+            return card.spot_usd_per_hour, card.spot_source
+        instance, n = live_instance              # a price per GPU of `n`: the whole instances, shared
+        instances = -(-per_node // n)
+        whole = Fraction(str(card.spot_usd_per_hour)) * n
+        smaller = (f"; the smallest shape, {rented.shape.instance} ({rented.shape.gpus} x {card.name}), has "
+                   f"{rented.shape.no_spot}" if rented is not None and rented.spot is None else "")
+        return (float(whole * instances / per_node),
+                f"{card.spot_source}; the whole {instance} ({n} x {card.name}, ${float(whole):g}/h) for this job's "
+                f"{per_node}{smaller}")
+    if rented.spot is None:
+        return None, ""
+    shape = rented.shape
+    if rented.fills:
+        return card.spot_usd_per_hour, card.spot_source
+    return (float(Fraction(str(shape.spot)) * rented.instances / per_node),
+            f"{shape.source}, the whole {shape.instance} ({shape.gpus} x {card.name}, ${shape.spot:g}/h) for "
+            f"this job's {per_node}: {shape.cloud.upper()} rents no smaller {card.name} shape")
+
+
+def _no_spot(card: Gpu, rented: Rental) -> str:
+    """Why the job has no spot price: the shape it rents has no spot offer; what a bigger one asks."""
+    shape = rented.shape
+    bigger = [s for s in shapes_of(card.name, shape.cloud) if s.gpus > shape.gpus and s.spot is not None]
+    said = f"{shape.instance} ({shape.gpus} x {card.name}, the smallest {shape.cloud.upper()} shape for this job) has " \
+           f"{shape.no_spot}"
+    if bigger:
+        b = bigger[0]
+        said += (f"; {b.instance} ({b.gpus} x {card.name}) asks ${b.spot:g}/h spot, ${b.spot / b.gpus:.4g} a GPU only "
+                 f"if your job fills it (spec.resources.processes: {b.gpus}); to budget at a price you rent, set "
+                 "spec.pricing.usdPerHour")
+    return said
 
 
 def _judges(job: TrainingJob, work, notes: list[str]) -> dict[str, dict[str, Any]]:

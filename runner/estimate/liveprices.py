@@ -102,6 +102,11 @@ class LivePrices:
             env = (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")) if self.cloud == "aws" else None
             self.region = env or DEFAULT_REGIONS[self.cloud]
 
+    def instance_of(self, card: str) -> tuple[str, int] | None:
+        """The instance this cloud's live price of `card` is a share of, and its GPUs: AWS's and
+        Azure's are whole instances divided by their GPUs; GCP's GPU SKU is priced per GPU (None)."""
+        return {"aws": AWS_INSTANCES, "azure": AZURE_SIZES}.get(self.cloud, {}).get(card)
+
     def __call__(self, card: Gpu) -> tuple[Gpu, str]:
         """`card` with today's prices where the API gives them, and the note that says which were
         used; the card as it is, and why, where it does not."""

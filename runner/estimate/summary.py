@@ -55,10 +55,21 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
     if est.get("livePrices"):                   # which prices --live read, or why it fell back to the table
         lines.append(f"  live        {est['livePrices']}")
     spot = rate.get("spot")
+    if rate.get("noSpot"):                      # the shape this job rents has no spot offer: said, not priced
+        lines.append(f"  spot        none: {rate['noSpot']}")
+    shape = est.get("shape") or {}
+    if shape.get("idleGPUs"):                   # the per-GPU rate assumes a full instance; this job leaves some idle
+        lines.append(f"  rents       {shape['instances']} x {shape['instance']} ({shape['gpusPerInstance']} x {gpu} each, "
+                     f"{shape['idleGPUs']} idle: {shape['cloud'].upper()} rents no smaller {gpu} shape), "
+                     + (f"${shape['onDemandUSDPerHour'] * shape['instances']:.2f}/h on demand, "
+                        if "onDemandUSDPerHour" in shape else "")
+                     + f"{shape['cloud'].upper()} {shape['region']}: the charge above is {gpus} GPU's share")
     if spot:
+        # a whole instance's spot price can exceed the charged rate, a per-GPU share of it: said so
+        why = ("spot prices move, on-demand is their ceiling" if spot["usdPerHour"] <= est["usdPerHour"] else
+               "more than the charged rate, which is this job's share of the instance: you rent all of it")
         lines.append(f"  spot        ${spot['costToCompletionUSD']:.2f} at ${spot['usdPerHour']:.2f}/h ({spot['source']}; "
-                     f"spot prices move, on-demand is their ceiling): to budget at it, spec.pricing.usdPerHour: "
-                     f"{spot['usdPerHour'] / gpus:g}")
+                     f"{why}): to budget at it, spec.pricing.usdPerHour: {spot['usdPerHour'] / gpus:g}")
     lines.append(f"  training    {steps:,} steps x {est['stepSeconds']:g} s = {duration(est['stepSeconds'] * steps)}, "
                  f"${est['trainingUSD']:.2f}")
     evals, tasks = est.get("evaluations"), est.get("evalTasks")

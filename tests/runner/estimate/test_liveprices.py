@@ -119,14 +119,27 @@ def test_aws_spot_is_the_cheapest_zones_newest_price_per_gpu_and_the_on_demand_c
 
 
 def test_the_estimate_and_the_dry_run_say_the_live_spot_price_they_used(tmp_path, ec2):
-    est = estimate(h100_job(tmp_path), live=LivePrices("aws", "us-east-1", ec2=ec2))
+    # 8 processes fill the p5.48xlarge whose live spot price is quoted per GPU: they get it per GPU
+    est = estimate(h100_job(tmp_path, resources={"processes": 8}), live=LivePrices("aws", "us-east-1", ec2=ec2))
     spot = est["rate"]["spot"]
-    assert spot["usdPerHour"] == 2.2036 and "EC2 spot price history (live" in spot["source"]
+    assert spot["usdPerHour"] == round(8 * 2.2036, 4) and "EC2 spot price history (live" in spot["source"]
     assert est["rate"]["kind"] == "on-demand" and est["livePrices"].startswith("--live aws: H100 priced live")
     lines = summary("est", est).splitlines()
     assert lines[1].startswith("  live        --live aws: H100 priced live in us-east-1, spot $2.2036/h")
-    assert lines[2].startswith("  spot        $0.28 at $2.20/h (AWS us-east-1 spot in use1-az6, EC2 spot price history "
-                               "(live, price of 2026-12-05T06:12:41Z")
+    assert lines[2].startswith("  spot        $") and ("at $17.63/h (AWS us-east-1 spot in use1-az6, EC2 spot price "
+                                                          "history (live, price of 2026-12-05T06:12:41Z") in lines[2]
+    assert lines[2].endswith("spot prices move, on-demand is their ceiling): to budget at it, spec.pricing.usdPerHour: "
+                             "2.2036")
+
+
+def test_a_one_gpu_job_is_shown_the_whole_live_instance_s_spot_price_not_an_eighth(tmp_path, ec2):
+    # issue 52 item 4: the live p5.48xlarge's spot / 8 is not an offer a 1-GPU job can take
+    est = estimate(h100_job(tmp_path), live=LivePrices("aws", "us-east-1", ec2=ec2))
+    spot = est["rate"]["spot"]
+    assert spot["usdPerHour"] == 17.6288                      # 2.2036 x 8: the live quote's whole instance
+    assert "the whole p5.48xlarge (8 x H100, $17.6288/h) for this job's 1" in spot["source"]
+    assert "the smallest shape, p5.4xlarge (1 x H100), has no spot offer" in spot["source"]
+    assert "more than the charged rate, which is this job's share of the instance" in summary("est", est)
 
 
 def test_aws_without_credentials_or_refused_falls_back_to_the_table_saying_why(tmp_path, monkeypatch):
@@ -198,7 +211,9 @@ def test_the_dry_run_with_live_azure_names_the_price_it_charged(tmp_path, capsys
     assert lines[0].startswith("est on H100: $1.54 to completion, about 8 min (at $12.29/h, Azure eastus on-demand, "
                                "Retail Prices API (live, effective 2026-10-01, read ")
     assert lines[1] == "  live        --live azure: H100 priced live in eastus, on-demand $12.29/h and spot $3.687/h"
-    assert lines[2].startswith("  spot        $0.46 at $3.69/h (Azure eastus spot, Retail Prices API (live")
+    # one GPU of Standard_ND96isr_H100_v5 is not for rent: the whole instance's spot price (3.687 x 8)
+    assert lines[2].startswith("  spot        $3.70 at $29.50/h (Azure eastus spot, Retail Prices API (live")
+    assert "the whole Standard_ND96isr_H100_v5 (8 x H100, $29.496/h) for this job's 1" in lines[2]
     assert main(["apply", "-f", str(path), "--dry-run", "--live", "azure", "-o", "yaml"]) == EXIT_OK
     rate = yaml.safe_load(capsys.readouterr().out)["status"]["estimate"]["rate"]
     assert rate["kind"] == "on-demand" and rate["source"].startswith("Azure eastus on-demand, Retail Prices API (live")
