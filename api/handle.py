@@ -97,7 +97,7 @@ class Job:
 
             job.report("run.png")
         """
-        from grpo_run.runner.jobs.find import write_report
+        from grpo_run.runner.jobs.report import write_report
 
         with as_api_errors():
             write_report(self.name, self.storage, Path(path))
@@ -109,7 +109,7 @@ class Job:
 
             job.export("adapter/")       # then PeftModel.from_pretrained(base, "adapter/")
         """
-        from grpo_run.runner.jobs.find import export_adapter
+        from grpo_run.runner.jobs.export import export_adapter
 
         with as_api_errors():
             export_adapter(self.name, self.storage, Path(out))

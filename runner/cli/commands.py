@@ -279,7 +279,7 @@ def cmd_export(name: str, storage: str | None, out: str) -> int:
       grpo-run export tiny-arithmetic --out ./adapter
       python -c "from peft import PeftModel; ...PeftModel.from_pretrained(base, './adapter')"
     """
-    from grpo_run.runner.jobs.find import export_adapter
+    from grpo_run.runner.jobs.export import export_adapter
 
     try:      # without --storage: where `apply --detach` sent it, or where it ran on this machine
         what = export_adapter(name, storage, Path(out))

@@ -31,7 +31,8 @@ def cmd_cancel(name: str, storage: str | None) -> int:
       grpo-run cancel my-grpo-lora --storage s3://bucket/prefix
       grpo-run get tj my-grpo-lora -w          # until it says Cancelled
     """
-    from grpo_run.runner.jobs.cancel import NoSuchJob, cancel_job, job_storage
+    from grpo_run.runner.jobs.cancel import NoSuchJob, cancel_job
+    from grpo_run.runner.jobs.find import job_storage
 
     storage = job_storage(name, storage)
     try:
@@ -66,7 +67,8 @@ def cmd_delete(name: str, storage: str | None, yes: bool, force: bool) -> int:
       grpo-run delete my-grpo-lora --yes
       grpo-run delete my-grpo-lora --storage s3://bucket/prefix --yes
     """
-    from grpo_run.runner.jobs.cancel import NoSuchJob, StillHeld, delete_job, job_storage
+    from grpo_run.runner.jobs.cancel import NoSuchJob, StillHeld, delete_job
+    from grpo_run.runner.jobs.find import job_storage
 
     storage = job_storage(name, storage)
     if not yes:

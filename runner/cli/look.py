@@ -188,7 +188,7 @@ def cmd_report(name: str, storage: str | None, out: str) -> int:
       grpo-run report my-grpo-lora --storage s3://bucket/prefix --out report.png
     """
     from grpo_run.runner.exits import Refused
-    from grpo_run.runner.jobs.find import write_report
+    from grpo_run.runner.jobs.report import write_report
 
     try:
         run, drawn, md = write_report(name, storage, Path(out))

@@ -35,7 +35,6 @@ from grpo_run.runner.home import home, job_store_url, work_dir
 from grpo_run.state.phases import FINISHED
 from grpo_run.runner.supervisor.cancel import CANCEL_KEY, cancel_requested, request_cancel  # noqa: F401
 from grpo_run.runner.supervisor.endings import ENDINGS, End
-from grpo_run.state.record import RECORD_FILE, Record
 
 
 class NoSuchJob(LookupError):
@@ -94,7 +93,7 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
     """Remove job `name`'s storage folder and this machine's folders for it; returns what was
     removed (for the message). Raises NoSuchJob when there is nothing to remove, StillHeld while
     a node holds the lease (unless `force`), StorageConfigError / StorageUnavailable."""
-    from grpo_run.runner.jobs.submit import SUBMITTED
+    from grpo_run.runner.jobs.find import SUBMITTED
 
     url = job_store_url(storage, name)
     job_store = open_store(url)
@@ -119,22 +118,3 @@ def delete_job(name: str, storage: str | None, *, force: bool) -> list[str]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
         removed.append(str(path))
     return removed
-
-
-def job_storage(name: str, storage: str | None) -> str | None:
-    """The storage the CLI means for job `name`: `--storage` when given, else the one `apply
-    --detach` remembered on this machine, else the spec.storage of a run on this machine, else
-    None (this machine's default store)."""
-    from grpo_run.runner.jobs.submit import submitted_storage
-
-    if storage:
-        return storage
-    remembered = submitted_storage(home(), name)
-    if remembered:
-        return remembered
-    local = work_dir(name) / RECORD_FILE
-    if local.exists():
-        with Record(local) as record:
-            job = record.job()
-        return ((job or {}).get("spec") or {}).get("spec", {}).get("storage") or None
-    return None

@@ -18,6 +18,8 @@ from grpo_run.checkpoint.sync import CHECKPOINTS, FINAL, download_latest, run_pr
 from grpo_run.runner.books.replica import stored_record
 from grpo_run.state import values
 from grpo_run.state.phases import Phase
+from grpo_run.runner.exits import EXIT_USAGE, Refused
+from grpo_run.runner.home import job_store_url
 
 
 def export_weights(job_url: str, out: Path) -> str:
@@ -72,3 +74,16 @@ def _run_of(store: ObjectStore, job_url: str) -> tuple[str | None, bool]:
         except ValueError as e:      # an edited record: said plainly, never a traceback
             raise LookupError(str(e)) from None
     return run, bool(job) and job["phase"] == Phase.SUCCEEDED
+
+
+def export_adapter(name: str, storage: str | None, out: Path) -> str:
+    """Write job `name`'s final adapter (or the newest durable checkpoint's) as PEFT files into
+    `out`; returns what was written ("the final adapter", ...). Without `storage`: where `apply
+    --detach` sent it, or where it ran on this machine. Raises Refused (EXIT_USAGE) when there is
+    nothing to export."""
+    from grpo_run.runner.jobs.find import job_storage
+
+    try:
+        return export_weights(job_store_url(job_storage(name, storage), name), out)
+    except LookupError as e:
+        raise Refused(str(e), EXIT_USAGE) from None

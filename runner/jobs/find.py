@@ -1,8 +1,7 @@
 """Finding a job, as the CLI does: in this node's work folders and store (runner/home.py), a
 storage URL, or the storage a job was submitted to from here; what storage's record says of it
-before a node takes its lease; and the job as `get tj` shows it, its report and its weights.
-
-Refusals are raised as Refused (runner/exits.py) in the words the CLI prints, with its exit status.
+before a node takes its lease; the job as `get tj` shows it; and where this machine remembers
+submitting jobs to (`apply --detach`). The verbs (cancel, export, report, submit, run) sit on it.
 """
 
 from __future__ import annotations
@@ -11,11 +10,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from grpo_run.runner.exits import EXIT_USAGE, Refused
 from grpo_run.runner.views.status import job_document
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
 from grpo_run.state.phases import Phase
-from grpo_run.state.record import RECORD_FILE
+from grpo_run.state.record import RECORD_FILE, Record
 
 
 def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
@@ -96,8 +94,6 @@ def open_record(name: str, storage: str | None):
     if storage is None and local.exists():
         return Record(local)
     if storage is None:                  # submitted from here (apply --detach): follow it in storage
-        from grpo_run.runner.jobs.submit import submitted_storage
-
         storage = submitted_storage(home(), name)
     store = open_store(job_store_url(storage, name))
     # A read-only copy, refreshed on every call (get_file replaces it atomically).
@@ -128,41 +124,44 @@ def job_doc(path: Path) -> dict[str, Any]:
 
 def local_jobs() -> list[str]:
     """Jobs run on this node, and jobs submitted from it."""
-    from grpo_run.runner.jobs.submit import submitted_jobs
-
     runs = home() / "runs"
     here = {p.name for p in runs.iterdir() if (p / RECORD_FILE).exists()} if runs.exists() else set()
     return sorted(here | set(submitted_jobs(home())))
 
 
-def write_report(name: str, storage: str | None, path: Path) -> tuple[dict[str, Any], dict[str, Any], Path]:
-    """Draw job `name`'s run into the PNG `path` and its Markdown summary beside it (.md); returns
-    (the run as gathered, what was drawn, the summary's path). Raises Refused (EXIT_USAGE) for a
-    path that is not a .png or a job that is not found."""
-    from grpo_run.runner.views.report import gather, render, summary
-
-    if path.suffix.lower() != ".png":
-        raise Refused(f"--out {path}: the picture is a PNG; name it FILE.png", EXIT_USAGE)
-    try:
-        with open_record(name, storage) as record:
-            run = gather(record)
-    except LookupError as e:
-        raise Refused(str(e), EXIT_USAGE) from None
-    drawn = render(run, path)
-    md = path.with_suffix(".md")
-    md.write_text(summary(run, path.name), encoding="utf-8")
-    return run, drawn, md
+def job_storage(name: str, storage: str | None) -> str | None:
+    """The storage the CLI means for job `name`: `--storage` when given, else the one `apply
+    --detach` remembered on this machine, else the spec.storage of a run on this machine, else
+    None (this machine's default store)."""
+    if storage:
+        return storage
+    remembered = submitted_storage(home(), name)
+    if remembered:
+        return remembered
+    local = work_dir(name) / RECORD_FILE
+    if local.exists():
+        with Record(local) as record:
+            job = record.job()
+        return ((job or {}).get("spec") or {}).get("spec", {}).get("storage") or None
+    return None
 
 
-def export_adapter(name: str, storage: str | None, out: Path) -> str:
-    """Write job `name`'s final adapter (or the newest durable checkpoint's) as PEFT files into
-    `out`; returns what was written ("the final adapter", ...). Without `storage`: where `apply
-    --detach` sent it, or where it ran on this machine. Raises Refused (EXIT_USAGE) when there is
-    nothing to export."""
-    from grpo_run.runner.jobs.export import export_weights
-    from grpo_run.runner.jobs.cancel import job_storage
+SUBMITTED = "submitted"      # under GRPO_RUN_HOME: one file per submitted job, holding its storage URI
 
-    try:
-        return export_weights(job_store_url(job_storage(name, storage), name), out)
-    except LookupError as e:
-        raise Refused(str(e), EXIT_USAGE) from None
+
+def remember(home: Path, name: str, storage: str) -> None:
+    """Note on this machine where job `name` was submitted, for `get tj NAME`."""
+    folder = home / SUBMITTED
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(storage + "\n")
+
+
+def submitted_storage(home: Path, name: str) -> str | None:
+    """The storage a job was submitted to from this machine (None: it was not)."""
+    path = home / SUBMITTED / name
+    return path.read_text().strip() if path.exists() else None
+
+
+def submitted_jobs(home: Path) -> list[str]:
+    folder = home / SUBMITTED
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []

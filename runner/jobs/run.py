@@ -138,7 +138,8 @@ def submit_job(job, est: dict | None, output: str | None, *, tell: Tell = to_ter
     """`apply --detach`: write the job (and the installed grpo-run's wheel) into its storage,
     Pending, for a node to train; nothing runs here. Raises Refused."""
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
-    from grpo_run.runner.jobs.submit import SubmitRefused, remember, submit
+    from grpo_run.runner.jobs.find import remember
+    from grpo_run.runner.jobs.submit import SubmitRefused, submit
     from grpo_run.runner.supervisor.supervisor import node_name
     from grpo_run.runner.deploy.wheel import WheelError, build_wheel
 

@@ -32,7 +32,6 @@ from grpo_run.runner.deploy.wheel import Wheel, publish
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import Record
 
-SUBMITTED = "submitted"      # under GRPO_RUN_HOME: one file per submitted job, holding its storage URI
 
 
 class SubmitRefused(RuntimeError):
@@ -100,22 +99,3 @@ def _stored(store: ObjectStore) -> dict | None:
             return None
         with Record(local) as record:
             return record.job()
-
-
-def remember(home: Path, name: str, storage: str) -> None:
-    """Note on this machine where job `name` was submitted, for `get tj NAME`."""
-    folder = home / SUBMITTED
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text(storage + "\n")
-
-
-def submitted_storage(home: Path, name: str) -> str | None:
-    """The storage a job was submitted to from this machine (None: it was not)."""
-    path = home / SUBMITTED / name
-    return path.read_text().strip() if path.exists() else None
-
-
-def submitted_jobs(home: Path) -> list[str]:
-    folder = home / SUBMITTED
-    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
-
