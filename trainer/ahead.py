@@ -66,13 +66,14 @@ def draft_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _Either:
-    """A stop flag set when either event is (the run's stop request, or the producer's close)."""
+    """A stop flag that is set when any of its flags answers true (the run's stop request, or the
+    producer's close)."""
 
-    def __init__(self, *events: threading.Event) -> None:
-        self.events = events
+    def __init__(self, *flags: Callable[[], bool]) -> None:
+        self.flags = flags
 
     def is_set(self) -> bool:
-        return any(e.is_set() for e in self.events)
+        return any(flag() for flag in self.flags)
 
 
 class Ahead:
@@ -148,6 +149,7 @@ class Ahead:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def either(*events: threading.Event) -> _Either:
-    """A stop flag for the draft's rollout: the run's stop request, or the producer's close."""
-    return _Either(*events)
+def either(*flags: Callable[[], bool]) -> _Either:
+    """A stop flag for the draft's rollout, asked between two tokens: e.g. the run's stop request
+    (looked up at every call: whoever stands in for it later is asked), or the producer's close."""
+    return _Either(*flags)

@@ -174,7 +174,8 @@ class GRPOTrainer:
         closing = threading.Event()
         rollout = build_rollout(sampler, self.tokenizer, eos_ids, system_prompt=self.params.systemPrompt,
                                 template_kwargs=self.params.chatTemplateKwargs, host=None, max_turns=1,
-                                context=2**31 - 1, device=self.device, stop=either(self.stop, closing))
+                                context=2**31 - 1, device=self.device,
+                                stop=either(lambda: self.stop.is_set(), closing.is_set))
         return Ahead(self.params.staleness, self.params.maxSteps, live=self.adapter_state,
                      draft=get_peft_model_state_dict(draft, save_embedding_layers=False), rollout=rollout,
                      group=lambda step: self._step_group(step)[1:], temperature=self.params.temperature,
