@@ -28,7 +28,7 @@ def uninterrupted_async(tmp_path_factory):
     return once(tmp_path_factory, "async-resume-reference", build)
 
 
-@pytest.mark.parametrize("fault", ["sample@3", "backward@4"])
+@pytest.mark.parametrize("fault", ["sample@5", "backward@4", "upload@4"])
 def test_an_asynchronous_run_killed_and_resumed_on_a_fresh_node_ends_byte_identical(
         tmp_path, s3_env, uninterrupted_async, fault):
     storage = s3_env.url
@@ -40,6 +40,8 @@ def test_an_asynchronous_run_killed_and_resumed_on_a_fresh_node_ends_byte_identi
     assert exported_bytes(tmp_path / "node-c", storage, tmp_path / "export") == uninterrupted_async
     st = status(tmp_path / "node-d", storage)
     assert st["phase"] == "Succeeded" and st["step"] == STEPS and st["sampler"]["staleness"] == STALENESS
+    if fault.startswith("upload"):      # killed uploading checkpoint 4: checkpoint 2 was durable, and resumed
+        assert st["attempts"][-1]["fromStep"] == 2, st["attempts"]
 
 
 def test_a_notice_while_the_producer_draws_stops_it_and_the_resume_ends_byte_identical(
