@@ -156,8 +156,11 @@ class GRPOTrainer:
     def _producer(self, eos_ids: Sequence[int]):
         """spec.parameters.staleness > 0: the producer thread and its draft of the policy
         (trainer.ahead), made before anything samples; on a CPU the threads split between them."""
+        import copy
+
         from grpo_run.trainer.ahead import Ahead, draft_of, either, split_threads
         from grpo_run.trainer.sampling.engines import NativeSampler
+        from grpo_run.trainer.sampling.start import stop_strings_check
         from peft import get_peft_model_state_dict
 
         if not isinstance(self.sampler, NativeSampler) or self.world.distributed or self.environment is not None:
@@ -168,11 +171,14 @@ class GRPOTrainer:
             mine, threads = split_threads(self._threads)
             torch.set_num_threads(mine)
         draft = draft_of(self.model)
-        s = self.sampler
-        sampler = NativeSampler(draft, s.settings, pad_id=s.pad_id, device=self.device, finished=s.finished,
-                                compiled=s.compiled, keep_decoder=True, logprobs=True)
+        # its own tokenizer: a fast (Rust) tokenizer used from two threads at once can fail
+        # ("Already borrowed"), and held-out evaluations encode while the producer does
+        tokenizer, s = copy.deepcopy(self.tokenizer), self.sampler
+        sampler = NativeSampler(draft, s.settings, pad_id=s.pad_id, device=self.device,
+                                finished=stop_strings_check(tokenizer, self.params.stopStrings), compiled=s.compiled,
+                                keep_decoder=True, logprobs=True)
         closing = threading.Event()
-        rollout = build_rollout(sampler, self.tokenizer, eos_ids, system_prompt=self.params.systemPrompt,
+        rollout = build_rollout(sampler, tokenizer, eos_ids, system_prompt=self.params.systemPrompt,
                                 template_kwargs=self.params.chatTemplateKwargs, host=None, max_turns=1,
                                 context=2**31 - 1, device=self.device,
                                 stop=either(lambda: self.stop.is_set(), closing.is_set))

@@ -186,3 +186,22 @@ def test_the_drawing_policys_log_probabilities_are_recorded_as_it_samples(make_t
         assert torch.allclose(mine[drawn], batch.engine_logprobs[drawn], atol=1e-4)
     finally:
         tr.close()
+
+
+def test_a_producer_that_does_not_sample_the_trained_policy_fails_the_first_step_before_it_is_applied(make_trainer):
+    from grpo_run.trainer.sampling.engines import EngineDisagrees
+
+    tr = make_trainer(small(maxSteps=3, staleness=1))
+    live = tr.ahead.live
+
+    def wrong():             # the snapshot the producer draws with is not the trained adapter
+        return {k: t + torch.randn_like(t) * 3 for k, t in live().items()}
+
+    tr.ahead.live = wrong
+    before = digest(tr.adapter_state())
+    try:
+        with pytest.raises(EngineDisagrees, match="step 1: the sampling engine's log-probabilities"):
+            tr.train_step(0)
+        assert digest(tr.adapter_state()) == before
+    finally:
+        tr.close()
