@@ -184,7 +184,7 @@ class GRPOTrainer:
                                 stop=either(lambda: self.stop.is_set(), closing.is_set))
         return Ahead(self.params.staleness, self.params.maxSteps, live=self.adapter_state,
                      draft=get_peft_model_state_dict(draft, save_embedding_layers=False), rollout=rollout,
-                     group=lambda step: self._step_group(step)[1:], temperature=self.params.temperature,
+                     group=lambda step: self._step_group(step)[2:], temperature=self.params.temperature,
                      threads=threads, closing=closing)
 
     def sampler_status(self) -> dict[str, str | float]:
@@ -261,7 +261,7 @@ class GRPOTrainer:
         steps: the weights stay as they were)."""
         p, t0, world = self.params, time.perf_counter(), self.world
         self._seed_step(step)
-        tasks, group, seeds = self._step_group(step)
+        mine, tasks, group, seeds = self._step_group(step)
 
         # sample a group (a group is G completions, or G episodes, of one task; each prompt's
         # group draws from its own seed); staleness N: drawn by the policy of step-N meanwhile
@@ -304,14 +304,15 @@ class GRPOTrainer:
         return self._metrics(step, batch, by_reward, rewards, adv, done, digests, tokens=int(tokens),
                              seconds=(t_sampled - t0, time.perf_counter() - t0), sync=sync)
 
-    def _step_group(self, step: int) -> tuple[list[Task], list[Task], list[int]]:
-        """Step `step`'s prompts on this process, each prompt's G copies (b*G), and one seed per prompt."""
+    def _step_group(self, step: int) -> tuple[list[int], list[Task], list[Task], list[int]]:
+        """Step `step`'s prompts on this process: their places among the step's, the tasks, each
+        prompt's G copies (b*G), and one seed per prompt."""
         p = self.params
         step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
         mine = self.world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
         tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]
         group = [t for t in tasks for _ in range(p.numGenerations)]          # b*G, each prompt G times
-        return tasks, group, [prompt_seed(p.seed, step, j) for j in mine]
+        return mine, tasks, group, [prompt_seed(p.seed, step, j) for j in mine]
 
     def _seed_step(self, step: int) -> None:
         """torch's global generator (LoRA dropout: its own stream on each rank), and Python's and
