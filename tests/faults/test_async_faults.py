@@ -8,10 +8,11 @@ which the producer looks up between two tokens."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
-from tests.faults.harness import marker, start_node, wait_until
+from tests.faults.harness import NOTICE_WINDOW_S, marker, start_node, wait_until
 from tests.once import once
 from tests.runner.jobs.test_resume import STEPS, exported_bytes, grpo_run, status, write_job
 
@@ -50,9 +51,11 @@ def test_a_notice_while_the_producer_draws_stops_it_and_the_resume_ends_byte_ide
     job = write_job(tmp_path, storage, staleness=STALENESS, saveSteps=100)   # no checkpoint but the notice's
     proc = start_node(node, "apply", "-f", str(job), fault="hold:sample@3", GRPO_RUN_NOTICES="none")
     wait_until("the hold in the producer's draw", marker(node).exists, proc)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err[-3000:]
+    assert time.monotonic() - sent <= NOTICE_WINDOW_S       # the in-flight draw is abandoned, not finished
     st = status(tmp_path / "node-x", storage)
     durable = st["checkpoints"]["latestDurable"]
     # the step being trained when the producer was held completes or is given up; none is lost

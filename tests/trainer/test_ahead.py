@@ -205,3 +205,17 @@ def test_a_producer_that_does_not_sample_the_trained_policy_fails_the_first_step
         assert digest(tr.adapter_state()) == before
     finally:
         tr.close()
+
+
+def test_a_held_out_evaluation_while_the_producer_draws_changes_nothing_of_the_training(make_trainer, tmp_path):
+    params = small(maxSteps=STEPS, staleness=1)
+    reference = run_through(make_trainer, tmp_path / "ref", params)
+    tr = make_trainer(params)
+    try:
+        for step in range(STEPS):
+            tr.train_step(step)
+            if step in (1, 3):                      # the producer is drawing the next step meanwhile
+                assert tr.ahead.pending and tr.evaluate(tr.env.eval_tasks).tasks == len(tr.env.eval_tasks)
+        assert adapter_bytes(save(tr, STEPS, tmp_path / "evaluated")) == reference
+    finally:
+        tr.close()
