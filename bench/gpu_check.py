@@ -17,7 +17,13 @@ assumes). Nothing is downloaded. It writes one JSON file with:
   step and completion tokens/s beside the native decoder's (`vllmOverNative`), the engine's
   start-up and per-step adapter sync, and the figures against the anchors (ANCHORS: the reference
   job's 0.45 s/step on an H100, vLLM's 8,588 tokens/s for Qwen3-0.6B);
-- qlora: two steps with a 4-bit base (where bitsandbytes has a kernel; skipped on a CPU).
+- qlora: two steps with a 4-bit base (where bitsandbytes has a kernel; skipped on a CPU);
+- async: the LoRA job at spec.parameters.staleness 1 (trainer.ahead: the native decoder's
+  producer thread samples the next step while this one updates, on the same card): seconds per
+  step beside the synchronous run's (`asyncOverSync`), the estimate's overlapped step
+  (max(sampling, update) + sync) against the measured one, and the step's importance ratios.
+  vLLM as a server on another card is not sampled asynchronously yet (trainer.config refuses it),
+  so the split a two-GPU node would give is not measured.
 Each part runs only while the time budget (--budget-s, default 420 s) lasts; a skipped part
 says why. The card is found from torch's device name; --gpu names it when that fails.
 """
@@ -132,7 +138,8 @@ def train_steps(job, steps: int, cuda: bool) -> tuple[dict[str, Any], Any]:
         return {"steps": len(metrics), "stepSeconds": round(step, 4), "sampleSeconds": round(sample, 4),
                 "samplingShare": round(sample / step, 3), "completionTokensPerStep": tokens,
                 "completionTokensPerSecond": round(tokens / sample, 1), "peakGB": peak_gb(cuda),
-                "perStep": [{k: round(m[k], 4) for k in ("stepSeconds", "sampleSeconds", "syncSeconds") if k in m}
+                "perStep": [{k: round(m[k], 4) for k in ("stepSeconds", "sampleSeconds", "syncSeconds", "staleness",
+                                                          "isRatioMean", "isRatioMax", "isTruncated") if k in m}
                             for m in metrics]}, trainer
     except BaseException:
         trainer.close()
@@ -210,6 +217,27 @@ def vllm_steps(job, run: dict[str, int], cuda: bool, budget: Budget, native: dic
                       "stepOverReference": round(out["stepSeconds"] / ANCHORS["referenceStepSecondsH100"], 3),
                       "tokensPerSecondOverPublished": round(out["completionTokensPerSecond"]
                                                             / ANCHORS["vllmTokensPerSecondQwen3_0_6B_H100"], 3)}
+    return out
+
+
+def async_steps(job, run: dict[str, int], cuda: bool, budget: Budget, native: dict[str, Any]) -> dict[str, Any]:
+    """The LoRA job at staleness 1 (trainer.ahead), beside the synchronous run and the estimate."""
+    from grpo_run.runner.estimate.estimate import estimate
+
+    if budget.left() < 60:
+        return {"skipped": "time budget spent"}
+    ajob = job.model_copy(update={"parameters": job.parameters.model_copy(update={"staleness": 1})})
+    est = estimate(ajob)
+    out, trainer = train_steps(ajob, run["steps"], cuda)
+    try:
+        out["engine"] = trainer.sampler_status()
+    finally:
+        trainer.close()
+    out["estimatedStepSeconds"] = est["stepSeconds"]
+    out["estimatedSyncSeconds"] = est["stepModel"].get("syncSeconds")
+    out["measuredOverEstimated"] = round(out["stepSeconds"] / est["stepSeconds"], 3)
+    out["neededGB"] = est["memory"]["neededGB"]
+    out["asyncOverSync"] = {"stepSeconds": round(out["stepSeconds"] / native["stepSeconds"], 3)}
     return out
 
 
@@ -296,6 +324,7 @@ def check(work: Path, gpu: str, memory_gb: float | None, run: dict[str, int], ar
             torch.cuda.empty_cache()
 
     report["vllm"] = vllm_steps(job, run, cuda, budget, lora)
+    report["async"] = async_steps(job, run, cuda, budget, lora)
 
     try:
         check_qlora(device)

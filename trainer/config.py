@@ -22,6 +22,10 @@ STD_CONVENTIONS = ("sample", "population")
 SCHEDULERS = ("constant", "linear", "cosine")
 SAMPLERS = ("native", "vllm", "auto")
 VLLM_MODES = ("colocate", "server")
+# spec.parameters.staleness at most: each step in flight holds a batch of rollouts and, in every
+# checkpoint, the adapter that drew it; past a few steps the correction's ratios mostly truncate
+# (docs/sampling.md), so more lag buys no speed and costs learning
+MAX_STALENESS = 8
 
 
 # Elements of one chunk of logits upcast to fp32 at a time by the selective log-softmax (256 MB);
@@ -158,6 +162,13 @@ class GRPOParams(Strict):
     sampler: Literal[SAMPLERS] = "auto"          # the engine that samples: native | vllm | auto (vLLM where it serves the job)
     vllm: VllmParams = Field(default_factory=VllmParams, json_schema_extra={"like": "{gpuMemoryUtilization: 0.3}"})
     promptsPerStep: int = Field(8, ge=1)         # B, prompts per step (B x G completions)
+    # asynchronous GRPO: step k trains on rollouts the policy of step k-N drew (sampled while
+    # steps k-N..k-1 updated; trainer.ahead); 0: sample, then train (the synchronous run)
+    staleness: int = Field(0, ge=0, le=MAX_STALENESS, json_schema_extra={
+        "why": "steps the sampling policy may lag the trained one (0: synchronous)"})
+    # staleness > 0: each token's loss weighted by min(p_trained / p_drawing, cap) (truncated
+    # importance sampling against the drawing version's log-probabilities, recorded as it sampled)
+    stalenessImportanceCap: float = Field(2.0, gt=0, le=100)
     microBatchSize: int | None = Field(None, ge=1)  # completions per forward/backward (None: from the model and device)
     epsilon: float = Field(0.2, ge=0, le=1)      # PPO clip range
     numIterations: int = Field(1, ge=1)          # updates per generated batch (mu); >1 makes clipping bite
@@ -207,6 +218,34 @@ class GRPOParams(Strict):
                 raise problem(f"{key}: must be text, a number, true/false, null, or a list or mapping of "
                               f"those (got {fmt(value)})")
         return {k: _plain(x) for k, x in v.items()}
+
+    @model_validator(mode="after")
+    def _staleness_engine(self) -> "GRPOParams":
+        reason = staleness_refusal(self)
+        if reason:
+            raise problems_at("GRPOParams", [(("staleness",), reason)])
+        return self
+
+
+def staleness_refusal(params: "GRPOParams") -> str | None:
+    """Why this job cannot sample asynchronously (spec.parameters.staleness > 0), or None. Only the
+    native decoder overlaps here: its producer thread samples with a copy of the adapter (the
+    base's weights shared), on cores of its own (trainer.ahead)."""
+    if params.staleness == 0:
+        return None
+    if params.method == "Full":
+        return (f"is {params.staleness}, and method Full cannot sample asynchronously: every policy version in "
+                "flight would be a whole second model, in memory and in every checkpoint; use method LoRA, or "
+                "staleness: 0")
+    if params.sampler == "vllm":
+        mode = params.vllm.mode
+        why = ("a colocated engine shares the trainer's GPU and its memory with the update, so nothing would "
+               "overlap" if mode == "colocate" else
+               "grpo-run does not sample a server asynchronously yet (the server holds one adapter of the job, "
+               "which the held-out evaluations also sample)")
+        return (f"is {params.staleness}, and sampler: vllm ({mode}) cannot sample asynchronously: {why}; use "
+                "sampler: native (or auto), or staleness: 0")
+    return None
 
 
 # Arguments of tokenizer.apply_chat_template that the trainer sets (or that change what it returns).

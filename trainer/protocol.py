@@ -198,7 +198,7 @@ class Started(_Event):
     cpuThreads: int                       # likewise: another count would round the arithmetic differently
     sandbox: dict[str, str] = Field(default_factory=dict)   # the reward sandbox's layers in force (Grader.sandbox_mode)
     # the engine that samples: {engine: native | vllm, version, mode, startSeconds} (Sampler.status)
-    sampler: dict[str, str | float] = Field(default_factory=dict)
+    sampler: dict[str, str | int | float] = Field(default_factory=dict)
 
 
 class PhaseStarted(_Event):

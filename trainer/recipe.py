@@ -82,7 +82,7 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
         device = trainer.device
         events.emit(Started(step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
                             microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads,
-                            sandbox=trainer.sandbox_mode, sampler=trainer.sampler.status()))
+                            sandbox=trainer.sandbox_mode, sampler=trainer.sampler_status()))
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 

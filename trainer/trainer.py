@@ -96,6 +96,7 @@ class GRPOTrainer:
                                  "its compiled step keeps weights that FSDP gathers afresh for every sampling")
             shard_fsdp(self.model, self.world)      # before the optimizer: its parameters become shards
         self._share_cpu()                      # after the load: a run started beside this one has registered
+        self._threads = torch.get_num_threads()      # the trainer's, both threads' with staleness (cpu_threads)
         if model_name and hasattr(self.model, "peft_config"):
             # Saved adapters name the base as the user did (a hub id, tiny:char), not as a path
             # on this node: exports from any node are then byte-identical.
@@ -150,8 +151,49 @@ class GRPOTrainer:
                                      template_kwargs=params.chatTemplateKwargs, host=self.environment,
                                      max_turns=env.episodes.max_turns if env.episodes is not None else 1,
                                      context=context, device=self.device, stop=self.stop)
+        self.ahead = self._producer(eos_ids) if params.staleness > 0 else None
+
+    def _producer(self, eos_ids: Sequence[int]):
+        """spec.parameters.staleness > 0: the producer thread and its draft of the policy
+        (trainer.ahead), made before anything samples; on a CPU the threads split between them."""
+        import copy
+
+        from grpo_run.trainer.ahead import Ahead, draft_of, either, split_threads
+        from grpo_run.trainer.sampling.engines import NativeSampler
+        from grpo_run.trainer.sampling.start import stop_strings_check
+        from peft import get_peft_model_state_dict
+
+        if not isinstance(self.sampler, NativeSampler) or self.world.distributed or self.environment is not None:
+            raise ValueError("spec.parameters.staleness > 0 samples with the native decoder, on one process, "
+                             "single-turn environments only (docs/sampling.md); set staleness: 0")
+        threads = self._threads
+        if self.device.type == "cpu":
+            mine, threads = split_threads(self._threads)
+            torch.set_num_threads(mine)
+        draft = draft_of(self.model)
+        # its own tokenizer: a fast (Rust) tokenizer used from two threads at once can fail
+        # ("Already borrowed"), and held-out evaluations encode while the producer does
+        tokenizer, s = copy.deepcopy(self.tokenizer), self.sampler
+        sampler = NativeSampler(draft, s.settings, pad_id=s.pad_id, device=self.device,
+                                finished=stop_strings_check(tokenizer, self.params.stopStrings), compiled=s.compiled,
+                                keep_decoder=True, logprobs=True)
+        closing = threading.Event()
+        rollout = build_rollout(sampler, tokenizer, eos_ids, system_prompt=self.params.systemPrompt,
+                                template_kwargs=self.params.chatTemplateKwargs, host=None, max_turns=1,
+                                context=2**31 - 1, device=self.device,
+                                stop=either(lambda: self.stop.is_set(), closing.is_set))
+        return Ahead(self.params.staleness, self.params.maxSteps, live=self.adapter_state,
+                     draft=get_peft_model_state_dict(draft, save_embedding_layers=False), rollout=rollout,
+                     group=lambda step: self._step_group(step)[2:], temperature=self.params.temperature,
+                     threads=threads, closing=closing)
+
+    def sampler_status(self) -> dict[str, str | float]:
+        """The engine as `get tj` shows it (status.sampler), with the run's staleness when it has one."""
+        return {**self.sampler.status(), **({"staleness": self.params.staleness} if self.ahead is not None else {})}
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.sampler.close()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
@@ -173,8 +215,9 @@ class GRPOTrainer:
 
     @property
     def cpu_threads(self) -> int:
-        """The threads torch computes with on this process (the node's share, or the user's setting)."""
-        return torch.get_num_threads()
+        """The threads torch computes with on this process (the node's share, or the user's setting;
+        with staleness, the update's and the producer's together: a resume splits them alike)."""
+        return self._threads
 
     def _share_cpu(self) -> None:
         if self.cpu is not None and self.device.type == "cpu":
@@ -218,17 +261,17 @@ class GRPOTrainer:
         steps: the weights stay as they were)."""
         p, t0, world = self.params, time.perf_counter(), self.world
         self._seed_step(step)
-        step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
-        mine = world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
-        tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]
-        group = [t for t in tasks for _ in range(p.numGenerations)]          # b*G, each prompt G times
+        mine, tasks, group, seeds = self._step_group(step)
 
         # sample a group (a group is G completions, or G episodes, of one task; each prompt's
-        # group draws from its own seed)
-        batch, sync = None, 0.0
+        # group draws from its own seed); staleness N: drawn by the policy of step-N meanwhile
+        batch, sync, drawn_by = None, 0.0, None
         try:
-            with self.sampling_weights() as sync:       # vLLM: the adapter (or weights) of the step before
-                batch = self.rollout.play(group, [prompt_seed(p.seed, step, j) for j in mine], p.temperature)
+            if self.ahead is not None:
+                batch, drawn_by = self.ahead.take(step)
+            else:
+                with self.sampling_weights() as sync:   # vLLM: the adapter (or weights) of the step before
+                    batch = self.rollout.play(group, seeds, p.temperature)
         except GenerationInterrupted:
             if not world.distributed:
                 raise
@@ -254,11 +297,22 @@ class GRPOTrainer:
 
         # update (trainer.update: micro-batches, the KL term, the engine's correction, DDP/FSDP)
         self.sampler.release()                         # a GPU engine's KV cache is released for the update
-        done = self.update.run(step, batch, loss_mask, adv, rewards, tokens=int(tokens))
+        done = self.update.run(step, batch, loss_mask, adv, rewards, tokens=int(tokens),
+                               lag=None if drawn_by is None else step - drawn_by)
 
         # metrics (and the step's first groups, for people to read)
         return self._metrics(step, batch, by_reward, rewards, adv, done, digests, tokens=int(tokens),
                              seconds=(t_sampled - t0, time.perf_counter() - t0), sync=sync)
+
+    def _step_group(self, step: int) -> tuple[list[int], list[Task], list[Task], list[int]]:
+        """Step `step`'s prompts on this process: their places among the step's, the tasks, each
+        prompt's G copies (b*G), and one seed per prompt."""
+        p = self.params
+        step_tasks = batch_indices(p.seed, step, p.promptsPerStep, len(self.env.train_tasks))
+        mine = self.world.shard(len(step_tasks))            # this process's prompts (all of them, alone)
+        tasks = [self.env.train_tasks[step_tasks[j]] for j in mine]
+        group = [t for t in tasks for _ in range(p.numGenerations)]          # b*G, each prompt G times
+        return mine, tasks, group, [prompt_seed(p.seed, step, j) for j in mine]
 
     def _seed_step(self, step: int) -> None:
         """torch's global generator (LoRA dropout: its own stream on each rank), and Python's and
@@ -308,6 +362,8 @@ class GRPOTrainer:
                        sampleSeconds=seconds[0], stepSeconds=seconds[1])
         if done.mismatch is not None:
             metrics.update(syncSeconds=sync, logprobMismatch=done.mismatch)
+        if done.offpolicy is not None:                 # staleness: the lag and the correction's ratios
+            metrics.update(done.offpolicy)
         if done.kl is None:
             metrics.pop("kl")
         return metrics
@@ -336,8 +392,11 @@ class GRPOTrainer:
                     seen.add(tensor.data_ptr())
                     unique[name] = tensor
             weights = unique
-        return {"weights": weights, "optimizer": {"param_groups": param_groups, "state": moments},
-                "scheduler": self.scheduler.state_dict()}
+        state = {"weights": weights, "optimizer": {"param_groups": param_groups, "state": moments},
+                 "scheduler": self.scheduler.state_dict()}
+        if self.ahead is not None:     # the policy versions drawing the steps in flight (trainer.ahead)
+            state["inflight"] = self.ahead.inflight(self.scheduler.last_epoch)   # it steps once a step
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The inverse of `state_dict` (every rank passes the same whole state; FSDP shards it).
@@ -362,6 +421,8 @@ class GRPOTrainer:
             self.optimizer.load_state_dict({"state": {i: s for i, s in enumerate(optimizer["state"]) if s},
                                             "param_groups": optimizer["param_groups"]})
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.ahead is not None:
+            self.ahead.restore(state.get("inflight") or {})
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors by their names in PEFT files (LoRA, QLoRA). Resolved once:

@@ -54,6 +54,31 @@ class Updated:
     micro_batches: int
     learning: int                 # completions with a non-zero advantage (or all, with a KL term)
     mismatch: float | None        # mean |trainer - engine| log-probability over drawn tokens (None: native)
+    offpolicy: dict[str, float] | None = None   # staleness: the lag and the ratios' statistics (`lag`)
+
+
+class Ratios:
+    """An asynchronous step's importance ratios p_trained / p_drawing over its loss tokens (the
+    first iteration's: the policy as the step starts), and the share the cap truncated."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap, self.total, self.tokens, self.truncated = cap, 0.0, 0, 0
+        self.low, self.high = math.inf, -math.inf
+
+    def add(self, trained: Tensor, drawing: Tensor, mask: Tensor) -> None:
+        keep = mask.bool()
+        r = torch.exp(trained.detach() - drawing)[keep]
+        if r.numel():
+            self.total += float(r.sum())
+            self.tokens += r.numel()
+            self.truncated += int((r > self.cap).sum())
+            self.low, self.high = min(self.low, float(r.min())), max(self.high, float(r.max()))
+
+    def summary(self) -> dict[str, float]:
+        if not self.tokens:
+            return {"isRatioMean": 1.0, "isRatioMin": 1.0, "isRatioMax": 1.0, "isTruncated": 0.0}
+        return {"isRatioMean": self.total / self.tokens, "isRatioMin": self.low, "isRatioMax": self.high,
+                "isTruncated": self.truncated / self.tokens}
 
 
 class Update:
@@ -69,10 +94,11 @@ class Update:
         self._ddp: torch.nn.Module | None = None   # the model under DDP, for the update (several processes)
 
     def run(self, step: int, batch: Rollouts, loss_mask: Tensor, adv: Tensor, rewards: Tensor, *,
-            tokens: int) -> Updated:
+            tokens: int, lag: int | None = None) -> Updated:
         """Step `step` (0-based) of `batch`, its advantages `adv` [N] and loss mask [N, T] (the
-        batch's, less maskTruncatedCompletions' rows); `tokens`: the whole step's loss tokens.
-        Raises NonFiniteStep before anything is applied."""
+        batch's, less maskTruncatedCompletions' rows); `tokens`: the whole step's loss tokens;
+        `lag`: an asynchronous run's (trainer.ahead) steps between the policy that drew the batch
+        and this one (None: synchronous). Raises NonFiniteStep before anything is applied."""
         p, world = self.params, self.world
         n = p.promptsPerStep * p.numGenerations                                      # the whole step's
         if not self.model.training:        # sampling leaves the mode as it was: set once, not every step
@@ -84,10 +110,14 @@ class Update:
         olds: list[Tensor | None] = [None] * len(parts)
         # vLLM samples: each token's loss weighted by min(p_trainer / p_engine, cap) (truncated
         # importance sampling), the engine's and the trainer's log-probabilities differing a little
+        # Asynchronous (`lag`): the same weighting against the drawing version's log-probabilities
+        # (recorded as it sampled), min(p_trained / p_drawing, stalenessImportanceCap): truncated,
+        # never masked, so no token is dropped; the ratios' statistics are the step's metrics
         engine = batch.engine_logprobs
-        cap = p.vllm.importanceSamplingCap if engine is not None else 0.0
+        cap = (p.stalenessImportanceCap if lag is not None else p.vllm.importanceSamplingCap) if engine is not None else 0.0
         is_weights: list[Tensor | None] = [None] * len(parts)
         mismatch = [0.0, 0]                                        # sum |trainer - engine| over tokens, tokens
+        ratios = Ratios(cap) if lag is not None else None
         model = self._update_model()
         for iteration in range(p.numIterations):
             # zeros, not None: with no completion to learn from, the optimizer still takes its step
@@ -112,6 +142,8 @@ class Update:
                                 mismatch[1] += int(drawn.sum())
                                 if cap > 0:
                                     is_weights[j] = grpo.truncated_is_weights(olds[j], eng, cap)
+                                if ratios is not None:
+                                    ratios.add(olds[j], eng, l_mask)
                         per_token, clipped = grpo.clipped_token_loss(logps, olds[j], adv[sl], p.epsilon)
                         if is_weights[j] is not None:
                             per_token = per_token * is_weights[j]
@@ -126,7 +158,7 @@ class Update:
                     clipped_tokens += (clipped.float() * l_mask).sum().item()
                 if world.distributed and not parts:      # nothing to learn here: join the average with zeros
                     self._zero_backward(model, batch)
-            if engine is not None and iteration == 0:
+            if engine is not None and iteration == 0 and not lag:    # lag 0: the drawing policy is this one
                 self._check_agreement(step, mismatch[0] / mismatch[1] if mismatch[1] else 0.0)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, p.maxGradNorm, foreach=True)
             if hasattr(grad_norm, "full_tensor"):      # FSDP: a DTensor, the whole gradient's norm
@@ -136,7 +168,9 @@ class Update:
         self.scheduler.step()
         return Updated(loss=loss, clipped=clipped_tokens, kl=kl_sum if refs is not None else None,
                        grad_norm=float(grad_norm), micro_batches=len(parts), learning=int(learning.numel()),
-                       mismatch=None if engine is None else (mismatch[0] / mismatch[1] if mismatch[1] else 0.0))
+                       mismatch=None if engine is None or lag is not None else
+                       (mismatch[0] / mismatch[1] if mismatch[1] else 0.0),
+                       offpolicy=None if ratios is None else {"staleness": lag, **ratios.summary()})
 
     def _check_agreement(self, step: int, mismatch: float) -> None:
         """Raise EngineDisagrees when the engine's log-probabilities of what it drew are not the

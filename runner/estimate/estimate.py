@@ -154,13 +154,15 @@ def estimate(job: TrainingJob, *, now: datetime | None = None, sampler: str | No
         shards=gpus,                               # Full: sharded with FSDP, the rest replicated
         sampler="native" if engine == "native" else p.vllm.mode,
         engine_share=p.vllm.gpuMemoryUtilization,
+        staleness=p.staleness,
     )
     work = workload(job)
     shape = model_shape(config)
     step = StepWork(shape=shape, method=p.method, prompts=prompts, generations=p.numGenerations,
                     prompt_tokens=work.prompt_tokens or 0.0, completion_tokens=p.maxCompletionLength,
                     num_iterations=p.numIterations, beta=p.beta, gradient_checkpointing=p.gradientCheckpointing,
-                    scorers=tuple(model_shape(c) for c in scorer_configs), engine=engine, turns=turns)
+                    scorers=tuple(model_shape(c) for c in scorer_configs), engine=engine, turns=turns,
+                    staleness=p.staleness, adapter_parameters=memory.trainable_parameters)
     out: dict[str, Any] = {
         "costToCompletionUSD": None,
         "firstHoldUSD": None,
@@ -264,6 +266,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["stepModel"] = {"seconds": _figures(timed.seconds), "sampleSeconds": _figures(timed.sample_seconds),
                            "updateSeconds": _figures(timed.update_seconds),
                            "samplingShare": round(timed.sampling_share, 2), "calibration": round(timed.calibration, 3),
+                           **({"syncSeconds": _figures(timed.sync_seconds), "overlapped": True}
+                              if timed.sync_seconds is not None else {}),
                            "cardFigures": _figures_from(card, pricing)}
     if card.figures_note:
         fields["stepModel"]["cardNote"] = card.figures_note

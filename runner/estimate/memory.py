@@ -301,6 +301,8 @@ class MemoryEstimate:
     engine_weights_gb: float = 0.0          # colocate: the engine's 16-bit weights and the adapter
     engine_kv_gb: float | None = None       # colocate: what the share leaves the engine for its KV cache
     engine_min_kv_gb: float = 0.0           # colocate: one whole sequence's KV cache, the least vLLM starts with
+    staleness: int = 0                      # spec.parameters.staleness: sampling during the update
+    policy_copies_gb: float = 0.0           # staleness: the producer's draft adapter and N + 1 snapshots
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -322,6 +324,7 @@ class MemoryEstimate:
                if self.reward_models_gb else {}),
             **({"fsdpShards": self.fsdp_shards} if self.fsdp_shards > 1 else {}),
             **({"engine": self._engine()} if self.sampler != "native" else {}),
+            **({"staleness": self.staleness, "policyCopiesGB": self.policy_copies_gb} if self.staleness else {}),
         }
 
     def _engine(self) -> dict[str, Any]:
@@ -355,6 +358,7 @@ def memory_estimate(
     shards: int = 1,
     sampler: str = "native",
     engine_share: float = 0.3,
+    staleness: int = 0,
 ) -> MemoryEstimate:
     """Memory for weights and trainable state of one run, from a HF ``config.json`` dict.
 
@@ -433,7 +437,13 @@ def memory_estimate(
             engine = (Decimal(str(engine_share)) * Decimal(str(card.memory_gb))).quantize(
                 Decimal("0.1"), rounding=ROUND_HALF_UP)
             engine_kv = engine - engine_weights
-    if sampler == "native":
+    copies = Decimal("0.00")
+    if staleness:
+        # the producer's draft (its own adapter, the base shared) and the snapshots of versions
+        # k-N..k it draws with, fp32; its KV cache is held while the update runs, not after it
+        copies = _gb(quoted_count(trainable) * (staleness + 2), Decimal(4), "0.01")
+        needed = total + scorer_weights + copies + max(sampling + update, scoring)
+    elif sampler == "native":
         needed = total + scorer_weights + max(sampling, update, scoring)
     else:
         # the engine samples: colocated, its share while it is awake (asleep during the update);
@@ -463,5 +473,7 @@ def memory_estimate(
         engine_weights_gb=float(engine_weights),
         engine_kv_gb=None if engine_kv is None else float(engine_kv),
         engine_min_kv_gb=float(min_kv),
+        staleness=staleness,
+        policy_copies_gb=float(copies),
     )
 

@@ -17,7 +17,11 @@ update    forward and backward over n sequences of P + T tokens, compute-bound:
 scoring  each reward model the job names (a one-logit classifier): one forward, no gradients,
           over the same n sequences of P + T tokens, as one pass (weights read once at 2 bytes;
           the head is hidden x 1, not the vocabulary's); counted with the update.
-Both x the card's CALIBRATION (see below). Scoring (a Python check in the grader), the optimizer
+Both x the card's CALIBRATION (see below). Asynchronous (spec.parameters.staleness N > 0,
+trainer.ahead): the producer samples step k+N while step k updates, so a step takes the slower of
+the two plus the sync, the copy of the adapter the producer draws with (its fp32 bytes read and
+written at the card's bandwidth). On one GPU the native decoder and the update share the card: the
+model's overlap is the most it can give (bench/gpu_check.py's async section measures it). Scoring (a Python check in the grader), the optimizer
 step and the host's bookkeeping are left out: next to these they are small (SPEC §5).
 
 Forward FLOPs per token at context c: 2 x the matmul parameters (every decoder linear layer and
@@ -115,6 +119,8 @@ class StepWork:
     scorers: tuple[ModelShape, ...] = ()   # the reward models' shapes (scored once per step)
     engine: str = "native"         # what samples: native (eager PyTorch) | vllm
     turns: int = 1                 # an episode's replies at most (spec.environment.maxTurns); 1: no episodes
+    staleness: int = 0             # spec.parameters.staleness: > 0 samples during the update
+    adapter_parameters: int = 0    # the trainable parameters a staleness run copies every step
 
     @property
     def sequences(self) -> int:
@@ -134,9 +140,12 @@ class StepTime:
     sample_seconds: float
     update_seconds: float
     calibration: float
+    sync_seconds: float | None = None     # asynchronous: the adapter's copy (None: synchronous)
 
     @property
     def seconds(self) -> float:
+        if self.sync_seconds is not None:      # sampling overlaps the update
+            return self.calibration * (max(self.sample_seconds, self.update_seconds) + self.sync_seconds)
         return self.calibration * (self.sample_seconds + self.update_seconds)
 
     @property
@@ -268,7 +277,10 @@ VLLM_PASS_SECONDS = _vllm_pass_seconds()
 def step_time(work: StepWork, gpu: Gpu) -> StepTime:
     """One step of `work` on `gpu`: sampling and update, and the card's calibration."""
     sample, update = _uncalibrated(work, gpu)
-    return StepTime(sample, update, CALIBRATION.get(gpu.name, 1.0) if gpu.listed else 1.0)
+    sync = None
+    if work.staleness > 0:       # fp32 adapter read and written once
+        sync = 2 * 4 * work.adapter_parameters / (gpu.memory_bandwidth * MEMORY_EFFICIENCY)
+    return StepTime(sample, update, CALIBRATION.get(gpu.name, 1.0) if gpu.listed else 1.0, sync)
 
 
 def eval_seconds(shape: ModelShape, method: str, *, tasks: int, batch_size: int, prompt_tokens: float,

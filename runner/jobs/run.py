@@ -95,6 +95,8 @@ def check_job(file: str, job, *, dry_run: bool, detach: bool, live=None) -> Chec
     sampler = None
     if dry_run and choice:
         sampler = {"engine": choice.engine, "why": choice.why, **({"version": choice.version} if choice.version else {})}
+        if job.parameters.staleness:               # asynchronous sampling (trainer.ahead), as `get tj` shows it
+            sampler["staleness"] = job.parameters.staleness
     if sampler and job.storage is not None:
         # A job with storage may run on a GPU node (the prediction above) or here (apply without
         # --detach): where the two differ (tiny:char: vLLM on a GPU node, native on this CPU), both

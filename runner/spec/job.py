@@ -255,6 +255,14 @@ class TrainingJob(Strict):
             found.append((("nodes",), f"{self.nodes} nodes of {processes} process{'es' if processes > 1 else ''} need "
                           f"promptsPerStep >= {processes * self.nodes} (got {params.promptsPerStep}): each process "
                           "samples whole groups of its own; raise spec.parameters.promptsPerStep or use fewer nodes"))
+        if params.staleness and env.plays_episodes:
+            found.append((("parameters", "staleness"), f"is {params.staleness}, and an environment with episodes "
+                          "or tools cannot sample asynchronously yet: its sandboxed worker plays one episode loop at a "
+                          "time, and the held-out evaluations play while the producer would; set staleness: 0"))
+        if params.staleness and (processes != 1 or self.nodes):
+            found.append((("parameters", "staleness"), f"is {params.staleness}, and asynchronous sampling runs on "
+                          "one trainer process yet (its producer is a thread beside the update); set "
+                          "spec.resources.processes: 1 without nodes, or staleness: 0"))
         if params.evalSteps is not None and params.evalSteps >= params.maxSteps:
             found.append((("parameters", "evalSteps"), f"must be < maxSteps ({params.maxSteps}) to evaluate while "
                           "training; the final evaluation runs after the last step anyway"))

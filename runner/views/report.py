@@ -342,12 +342,18 @@ def summary(run: dict[str, Any], picture: str | None = None) -> str:
 
 def _engine(engine: dict[str, Any], steps: list[dict[str, Any]]) -> str:
     """The engine line: which, its version and mode, its start-up, and the newest step's sync and mismatch."""
+    last = steps[-1] if steps else {}
     if engine["engine"] == "native":
-        return "native decoder"
+        if not engine.get("staleness"):
+            return "native decoder"
+        text = f"native decoder, asynchronous (staleness {engine['staleness']:g})"   # trainer.ahead
+        if "isRatioMean" in last:
+            text += (f"; newest step: importance ratio mean {last['isRatioMean']:.3f} (min {last['isRatioMin']:.3f}, "
+                     f"max {last['isRatioMax']:.3f}), {last['isTruncated']:.1%} truncated")
+        return text
     text = f"vLLM {engine.get('version', '')} ({engine.get('mode', 'colocate')})".replace("  ", " ")
     if engine.get("startSeconds") is not None:
         text += f", started in {engine['startSeconds']:.1f} s"
-    last = steps[-1] if steps else {}
     if "syncSeconds" in last:
         text += f"; newest step: adapter sync {last['syncSeconds'] * 1000:.0f} ms, log-prob mismatch " \
                 f"{last.get('logprobMismatch', 0.0):.1e}"

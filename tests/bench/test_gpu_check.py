@@ -31,4 +31,8 @@ def test_the_gpu_check_runs_tiny_on_a_cpu_and_writes_one_json_file(tmp_path):
     assert vllm["vllmOverNative"]["stepSeconds"] == round(vllm["stepSeconds"] / lora["stepSeconds"], 3)
     assert vllm["anchors"]["tokensPerSecondOverPublished"] > 0
     assert "stepSeconds" in report["qlora"] or "skipped" in report["qlora"]
+    ahead = report["async"]                # staleness 1: the producer thread samples the next step
+    assert ahead["engine"]["staleness"] == 1 and ahead["steps"] == 2 and ahead["stepSeconds"] > 0
+    assert [s["staleness"] for s in ahead["perStep"]] == [0, 1]
+    assert ahead["asyncOverSync"]["stepSeconds"] == round(ahead["stepSeconds"] / lora["stepSeconds"], 3)
     assert [p.name for p in tmp_path.iterdir()] == ["check.json"]          # nothing else left behind

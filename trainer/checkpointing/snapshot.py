@@ -7,7 +7,9 @@ A checkpoint holds (paths relative to its folder):
     model/config.json                    Full: the model in transformers' format
     model/model.safetensors
     training_state.safetensors           the optimizer's moments (one flat tensor per kind, in
-                                         parameter order) and the RNG states
+                                         parameter order), the RNG states and, staleness N > 0,
+                                         the adapters of the policy versions drawing the steps in
+                                         flight (`inflight.V.NAME`, trainer.ahead)
     trainer_state.json                   step, seed, method, the optimizer's hyper-parameters,
                                          the scheduler, the RNGs' small parts
     metrics.json                         each step's metrics so far (written beside these by the
@@ -100,7 +102,7 @@ def state_files(trainer, step: int, *, state: dict[str, Any] | None = None, weig
     the trainer's `state_dict()` when the caller already took it (with FSDP every rank takes it
     together, and rank 0 writes). `weights_only`: the adapter or model alone (the final weights, an
     export). `other_ranks`: ranks 1..N-1's `rng_state()`s, with several processes."""
-    state = trainer.state_dict() if state is None else state
+    state = trainer_state = trainer.state_dict() if state is None else state
     files: dict[str, TensorFile | str] = {}
     if trainer.params.method == "Full":
         files["model/config.json"] = trainer.model.config.to_json_string(use_diff=True)
@@ -143,6 +145,10 @@ def state_files(trainer, step: int, *, state: dict[str, Any] | None = None, weig
             rng["ranks"][str(k)] = {"numpy": [int(st["numpy"][2]), int(st["numpy"][3]), float(st["numpy"][4])],
                                     "python": [st["python"][0], st["python"][2]]}
         state["worldSize"] = 1 + len(other_ranks)
+    if "inflight" in trainer_state:            # staleness: the versions the resume draws steps again with
+        state["inflight"] = sorted(trainer_state["inflight"])
+        for version, weights in trainer_state["inflight"].items():
+            tensors.update({f"inflight.{version}.{name}": t for name, t in weights.items()})
     files[TRAINING_STATE] = TensorFile(tensors)
     files[TRAINER_STATE] = json.dumps(state, indent=2)
     return files
@@ -219,7 +225,8 @@ def load_state(trainer, folder: Path, rank: int = 0) -> int:
     optimizer = {"param_groups": meta["optimizer"]["param_groups"],
                  "state": _moments(trainer.optimizer, tensors, meta["optimizer"]["stacked"], folder)}
     try:
-        trainer.load_state_dict({"weights": weights, "optimizer": optimizer, "scheduler": meta["scheduler"]})
+        trainer.load_state_dict({"weights": weights, "optimizer": optimizer, "scheduler": meta["scheduler"],
+                                 "inflight": _inflight(tensors, meta.get("inflight", []), trainer.device)})
     except ValueError as exc:
         raise ValueError(f"checkpoint {folder}: its {exc}; {_CHANGED}") from None
     rng = meta["rng"]
@@ -233,6 +240,16 @@ def load_state(trainer, folder: Path, rank: int = 0) -> int:
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
     return int(meta["step"])
+
+
+def _inflight(tensors: dict[str, torch.Tensor], versions: list[int], device: torch.device) -> dict[int, dict]:
+    """The in-flight policy versions' adapters a checkpoint holds ({} for a synchronous run's)."""
+    out: dict[int, dict[str, torch.Tensor]] = {v: {} for v in versions}
+    for key, tensor in tensors.items():
+        if key.startswith("inflight."):
+            version, name = key[len("inflight."):].split(".", 1)
+            out[int(version)][name] = tensor.to(device)
+    return out
 
 
 def _load_rank_rng(tensors: dict[str, torch.Tensor], small: dict | None, rank: int, device: torch.device) -> None:

@@ -128,6 +128,9 @@ def decide(params, config: Callable[[], dict], *, gpu: bool, processes: int, her
     runs: that node decides, with vLLM where it has it). `config()`: the model's config.json, read
     only when vLLM may sample; `processes`: the trainer's on one node. Raises ValueError, naming the
     field and the fix, for `sampler: vllm` that cannot be."""
+    if params.staleness > 0 and params.sampler == "auto":   # trainer.config.staleness_refusal refuses vllm
+        return Choice("native", f"auto: spec.parameters.staleness is {params.staleness}, and only the native "
+                                "decoder samples asynchronously (docs/sampling.md)")
     server = params.vllm.mode == "server"
     if here or params.sampler == "native" or server:
         return choose(params.sampler, params.method, config, gpu, server=server, processes=processes)

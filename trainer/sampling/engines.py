@@ -104,12 +104,13 @@ class NativeSampler:
 
     def __init__(self, model: torch.nn.Module, settings: SampleSettings, *, pad_id: int, device: torch.device,
                  finished: Callable[[Tensor, Tensor], Tensor] | None = None, compiled: bool = False,
-                 keep_decoder: bool = True) -> None:
+                 keep_decoder: bool = True, logprobs: bool = False) -> None:
         """`finished`: the stop-strings check (start.stop_strings_check); `compiled`: the compiled
         decode step (compileDecode); `keep_decoder`: the fast decoder kept with the model (not
-        for a sharded one, whose gathered weights are new tensors at every gathering)."""
+        for a sharded one, whose gathered weights are new tensors at every gathering); `logprobs`:
+        record each drawn token's log-probability (an asynchronous run's producer, trainer.ahead)."""
         self.model, self.settings, self.pad_id, self.device = model, settings, pad_id, device
-        self.finished, self.compiled, self.keep_decoder = finished, compiled, keep_decoder
+        self.finished, self.compiled, self.keep_decoder, self.logprobs = finished, compiled, keep_decoder, logprobs
 
     def load_policy(self, model: torch.nn.Module) -> float:
         return 0.0                # it samples with the policy itself
@@ -123,7 +124,7 @@ class NativeSampler:
                               should_stop=should_stop, max_new_tokens=s.max_tokens, eos_ids=s.stop_token_ids,
                               pad_id=self.pad_id, top_k=s.top_k, top_p=s.top_p,
                               repetition_penalty=s.repetition_penalty, finished=self.finished,
-                              compiled=self.compiled, keep_decoder=self.keep_decoder)
+                              compiled=self.compiled, keep_decoder=self.keep_decoder, logprobs=self.logprobs)
 
     def release(self) -> None:
         pass                      # sampler.sample releases a kept decoder's cache after each call

@@ -32,7 +32,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
            top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
            finished: Callable[[Tensor, Tensor], Tensor] | None = None,
            should_stop: Callable[[], bool] | None = None, compiled: bool = False,
-           keep_decoder: bool = False) -> Completions:
+           keep_decoder: bool = False, logprobs: bool = False) -> Completions:
     """Autoregressive sampling with a KV cache and an explicit generator (so it can be replayed).
 
     prompt_ids, prompt_mask [N, P] (left-padded). A completion ends at the first token in
@@ -54,7 +54,10 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     `should_stop()` turns true. `compiled`: the decode step compiled with static shapes
     (decode.CompiledDecoder; Llama-family models). `keep_decoder`: the fast decoder is kept with the
     model for the next call (decode.decoder_for's `keep`). The model decodes in eval mode (dropout
-    off) and is left in the mode it was in.
+    off) and is left in the mode it was in. `logprobs`: Completions.logprobs holds each drawn
+    token's log-probability under the temperature-scaled distribution (as completion_logprobs
+    computes it: before the penalty and the filters), for asynchronous runs (trainer.ahead), whose
+    drawing policy is gone by the time its rollouts are trained on.
     """
     decoder = decoder_for(model, compiled=compiled, keep=keep_decoder)
     training = bool(getattr(model, "training", False)) and decoder.needs_eval_mode
@@ -63,7 +66,8 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
     try:
         return _sample(decoder, prompt_ids, prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
                        eos_ids=eos_ids, pad_id=pad_id, generator=generator, top_k=top_k, top_p=top_p,
-                       repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop)
+                       repetition_penalty=repetition_penalty, finished=finished, should_stop=should_stop,
+                       logprobs=logprobs)
     finally:
         decoder.release()                 # a kept decoder does not hold its cache through the update
         if training:
@@ -72,7 +76,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: in
 
 def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens: int, temperature: float,
             eos_ids: Sequence[int], pad_id: int, generator, top_k: int, top_p: float,
-            repetition_penalty: float, finished, should_stop) -> Completions:
+            repetition_penalty: float, finished, should_stop, logprobs: bool = False) -> Completions:
     n, device = prompt_ids.size(0), prompt_ids.device
     logits = decoder.start(prompt_ids, prompt_mask, max_new_tokens)                 # [N, V]
     done = torch.zeros(n, dtype=torch.bool, device=device)
@@ -87,10 +91,12 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
     tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)   # [N, T]
     masks = torch.zeros(n, max_new_tokens, dtype=torch.bool, device=device)             # [N, T]
     entropy = torch.zeros(n, dtype=torch.float32, device=device)                         # [N]
+    drawn = torch.zeros(n, max_new_tokens, dtype=torch.float32, device=device) if logprobs else None   # [N, T]
     length = 0
     for t in range(max_new_tokens):
         if should_stop is not None and should_stop():
             raise GenerationInterrupted()
+        raw = logits
         if seen is not None:
             logits = apply_repetition_penalty(logits.float(), seen, repetition_penalty)
         if temperature > 0:
@@ -105,6 +111,8 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         else:
             nxt = logits.argmax(dim=-1)
         masks[:, t] = ~done
+        if drawn is not None and temperature > 0:
+            drawn[:, t] = torch.log_softmax(raw.float() / temperature, dim=-1).gather(1, nxt.unsqueeze(1)).squeeze(1)
         nxt.masked_fill_(done, pad_id)
         tokens[:, t], length = nxt, t + 1
         ended = torch.isin(nxt, eos)
@@ -120,7 +128,8 @@ def _sample(decoder, prompt_ids: Tensor, prompt_mask: Tensor, *, max_new_tokens:
         logits = decoder.step(nxt, ~done)
     if draws is not None and not bool(torch.isfinite(entropy).all()):
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")   # multinomial's words
-    return Completions(tokens[:, :length], masks[:, :length].long(), ~done, entropy)
+    return Completions(tokens[:, :length], masks[:, :length].long(), ~done, entropy,
+                       None if drawn is None else drawn[:, :length] * masks[:, :length])
 
 
 class _Draws:
