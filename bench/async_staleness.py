@@ -36,6 +36,9 @@ sys.path.insert(0, str(REPO))
 CONFIGS = {
     "demo": {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 8, "learningRate": 0.002},
     "long": {"numGenerations": 4, "promptsPerStep": 8, "maxCompletionLength": 48, "learningRate": 0.002},
+    # bench/vs_trl.py's config C: 4 layers x 256 hidden, whose operations are long enough to run
+    # outside Python's interpreter lock, so a producer thread and the update can share the cores
+    "bigger": {"numGenerations": 8, "promptsPerStep": 8, "maxCompletionLength": 12, "learningRate": 0.0005},
 }
 
 
@@ -48,7 +51,13 @@ def one_run(config: str, staleness: int, steps: int, eval_tasks: int) -> dict[st
 
     params = GRPOParams(**CONFIGS[config], maxSteps=steps, staleness=staleness, seed=0, evalTasks=eval_tasks)
     env = catalog_environment("arithmetic", seed=0, n_eval=eval_tasks)
-    trainer = GRPOTrainer(ensure_model("tiny:char"), env, params)
+    if config == "bigger":
+        from bench.vs_trl import build_bigger
+
+        model = build_bigger(Path(os.environ.get("GRPO_RUN_HOME", Path.home() / ".grpo-run")) / "bench-models")
+    else:
+        model = ensure_model("tiny:char")
+    trainer = GRPOTrainer(model, env, params)
     try:
         metrics = [trainer.train_step(0)]                 # warms up (the decoders, the kernels): not timed
         t0 = time.perf_counter()
