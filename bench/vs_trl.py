@@ -105,15 +105,19 @@ class TreePeak:
         return self.peak
 
 
+def grpo_job(cfg: dict, model: str, steps: int, save_steps: int, name: str = "vs-trl") -> dict:
+    """The job file grpo-run gets (bench/goodput.py runs the same one, with checkpoints)."""
+    return {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": name},
+            "spec": {"model": model, "environment": {"name": "arithmetic"},
+                     "parameters": {"numGenerations": cfg["G"], "promptsPerStep": cfg["B"],
+                                    "maxCompletionLength": cfg["tokens"], "learningRate": cfg["lr"],
+                                    "maxSteps": steps, "saveSteps": save_steps, "seed": 0, "lora": {"r": 8},
+                                    "lossType": "grpo", "advantageStd": "sample", "beta": 0.0}}}
+
+
 def run_grpo_run(cfg: dict, model: str, steps: int, home: Path) -> dict:
-    job = {"apiVersion": "grpo-run/v1", "kind": "TrainingJob", "metadata": {"name": "vs-trl"},
-           "spec": {"model": model, "environment": {"name": "arithmetic"},
-                    "parameters": {"numGenerations": cfg["G"], "promptsPerStep": cfg["B"],
-                                   "maxCompletionLength": cfg["tokens"], "learningRate": cfg["lr"],
-                                   "maxSteps": steps, "saveSteps": steps + 1, "seed": 0, "lora": {"r": 8},
-                                   "lossType": "grpo", "advantageStd": "sample", "beta": 0.0}}}
     path = home / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
+    path.write_text(yaml.safe_dump(grpo_job(cfg, model, steps, steps + 1)))
     env = {**os.environ, "GRPO_RUN_HOME": str(home)}
     proc = subprocess.Popen([sys.executable, "-m", "grpo_run.runner.cli", "apply", "-f", str(path)], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -151,17 +155,56 @@ def run_trl(cfg: dict, model: str, steps: int, home: Path) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "peakRssMB": rss / 2**20}
 
 
-def trl_one(spec: dict) -> dict:
-    """TRL's GRPOTrainer on the same job, in this process, as a user writes it."""
-    import torch
-    import trl.extras.profiling as profiling
+def trl_trainer(spec: dict, output_dir: str, callbacks: list, **overrides):
+    """(GRPOTrainer, tokenizer, held-out tasks): TRL on the job grpo-run gets, its defaults
+    overridden to match (bench/goodput.py runs it with checkpoints: save_strategy, save_steps)."""
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_run.trainer.envs.catalog import arithmetic_reward, arithmetic_tasks
     from grpo_run.runner.home import ensure_model
+
+    path = ensure_model(spec["model"])
+    train, held_out = arithmetic_tasks(0, None, None)
+
+    def reward(completions, answer, **_):
+        return [arithmetic_reward(c, {"answer": a}) for c, a in zip(completions, answer)]
+
+    config = GRPOConfig(
+        output_dir=output_dir, num_generations=spec["G"], per_device_train_batch_size=spec["G"] * spec["B"],
+        max_completion_length=spec["tokens"], learning_rate=spec["lr"], lr_scheduler_type="constant",
+        beta=0.0, loss_type="grpo", scale_rewards="group", temperature=1.0, max_steps=spec["steps"],
+        logging_steps=1, report_to="none", use_cpu=True, seed=0, bf16=False,
+        gradient_checkpointing=True, disable_tqdm=True, **overrides)
+    tok = AutoTokenizer.from_pretrained(path)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_list([{"prompt": t["prompt"], "answer": t["answer"]} for t in train]),
+                          processing_class=tok, peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+                          callbacks=callbacks)
+    return trainer, tok, held_out
+
+
+def held_out_reward(model, tok, held_out: list[dict], tokens: int) -> float:
+    """The mean reward on the held-out tasks, greedy, as grpo-run's evaluation decodes."""
+    import torch
+
+    from grpo_run.trainer.envs.catalog import arithmetic_reward
+
+    model = model.eval()
+    tok.padding_side = "left"
+    enc = tok([t["prompt"] for t in held_out], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=tokens, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc.input_ids.size(1):], skip_special_tokens=True)
+    return sum(arithmetic_reward(c, t) for c, t in zip(texts, held_out)) / len(held_out)
+
+
+def trl_one(spec: dict) -> dict:
+    """TRL's GRPOTrainer on the same job, in this process, as a user writes it."""
+    import trl.extras.profiling as profiling
+    from transformers import TrainerCallback
 
     spent: dict[str, float] = {}
     original = profiling.ProfilingContext._log_metrics
@@ -171,12 +214,6 @@ def trl_one(spec: dict) -> dict:
         return original(self, duration)
 
     profiling.ProfilingContext._log_metrics = record
-    path = ensure_model(spec["model"])
-    train, held_out = arithmetic_tasks(0, None, None)
-
-    def reward(completions, answer, **_):
-        return [arithmetic_reward(c, {"answer": a}) for c, a in zip(completions, answer)]
-
     stamps: list[float] = []
     lengths: list[float] = []
 
@@ -192,30 +229,13 @@ def trl_one(spec: dict) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), num_generations=spec["G"], per_device_train_batch_size=spec["G"] * spec["B"],
-        max_completion_length=spec["tokens"], learning_rate=spec["lr"], lr_scheduler_type="constant",
-        beta=0.0, loss_type="grpo", scale_rewards="group", temperature=1.0, max_steps=spec["steps"],
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, bf16=False,
-        gradient_checkpointing=True, disable_tqdm=True)
-    tok = AutoTokenizer.from_pretrained(path)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=config,
-                          train_dataset=Dataset.from_list([{"prompt": t["prompt"], "answer": t["answer"]} for t in train]),
-                          processing_class=tok, peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-                          callbacks=[Clock()])
+    trainer, tok, held_out = trl_trainer(spec, tempfile.mkdtemp(), [Clock()], save_strategy="no")
     trainer.train()
     elapsed = stamps[-1] - stamps[0]
     intervals = [b - a for a, b in zip(stamps, stamps[1:])]
     generate = sum(v for k, v in spent.items() if "generate" in k)
 
-    # held-out reward, greedy, as grpo-run's evaluation decodes
-    model = trainer.model.eval()
-    tok.padding_side = "left"
-    enc = tok([t["prompt"] for t in held_out], return_tensors="pt", padding=True)
-    with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=spec["tokens"], pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, enc.input_ids.size(1):], skip_special_tokens=True)
-    score = sum(arithmetic_reward(c, t) for c, t in zip(texts, held_out)) / len(held_out)
+    score = held_out_reward(trainer.model, tok, held_out, spec["tokens"])
     tokens = sum(lengths) * spec["G"] * spec["B"]
     return {"stepSeconds": statistics.median(intervals), "tokensPerSecond": tokens / elapsed,
             "generationShare": generate / elapsed, "heldOutReward": score, "completionLength": statistics.mean(lengths)}

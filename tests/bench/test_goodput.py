@@ -1,0 +1,92 @@
+"""bench/goodput.py's pieces that decide its figures, without running a trainer: the seeded
+preemption process (reproducible, exponential with the mean the rate says) and the readers of what
+a node leaves behind (grpo-run's record, the TRL script's event lines)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.goodput import NAME, PARTS, Node, Run, grpo_facts, lifetimes, parse_trl_lines
+
+
+def _draws(seed: int, per_hour: float, scale: float, n: int) -> list[float]:
+    schedule = lifetimes(seed, per_hour, scale)
+    return [next(schedule) for _ in range(n)]
+
+
+def test_a_seeded_schedule_is_the_same_every_time_and_another_seed_gives_another():
+    assert _draws(3, 6, 10, 50) == _draws(3, 6, 10, 50)
+    assert _draws(3, 6, 10, 50) != _draws(4, 6, 10, 50)
+
+
+@pytest.mark.parametrize("per_hour, scale", [(2, 1), (6, 10), (20, 10)])
+def test_the_intervals_are_exponential_with_a_mean_of_an_hour_over_the_rate_on_the_scaled_clock(per_hour, scale):
+    draws = _draws(0, per_hour, scale, 20_000)
+    mean = 3600 / (per_hour * scale)
+    # 20 000 draws: the sample mean's standard error is 0.7% of the mean; an exponential's
+    # median is its mean times ln 2, and its standard deviation equals its mean
+    assert statistics.mean(draws) == pytest.approx(mean, rel=0.03)
+    assert statistics.median(draws) == pytest.approx(mean * 0.6931, rel=0.04)
+    assert statistics.stdev(draws) == pytest.approx(mean, rel=0.05)
+    assert min(draws) > 0
+
+
+def test_a_trl_nodes_lines_give_where_it_resumed_its_last_step_its_evaluations_and_its_parts():
+    t0 = 1000.0
+    lines = ["{'loss': 0.0, 'grad_norm': 0.1}",                # TRL's own log lines are not events
+             json.dumps({"event": "imported", "t": t0 + 4.0}),
+             json.dumps({"event": "model", "t": t0 + 5.5}),
+             json.dumps({"event": "training", "t": t0 + 5.5}),
+             "Could not estimate the number of tokens of the input",
+             json.dumps({"event": "train_begin", "t": t0 + 6.0, "step": 20}),
+             json.dumps({"event": "step", "t": t0 + 6.25, "step": 21}),
+             json.dumps({"event": "step", "t": t0 + 6.5, "step": 22}),
+             '{"event": "step", "t": 10']                         # cut off by the SIGKILL mid-line
+    resumed, last, evals, parts = parse_trl_lines(lines, t0)
+    assert (resumed, last, evals) == (20, 22, 0)
+    assert tuple(parts) == PARTS["TRL"]
+    assert parts == pytest.approx({"imports": 4.0, "model": 1.5, "baseline": 0.0, "restore": 0.5,
+                                     "first step": 0.25})
+
+
+def test_a_trl_node_stopped_before_its_first_step_has_no_parts_and_counts_its_evaluation():
+    lines = [json.dumps({"event": "imported", "t": 1.0}), json.dumps({"event": "model", "t": 2.0}),
+             json.dumps({"event": "eval", "t": 2.5, "kind": "baseline"})]
+    assert parse_trl_lines(lines, 0.0) == (None, 0, 1, {})
+
+
+def test_a_grpo_run_nodes_record_gives_where_it_resumed_its_last_step_and_its_parts(tmp_path):
+    from grpo_run.state.record import Record
+
+    spawned = time.time()
+    path = tmp_path / "runs" / NAME / "state.db"
+    path.parent.mkdir(parents=True)
+    with Record(path) as record:
+        record.start_attempt("node-a", from_step=0)
+        for step in (1, 2, 3):
+            record.log_step(step, {"stepSeconds": 0.1})
+        record.start_attempt("node-b", from_step=2)          # this node's attempt: the newest
+        record.set_value("device", "cpu")                     # the trainer's `started` report
+        for step in (3, 4):
+            record.log_step(step, {"stepSeconds": 0.1})
+    resumed, last, parts = grpo_facts(tmp_path, spawned)
+    assert (resumed, last) == (2, 4)
+    assert tuple(parts) == PARTS["grpo-run"] and all(v >= 0 for v in parts.values())
+
+
+def test_a_grpo_run_node_stopped_before_its_record_existed_reads_as_nothing_done(tmp_path):
+    assert grpo_facts(tmp_path, time.time()) == (None, 0, {})
+
+
+def test_steps_twice_are_the_steps_all_nodes_completed_beyond_the_runs_own():
+    # node 0 trains 0..23; node 1 is lost in its boot; node 2 is stopped before its restore; node 3
+    # resumes from 20 (21..23 again) and is killed after 31; node 4 resumes from 30 (31 again)
+    run = Run([Node(10, "noticed", 0, 23, 1), Node(1, "lost in boot"), Node(5, "noticed", None, 0, 0),
+               Node(10, "killed", 20, 31, 0), Node(10, "finished", 30, 60, 1)], Path("."))
+    assert run.steps_twice == (23 - 20) + (31 - 30)
+    assert run.evals_rerun == 0 and run.paid == 36
