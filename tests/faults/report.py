@@ -18,6 +18,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 S3 = "S3 (SeaweedFS)"            # the store of figures that name none
+# Sections measured by the benchmarks (bench/goodput.py), not by these tests: the page's part from this
+# line on is carried over when the page is written again (`--keep`), since no test here could rebuild it.
+KEEP_MARKER = "<!-- scripts/reliability keeps everything below this line: sections measured by bench/ -->"
 
 
 def _git(*args: str) -> str:
@@ -164,18 +167,26 @@ def render(figures: list[dict], summary: str, run: str = "-m fault", commit: str
     return "\n".join(lines) + "\n"
 
 
+def kept(page: Path) -> str:
+    """The part of `page` from KEEP_MARKER on, after a blank line ("" when it has none)."""
+    text = page.read_text() if page.exists() else ""
+    at = text.find(KEEP_MARKER)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("figures", type=Path)
     parser.add_argument("--summary", default="", help="pytest's last line")
     parser.add_argument("--run", default="-m fault", help="what pytest ran")
     parser.add_argument("--commit", help="the commit the figures were measured on (default: this checkout's)")
+    parser.add_argument("--keep", type=Path, help="the page written before: its part from KEEP_MARKER on is kept")
     args = parser.parse_args(argv)
     figures = [json.loads(line) for line in args.figures.read_text().splitlines() if line.strip()]
     if not figures:
         print("no figures were recorded: was GRPO_RUN_FIGURES set for the test run?", file=sys.stderr)
         return 1
-    sys.stdout.write(render(figures, args.summary, args.run, args.commit))
+    sys.stdout.write(render(figures, args.summary, args.run, args.commit) + (kept(args.keep) if args.keep else ""))
     return 0
 
 
