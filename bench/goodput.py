@@ -171,10 +171,11 @@ def _stop(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_node(trainer: str, k: int, folder: Path, store: Path, job: Path, spec: dict,
+def run_node(trainer: str, k: int, first: bool, folder: Path, store: Path, job: Path, spec: dict,
              notice_in: float, window: float, cloud: str, boot: float) -> Node:
     """Node k: boot (paid, not slept), then its process until it finishes or its notice comes at
-    `notice_in` seconds after its request (then the window, then SIGKILL)."""
+    `notice_in` seconds after its request (then the window, then SIGKILL). `first`: no node has
+    started a process before it (grpo-run's applies the job; the others resume it)."""
     if notice_in <= boot:
         return Node(paid=notice_in, exit="lost in boot")
     home = folder / f"node-{k}"
@@ -191,7 +192,7 @@ def run_node(trainer: str, k: int, folder: Path, store: Path, job: Path, spec: d
                      "azure": (AZURE_METADATA_URL_ENV, AzureScheduledEventsEmulator)}[cloud]
         emulator = kind().start()
         env.update({"GRPO_RUN_NOTICES": cloud, var: emulator.url})
-        args = (["apply", "-f", str(job)] if k == 0 else ["resume", NAME, "--storage", store.as_uri()])
+        args = (["apply", "-f", str(job)] if first else ["resume", NAME, "--storage", store.as_uri()])
         command = [sys.executable, "-m", "grpo_run.runner.cli", *args]
     else:
         command = [sys.executable, __file__, "--trl-node", json.dumps({**spec, "storage": str(store)})]
@@ -230,7 +231,7 @@ def run_node(trainer: str, k: int, folder: Path, store: Path, job: Path, spec: d
     else:
         lines = (home / "node.out").read_text().splitlines()
         node.resumed_from, node.last_step, node.evals_started, parts = parse_trl_lines(lines, spawned)
-    node.parts = parts if k > 0 else {}
+    node.parts = {} if first else parts
     return node
 
 
@@ -271,8 +272,9 @@ def run_chain(trainer: str, spec: dict, schedule: Iterator[float], folder: Path,
         if len(nodes) >= args.max_nodes:
             raise RuntimeError(f"{trainer}: not finished after {args.max_nodes} nodes (raise --max-nodes, or "
                                "lower --time-scale: the notices come faster than a node gets to its first step)")
-        nodes.append(run_node(trainer, len(nodes), folder, store, job, spec, next(schedule), args.notice_window,
-                              args.cloud, boot))
+        first = all(n.exit == "lost in boot" for n in nodes)
+        nodes.append(run_node(trainer, len(nodes), first, folder, store, job, spec, next(schedule),
+                              args.notice_window, args.cloud, boot))
         print(f"  {trainer:8} node {len(nodes) - 1}: {nodes[-1].exit:12} {nodes[-1].paid:7.1f} s, "
               f"from step {nodes[-1].resumed_from} to {nodes[-1].last_step}", flush=True)
     if trainer == "grpo-run":
