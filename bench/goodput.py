@@ -2,7 +2,7 @@
 
     .venv/bin/pip install -c constraints.txt -e ".[bench]"       # TRL, for the benchmarks only
     .venv/bin/python bench/goodput.py --rates 2 6 20 --seeds 3    # the figures in docs/reliability.md
-    .venv/bin/python bench/goodput.py --rates 20 --steps 60 --save-steps 10 --seeds 1   # a short check
+    .venv/bin/python bench/goodput.py --rates 20 --steps 100 --save-steps 10 --time-scale 6   # a short check
 
 One job (bench/vs_trl.py's config A, the demo's settings, with a checkpoint every `--save-steps`
 steps for both trainers) runs on a chain of "nodes". Each node is a fresh process tree in a fresh
