@@ -240,7 +240,11 @@ def run_node(trainer: str, k: int, first: bool, folder: Path, store: Path, job: 
 @dataclass
 class Run:
     nodes: list[Node]
-    adapter: Path                  # the final adapter's folder
+    adapter: Path | None           # the final adapter's folder; None: not finished within --max-nodes
+
+    @property
+    def furthest(self) -> int:
+        return max(n.last_step for n in self.nodes)
 
     @property
     def paid(self) -> float:
@@ -251,11 +255,12 @@ class Run:
         """Steps completed on all the nodes beyond the run's own (a node that never got to train,
         stopped before its restore, counts none)."""
         done = sum(n.last_step - n.resumed_from for n in self.nodes if n.resumed_from is not None)
-        return done - self.nodes[-1].last_step
+        return done - self.furthest
 
     @property
     def evals_rerun(self) -> int:
-        return sum(n.evals_started for n in self.nodes) - 2
+        """Evaluations started beyond those the run needed (a run not finished needed its baseline)."""
+        return max(0, sum(n.evals_started for n in self.nodes) - (2 if self.adapter is not None else 1))
 
 
 def run_chain(trainer: str, spec: dict, schedule: Iterator[float], folder: Path, args: argparse.Namespace) -> Run:
@@ -270,8 +275,9 @@ def run_chain(trainer: str, spec: dict, schedule: Iterator[float], folder: Path,
     nodes: list[Node] = []
     while not nodes or nodes[-1].exit != "finished":
         if len(nodes) >= args.max_nodes:
-            raise RuntimeError(f"{trainer}: not finished after {args.max_nodes} nodes (raise --max-nodes, or "
-                               "lower --time-scale: the notices come faster than a node gets to its first step)")
+            # no progress to speak of: the notices come faster than a node gets past its checkpoint
+            print(f"  {trainer:8} not finished after {args.max_nodes} nodes", flush=True)
+            return Run(nodes, None)
         first = all(n.exit == "lost in boot" for n in nodes)
         nodes.append(run_node(trainer, len(nodes), first, folder, store, job, spec, next(schedule),
                               args.notice_window, args.cloud, boot))
@@ -349,12 +355,14 @@ def summarize(runs: list[Run], reference: Run, trainer: str) -> dict:
             for name, seconds in node.parts.items():
                 parts.setdefault(name, []).append(seconds)
     means = {name: statistics.mean(v) for name, v in parts.items()}
-    return {"goodput": statistics.mean(reference.paid / r.paid for r in runs),
-            "notices": statistics.mean(len(r.nodes) - 1 for r in runs),
+    done = [r for r in runs if r.adapter is not None]
+    return {"goodput": statistics.mean(reference.paid / r.paid for r in done) if done else None,
+            "unfinished": [f"{len(r.nodes)} nodes, step {r.furthest}" for r in runs if r.adapter is None],
+            "notices": statistics.mean(sum(n.exit != "finished" for n in r.nodes) for r in runs),
             "stepsTwice": statistics.mean(r.steps_twice for r in runs),
             "evalsRerun": statistics.mean(r.evals_rerun for r in runs),
             "firstStepSeconds": sum(means.values()) if means else None, "firstStepParts": means,
-            "identical": all(same_adapter(trainer, r.adapter, reference.adapter) for r in runs),
+            "identical": all(same_adapter(trainer, r.adapter, reference.adapter) for r in done) if done else None,
             "paidSeconds": statistics.mean(r.paid for r in runs), "referenceSeconds": reference.paid}
 
 
@@ -417,8 +425,10 @@ def main() -> int:
         for trainer, r in row.items():
             first = f"{r['firstStepSeconds']:8.1f}" if r["firstStepSeconds"] is not None else f"{'-':>8}"
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["firstStepParts"].items())
-            print(f"{rate:>5} {trainer:9} {r['notices']:7.1f} {r['goodput']:7.2f} {r['stepsTwice']:6.1f} "
-                  f"{r['evalsRerun']:5.1f} {first}  {str(r['identical']):9} {parts}")
+            goodput = f"{r['goodput']:7.2f}" if r["goodput"] is not None else f"{'-':>7}"
+            unfinished = f" (not finished: {'; '.join(r['unfinished'])})" if r["unfinished"] else ""
+            print(f"{rate:>5} {trainer:9} {r['notices']:7.1f} {goodput} {r['stepsTwice']:6.1f} "
+                  f"{r['evalsRerun']:5.1f} {first}  {str(r['identical']):9} {parts}{unfinished}")
         if len(row) == 2:
             g, t = row["grpo-run"], row["TRL"]
             print(f"{rate:>5} grpo-run / TRL: goodput {_ratio(g['goodput'], t['goodput'])}, steps twice "

@@ -90,3 +90,12 @@ def test_steps_twice_are_the_steps_all_nodes_completed_beyond_the_runs_own():
                Node(10, "killed", 20, 31, 0), Node(10, "finished", 30, 60, 1)], Path("."))
     assert run.steps_twice == (23 - 20) + (31 - 30)
     assert run.evals_rerun == 0 and run.paid == 36
+
+
+def test_a_run_not_finished_within_its_nodes_counts_what_its_nodes_did():
+    # each node resumes from 25 and is stopped before its next checkpoint: the livelock a restart
+    # loop falls into when the notices come faster than save_steps steps
+    run = Run([Node(20, "noticed", 0, 30, 1), Node(20, "noticed", 25, 32, 0), Node(20, "noticed", 25, 29, 0)], None)
+    assert run.furthest == 32
+    assert run.steps_twice == (30 + 7 + 4) - 32
+    assert run.evals_rerun == 0
