@@ -118,7 +118,10 @@ def _epoch(iso: str) -> float:
 
 def grpo_facts(home: Path, spawned: float) -> tuple[int | None, int, dict[str, float]]:
     """(the step this node resumed from, its last completed step, the parts of its path to the
-    first new step) from the node's own copy of the record (runs/NAME/state.db)."""
+    first new step) from the node's own copy of the record (runs/NAME/state.db). The parts are the
+    record's own timestamps (the attempt's row, the trainer's `started` report, the first new step's
+    row): finer ones (the checkpoint's fetch, the model's load, the engine's start apart) belong here
+    once the resume path records them."""
     path = home / "runs" / NAME / "state.db"
     if not path.exists():
         return None, 0, {}
