@@ -103,6 +103,9 @@ HELD_OUT: Value[list[HeldOutPoint]] = Value("heldOut", list)   # the curve every
 REWARD_SIGNAL: Value[RewardSignal] = Value("rewardSignal")    # identical groups over the newest steps
 BASELINE_WARNING: Value[str] = Value("baselineWarning")   # the base model scores the same on every task
 LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot notice and how fast its step was durable
+# the newest node's path from its process's start to its first new step, in parts (runner.supervisor.startup):
+# {attempt, totalSeconds, parts: [{part, startSeconds, seconds}]}
+STARTUP: Value[dict] = Value("startup")
 # {judge reward: the run's answered calls}, every attempt's (a restarted trainer counts on from it)
 JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
 # {priced judge reward: the run's spend on its calls, USD}, likewise: part of the run's cost (spent_usd)
