@@ -236,8 +236,12 @@ def prewarmed_trainer(work: Path, *, alone: bool, progress: bool, model: str | N
     """A PrewarmedTrainer in `work` for the job's first attempt, ended on the way out unless an
     attempt took it; None for a job whose trainer runs under a launcher (`alone` False: several
     processes or nodes), or when GRPO_RUN_PREWARM=0 (the node's own setting)."""
-    prewarmed = PrewarmedTrainer(work, progress=progress, model=model, kept_threads=kept_threads) \
-        if alone and os.environ.get(PREWARM_ENV) != "0" else None
+    prewarmed = None
+    if alone and os.environ.get(PREWARM_ENV) != "0":
+        try:
+            prewarmed = PrewarmedTrainer(work, progress=progress, model=model, kept_threads=kept_threads)
+        except OSError as e:              # no process to spare (fds, memory): the attempt starts its own
+            log.warning("could not start the trainer early (%s); it starts when its plan is ready", e)
     try:
         yield prewarmed
     finally:
