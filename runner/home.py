@@ -58,13 +58,7 @@ def ensure_model(model: str) -> str:
         return model
     path = tiny_model_path(model)
     if not (path / "config.json").exists():
-        from grpo_run.trainer.model.tinymodel import build_chat_model, build_tiny_model, build_tool_chat_model
+        from grpo_run.trainer.model.tinymodel import build_named
 
-        name = model[len(TINY_PREFIX):]
-        if name == "chat":
-            build_chat_model(path)
-        elif name == "chat-tools":
-            build_tool_chat_model(path)
-        else:
-            build_tiny_model(path, head_dim=64 if name == "char64" else 16)
+        build_named(model[len(TINY_PREFIX):], path)
     return str(path)

@@ -108,6 +108,9 @@ LAST_NOTICE: Value[LastNotice] = Value("lastNotice")      # the newest spot noti
 ESTIMATE: Value[dict] = Value("estimate")
 ESTIMATE_KEYS = ("startTime", "gpu", "gpus", "usdPerHour", "rateKind", "steps", "stepSeconds", "stepSecondsSource",
                  "evalSeconds", "completionSeconds", "costToCompletionUSD", "firstHoldUSD", "preemption")
+# the newest node's path from its process's start to its first new step, in parts (runner.supervisor.startup):
+# {attempt, totalSeconds, parts: [{part, startSeconds, seconds}]}
+STARTUP: Value[dict] = Value("startup")
 # {judge reward: the run's answered calls}, every attempt's (a restarted trainer counts on from it)
 JUDGE_CALLS: Value[dict[str, int]] = Value("judgeCalls", dict)
 # {priced judge reward: the run's spend on its calls, USD}, likewise: part of the run's cost (spent_usd)

@@ -97,10 +97,11 @@ def test_the_public_face_is_imported_by_no_package_below_it():
 # starts trainers and reads what they report; of trainer/ it knows the plan, the events and the exit
 # statuses (protocol), the job's parameters (config), the environments it hands over (envs), which
 # engine a run samples with (sampling.choice), the tool calls a reply may make (grader.tools: its hang
-# watchdog counts them), and how to leave a delegated cgroup root before it starts any (grader.cgroup). Never the recipe, the
-# rollout, the engines or the model: those live and die with the trainer process.
+# watchdog counts them), and how to leave a delegated cgroup root before it starts any (grader.cgroup), and
+# the clock both processes time their start with (startup: the parts the trainer's Started event carries).
+# Never the recipe, the rollout, the engines or the model: those live and die with the trainer process.
 SUPERVISOR_SEES = ("trainer.protocol", "trainer.config", "trainer.envs", "trainer.sampling.choice",
-                   "trainer.grader.tools.MAX_TOOL_CALLS", "trainer.grader.cgroup")
+                   "trainer.grader.tools.MAX_TOOL_CALLS", "trainer.grader.cgroup", "trainer.startup")
 
 
 def test_the_supervisor_sees_of_the_trainer_only_its_seam():

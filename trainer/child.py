@@ -14,6 +14,7 @@ there, the other ranks only their `Failed`.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -31,10 +32,12 @@ from grpo_run.trainer.sampling.engines import EngineRefused, EngineUnavailable
 from grpo_run.trainer.logs import REPORTED, trainer_logging
 from grpo_run.trainer.model.missing import ModelMissing
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_CRASHED, CHILD_DONE,
-                                       CHILD_INFRA_FAILED, CHILD_STOPPED,
+                                       CHILD_INFRA_FAILED, CHILD_STOPPED, CONTROL_FD_ENV, CONTROL_GO, CONTROL_PLAN,
+                                       LATE_ENV, PREBUILD_ENV, PREBUILT_FD_ENV,
                                        EVENTS_FD_ENV, EVENTS_PATH_ENV, PARENT_ENV, PROGRESS_ENV, STOP_SIGNAL, Events,
                                        Failed, Plan)
 from grpo_run.trainer.recipe import Requests, run
+from grpo_run.trainer.startup import clock
 from grpo_run.trainer.trainer import NonFiniteStep
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,14 @@ log = logging.getLogger(__name__)
 def child_main(argv: list[str] | None = None) -> int:
     from grpo_run.trainer.model.policy import fix_mmap_threshold
 
+    startup = clock()
+    control = Control.from_environment()
+    if control is not None:              # started before its plan existed (runner.supervisor.spawn)
+        preload()
+        prebuild()
+    startup.add("trainer imports", startup.origin)     # the interpreter's start and the imports
+    if control is not None and not control.plan():
+        return CHILD_STOPPED             # given up before its plan: nothing was done, nothing to say
     fix_mmap_threshold()                 # before the model's allocations: see trainer.policy
     argv = sys.argv[1:] if argv is None else argv
     plan_path = Path(argv[0])
@@ -69,7 +80,8 @@ def child_main(argv: list[str] | None = None) -> int:
     try:
         admission = admit_nodes(world, plan)
         plan = shared_plan(plan, world)
-        ending = run(plan, work, events, requests, progress=progress, world=world)
+        ready = None if control is None else lambda: control.go(plan_path)
+        ending = run(plan, work, events, requests, progress=progress, world=world, ready=ready)
         world.barrier()          # several processes: none ends before rank 0 has sealed and said so
         world.close()
     except RewardFunctionError as e:                   # an episodes environment's failure too (EnvironmentFailed)
@@ -115,6 +127,73 @@ def child_main(argv: list[str] | None = None) -> int:
         log.exception("the trainer crashed")
         return CHILD_CRASHED
     return CHILD_DONE if ending.how == "done" else CHILD_STOPPED
+
+
+class Control:
+    """The supervisor's control pipe (trainer.protocol.CONTROL_FD_ENV): when to read the plan, and
+    when to go on past the load (the checkpoint fetched beside it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.lines = os.fdopen(fd, "r", encoding="utf-8")
+
+    @classmethod
+    def from_environment(cls) -> Control | None:
+        fd = os.environ.pop(CONTROL_FD_ENV, None)     # not inherited by what this process starts
+        return cls(int(fd)) if fd else None
+
+    def plan(self) -> bool:
+        """Block until the plan is written, and take the variables that come with it (LATE_ENV
+        only); False when the supervisor closed the pipe instead."""
+        word, _, rest = self.lines.readline().partition(" ")
+        if word.strip() != CONTROL_PLAN:
+            return False
+        for key, value in json.loads(rest or "{}").items():
+            if key in LATE_ENV:
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = str(value)
+        return True
+
+    def go(self, plan_path: Path) -> Plan | None:
+        """Wait for CONTROL_GO, then the attempt's plan (plan.json rewritten: its budget counts
+        from the attempt's start); None when the supervisor gave this process up."""
+        with clock().part("waiting for the checkpoint"):
+            going = self.lines.readline().strip() == CONTROL_GO
+        self.lines.close()
+        return Plan.from_json(plan_path.read_text()) if going else None
+
+
+def preload() -> None:
+    """What every trainer imports before its model loads (transformers' auto classes, peft), for a
+    process started before its plan: these imports then run while the supervisor still prepares."""
+    import peft  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
+def prebuild() -> None:
+    """The tiny demo model the supervisor asked this process to build (PREBUILD_ENV) while it
+    waits for its plan: built here, where torch and transformers are imported already, the
+    supervisor is spared importing them. Said on PREBUILT_FD_ENV: "ok", or "error ..." (the
+    supervisor then builds it itself, and says what fails)."""
+    asked, fd = os.environ.pop(PREBUILD_ENV, None), os.environ.pop(PREBUILT_FD_ENV, None)
+    if not asked or not fd:
+        return
+    said = "ok"
+    try:
+        from grpo_run.trainer.model.tinymodel import build_named
+
+        what = json.loads(asked)
+        if not (Path(what["path"]) / "config.json").exists():
+            with clock().part("model build"):
+                build_named(what["name"], Path(what["path"]))
+    except Exception as e:               # said to the supervisor, which builds it itself
+        said = f"error {type(e).__name__}: {e}"
+    try:
+        with os.fdopen(int(fd), "w") as out:
+            out.write(said.replace("\n", " ") + "\n")
+    except OSError:                      # the supervisor no longer listens: it gave this process up
+        pass
 
 
 def admit_nodes(world: World, plan: Plan) -> Admission | None:

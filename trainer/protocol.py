@@ -62,9 +62,25 @@ CHECKPOINT_SAMPLE_STEPS = 100
 EVENTS_FD_ENV = "GRPO_RUN_EVENTS_FD"        # the events pipe's write end, inherited
 EVENTS_PATH_ENV = "GRPO_RUN_EVENTS_PATH"    # ... by path: torchrun closes inherited descriptors
 PARENT_ENV = "GRPO_RUN_PARENT_PID"          # the pid the trainer dies with (the supervisor, or the launcher)
+# One trainer process alone (not under a launcher): the read end of a pipe from the supervisor, which
+# starts it before its plan is final. Lines: CONTROL_PLAN and a JSON object ("the plan is written: load
+# the model, the graders, the engine"; the object sets, or with null unsets, variables of LATE_ENV)
+# once plan.json is there; CONTROL_GO ("the checkpoint is restored and plan.json rewritten for the
+# attempt: go on") once the checkpoint fetch beside the load has ended. End of file instead: the
+# supervisor gave the process up; it exits without a word.
+CONTROL_FD_ENV = "GRPO_RUN_CONTROL_FD"
+# ... and, started before its plan, asked to build a tiny demo model ({"name", "path"}: trainer.model.tinymodel)
+# while it waits (it has torch and transformers imported; the supervisor has not): one line on the pipe
+# PREBUILT_FD_ENV names, "ok" or "error ...", once the model is there or could not be built.
+PREBUILD_ENV, PREBUILT_FD_ENV = "GRPO_RUN_PREBUILD", "GRPO_RUN_PREBUILT_FD"
+CONTROL_PLAN, CONTROL_GO = "plan", "go"
 PROGRESS_ENV = "GRPO_RUN_PROGRESS"          # "1": a progress bar on the terminal (also a user's switch for the CLI)
 HOME_ENV = "GRPO_RUN_HOME"                  # the node's grpo-run folder (runner.home); an empty value: ~/.grpo-run
 SHARE_ENV = "GRPO_RUN_CPU_SHARE"            # the node's pool of threads to share (trainer.threads); absent: torch's own
+# Variables a trainer reads only once its plan is there (never at import): a trainer started before its
+# plan (runner.supervisor.spawn) is given these with CONTROL_PLAN; any other must be the same from its start.
+# TORCHINDUCTOR_CACHE_DIR: torch's inductor writes its own default into os.environ when first asked.
+LATE_ENV = (SHARE_ENV, "TORCHINDUCTOR_CACHE_DIR")
 # Several nodes (runner.jobs.nodes): how many, this node's rank, rank 0's node's host:port for the
 # rendezvous, and how long a node waits there for the others
 NODES_ENV, NODE_RANK_ENV, MASTER_ENV = "GRPO_RUN_NODES", "GRPO_RUN_NODE_RANK", "GRPO_RUN_MASTER"
@@ -199,6 +215,9 @@ class Started(_Event):
     sandbox: dict[str, str] = Field(default_factory=dict)   # the reward sandbox's layers in force (Grader.sandbox_mode)
     # the engine that samples: {engine: native | vllm, version, mode, startSeconds} (Sampler.status)
     sampler: dict[str, str | int | float] = Field(default_factory=dict)
+    # the process's start in parts, on the wall clock ({part, start, end}: trainer.startup), for the node's path
+    # to its first new step (runner.supervisor.startup)
+    startup: list[dict[str, str | float]] = Field(default_factory=list)
 
 
 class PhaseStarted(_Event):

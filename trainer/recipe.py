@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from grpo_run.checkpoint.manifest import checkpoint_dir
 from grpo_run.trainer.checkpointing.checkpointer import Checkpointer
@@ -34,6 +34,7 @@ from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, Evaluated, EvalBatch, Ev
                                        HeldOut, JudgeCalls, PhaseStarted, Plan, SampleGroup, Samples, Sealed, Started,
                                        Step, Stopped, TrainerPhase)
 from grpo_run.trainer.sampling.sampler import GenerationInterrupted
+from grpo_run.trainer.startup import clock
 from grpo_run.trainer.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,13 @@ class Ending:
 
 
 def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress: bool = False,
-        world: World | None = None) -> Ending:
+        world: World | None = None, ready: Callable[[], Plan | None] | None = None) -> Ending:
     """The phases the plan asks for, to the end or to a stop. Raises RewardFunctionError when
     the reward function fails on every try, CheckpointFailed when a checkpoint cannot be
-    written. `world`: this process's rank among several (default: alone)."""
+    written. `world`: this process's rank among several (default: alone). `ready`: called once
+    the model, the graders and the engine are loaded, before anything is read from the checkpoints
+    or reported; it blocks until the supervisor has the checkpoint in place and returns the
+    attempt's plan (None: the supervisor gave this process up; it stops without a word)."""
     p, world = plan.params, world or World()
     logs = work / "logs" / "trainer.log"
     checkpoints = Checkpointer(work / CHECKPOINTS_DIR, interval=p.saveSteps, keep=plan.keep_checkpoints,
@@ -69,6 +73,10 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
                               sandbox_strict=plan.sandbox_strict, judge_calls=plan.judge_calls,
                               judge_usd=plan.judge_usd, work=work)
         checkpoints.attach(trainer)
+        if ready is not None:                      # loaded beside the supervisor's checkpoint fetch
+            plan = ready()
+            if plan is None:
+                return Ending("stopped", 0)
         trainer.replays = plan.episode_digests     # a replayed step's episodes must be those recorded
 
         # baseline: the model as loaded is the base itself (a new LoRA adapter is the identity)
@@ -78,11 +86,13 @@ def run(plan: Plan, work: Path, events: Events, requests: Requests, *, progress:
             if evaluate(trainer, plan, "baseline", events) is None:
                 return _stopped(events, checkpoints, None, TrainerPhase.BASELINE_EVAL)
 
-        start = checkpoints.load_latest()
+        with clock().part("checkpoint load"):
+            start = checkpoints.load_latest()
         device = trainer.device
         events.emit(Started(step=start, device=f"cuda:{_gpu_name(device)}" if device.type == "cuda" else "cpu",
                             microBatchSize=trainer.micro_batch_size, cpuThreads=trainer.cpu_threads,
-                            sandbox=trainer.sandbox_mode, sampler=trainer.sampler_status()))
+                            sandbox=trainer.sandbox_mode, sampler=trainer.sampler_status(),
+                            startup=[dict(p) for p in clock().parts()]))
         if start:
             log.info("resumed from the checkpoint at step %d", start)
 

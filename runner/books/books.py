@@ -318,6 +318,10 @@ class Books:
                 values.JUDGE_USD.set(self.record, {**self.judge_usd(), **{k: round(v, 6) for k, v in usd.items()}})
         self.sync_soon()
 
+    def record_startup(self, path: dict[str, Any]) -> None:
+        """This node's path to its first new step (runner.supervisor.startup), on its attempt."""
+        values.STARTUP.set(self.record, {"attempt": self.ledger.attempt, **path})
+
     def record_notice(self, source: str, seconds: float, durable_step: int) -> None:
         """A spot notice: where it came from and how long after it the last step was durable."""
         values.LAST_NOTICE.set(self.record, {"source": source, "noticeToDurableSeconds": round(seconds, 3),

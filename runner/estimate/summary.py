@@ -110,7 +110,12 @@ def _preemption_lines(est: dict[str, Any]) -> list[str]:
     if not pre:
         return []
     each = duration(pre["restartSeconds"])
-    how = "spec.pricing.restartSeconds" if pre["restartSecondsSource"] != "model" else "start-up, model load, half a step"
+    if pre["restartSecondsSource"] != "model":
+        how = "spec.pricing.restartSeconds"
+    else:
+        from grpo_run.runner.estimate.preemption import parts_text
+
+        how = parts_text(pre.get("parts") or [])
     if pre["restarts"] is None:
         return [f"  preemption  at {pre['perHour']:g} notices an hour, each restart ({each}) outlasts the time between "
                 "them: the run would never finish (not in the total)"]

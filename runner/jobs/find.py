@@ -14,6 +14,7 @@ from grpo_run.runner.views.status import job_document
 from grpo_run.runner.home import default_storage, home, job_store_url, work_dir
 from grpo_run.state.phases import Phase
 from grpo_run.state.record import RECORD_FILE, Record
+from grpo_run.trainer.startup import clock
 
 
 def find_job(name: str | None, storage: str, *, stop: threading.Event | None = None):
@@ -35,10 +36,11 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
                          f"grpo-run resume --storage {storage} --all")
     name = names[0]
     check_folder_name(name, storage)            # a folder from storage becomes a work folder here
-    store = open_store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
-    store.check()
-    with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
-        job_doc = record.job() if record is not None else None
+    with clock().part("job fetch"):           # the node's path to its first step (runner.supervisor.startup)
+        store = open_store(job_store_url(storage, name), stop=stop)   # a notice stops its retries
+        store.check()
+        with stored_record(store) as record:      # storage's, never this node's copy (it may be stale)
+            job_doc = record.job() if record is not None else None
     if job_doc is None:
         return None
     job = parse_job(job_doc["spec"], source=f"{name} (from {storage})", check_files=False)
@@ -54,6 +56,16 @@ def before_the_lease(job, store) -> tuple[tuple[Phase, dict[str, Any]] | None, s
 
     with stored_record(store) as record:
         return already_finished(job, record), engine_missing(job, record)
+
+
+def stored_cpu_threads(store) -> int | None:
+    """The thread count the job's first trainer took, as storage's record says (None: none yet),
+    for a trainer started before the lease with the threads the attempt will give it."""
+    from grpo_run.runner.books.replica import stored_record
+    from grpo_run.state import values
+
+    with stored_record(store) as record:
+        return values.CPU_THREADS.get(record) if record is not None else None
 
 
 def already_finished(job, record) -> tuple[Phase, dict[str, Any]] | None:

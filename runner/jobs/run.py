@@ -21,11 +21,12 @@ from typing import Any
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import home, job_store_url, work_dir
-from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc
+from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc, stored_cpu_threads
 from grpo_run.runner.text import dump, printable
 from grpo_run.runner.views import outcome
 from grpo_run.runner.views.outcome import Tell, to_terminal
 from grpo_run.state.phases import Phase
+from grpo_run.trainer.startup import clock
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,10 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
         place = resolve(job, *nodes)       # before anything is taken: no lease, no download
     except NodesError as e:
         raise Refused(str(e), EXIT_USAGE) from None
+    from grpo_run.trainer.protocol import PROGRESS_ENV
+
+    if progress is None:
+        progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
     # resume: the stored spec chose the hub ids; this node's token goes only to those it allows
     with token_for_stored(job) if trust_urls is not None else contextlib.nullcontext():
         return _run_job(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
@@ -201,9 +206,21 @@ def run_job(job, *, output: str | None, stop: threading.Event, storage: str | No
 
 
 def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
-             trust_urls: bool | None, progress: bool | None, job_file: str | None, nodes, tell: Tell,
+             trust_urls: bool | None, progress: bool, job_file: str | None, nodes, tell: Tell,
              estimate: dict[str, Any] | None) -> int:
-    """run_job's work, with the hub token as run_job decided."""
+    """run_job's work, with the hub token as run_job decided. A trainer alone is started as soon
+    as the job's store is open (runner.supervisor.spawn: its imports, and the tiny demo model's
+    build, beside the rest of the node's path to its first step), for the first attempt."""
+    with contextlib.ExitStack() as stack:
+        return _run_job_prewarmed(job, output=output, stop=stop, storage=storage, store=store, trust_urls=trust_urls,
+                                  progress=progress, job_file=job_file, nodes=nodes, stack=stack, tell=tell,
+                                  estimate=estimate)
+
+
+def _run_job_prewarmed(job, *, output: str | None, stop: threading.Event, storage: str | None, store,
+                       trust_urls: bool | None, progress: bool, job_file: str | None, nodes,
+                       stack: contextlib.ExitStack, tell: Tell, estimate: dict[str, Any] | None) -> int:
+    """_run_job's work; `stack` ends the trainer started early unless an attempt took it."""
     from grpo_run.checkpoint.storage.by_url import open_store
     from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
     from grpo_run.runner.jobs.envfiles import environment_uploads, localize_environment
@@ -211,7 +228,7 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
     from grpo_run.runner.jobs.stored import as_this_node_runs_it
     from grpo_run.runner.supervisor.diskfull import disk_full, disk_full_message
     from grpo_run.runner.supervisor.supervisor import Supervisor
-    from grpo_run.trainer.protocol import PROGRESS_ENV
+    from grpo_run.runner.supervisor.spawn import prewarmed_trainer
 
     storage = storage or job.storage
     url = job_store_url(storage, job.name)
@@ -220,13 +237,21 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
         if store is None:
             store = open_store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
+        alone = nodes is None and (job.resources is None or job.resources.processes == 1)
+        with clock().part("record check"):     # the threads a resume's trainer gets: the run's first trainer's
+            kept = stored_cpu_threads(store) if alone and trust_urls is not None else None
+        prewarmed = stack.enter_context(prewarmed_trainer(work, alone=alone, progress=progress, model=job.model,
+                                                          kept_threads=kept))
         if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
             local, uploads = job, environment_uploads(job)
         else:                                  # resume: nothing of this node's is read or sent for the job
-            local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
+            with clock().part("job files"):
+                local = as_this_node_runs_it(localize_environment(job, store, work), trust_urls=trust_urls)
             uploads = ()
-        spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes, estimate=estimate)
-        over, missing = before_the_lease(job, store)
+        spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes, estimate=estimate,
+                              model_path=prewarmed.model_path if prewarmed is not None else None)
+        with clock().part("record check"):
+            over, missing = before_the_lease(job, store)
         if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
             phase, done = over
             tell(outcome.nothing_to_do(job.name, phase, done["status"].get("message", "")))
@@ -235,8 +260,6 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
             return EXIT_OK
         if missing is not None:             # before the lease: the job stays for a node that has the engine
             raise Refused(missing, EXIT_FAILED)
-        if progress is None:
-            progress = sys.stderr.isatty() or os.environ.get(PROGRESS_ENV) == "1"
         if nodes is not None and nodes.rank > 0:      # rank 0's node holds the job: this one runs its ranks only
             from grpo_run.runner.supervisor.follower import Follower
             from grpo_run.runner.supervisor.supervisor import DEFAULT_NOTICE_WINDOW_S
@@ -245,8 +268,10 @@ def _run_job(job, *, output: str | None, stop: threading.Event, storage: str | N
                               progress=progress, preempt=stop).run()
             tell(f"{job.name}: {result.message}", err=bool(result.exit_code))
             return result.exit_code
-        result = Supervisor(spec, work, store=store, watchers=watchers_for(local), progress=progress,
-                            preempt=stop).run()
+        with clock().part("notice watchers"):
+            watchers = watchers_for(local)
+        result = Supervisor(spec, work, store=store, watchers=watchers, progress=progress,
+                            preempt=stop, prewarmed=prewarmed).run()
     except (StorageConfigError, StorageUnavailable, ValueError, LookupError) as e:
         raise Refused(str(e), EXIT_FAILED) from None
     except (OSError, sqlite3.OperationalError) as e:

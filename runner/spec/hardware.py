@@ -6,12 +6,15 @@ estimate and the node's process count read on their own."""
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from grpo_run.runner.spec.yamlfile import int_text
 from grpo_run.trainer.config import Strict, fmt, problem
+from grpo_run.trainer.sampling.choice import node_has_gpu
 
 
 def positive_number(v: Any, fix: str = "") -> float:
@@ -34,14 +37,17 @@ class Pricing(Strict):
     bf16TFLOPS: float | None = None   # its peak dense bf16 tensor TFLOP/s
     memoryBandwidthGBps: float | None = None   # its memory bandwidth, GB/s
     preemptionsPerHour: float | None = None    # notices you expect per node-hour (0 or unset: none counted)
-    restartSeconds: float | None = None        # what one preemption costs in time (default: modelled)
+    restartSeconds: float | None = None        # what one preemption costs in time (default: modelled from its parts)
+    bootSeconds: float | None = None           # ... of which a replacement node's boot and install (default: an allowance)
+    loadBytesPerSecond: float | None = None    # ... and how fast it fetches and loads weights and checkpoints (an allowance)
 
     @model_validator(mode="before")
     @classmethod
     def _some(cls, raw: Any) -> Any:
         if not isinstance(raw, dict) or not raw:
             raise problem("must be a mapping with usdPerHour, stepSeconds, memoryGB, bf16TFLOPS, memoryBandwidthGBps, "
-                          "preemptionsPerHour and/or restartSeconds, e.g. {usdPerHour: 2.1, stepSeconds: 0.5} "
+                          "preemptionsPerHour, restartSeconds, bootSeconds and/or loadBytesPerSecond, e.g. "
+                          "{usdPerHour: 2.1, stepSeconds: 0.5} "
                           f"(got {fmt(raw)})")
         return raw
 
@@ -54,7 +60,7 @@ class Pricing(Strict):
         return float(v)
 
     @field_validator("usdPerHour", "stepSeconds", "memoryGB", "bf16TFLOPS", "memoryBandwidthGBps", "restartSeconds",
-                     mode="before")
+                     "bootSeconds", "loadBytesPerSecond", mode="before")
     @classmethod
     def _positive(cls, v: Any) -> Any:
         return positive_number(v)
@@ -79,7 +85,13 @@ class Resources(Strict):
 
 
 def node_gpus() -> int:
-    """This node's GPUs (CUDA devices); 0 on a node without any."""
+    """This node's GPUs (CUDA devices); 0 on a node without any. On Linux a node without a GPU
+    driver (NVIDIA's listing, or ROCm's /dev/kfd) has none, said without importing torch: the
+    supervisor of a resume on a CPU node is spared that import (about a second, on its path to
+    the first new step, beside the trainer's own)."""
+    if sys.platform.startswith("linux") and "torch" not in sys.modules and not node_has_gpu() \
+            and not os.path.exists("/dev/kfd"):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -5,6 +5,8 @@ is trainer.protocol; this is the supervisor's side of it:
                attempt finished, the first trainer's micro-batch size, the budget as a deadline
     spawn      its own session (a terminal's Ctrl-C reaches the supervisor only, which decides), the
                events pipe, the thread pool; alone, or one rank per GPU under accelerate's launcher
+               (runner.supervisor.spawn); alone it is started before the checkpoint fetch and loads
+               beside it, then goes on when told (`go`)
     events     read on a pipe by one thread, each into the books or an upload
     signals    STOP_SIGNAL at a notice (then a kill when the window runs out), CHECKPOINT_SIGNAL at a
                rebalance recommendation, once the trainer listens
@@ -19,13 +21,13 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from grpo_run.checkpoint.procs import python_env
+from grpo_run.trainer.startup import clock
 from grpo_run.checkpoint.storage.fsio import atomic_write_bytes
 from grpo_run.checkpoint.storage.lease import LeaseLost
 from grpo_run.checkpoint.storage.store import StorageConfigError, StorageUnavailable
@@ -34,16 +36,16 @@ from grpo_run.runner.books.fingerprint import baseline_fingerprint, final_finger
 from grpo_run.runner.notices.monitor import Notice
 from grpo_run.runner.supervisor.diskfull import unless_disk_full
 from grpo_run.runner.supervisor.durability import Durability
+from grpo_run.runner.supervisor import startup
 from grpo_run.runner.supervisor.runspec import RunSpec
-from grpo_run.runner.supervisor.threads import trainer_threads
+from grpo_run.runner.supervisor.spawn import PrewarmedTrainer, Spawned, launched, start_trainer
 from grpo_run.runner.supervisor.watchdog import Watchdog, configured_bound_s, sandboxed_calls
 from grpo_run.state.phases import InvalidTransition, Phase
 from grpo_run.runner.estimate.config import model_config
 from grpo_run.trainer.sampling.choice import decide, missing_engine, node_has_gpu
 from grpo_run.trainer.protocol import (CHECKPOINT_SIGNAL, CHILD_CODE_ERROR, CHILD_DONE, CHILD_INFRA_FAILED, CHILD_NO_GROUP,
                                        RENDEZVOUS_TIMEOUT_ENV,
-                                       CHILD_STOPPED, EVENTS_FD_ENV, PARENT_ENV, PLAN_FILE, PROGRESS_ENV, STOP_SIGNAL,
-                                       WORLD_ENV, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
+                                       CHILD_STOPPED, PLAN_FILE, STOP_SIGNAL, EvalBatch, Evaluated, Failed, Final, HeldOut, JudgeCalls,
                                        PhaseStarted, Plan, Samples, Sealed, Started, Step, Stopped, TrainerEvent,
                                        TrainerPhase, parse_event)
 
@@ -119,45 +121,16 @@ class Outcome:
     step: int = 0             # deadline: the last completed step
 
 
-def spawn_trainer(spec: RunSpec, work: Path, plan: Plan, *, progress: bool,
-                  kept_threads: int | None) -> tuple[subprocess.Popen, int]:
-    """The trainer for `plan` in its own session: alone, or under accelerate's launcher (one rank
-    per GPU, or this node's ranks of several nodes). Returns the process and the read end of its
-    events pipe. `kept_threads`: the run's first trainer's thread count (a run keeps it)."""
-    work.mkdir(parents=True, exist_ok=True)
-    plan_path = work / PLAN_FILE
-    atomic_write_bytes(plan_path, plan.to_json().encode())
-    read_fd, write_fd = os.pipe()
-    env = python_env()
-    env[EVENTS_FD_ENV] = str(write_fd)
-    env[PARENT_ENV] = str(os.getpid())
-    env[PROGRESS_ENV] = "1" if progress else "0"
-    launched = spec.processes > 1 or spec.nodes is not None
-    if not launched:                  # alone, whatever a launcher that started grpo-run itself says
-        for var in WORLD_ENV:
-            env.pop(var, None)
-    if spec.nodes is not None:
-        env.update(spec.nodes.environment())
-    threads = trainer_threads(len(os.sched_getaffinity(0)), env, kept=kept_threads)
-    if kept_threads and threads:
-        log.info("trainer threads: %s, as the run's first trainer took", threads["OMP_NUM_THREADS"])
-    env.update(threads)
-    try:
-        command = ["-m", "grpo_run.trainer.launch", str(spec.processes), str(plan_path)] if launched else \
-            ["-m", "grpo_run.trainer.child", str(plan_path)]
-        proc = subprocess.Popen([sys.executable, *command], env=env, pass_fds=[write_fd], cwd=work,
-                                start_new_session=True)
-    finally:
-        os.close(write_fd)
-    return proc, read_fd
-
-
 class TrainerProcess:
     """One trainer process of an attempt (several, under accelerate's launcher, seen as one)."""
 
     def __init__(self, spec: RunSpec, work: Path, books: Books, durability: Durability, *,
-                 checkpoints: CheckpointRequest, wake: threading.Event) -> None:
+                 checkpoints: CheckpointRequest, wake: threading.Event,
+                 prewarmed: PrewarmedTrainer | None = None) -> None:
         self.spec, self.work, self.books, self.durability = spec, Path(work), books, durability
+        self.prewarmed = prewarmed        # a trainer process started early, to take if it fits (runner.supervisor.spawn)
+        self._spawned: Spawned | None = None
+        self._plan_sent: Plan | None = None
         self.checkpoints = checkpoints
         self.done = threading.Event()     # it exited and every event it sent is handled
         self.last_words = LastWords()
@@ -172,12 +145,33 @@ class TrainerProcess:
         judges = [r.judge for r in spec.env.rewards if r.judge is not None]
         self.watchdog = Watchdog(spec.params, functions, judges=judges, fixed_s=configured_bound_s())   # silence: a hang
         self._fingerprints: dict[str, str] = {}
+        self._started_at: float | None = None      # when the node's first trainer said Started (runner.supervisor.startup)
+        self._trainer_parts: list[dict] = []       # ... and the parts of its start
 
-    def start(self, step: int, *, progress: bool) -> None:
-        """The trainer, continuing from the checkpoint at `step` (0: from the beginning)."""
-        self._spawn(self._plan(step), progress)
+    @property
+    def starts_before_restore(self) -> bool:
+        """Whether this trainer is started before the checkpoint fetch (one process alone: it loads
+        beside the fetch and waits for `go`); under a launcher it is started after it."""
+        return not launched(self.spec)
 
-    def _plan(self, step: int) -> Plan:
+    def start(self, *, progress: bool) -> None:
+        """The trainer process, from the newest checkpoint in work/checkpoints once it goes on (`go`).
+        Raises SamplerUnavailable."""
+        with clock().part("plan"):
+            plan = self._plan()
+        with clock().part("trainer spawn"):
+            self._spawn(plan, progress)
+
+    def go(self) -> None:
+        """The checkpoint is restored and the attempt started in the books: a trainer started before
+        the restore gets the attempt's plan (its budget counts from the attempt's start) and goes on."""
+        if self._spawned is None or self._spawned.control_fd is None:
+            return                        # under a launcher: started after the restore, its plan final
+        plan = self._plan_sent.model_copy(update={"budget": self.books.budget()})
+        atomic_write_bytes(self.work / PLAN_FILE, plan.to_json().encode())
+        self._spawned.go()
+
+    def _plan(self) -> Plan:
         spec, books = self.spec, self.books
         params = spec.params.model_copy(update={"sampler": self._sampler()})
         fp = baseline_fingerprint(spec.model, spec.env, params)
@@ -215,11 +209,20 @@ class TrainerProcess:
             raise SamplerUnavailable(missing)
         return chosen
 
+    def _note_startup(self) -> None:
+        """The node's path to this first new step, in parts: logged and in the record."""
+        path = startup.path_to_first_step(self._trainer_parts, (self._started_at, time.time()))
+        self._started_at = None
+        log.info("%s", startup.summary(path))
+        self.books.record_startup(path)
+
     def _spawn(self, plan: Plan, progress: bool) -> None:
         self.checkpoints.set_listener(None)
-        self._proc, read_fd = spawn_trainer(self.spec, self.work, plan, progress=progress,
-                                            kept_threads=self.books.carry_over().cpu_threads)
-        threading.Thread(target=self._read_events, args=(read_fd,), name="trainer-events", daemon=True).start()
+        self._spawned = start_trainer(self.spec, self.work, plan, progress=progress,
+                                      kept_threads=self.books.carry_over().cpu_threads, prewarmed=self.prewarmed)
+        self._proc, self._plan_sent = self._spawned.proc, plan
+        threading.Thread(target=self._read_events, args=(self._spawned.events_fd,), name="trainer-events",
+                         daemon=True).start()
 
     # --- what it says ----------------------------------------------------------------------------
 
@@ -254,6 +257,8 @@ class TrainerProcess:
             case Samples():          # a step's come before it, an evaluation batch's before it
                 books.add_samples(ev.kind, ev.step, [g.model_dump() for g in ev.groups])
             case Step():
+                if self._started_at is not None:      # this process's first new step: its path, recorded once
+                    self._note_startup()
                 books.log_step(ev.step, ev.metrics, ev.episodeDigests)
             case Sealed():
                 self.durability.sealed(ev.step, Path(ev.path))
@@ -269,6 +274,8 @@ class TrainerProcess:
                 books.note_judge_calls(ev.calls, ev.usd)
             case Started():
                 books.trainer_started(ev.device, ev.microBatchSize, ev.cpuThreads, ev.sandbox, ev.sampler)
+                if startup.first_attempt():
+                    self._started_at, self._trainer_parts = time.time(), ev.startup
             case Stopped():
                 self.last_words.stopped = ev
             case Final():
@@ -293,6 +300,8 @@ class TrainerProcess:
 
     def kill(self) -> None:
         """No checkpoint, no word: for a lease lost to another node, or a supervisor on its way out."""
+        if self._spawned is not None:
+            self._spawned.give_up()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from grpo_run.runner.notices.monitor import AWAKE_S, NoticeMonitor, Watcher, install_signal_handlers, wait_awake
-from grpo_run.runner.supervisor.attempt import spawn_trainer
+from grpo_run.runner.supervisor.spawn import spawn_trainer
 from grpo_run.runner.supervisor.endings import ENDINGS, End
 from grpo_run.runner.supervisor.runspec import RunSpec, SupervisorResult
 from grpo_run.trainer.protocol import (CHECKPOINTS_DIR, CHILD_CODE_ERROR, CHILD_DONE, CHILD_NO_GROUP, CHILD_STOPPED,

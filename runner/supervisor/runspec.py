@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from grpo_run.checkpoint.manifest import KEEP_CHECKPOINTS
 from grpo_run.runner.spec.gpus import canonical_name
@@ -18,6 +18,7 @@ from grpo_run.runner.spec.job import JobError, TrainingJob
 from grpo_run.runner.spec.judge import judges_refused
 from grpo_run.trainer.config import GRPOParams
 from grpo_run.trainer.envs.catalog import Environment
+from grpo_run.trainer.startup import clock
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,15 @@ class SupervisorResult:
 
 def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | None = None,
                    uploads: tuple[tuple[str, str, str], ...] = (), nodes: Nodes | None = None,
+                   model_path: Callable[[str], str] | None = None,
                    estimate: dict[str, Any] | None = None) -> RunSpec:
     """What the supervisor needs for `job` on this node, its outputs under `storage_url`: the
     processes this node's GPUs allow, the judges this node allows, its sandbox and the rate.
     `local`: the same job as this node runs it (its environment files where they are on this
     node; on resume, the node's own tracker, notice and vLLM server URLs). `uploads`: the environment files
-    `apply` sends once the lease is held (runner.jobs.envfiles.environment_uploads)."""
+    `apply` sends once the lease is held (runner.jobs.envfiles.environment_uploads). `model_path`:
+    spec.model resolved on this node (default runner.home.ensure_model; a trainer started early
+    may be building the tiny demo model: runner.supervisor.spawn)."""
     from grpo_run.runner.home import ensure_model
 
     processes = node_processes(job.resources)
@@ -113,7 +117,9 @@ def build_run_spec(job: TrainingJob, storage_url: str, *, local: TrainingJob | N
     if refused:
         raise JobError(job.name, refused)
     here = local or job
-    return RunSpec(name=job.name, manifest=job.to_dict(), model=ensure_model(job.model),
+    with clock().part("model fetch"):
+        model = (model_path or ensure_model)(job.model)
+    return RunSpec(name=job.name, manifest=job.to_dict(), model=model,
                    env=build_environment(here), params=here.parameters, storage=storage_url,
                    model_name=job.model, usd_per_hour=usd_per_hour(job, everywhere),
                    max_cost_usd=job.maxCostUSD, processes=processes, sandbox_strict=sandbox_strict(job),

@@ -44,10 +44,12 @@ from grpo_run.runner.supervisor.diskfull import disk_full_message
 from grpo_run.runner.supervisor.durability import Durability
 from grpo_run.runner.supervisor.endings import ENDINGS, End
 from grpo_run.runner.supervisor.runspec import RestartLimits, RunSpec, SupervisorResult
+from grpo_run.runner.supervisor.spawn import PrewarmedTrainer
 from grpo_run.runner.supervisor.watchdog import HANG_ENV
 from grpo_run.runner.supervisor.window import NoticeWindow
 from grpo_run.state.phases import AttemptEnd, InvalidTransition
 from grpo_run.trainer.grader.cgroup import leave_delegated_root
+from grpo_run.trainer.startup import clock
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,8 @@ class Supervisor:
     def __init__(self, spec: RunSpec, work: Path, *, watchers: list[Watcher], store: ObjectStore | None = None,
                  notice_window_s: float = DEFAULT_NOTICE_WINDOW_S, limits: RestartLimits = RestartLimits(),
                  poll_interval_s: float = 1.0, progress: bool = False,
-                 sleep: Callable[[float], None] | None = None, preempt: threading.Event | None = None) -> None:
+                 sleep: Callable[[float], None] | None = None, preempt: threading.Event | None = None,
+                 prewarmed: PrewarmedTrainer | None = None) -> None:
         self.spec = spec
         self.work = Path(work)
         self.store: ObjectStore = store or open_store(spec.storage)   # fenced by the lease once it is held (run)
@@ -110,13 +113,15 @@ class Supervisor:
         self.books: Books | None = None
         self.durability: Durability | None = None
         self._crashed = False                      # the last attempt's trainer crashed: verify what it loaded
+        self._prewarmed = prewarmed                # a trainer process started early, for the first attempt
 
     def run(self) -> SupervisorResult:
         """Hold the job's lease, then supervise trainers until the job ends or a notice comes."""
         leave_delegated_root()        # a systemd unit's delegated cgroup: room for the rewards' cgroups
         lease = Lease(self.spec.storage, holder=node_name(), stop=self.preempt)
         try:
-            lease.acquire()
+            with clock().part("lease"):
+                lease.acquire()
         except LeaseHeld as e:
             return SupervisorResult(EXIT_HELD, str(e))
         lease.start_renewing(on_lost=self._lease_lost, on_renewed=self._check_cancel)
@@ -124,10 +129,11 @@ class Supervisor:
         # that the lease is still ours right before it starts: a stale holder writes nothing.
         self.store = FencedStore(self.store, lease)
         try:
-            self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
-                               usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
-                               tracking=self.spec.tracking, after_upload=self._check_cancel,
-                               estimate=self.spec.estimate)
+            with clock().part("record fetch"):
+                self.books = Books(self.store, self.work, name=self.spec.name, manifest=self.spec.manifest,
+                                   usd_per_hour=self.spec.usd_per_hour, max_cost_usd=self.spec.max_cost_usd,
+                                   tracking=self.spec.tracking, after_upload=self._check_cancel,
+                                   estimate=self.spec.estimate)
             if self.books.succeeded():    # decided from storage's record, fetched now that the lease is ours
                 return SupervisorResult(EXIT_OK, f"{self.spec.name} already succeeded; nothing to do",
                                         already_succeeded=True)
@@ -235,14 +241,30 @@ class Supervisor:
 
     def _attempt(self, monitor: NoticeMonitor) -> SupervisorResult:
         """One trainer process, from restoring its checkpoint to recording how it ended. Raises
-        _Restart when that is worth another attempt."""
+        _Restart when that is worth another attempt. A trainer alone is started first: its model,
+        graders and engine load while the checkpoint is fetched, and it goes on (TrainerProcess.go)
+        once the checkpoint is in place and the attempt is in the books; under a launcher it is
+        started after the fetch."""
+        trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
+                                                 checkpoints=self._checkpoints, wake=self._wake,
+                                                 prewarmed=self._prewarmed)
+        self._prewarmed = None            # one attempt takes it (or ends it)
+        unavailable: SamplerUnavailable | None = None
+        if trainer.starts_before_restore:
+            try:
+                trainer.start(progress=self.progress)
+            except SamplerUnavailable as e:
+                unavailable = e           # said once the attempt is recorded, as before the overlap
         try:
-            start = self.durability.restore(verify_local=self._crashed)
+            with clock().part("checkpoint fetch"):
+                start = self.durability.restore(verify_local=self._crashed)
         except StorageUnavailable as e:
             if not self.preempt.is_set():
+                trainer.kill()            # it waits for `go`: nothing of it is recorded
                 raise _Restart("infrastructure", f"storage unavailable while restoring: {e}") from None
             start = 0                     # the notice stopped the download: not an outage
-        if self.preempt.is_set():         # a notice while restoring: no trainer is started to be stopped
+        if self.preempt.is_set():         # a notice while restoring: the waiting trainer has nothing to save
+            trainer.kill()
             source, durable = _source(monitor), self.durability.durable
             since = (dt.datetime.now(dt.timezone.utc) - monitor.notice.received_at).total_seconds() \
                 if monitor.notice else 0.0
@@ -250,12 +272,14 @@ class Supervisor:
             return self._end(End.PREEMPTED, f"notice from {source} while restoring; nothing to save, step {durable} "
                                             f"stays durable", notice=source, durable_step=durable)
         self.books.start_attempt(node_name(), from_step=start)
-        trainer = self._trainer = TrainerProcess(self.spec, self.work, self.books, self.durability,
-                                                 checkpoints=self._checkpoints, wake=self._wake)
-        try:
-            trainer.start(start, progress=self.progress)
-        except SamplerUnavailable as e:
-            return self._end(End.FAILED, str(e))
+        if unavailable is not None:
+            return self._end(End.FAILED, str(unavailable))
+        if not trainer.starts_before_restore:
+            try:
+                trainer.start(progress=self.progress)
+            except SamplerUnavailable as e:
+                return self._end(End.FAILED, str(e))
+        trainer.go()
         budget = self.books.budget()
         while not (trainer.done.is_set() or self.preempt.is_set() or self._cancel.is_set()):
             wait_awake(self._wake, AWAKE_S)  # awake enough for a SIGTERM the kernel gave another thread

@@ -78,6 +78,8 @@ def job_status(record: Record) -> dict[str, Any]:
         status["estimate"] = values.ESTIMATE.get(record)     # what apply estimated, before anything was spent
     if values.LAST_NOTICE.get(record):
         status["lastNotice"] = values.LAST_NOTICE.get(record)
+    if values.STARTUP.get(record):       # the newest node's path to its first new step (runner.supervisor.startup)
+        status["startup"] = values.STARTUP.get(record)
     status["attempts"] = [{**{k: a[k] for k in ("node", "started", "ended", "reason", "notice", "message") if a.get(k)},
                            **{key: a[k] for k, key in (("from_step", "fromStep"), ("to_step", "toStep"))
                               if a.get(k) is not None},

@@ -9,11 +9,13 @@ process, the step's reward the weighted sum, every function's scores kept for th
 
 from __future__ import annotations
 
+import time
 from types import TracebackType
 from typing import Any, Mapping, Sequence
 
 from grpo_run.trainer.envs.catalog import Reward
 from grpo_run.trainer.grader.grader import Grader
+from grpo_run.trainer.startup import clock
 
 
 # An episode's summed step rewards, among the step's rewards by name (trainer.episodes)
@@ -39,6 +41,7 @@ class Scorer:
         self.rewards = tuple(rewards)
         self.episodes = episodes
         self._graders: list[Any] = []       # a Grader per function, a RewardModel per model, a Judge per judge
+        started = time.time()
         try:
             for r in self.rewards:
                 if r.judge is not None:
@@ -55,6 +58,7 @@ class Scorer:
         except BaseException:
             self.close()
             raise
+        clock().add("grader start", started)   # the node's path to its first step (trainer.startup)
 
     @property
     def sandbox_mode(self) -> dict[str, str]:

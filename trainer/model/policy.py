@@ -7,6 +7,7 @@ import logging
 import torch
 
 from grpo_run.trainer.config import GRPOParams
+from grpo_run.trainer.startup import clock
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def check_qlora(device: torch.device) -> None:
 def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    with clock().part("model load"):
+        tok = AutoTokenizer.from_pretrained(model_path)
     tok.padding_side = "left"          # prompts are left-padded so completions start together
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -106,6 +108,11 @@ def load_policy(model_path: str, params: GRPOParams, device: torch.device):
     LoRA/QLoRA: a PEFT adapter over the frozen base (its reference for KL is the same model
     with the adapter disabled). Full: every parameter trains.
     """
+    with clock().part("model load"):     # the node's path to its first step (trainer.startup)
+        return _load_policy(model_path, params, device)
+
+
+def _load_policy(model_path: str, params: GRPOParams, device: torch.device):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = compute_dtype(device)

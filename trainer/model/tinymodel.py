@@ -202,3 +202,15 @@ def _save_atomically(model, tok, out: Path) -> Path:
         import shutil
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def build_named(name: str, out: Path) -> Path:
+    """`tiny:NAME`'s model into `out` (runner.home names the folder): char, char64, chat, chat-tools.
+    Raises ValueError for another name."""
+    if name == "chat":
+        return build_chat_model(out)
+    if name == "chat-tools":
+        return build_tool_chat_model(out)
+    if name in ("char", "char64"):
+        return build_tiny_model(out, head_dim=64 if name == "char64" else 16)
+    raise ValueError(f"no tiny model {name!r}")

@@ -14,6 +14,7 @@ from grpo_run.trainer.distributed import World
 from grpo_run.trainer.model.policy import compute_dtype
 from grpo_run.trainer.sampling.choice import decide
 from grpo_run.trainer.sampling.engines import NativeSampler, SampleSettings, Sampler
+from grpo_run.trainer.startup import clock
 
 
 def resolved_engine(params: GRPOParams, config: Callable[[], dict], device: torch.device, world: World) -> str:
@@ -30,6 +31,12 @@ def start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, setti
     """The run's engine: the native decoder over `model` itself, or vLLM colocated (loading
     `model_path`) or a server (spec.parameters.vllm.mode); `work`: the folder adapters and weights
     are handed over in; `sharded`: the model's weights are FSDP shards (no fast decoder is kept)."""
+    with clock().part("engine start"):      # the node's path to its first step (trainer.startup)
+        return _start_sampler(model, model_path, tokenizer, settings, params, device, world, work, sharded=sharded)
+
+
+def _start_sampler(model: torch.nn.Module, model_path: str, tokenizer: Any, settings: SampleSettings,
+                   params: GRPOParams, device: torch.device, world: World, work: Path, *, sharded: bool) -> Sampler:
     p, pad_id = params, tokenizer.pad_token_id
     if resolved_engine(p, model.config.to_dict, device, world) == "native":
         return NativeSampler(model, settings, pad_id=pad_id, device=device,

@@ -253,8 +253,9 @@ def test_the_dry_run_says_cost_time_fit_and_where_the_step_time_came_from_in_a_f
     assert "  step time   modelled from the model's config and H100's datasheet figures (82% of it sampling; 64 " \
            "completion tokens at most, prompts ~6.1 tokens)" in out
     assert "maxCostUSD $5: covers it" in out
-    assert ("  preemption  none counted: each notice would cost about 2 min (start-up, model load, half a step), $0.24; "
-            "set spec.pricing.preemptionsPerHour to count them") in lines
+    assert ("  preemption  none counted: each notice would cost about 2 min (boot 120 s + start 5.2 s + model load 6 s "
+            "+ lost step 0.2 s; checkpoint fetch 0.4 s beside the load), $0.25; set spec.pricing.preemptionsPerHour to "
+            "count them") in lines
     assert "apiVersion" not in out                            # the document needs -o
 
 

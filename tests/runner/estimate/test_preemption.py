@@ -1,6 +1,8 @@
-"""What spot notices add to the estimate (issue 38 item 2): a restart's start-up, model load and
-the step in flight, at the rate of notices spec.pricing.preemptionsPerHour states, in the cost to
-completion, the time, the spot line and where maxCostUSD stops the run."""
+"""What spot notices add to the estimate (issue 38 item 2, issue 52 item 3): a restart's parts
+(boot, grpo-run's measured start, the model's load and the engine's start beside the checkpoint's
+fetch, the step in flight), each with its source, at the rate of notices
+spec.pricing.preemptionsPerHour states, in the cost to completion, the time, the spot line and
+where maxCostUSD stops the run."""
 
 from __future__ import annotations
 
@@ -8,14 +10,58 @@ import pytest
 
 from grpo_run.runner.cli.commands import EXIT_BUDGET, EXIT_OK, EXIT_USAGE
 from grpo_run.runner.estimate.estimate import estimate
-from grpo_run.runner.estimate.preemption import preemptions, restart_seconds
+from grpo_run.runner.estimate.preemption import (BOOT_SECONDS, GRPO_RUN_START_SECONDS, LOAD_BYTES_PER_SECOND,
+                                                 preemptions, restart_parts, restart_seconds)
 from grpo_run.runner.spec.job import JobError, parse_job
 from tests.runner.estimate.test_estimate_jobs import GSM8K_LIKE, QWEN3_8B, doc, dry_run, model_folder
 
 
-def test_a_restart_is_start_up_the_weights_and_state_at_the_stated_rate_and_half_a_step():
-    # 120 s + (2 B x 8.2e9 + 0.35e9 B) / 200e6 B/s = 120 + 83.75 s, + 101 s / 2 = 254.25 s
-    assert restart_seconds(parameters=8_200_000_000, trainable_state_gb=0.35, step_seconds=101) == 254.2
+def test_a_restart_is_boot_start_the_weights_beside_the_checkpoint_fetch_and_half_a_step():
+    assert (BOOT_SECONDS, LOAD_BYTES_PER_SECOND) == (120.0, 200e6)       # the stated allowances
+    parts = {p.part: p for p in restart_parts(parameters=8_200_000_000, trainable_state_gb=0.35, step_seconds=101)}
+    assert list(parts) == ["boot", "start", "model load", "checkpoint fetch", "lost step"]
+    # 2 B x 8.2e9 / 200e6 B/s = 82 s; the state 0.35e9 B / 200e6 B/s = 1.75 s, beside the load; 101 s / 2
+    assert [p.seconds for p in parts.values()] == [120.0, GRPO_RUN_START_SECONDS, 82.0, 1.8, 50.5]
+    assert parts["checkpoint fetch"].overlapped and not parts["model load"].overlapped
+    assert parts["boot"].source.startswith("allowance") and "spec.pricing.bootSeconds" in parts["boot"].source
+    assert parts["start"].source.startswith("measured: bench/fresh_node.py")
+    assert parts["model load"].source.startswith("2 B x 8,200,000,000 parameters at 200 MB/s: allowance")
+    assert restart_seconds(parameters=8_200_000_000, trainable_state_gb=0.35, step_seconds=101) == \
+        round(120 + GRPO_RUN_START_SECONDS + 82 + 50.5, 1)
+
+
+def test_a_checkpoint_fetch_longer_than_the_load_counts_instead_of_it_and_the_engine_start_adds_to_the_load():
+    # a full fine-tune: 1e9 parameters load in 10 s, its 16 GB of trainable state take 80 s to fetch
+    full = restart_seconds(parameters=1_000_000_000, trainable_state_gb=16, step_seconds=2)
+    assert full == round(120 + GRPO_RUN_START_SECONDS + 80 + 1, 1)
+    # vLLM's start runs after the model's load in the trainer, both beside the fetch
+    lora = dict(parameters=8_200_000_000, trainable_state_gb=0.35, step_seconds=101)
+    assert restart_seconds(**lora, engine_start_s=60, engine_source="published") == \
+        round(restart_seconds(**lora) + 60, 1)
+    assert restart_seconds(**{**lora, "trainable_state_gb": 30}, engine_start_s=60, engine_source="published") == \
+        round(120 + GRPO_RUN_START_SECONDS + 150 + 50.5, 1)     # 30 GB: 150 s, longer than 82 + 60
+
+
+def test_the_job_s_own_boot_and_load_rate_replace_the_allowances_and_say_so(tmp_path):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    own = estimate(parse_job(doc(model, parameters=GSM8K_LIKE,
+                                 pricing={"preemptionsPerHour": 0.5, "bootSeconds": 30, "loadBytesPerSecond": 1e9})))
+    parts = {p["part"]: p for p in own["preemption"]["parts"]}
+    assert parts["boot"] == {"part": "boot", "seconds": 30.0, "source": "spec.pricing.bootSeconds"}
+    assert parts["model load"]["source"].endswith("at 1000 MB/s: spec.pricing.loadBytesPerSecond")
+    assert parts["checkpoint fetch"]["overlapped"] is True
+    assert parts["start"]["seconds"] == GRPO_RUN_START_SECONDS
+    default = estimate(parse_job(doc(model, parameters=GSM8K_LIKE, pricing={"preemptionsPerHour": 0.5})))
+    assert own["preemption"]["restartSeconds"] < default["preemption"]["restartSeconds"]
+    assert "boot 30 s + start" in own["note"]
+
+
+@pytest.mark.parametrize("field", ["bootSeconds", "loadBytesPerSecond"])
+def test_a_bad_boot_or_load_rate_is_refused_naming_the_field(tmp_path, field):
+    model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
+    with pytest.raises(JobError) as refused:
+        parse_job(doc(model, pricing={field: -3}))
+    assert f"spec.pricing.{field}: must be a number > 0" in str(refused.value)
 
 
 def test_restarts_lengthen_the_run_they_happen_in_and_a_rate_that_outruns_them_never_finishes():
@@ -60,7 +106,7 @@ def test_the_dry_run_says_what_the_notices_add_and_where_they_end_a_budget(capsy
                                                                 "pricing": {"preemptionsPerHour": 0.5}}})
     assert rc == EXIT_BUDGET, err
     (line,) = [ln for ln in out.splitlines() if ln.startswith("  preemption  ")]
-    assert " restarts expected at 0.5 an hour x 4 min (start-up, model load, half a step) = " in line
+    assert " restarts expected at 0.5 an hour x 4 min (boot 120 s + start " in line
     assert line.endswith("(in the total)")
     assert "STOPS the run after about step 4" in out and "warning: est: maxCostUSD" in err
 

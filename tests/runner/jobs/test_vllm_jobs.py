@@ -91,6 +91,11 @@ def test_a_vllm_run_killed_mid_sampling_resumes_on_a_fresh_node_byte_identical(t
     st = doc(tmp_path / "node-c", storage)["status"]
     assert st["phase"] == "Succeeded" and st["sampler"]["engine"] == "vllm"
     assert [a["reason"] for a in st["attempts"]][-1] == "Succeeded" and len(st["attempts"]) == 2
+    # the fresh node started the engine beside the checkpoint's fetch, and read the checkpoint after both
+    at = {p["part"]: (p["startSeconds"], p["startSeconds"] + p["seconds"]) for p in reversed(st["startup"]["parts"])}
+    assert st["startup"]["attempt"] == 2
+    assert at["trainer spawn"][0] < at["checkpoint fetch"][0] and at["trainer spawn"][0] < at["engine start"][0]
+    assert at["checkpoint load"][0] >= max(at["checkpoint fetch"][1], at["engine start"][1])
     assert exported_bytes(tmp_path / "node-c", str(storage), tmp_path / "export") == uninterrupted[1]
 
 
