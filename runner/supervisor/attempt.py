@@ -287,7 +287,16 @@ class TrainerProcess:
     # --- what it is told -------------------------------------------------------------------------
 
     def stop(self, window_s: float) -> None:
-        """Stop at the last completed step (STOP_SIGNAL); killed if not gone within `window_s`."""
+        """Stop at the last completed step (STOP_SIGNAL); killed if not gone within `window_s`. A
+        trainer that has said nothing yet is still starting (its imports, the model's load, the
+        grader's and the engine's start, the restore): it has nothing of this attempt to save and a
+        model's load never asks for a stop, so it is killed at once rather than left to run out
+        the notice window before the record can go up."""
+        if not self._listens:
+            log.info("the trainer is still starting: nothing of this attempt to save; ending it now")
+            self.kill()
+            self.done.wait()
+            return
         self.terminate()
         if not self.done.wait(window_s):
             log.error("the trainer did not stop within %.0f s; killing it", window_s)

@@ -28,7 +28,7 @@ from tests.runner.supervisor.test_eval_preemption import EVAL_BATCH, EVAL_TASKS,
 from tests.runner.jobs.test_resume import exported_bytes, grpo_run, status, uninterrupted, write_job  # noqa: F401
 
 pytestmark = pytest.mark.fault
-PHASES = ("sampling", "backward", "upload", "baseline", "final", "restore")
+PHASES = ("sampling", "backward", "upload", "baseline", "final", "restore", "loading")
 # on every edit, one source per phase (all four sources among them); the rest of the matrix in CI
 FAST = {("sampling", "aws"), ("backward", "gcp"), ("upload", "azure"), ("restore", "signal")}
 HELD_STEP = 5          # the step a hold stops in (0-based: 5 steps completed before it)
@@ -79,6 +79,10 @@ def test_a_notice_in_any_phase_from_any_source_preempts_inside_the_window_losing
             job = write_eval_heavy_job(tmp_path, storage)
             proc = start_node(node, "apply", "-f", str(job), fault=f"hold:{phase}@2", **env)
             wait_until(f"two {phase} batches", marker(node).exists, proc)
+        elif phase == "loading":
+            # the trainer is building its model (which never asks for a stop) when the notice comes
+            proc = start_node(node, "apply", "-f", str(write_job(tmp_path, storage)), fault="hold:load@0", **env)
+            wait_until("the trainer's model load", marker(node).exists, proc)
         elif phase == "restore":
             # a node dies after checkpoint 4 is durable (or only 2, when the uploader, behind on a
             # loaded machine, let 6 supersede 4); a fresh one is restoring it when the notice comes
@@ -112,12 +116,16 @@ def test_a_notice_in_any_phase_from_any_source_preempts_inside_the_window_losing
     assert st["phase"] == "Preempted" and notice["source"] == source
     assert exited <= NOTICE_WINDOW_S
     assert lost == 0
+    # a trainer with nothing of this attempt to save is not waited for (the window is the notice's)
+    assert "did not stop within" not in err
     if phase == "sampling":
         assert durable == HELD_STEP                 # the step being sampled is given up, not saved half-done
     elif phase == "backward":
         assert durable == HELD_STEP + 1             # the step being applied completes, then stops
     elif phase == "baseline":
         assert st["step"] == 0 and finished_batches(node, "baseline") >= 2
+    elif phase == "loading":
+        assert st["step"] == 0 and durable == 0
     elif phase == "final":
         assert durable == st["step"] > 0 and finished_batches(node, "final") >= 2
     elif phase == "restore":

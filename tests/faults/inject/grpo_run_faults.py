@@ -17,6 +17,9 @@ no hook, call, or setting for any of this. The points, and what is patched for e
                  supervisor's goes through the job's fenced store)
     restore@K    after the first file of checkpoint K came down from object storage, before the
                  trainer starts, in the supervisor (which restores): FencedStore.get_file
+    load@0       as the trainer starts to build its GRPOTrainer (the model's load, the grader's and the
+                 engine's start), in the trainer: GRPOTrainer.__init__. A hold here asks no stop
+                 request, as a model's load does not: it lasts until the trainer is killed
     baseline@B   once B batches of the baseline evaluation are finished (and reported), in the
     final@B      trainer; likewise the final evaluation: the `on_batch` that GRPOTrainer.evaluate
                  gets while trainer.recipe.evaluate runs an evaluation of that kind
@@ -52,7 +55,7 @@ from typing import Any, Callable, NamedTuple
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
-POINTS = ("sample", "backward", "upload", "restore", "baseline", "final")
+POINTS = ("sample", "backward", "upload", "restore", "baseline", "final", "load")
 HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
 
 TRAINER = "grpo_run.trainer.trainer"                    # GRPOTrainer
@@ -131,6 +134,8 @@ class _PatchOnLoad:
 
 
 def _patch_for(fault: Fault, name: str) -> Callable[[Any], None] | None:
+    if fault.point == "load":
+        return (lambda m: _arm_load(m.GRPOTrainer, fault)) if name == TRAINER else None
     if fault.point in ("sample", "backward"):
         return (lambda m: _arm_steps(m.GRPOTrainer, fault)) if name == TRAINER else None
     if fault.point in ("baseline", "final"):
@@ -154,6 +159,21 @@ def _arm_steps(cls: type, fault: Fault) -> None:
         init(self, *args, **kwargs)
         if _this_rank(self, fault):
             _arm_trainer(self, fault)
+
+    cls.__init__ = __init__
+
+
+def _arm_load(cls: type, fault: Fault) -> None:
+    """`load`: GRPOTrainer.__init__ fires before it builds anything; a hold waits on an event no
+    one sets (a model's load does not listen for a stop), so only a kill ends it early."""
+    import threading
+
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _fire(fault, node=True, stop=threading.Event())
+        init(self, *args, **kwargs)
 
     cls.__init__ = __init__
 
