@@ -22,6 +22,7 @@ raise ProducerFailed, an infrastructure failure (the attempt is restarted as a c
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue
 import traceback
@@ -41,8 +42,15 @@ class ProducerFailed(EngineUnavailable):
 
 def _serve(setup: bytes, requests: Any, replies: Any, abort: Any) -> None:
     """The child's body: load, then draw each request's step until told to end (None)."""
+    from grpo_run.checkpoint.procs import die_with_parent
+
+    s = pickle.loads(setup)
+    # killed with the trainer (SIGKILL, a lost node): `daemon` covers only a trainer that exits; a
+    # trainer gone before this line is seen by its pid (this process was handed to another parent)
+    die_with_parent()
+    if os.getppid() != s["parent"]:
+        return
     try:
-        s = pickle.loads(setup)
         torch.set_num_threads(s["threads"])
         from peft import get_peft_model_state_dict
 
@@ -120,7 +128,8 @@ class ProducerProcess:
         self.requests, self.replies, self.abort = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.waiting: dict[int, Drawn] = {}
         setup = pickle.dumps({"model_path": model_path, "params": params, "settings": settings, "pad_id": pad_id,
-                              "eos_ids": list(eos_ids), "compiled": compiled, "threads": threads})
+                              "eos_ids": list(eos_ids), "compiled": compiled, "threads": threads,
+                              "parent": os.getpid()})
         # daemon: it never outlives the trainer's process, even one that ends without close()
         self.child = ctx.Process(target=_serve, args=(setup, self.requests, self.replies, self.abort),
                                  name="grpo-run-producer", daemon=True)

@@ -247,3 +247,39 @@ def test_a_held_out_evaluation_while_the_producer_draws_changes_nothing_of_the_t
         assert adapter_bytes(save(tr, STEPS, tmp_path / "evaluated")) == reference
     finally:
         tr.close()
+
+
+KILLED_TRAINER = """
+import os, signal, sys
+from grpo_run.runner.home import ensure_model
+from grpo_run.trainer.producer import ProducerProcess
+from tests.trainer.test_training import small
+
+params = small(staleness=1)
+p = ProducerProcess(model_path=ensure_model("tiny:char"), params=params, settings=None, pad_id=0, eos_ids=[0],
+                    compiled=False, threads=1, stop=lambda: False)
+print(p.child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)       # the trainer lost: no close(), no exit handlers
+"""
+
+
+def test_the_producer_process_dies_with_a_killed_trainer(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.faults.harness import wait_until
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", KILLED_TRAINER], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    child = int(proc.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"     # reaped soon, or a zombie
+        except FileNotFoundError:
+            return True
+    wait_until("the producer process ended with its trainer", gone, timeout=120)
