@@ -155,8 +155,9 @@ class GRPOTrainer:
         self.ahead = self._producer(eos_ids) if params.staleness > 0 else None
 
     def _producer(self, eos_ids: Sequence[int]):
-        """spec.parameters.staleness > 0: the producer thread and its draft of the policy
-        (trainer.ahead), made before anything samples; on a CPU the threads split between them."""
+        """spec.parameters.staleness > 0: the producer (trainer.ahead), made before anything samples:
+        on a CPU a process of its own (trainer.producer), the threads split between it and the
+        update; on a GPU a thread with a draft of the policy."""
         import copy
 
         from grpo_run.trainer.ahead import Ahead, draft_of, either, split_threads
