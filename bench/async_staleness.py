@@ -1,5 +1,5 @@
 """Asynchronous GRPO on this CPU: staleness 0 (sample, then train) against 1 and 2 (trainer.ahead:
-a producer thread samples step k+N with the policy of step k while step k updates), side by side.
+a producer process samples step k+N with the policy of step k while step k updates), side by side.
 
     .venv/bin/python bench/async_staleness.py                     # the measured figures (a quiet machine)
     .venv/bin/python bench/async_staleness.py --steps 4 --eval-tasks 8   # a tiny check that it runs

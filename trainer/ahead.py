@@ -1,5 +1,6 @@
 """Asynchronous GRPO (spec.parameters.staleness N > 0): step k trains on rollouts that the policy of
-step k-N drew, sampled by a producer thread while steps k-N..k-1 updated.
+step k-N drew, sampled by a producer (a process on a CPU, trainer.producer; a thread on a GPU)
+while steps k-N..k-1 updated.
 
 The schedule, fixed and never decided by timing: the policy *version* v is the weights after v
 completed steps; step k's rollouts are drawn by version `drawing_version(k, N)` = max(0, k-N)
@@ -7,11 +8,16 @@ completed steps; step k's rollouts are drawn by version `drawing_version(k, N)` 
 adapter is version k: it is copied (a snapshot: the update may change the live adapter at once)
 and the producer is handed step k+N to draw with it, while the main thread waits for step k's
 rollouts and trains on them. What a step draws depends on its step, its seeds and the version's
-bytes only, so the run is the same whatever the speeds of the two threads.
+bytes only, so the run is the same whatever the speeds of the two sides.
 
-The producer samples with a *draft*: a copy of the policy whose base weights are the live model's
-own tensors (shared, never written) and whose adapter tensors are its own, into which each
-version's snapshot is copied before it draws; it records each drawn token's log-probability
+On a CPU the producer is a spawned process (trainer.producer): the tiny models' kernels last
+microseconds, so a thread and the update would take turns holding Python's interpreter lock and
+nothing would overlap. It loads the same model folder, and each request carries the drawing
+version's adapter tensors with the step's prompts and seeds; it replies the Rollouts with their
+recorded log-probabilities. On a GPU the producer is a thread, which samples with a *draft*: a
+copy of the policy whose base weights are the live model's own tensors (shared, never written) and
+whose adapter tensors are its own, into which each version's snapshot is copied before it draws.
+Either records each drawn token's log-probability
 (trainer.sampling.sampler's `logprobs`), against which the update weights the tokens
 (trainer.update: truncated importance sampling, spec.parameters.stalenessImportanceCap).
 
@@ -19,11 +25,11 @@ In flight after k completed steps: steps k..k+N-1, drawn (or being drawn) by ver
 max(0, k-N)..k-1. A checkpoint holds those versions' adapters (`inflight`), not the rollouts: a
 resume draws them again, the same tokens from the same bytes, so a kill or a notice at any moment
 ends where the uninterrupted run ends, and every task is trained once per epoch. A stop request
-(a notice) aborts the producer's sampling between two tokens, as it does the synchronous run's.
+(a notice) aborts the producer's sampling between two tokens, as it does the synchronous run's
+(the process: a shared event, set while the trainer waits for a step and on close).
 
-On a CPU the two threads split the trainer's threads (`split_threads`; OpenMP's count is per
-calling thread): on 2 cores one each, where the synchronous run's second thread bought ~10%
-(trainer.threads' table).
+On a CPU the update and the producer process split the trainer's threads (`split_threads`): on 2
+cores one each, where the synchronous run's second thread bought ~10% (trainer.threads' table).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from grpo_run.trainer.envs.tasks import Task
+from grpo_run.trainer.producer import Drawn, ProducerProcess
 from grpo_run.trainer.rollout import Rollout, Rollouts
 
 Weights = dict[str, torch.Tensor]
@@ -81,19 +88,22 @@ class Ahead:
 
     `live`: the trainer's adapter tensors by name (they change in place as it trains);
     `draft`: the draft's adapter tensors by the same names; `rollout`: plays with the draft;
-    `group`: step j's tasks (each prompt G times) and seeds; `threads`: the producer's torch threads."""
+    `group`: step j's tasks (each prompt G times) and seeds; `threads`: the producer's torch threads.
+    `process` (a CPU): the producer process (trainer.producer) draws instead of the thread, and
+    `draft`/`rollout`/`closing` are not used."""
 
     def __init__(self, staleness: int, max_steps: int, *, live: Callable[[], Mapping[str, torch.Tensor]],
-                 draft: Mapping[str, torch.Tensor], rollout: Rollout,
+                 draft: Mapping[str, torch.Tensor] | None, rollout: Rollout | None,
                  group: Callable[[int], tuple[Sequence[Task], Sequence[int]]], temperature: float,
-                 threads: int, closing: threading.Event) -> None:
+                 threads: int, closing: threading.Event, process: ProducerProcess | None = None) -> None:
         self.n, self.max_steps, self.live, self.draft = staleness, max_steps, live, draft
         self.rollout, self.group, self.temperature, self.closing = rollout, group, temperature, closing
         self.versions: dict[int, Weights] = {}          # version -> its adapter snapshot
-        self.pending: dict[int, Future] = {}            # step -> its rollouts being drawn
+        self.pending: dict[int, Future | Drawn] = {}    # step -> its rollouts being drawn
         self.started = False
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="grpo-run-producer",
-                                       initializer=torch.set_num_threads, initargs=(threads,))
+        self.process = process
+        self.pool = None if process is not None else ThreadPoolExecutor(
+            1, thread_name_prefix="grpo-run-producer", initializer=torch.set_num_threads, initargs=(threads,))
 
     def restore(self, versions: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
         """A checkpoint's in-flight versions (before the first `take`)."""
@@ -133,7 +143,14 @@ class Ahead:
         if version not in self.versions:
             raise ValueError(f"step {step + 1} is drawn by the policy of step {version}, which the checkpoint "
                              f"resumed from does not hold (written with another spec.parameters.staleness?)")
-        self.pending[step] = self.pool.submit(self._draw, step, self.versions[version])
+        self.pending[step] = self._send(step, self.versions[version])
+
+    def _send(self, step: int, weights: Mapping[str, torch.Tensor]) -> Future | Drawn:
+        """Hands step `step` to the producer, to be drawn with `weights` (a version's adapter)."""
+        if self.process is not None:
+            tasks, seeds = self.group(step)
+            return self.process.submit(step, weights, tasks, seeds, self.temperature)
+        return self.pool.submit(self._draw, step, weights)
 
     def _draw(self, step: int, weights: Mapping[str, torch.Tensor]) -> Rollouts:
         """In the producer's thread: the version's adapter into the draft, then step `step`'s group."""
@@ -146,7 +163,10 @@ class Ahead:
     def close(self) -> None:
         """Abandons what is being drawn (between two tokens) and what is queued."""
         self.closing.set()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.process is not None:
+            self.process.close()
+        else:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def either(*flags: Callable[[], bool]) -> _Either:

@@ -229,8 +229,8 @@ class GRPOParams(Strict):
 
 def staleness_refusal(params: "GRPOParams") -> str | None:
     """Why this job cannot sample asynchronously (spec.parameters.staleness > 0), or None. Only the
-    native decoder overlaps here: its producer thread samples with a copy of the adapter (the
-    base's weights shared), on cores of its own (trainer.ahead)."""
+    native decoder overlaps here: its producer (a process on a CPU, a thread on a GPU) samples with
+    a copy of the adapter, on cores of its own (trainer.ahead)."""
     if params.staleness == 0:
         return None
     if params.method == "Full":

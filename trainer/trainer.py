@@ -81,6 +81,7 @@ class GRPOTrainer:
                  work: Path | None = None) -> None:
         self.params = params
         self.env = env
+        self.model_path = model_path       # an asynchronous run's producer process loads it too (trainer.producer)
         self.stop = stop or threading.Event()
         self.world = world or World()
         self.cpu = CpuShare.from_environment()     # this node's threads, shared with its other trainers
@@ -154,11 +155,13 @@ class GRPOTrainer:
         self.ahead = self._producer(eos_ids) if params.staleness > 0 else None
 
     def _producer(self, eos_ids: Sequence[int]):
-        """spec.parameters.staleness > 0: the producer thread and its draft of the policy
-        (trainer.ahead), made before anything samples; on a CPU the threads split between them."""
+        """spec.parameters.staleness > 0: the producer (trainer.ahead), made before anything samples:
+        on a CPU a process of its own (trainer.producer), the threads split between it and the
+        update; on a GPU a thread with a draft of the policy."""
         import copy
 
         from grpo_run.trainer.ahead import Ahead, draft_of, either, split_threads
+        from grpo_run.trainer.producer import ProducerProcess
         from grpo_run.trainer.sampling.engines import NativeSampler
         from grpo_run.trainer.sampling.start import stop_strings_check
         from peft import get_peft_model_state_dict
@@ -167,9 +170,18 @@ class GRPOTrainer:
             raise ValueError("spec.parameters.staleness > 0 samples with the native decoder, on one process, "
                              "single-turn environments only (docs/sampling.md); set staleness: 0")
         threads = self._threads
+        group = lambda step: self._step_group(step)[2:]          # noqa: E731
         if self.device.type == "cpu":
             mine, threads = split_threads(self._threads)
             torch.set_num_threads(mine)
+            # a process of its own: a thread would share the interpreter lock with the update (trainer.producer)
+            s = self.sampler
+            process = ProducerProcess(model_path=self.model_path, params=self.params, settings=s.settings,
+                                      pad_id=s.pad_id, eos_ids=eos_ids, compiled=s.compiled, threads=threads,
+                                      stop=lambda: self.stop.is_set())
+            return Ahead(self.params.staleness, self.params.maxSteps, live=self.adapter_state, draft=None,
+                         rollout=None, group=group, temperature=self.params.temperature, threads=threads,
+                         closing=threading.Event(), process=process)
         draft = draft_of(self.model)
         # its own tokenizer: a fast (Rust) tokenizer used from two threads at once can fail
         # ("Already borrowed"), and held-out evaluations encode while the producer does
@@ -184,7 +196,7 @@ class GRPOTrainer:
                                 stop=either(lambda: self.stop.is_set(), closing.is_set))
         return Ahead(self.params.staleness, self.params.maxSteps, live=self.adapter_state,
                      draft=get_peft_model_state_dict(draft, save_embedding_layers=False), rollout=rollout,
-                     group=lambda step: self._step_group(step)[2:], temperature=self.params.temperature,
+                     group=group, temperature=self.params.temperature,
                      threads=threads, closing=closing)
 
     def sampler_status(self) -> dict[str, str | float]:

@@ -39,13 +39,13 @@ def test_the_schedule_draws_step_k_with_the_policy_of_step_k_minus_n():
 def test_each_step_is_drawn_by_the_version_the_schedule_names_and_its_ratios_start_at_one(make_trainer):
     tr = make_trainer(small(maxSteps=STEPS, staleness=2))
     drawn, versions = {}, {}
-    draw = tr.ahead._draw
+    send = tr.ahead._send
 
     def recording(step, weights):
         drawn[step] = digest(weights)
-        return draw(step, weights)
+        return send(step, weights)
 
-    tr.ahead._draw = recording
+    tr.ahead._send = recording
     try:
         metrics = []
         for step in range(STEPS):
@@ -87,18 +87,16 @@ def test_a_kill_after_a_checkpoint_resumes_to_the_uninterrupted_adapter_bytes(ma
 
 
 class Tripwire(threading.Event):
-    """The run's stop request, set by the producer's `calls`-th look between two tokens: a notice
-    that lands while a later step is being drawn."""
+    """The run's stop request, set at its first look while the trainer waits for step `at`'s
+    rollouts (the producer process is drawing step at+1 then): a notice that lands mid-draw."""
 
-    def __init__(self, calls: int) -> None:
+    def __init__(self, at: int) -> None:
         super().__init__()
-        self.calls, self.seen = calls, 0
+        self.at, self.current = at, -1
 
     def is_set(self) -> bool:
-        if threading.current_thread().name.startswith("grpo-run-producer"):
-            self.seen += 1
-            if self.seen == self.calls:
-                self.set()
+        if self.current == self.at:
+            self.set()
         return super().is_set()
 
 
@@ -116,23 +114,53 @@ def test_a_notice_while_the_producer_draws_aborts_it_and_the_resume_ends_byte_id
         return GRPOTrainer(ensure_model("tiny:char"), env, p, stop=stop)
 
     reference = run_through(make, tmp_path / "ref", params)
-    stop = Tripwire(calls=9)          # 4 tokens at most a draw, a look each: during the third step's draw
+    stop = Tripwire(at=2)
     tr = make(params, stop)
     completed = 0
     try:
         while completed < STEPS and not stop.is_set():       # the recipe looks before every step
+            stop.current = completed
             try:
                 tr.train_step(completed)
             except GenerationInterrupted:
                 break
             completed += 1
-        assert stop.is_set() and completed < STEPS
-        aborted = [s for s, f in tr.ahead.pending.items() if f.done() and isinstance(f.exception(), GenerationInterrupted)]
-        assert aborted, "the notice did not abort the producer's drawing"
+        assert stop.is_set() and completed == 2
+        assert tr.ahead.process.abort.is_set(), "the notice did not reach the producer process"
         ckpt = save(tr, completed, tmp_path / "stopped")
     finally:
         tr.close()
+    assert not tr.ahead.process.child.is_alive()
     assert run_through(make, tmp_path / "resumed", params, start_from=ckpt) == reference
+
+
+def test_the_producer_process_gives_up_its_draw_between_two_tokens_once_aborted(make_trainer):
+    tr = make_trainer(small(maxSteps=3, staleness=1))
+    try:
+        tr.ahead.process.abort.set()       # before it draws: its first look between two tokens gives up
+        drawn = tr.ahead.process.submit(0, tr.adapter_state(), *tr._step_group(0)[2:], tr.params.temperature)
+        with pytest.raises(GenerationInterrupted):
+            drawn.result()
+        assert drawn.done() and isinstance(drawn.exception(), GenerationInterrupted)
+    finally:
+        tr.close()
+
+
+def test_a_failing_or_dead_producer_process_fails_the_step_with_its_reason_never_hangs(make_trainer):
+    from grpo_run.trainer.producer import ProducerFailed
+
+    tr = make_trainer(small(maxSteps=3, staleness=1))
+    try:
+        broken = {k: t for k, t in list(tr.adapter_state().items())[1:]}     # one adapter tensor missing
+        drawn = tr.ahead.process.submit(0, broken, *tr._step_group(0)[2:], tr.params.temperature)
+        with pytest.raises(ProducerFailed, match="the producer process .* failed: .*KeyError"):
+            drawn.result()
+        tr.ahead.process.child.kill()
+        tr.ahead.process.child.join()
+        with pytest.raises(ProducerFailed, match="died with exit code -9"):
+            tr.train_step(0)
+    finally:
+        tr.close()
 
 
 def test_every_task_is_trained_exactly_once_per_epoch_across_a_resume(length_reward, tmp_path):  # noqa: F811
@@ -219,3 +247,39 @@ def test_a_held_out_evaluation_while_the_producer_draws_changes_nothing_of_the_t
         assert adapter_bytes(save(tr, STEPS, tmp_path / "evaluated")) == reference
     finally:
         tr.close()
+
+
+KILLED_TRAINER = """
+import os, signal, sys
+from grpo_run.runner.home import ensure_model
+from grpo_run.trainer.producer import ProducerProcess
+from tests.trainer.test_training import small
+
+params = small(staleness=1)
+p = ProducerProcess(model_path=ensure_model("tiny:char"), params=params, settings=None, pad_id=0, eos_ids=[0],
+                    compiled=False, threads=1, stop=lambda: False)
+print(p.child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)       # the trainer lost: no close(), no exit handlers
+"""
+
+
+def test_the_producer_process_dies_with_a_killed_trainer(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.faults.harness import wait_until
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", KILLED_TRAINER], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    child = int(proc.stdout.split()[0])
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"     # reaped soon, or a zombie
+        except FileNotFoundError:
+            return True
+    wait_until("the producer process ended with its trainer", gone, timeout=120)
