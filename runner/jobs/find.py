@@ -48,24 +48,17 @@ def find_job(name: str | None, storage: str, *, stop: threading.Event | None = N
     return job, store
 
 
-def before_the_lease(job, store) -> tuple[tuple[Phase, dict[str, Any]] | None, str | None]:
+def before_the_lease(job, store) -> tuple[tuple[Phase, dict[str, Any]] | None, str | None, int | None]:
     """What storage's record says before a node takes the job's lease, in one read of it (never
     this node's copy, which may be older; the supervisor asks again once it holds the lease):
-    (already_finished's answer, engine_missing's)."""
-    from grpo_run.runner.books.replica import stored_record
-
-    with stored_record(store) as record:
-        return already_finished(job, record), engine_missing(job, record)
-
-
-def stored_cpu_threads(store) -> int | None:
-    """The thread count the job's first trainer took, as storage's record says (None: none yet),
-    for a trainer started before the lease with the threads the attempt will give it."""
+    (already_finished's answer, engine_missing's, the thread count the job's first trainer took:
+    a trainer started before the lease gets the threads the attempt will give it; None: none yet)."""
     from grpo_run.runner.books.replica import stored_record
     from grpo_run.state import values
 
     with stored_record(store) as record:
-        return values.CPU_THREADS.get(record) if record is not None else None
+        threads = values.CPU_THREADS.get(record) if record is not None else None
+        return already_finished(job, record), engine_missing(job, record), threads
 
 
 def already_finished(job, record) -> tuple[Phase, dict[str, Any]] | None:

@@ -21,7 +21,7 @@ from typing import Any
 from grpo_run.state.record import RECORD_FILE
 from grpo_run.runner.exits import EXIT_FAILED, EXIT_HELD, EXIT_OK, EXIT_USAGE, Refused
 from grpo_run.runner.home import home, job_store_url, work_dir
-from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc, stored_cpu_threads
+from grpo_run.runner.jobs.find import before_the_lease, get_job, job_doc
 from grpo_run.runner.text import dump, printable
 from grpo_run.runner.views import outcome
 from grpo_run.runner.views.outcome import Tell, to_terminal
@@ -237,9 +237,18 @@ def _run_job_prewarmed(job, *, output: str | None, stop: threading.Event, storag
         if store is None:
             store = open_store(url, stop=stop)       # a notice stops its retries and bounds its calls
             store.check()                      # a bad bucket or credentials fail before any work
+        with clock().part("record check"):     # one read: over already? the threads the run's first trainer took
+            over, missing, threads = before_the_lease(job, store)
+        if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
+            phase, done = over
+            tell(outcome.nothing_to_do(job.name, phase, done["status"].get("message", "")))
+            if output:
+                tell(dump(done, output))
+            return EXIT_OK
+        if missing is not None:             # before the lease: the job stays for a node that has the engine
+            raise Refused(missing, EXIT_FAILED)
         alone = nodes is None and (job.resources is None or job.resources.processes == 1)
-        with clock().part("record check"):     # the threads a resume's trainer gets: the run's first trainer's
-            kept = stored_cpu_threads(store) if alone and trust_urls is not None else None
+        kept = threads if alone and trust_urls is not None else None   # a resume's trainer: the first trainer's
         prewarmed = stack.enter_context(prewarmed_trainer(work, alone=alone, progress=progress, model=job.model,
                                                           kept_threads=kept))
         if trust_urls is None:                 # apply: the files as the job file names them, sent under the lease
@@ -250,16 +259,6 @@ def _run_job_prewarmed(job, *, output: str | None, stop: threading.Event, storag
             uploads = ()
         spec = build_run_spec(job, url, local=local, uploads=uploads, nodes=nodes, estimate=estimate,
                               model_path=prewarmed.model_path if prewarmed is not None else None)
-        with clock().part("record check"):
-            over, missing = before_the_lease(job, store)
-        if over is not None:        # exit 0 for a cancelled job too: a boot unit or a Job's retry ends quietly
-            phase, done = over
-            tell(outcome.nothing_to_do(job.name, phase, done["status"].get("message", "")))
-            if output:
-                tell(dump(done, output))
-            return EXIT_OK
-        if missing is not None:             # before the lease: the job stays for a node that has the engine
-            raise Refused(missing, EXIT_FAILED)
         if nodes is not None and nodes.rank > 0:      # rank 0's node holds the job: this one runs its ranks only
             from grpo_run.runner.supervisor.follower import Follower
             from grpo_run.runner.supervisor.supervisor import DEFAULT_NOTICE_WINDOW_S

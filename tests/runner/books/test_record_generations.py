@@ -171,7 +171,7 @@ def test_resume_says_already_succeeded_when_the_job_finished_while_it_waited_for
     other.finish(Phase.SUCCEEDED, "Succeeded", "done")
     other.close()
     finished = in_storage(store)
-    monkeypatch.setattr(jobs, "before_the_lease", lambda job, store: (None, None))    # it looked while node A trained
+    monkeypatch.setattr(jobs, "before_the_lease", lambda job, store: (None, None, None))    # it looked while node A trained
 
     assert jobs.run_job(job, output=None, stop=threading.Event(), store=store) == EXIT_OK
     said = capsys.readouterr().out
