@@ -216,7 +216,10 @@ def test_a_sigterm_the_kernel_hands_to_another_thread_still_stops_the_node(tmp_p
     tgkill = 234 if os.uname().machine == "x86_64" else 131          # aarch64's number otherwise
 
     def takes_sigterm(pid: int, tid: int) -> bool:     # as the kernel chooses: a thread that does not block it
-        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # a short-lived thread ended since it was listed
+            return False
         blocked = int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
         return not blocked & (1 << (signal.SIGTERM - 1))
 
