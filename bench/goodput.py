@@ -131,6 +131,8 @@ def grpo_facts(home: Path, spawned: float) -> tuple[int | None, int, dict[str, f
         if attempt is None:
             return None, 0, {}
         started, from_step = _epoch(attempt[0]), attempt[1] or 0
+        if started < spawned:      # the newest attempt is an earlier node's: this one was noticed before its own
+            return None, 0, {}     # (while restoring, say) and trained nothing
         rows = db.execute("SELECT step, logged FROM steps WHERE step > ? ORDER BY step", (from_step,)).fetchall()
         reported = db.execute("SELECT updated FROM kv WHERE key = 'device'").fetchone()
     finally:

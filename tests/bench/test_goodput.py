@@ -79,6 +79,21 @@ def test_a_grpo_run_nodes_record_gives_where_it_resumed_its_last_step_and_its_pa
     assert tuple(parts) == PARTS["grpo-run"] and all(v >= 0 for v in parts.values())
 
 
+def test_a_grpo_run_node_noticed_while_restoring_did_not_train_its_predecessors_steps_again(tmp_path):
+    # its copy of the record is storage's: the newest attempt and its steps are the node before's
+    # (the 2026-12-07 run counted 82 steps twice this way)
+    from grpo_run.state.record import Record
+
+    path = tmp_path / "runs" / NAME / "state.db"
+    path.parent.mkdir(parents=True)
+    with Record(path) as record:
+        record.start_attempt("node-a", from_step=10)
+        for step in range(11, 93):
+            record.log_step(step, {"stepSeconds": 0.1})
+    time.sleep(0.01)
+    assert grpo_facts(tmp_path, time.time()) == (None, 0, {})
+
+
 def test_a_grpo_run_node_stopped_before_its_record_existed_reads_as_nothing_done(tmp_path):
     assert grpo_facts(tmp_path, time.time()) == (None, 0, {})
 
