@@ -30,7 +30,7 @@ from grpo_run.runner.estimate.measured import (MEASURED_WINDOW, MIN_STEPS, compl
                                                record_measured_step_seconds)
 from grpo_run.runner.estimate.memory import USABLE_MEMORY_FRACTION, memory_estimate, model_shape
 from grpo_run.runner.estimate.preemption import count_preemptions
-from grpo_run.runner.estimate.shapes import Rental, rental, shapes_of
+from grpo_run.runner.estimate.shapes import Rental, rental, shapes_of, whole_on_demand
 from grpo_run.runner.estimate.steptime import StepWork, eval_seconds, step_time
 from grpo_run.runner.estimate.workload import workload
 from grpo_run.runner.spec.gpus import GPUS, STAND_IN, Gpu, canonical_name, cost_estimate, custom_gpu, lookup_gpu
@@ -237,7 +237,14 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                   measured_step_seconds=statistics.median(runs) if runs else None,
                   model_step_seconds=_figures(timed.seconds), eval_seconds=evals, baseline_seconds=round(one_eval, 1),
                   save_steps=p.saveSteps, max_cost_usd=job.maxCostUSD, gpus=gpus, start_seconds=start)
-    cost = cost_estimate(usd_per_hour=pricing.usdPerHour if pricing else None, **priced)
+    stated = pricing.usdPerHour if pricing else None
+    table = GPUS.get(card.name)
+    # the table's own rate (not --live's, not the user's): where AWS rents the card only in bigger
+    # instances, the job pays for the whole ones (the ledger charges the same: runspec.usd_per_hour)
+    nodes = job.nodes or 1
+    whole = whole_on_demand(card.name, gpus // nodes, nodes) if stated is None and card.listed and table is not None \
+        and (card.usd_per_hour, card.rate_source) == (table.usd_per_hour, table.rate_source) else None
+    cost = cost_estimate(usd_per_hour=stated if whole is None else float(Fraction(str(whole[0])) / gpus), **priced)
     c = cost.to_dict()
     fields = {k: c[k] for k in ("costToCompletionUSD", "firstHoldUSD", "stepSeconds", "stepSecondsSource",
                                 "usdPerHour", "evalSeconds", "trainingUSD", "evalUSD")}
@@ -250,7 +257,10 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
     fields["gpuMemoryGB"] = card.memory_gb
     fields["measuredRuns"] = len(runs)
     fields["rate"] = {"kind": card.rate_kind if not (pricing and pricing.usdPerHour) else "unstated",
-                      "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else card.rate_source}
+                      "source": "spec.pricing.usdPerHour" if pricing and pricing.usdPerHour else
+                      whole[1] if whole is not None else card.rate_source}
+    if whole is not None:
+        fields["rate"]["wholeInstances"] = True
     rented = rental(card.name, "aws", gpus // (job.nodes or 1)) if card.listed else None
     if rented is not None:                       # what the job rents: whole instances (shapes.py)
         fields["shape"] = {**rented.to_dict(), "nodes": job.nodes or 1}
@@ -292,7 +302,9 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      "without them, like a V100, is slower)")
     if gpus > 1:
         across = f" on {job.nodes} nodes" if (job.nodes or 1) > 1 else ""
-        notes.append(f"{gpus} processes{across}, one per GPU: usdPerHour is {gpus} x {card.name}'s rate; the step time is one "
+        rate_said = (f"the whole instances they rent ({fields['rate']['source'].rsplit(', the whole ', 1)[-1]})"
+                     if whole is not None else f"{gpus} x {card.name}'s rate")
+        notes.append(f"{gpus} processes{across}, one per GPU: usdPerHour is {rate_said}; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU"
                      + (f" (Full: sharded with FSDP, so each GPU holds the whole weights and gradients while it samples "
                         f"or updates and 1/{gpus} of the optimizer's state)" if job.parameters.method == "Full" else

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["CLOUDS", "REGIONS", "SHAPES", "SOURCES", "Rental", "Shape", "no_shape", "rental", "shapes_of"]
+__all__ = ["CLOUDS", "REGIONS", "SHAPES", "SOURCES", "Rental", "Shape", "no_shape", "rental", "shapes_of",
+           "whole_on_demand"]
 
 CLOUDS = ("aws", "gcp", "azure")
 REGIONS = {"aws": "us-east-1", "gcp": "us-central1", "azure": "eastus"}
@@ -192,3 +193,18 @@ def rental(card: str, cloud: str, gpus: int = 1) -> Rental | None:
         return Rental(fitting[0], gpus, 1)
     largest = found[-1]
     return Rental(largest, gpus, -(-gpus // largest.gpus))
+
+
+def whole_on_demand(card: str, gpus: int, nodes: int = 1) -> tuple[float, str] | None:
+    """What a job of `gpus` GPUs on each of `nodes` nodes pays an hour on demand where AWS's
+    smallest shape for it leaves GPUs idle (a 1-GPU A100 job rents a whole p4d.24xlarge): the
+    whole instances' price, and where it was read. None when the job fills what it rents (the
+    table's per-GPU rate, runner/spec/gpus.py, is then what it pays) or no AWS shape is listed.
+    The estimate charges it and the cost ledger counts it, so that maxCostUSD guards the bill."""
+    rented = rental(card, "aws", gpus)
+    if rented is None or rented.fills or rented.on_demand is None:
+        return None
+    shape = rented.shape
+    usd = float(Fraction(str(shape.on_demand)) * rented.instances * nodes)
+    return usd, (f"{shape.source}, the whole {shape.instance} ({shape.gpus} x {card}, ${shape.on_demand:g}/h) for "
+                 f"this job's {gpus}{' a node' if nodes > 1 else ''}: AWS rents no smaller {card} shape")

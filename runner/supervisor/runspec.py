@@ -143,13 +143,20 @@ def sandbox_strict(job: TrainingJob) -> bool:
 
 
 def usd_per_hour(job: TrainingJob, gpus: int = 1) -> float | None:
-    """The rate the cost ledger charges for `gpus` GPUs (every process of the node has one):
-    spec.pricing.usdPerHour, else spec.gpu's table rate, per GPU."""
+    """The rate the cost ledger charges for `gpus` GPUs (every process of the job has one):
+    spec.pricing.usdPerHour per GPU, else what the estimate charges: spec.gpu's table rate per GPU,
+    or the whole instances where AWS rents the card only in bigger ones (estimate.shapes)."""
     if job.pricing is not None and job.pricing.usdPerHour is not None:
         return job.pricing.usdPerHour * gpus
-    if job.gpu is not None and canonical_name(job.gpu) is not None:
+    name = canonical_name(job.gpu) if job.gpu is not None else None
+    if name is not None:
+        from grpo_run.runner.estimate.shapes import whole_on_demand
         from grpo_run.runner.spec.gpus import lookup_gpu
 
+        nodes = job.nodes or 1
+        whole = whole_on_demand(name, max(gpus // nodes, 1), nodes)
+        if whole is not None:
+            return whole[0]
         rate = lookup_gpu(job.gpu).usd_per_hour
         return None if rate is None else rate * gpus
     return None

@@ -187,8 +187,10 @@ def test_several_processes_each_take_a_share_of_the_prompts(tmp_path, gsm8k_like
     model = model_folder(tmp_path, "qwen3-8b", QWEN3_8B)
     one = estimate(gsm8k_like(model, "H100"))
     four = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 4}}))
-    assert four["gpus"] == 4 and four["usdPerHour"] == pytest.approx(4 * one["usdPerHour"])
-    assert four["stepSeconds"] < one["stepSeconds"]
+    eight = estimate(gsm8k_like(model, "H100", spec={"resources": {"processes": 8}}))
+    assert eight["gpus"] == 8 and eight["usdPerHour"] == pytest.approx(8 * one["usdPerHour"])     # fills p5.48xlarge
+    assert four["usdPerHour"] == eight["usdPerHour"]          # ... which four rent too (AWS's H100s: 1 or 8 a node)
+    assert eight["stepSeconds"] < four["stepSeconds"] < one["stepSeconds"]
 
 
 def test_a_full_fine_tune_on_several_gpus_is_sized_sharded_and_an_adapter_replicated(tmp_path, gsm8k_like):

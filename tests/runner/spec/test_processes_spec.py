@@ -35,20 +35,35 @@ def test_more_processes_than_prompts_per_step_is_refused_before_anything_starts(
 
 
 def test_the_cost_ledger_charges_every_gpu_of_the_node(tmp_path):
-    job = parse_job(manifest("tiny:char", gpu="H100-SXM-80GB", resources={"processes": 2}))
-    assert usd_per_hour(job, 2) == pytest.approx(2 * 6.88)           # the H100's on-demand rate, twice
+    job = parse_job(manifest("tiny:char", gpu="H100-SXM-80GB", resources={"processes": 8},
+                             parameters={"promptsPerStep": 8}))
+    assert usd_per_hour(job, 8) == pytest.approx(8 * 6.88)           # the H100's on-demand rate, 8 times
     spec = build_run_spec(job, str(tmp_path / "store"))
-    assert spec.processes == 2 and spec.usd_per_hour == pytest.approx(2 * 6.88)
+    assert spec.processes == 8 and spec.usd_per_hour == pytest.approx(8 * 6.88)
     own = parse_job(manifest("tiny:char", gpu="L40S", pricing={"usdPerHour": 1.5}, resources={"processes": 4},
                              parameters={"promptsPerStep": 8}))
     assert build_run_spec(own, str(tmp_path / "store")).usd_per_hour == pytest.approx(6.0)   # a rate per GPU
+
+
+def test_the_cost_ledger_charges_the_whole_instance_a_job_rents_as_the_estimate_does(qwen3_8b):  # noqa: F811
+    # AWS rents A100s in eights and H100s in ones or eights: a 1-GPU A100 job or a 2-GPU H100 job
+    # pays for the whole p4d.24xlarge or p5.48xlarge, and maxCostUSD must count what is billed
+    a100 = parse_job(manifest(qwen3_8b, gpu="A100", parameters=SPEC_RUN))
+    h100 = parse_job(manifest(qwen3_8b, gpu="H100", resources={"processes": 2}, parameters=SPEC_RUN))
+    for job, gpus, whole in ((a100, 1, 21.957642), (h100, 2, 55.04)):
+        est = estimate(job)
+        assert usd_per_hour(job, gpus) == pytest.approx(whole) == est["usdPerHour"]
+        assert est["rate"]["wholeInstances"] is True and "the whole" in est["rate"]["source"]
+    own = parse_job(manifest(qwen3_8b, gpu="A100", pricing={"usdPerHour": 1.5}, parameters=SPEC_RUN))
+    assert usd_per_hour(own, 1) == estimate(own)["usdPerHour"] == 1.5           # a GPU rented alone elsewhere
 
 
 def test_the_dry_run_estimate_counts_every_gpu(qwen3_8b):  # noqa: F811
     one = estimate(parse_job(manifest(qwen3_8b, parameters=SPEC_RUN)))
     four = estimate(parse_job(manifest(qwen3_8b, parameters=SPEC_RUN, resources={"processes": 4})))
     assert (one["gpus"], four["gpus"]) == (1, 4)
-    assert four["usdPerHour"] == pytest.approx(4 * one["usdPerHour"])
+    # AWS rents H100s one or eight at a time: four rent the whole p5.48xlarge, 8 x the 1-GPU rate
+    assert four["usdPerHour"] == pytest.approx(8 * one["usdPerHour"]) and four["rate"]["wholeInstances"]
     # each GPU samples and updates its 2 of the 8 prompts (the model of a step, issue 25), at 4 x the rate
     assert four["stepSeconds"] < one["stepSeconds"]
     assert four["trainingUSD"] == round(1000 * four["stepSeconds"] * four["usdPerHour"] / 3600, 2)
