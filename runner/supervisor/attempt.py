@@ -303,6 +303,14 @@ class TrainerProcess:
             self.kill()
             self.done.wait()
 
+    def wait_for_exit(self, window_s: float) -> None:
+        """Let a trainer that has reported its final weights exit by itself: no STOP_SIGNAL (one
+        that lands while its interpreter shuts down kills it); killed if not gone within `window_s`."""
+        if not self.done.wait(window_s):
+            log.error("the trainer did not exit within %.0f s of its final weights; killing it", window_s)
+            self.kill()
+            self.done.wait()
+
     def terminate(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(STOP_SIGNAL)
@@ -334,7 +342,9 @@ class TrainerProcess:
             return Outcome(How.BROKEN, f"the trainer and the job's record disagree on where the run is ({self.broken}): "
                                      f"the record or a checkpoint in storage was changed by hand or replayed; this "
                                      f"attempt is ended and nothing after that event recorded")
-        if code == CHILD_DONE:
+        if code == CHILD_DONE or self.last_words.final is not None:
+            # its final weights sealed, it had nothing left to do: whatever ended its process after
+            # that (a STOP_SIGNAL while its interpreter shut down, default-handled by then, say)
             return Outcome(How.DONE)
         if code == CHILD_STOPPED:
             if stopped is not None and stopped.reason == "deadline":

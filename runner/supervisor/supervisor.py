@@ -380,8 +380,12 @@ class Supervisor:
         durable, record the attempt as preempted."""
         notice_at = time.monotonic()
         source = _source(monitor)
-        log.warning("preemption notice (%s): stopping the trainer at the last completed step", source)
-        trainer.stop(self.notice_window_s)
+        if trainer.last_words.final is None:
+            log.warning("preemption notice (%s): stopping the trainer at the last completed step", source)
+            trainer.stop(self.notice_window_s)
+        else:      # its final weights are sealed and it is on its way out: not stopped, uploaded
+            log.warning("preemption notice (%s): the trainer has sealed its final weights; uploading them", source)
+            trainer.wait_for_exit(self.notice_window_s)
         # inside the window even when the store stalls: the rest of it, at least a few seconds
         durable = self.durability.wait(timeout=max(5.0, self.notice_window_s - (time.monotonic() - notice_at)))
         elapsed = time.monotonic() - notice_at

@@ -171,3 +171,28 @@ def test_a_second_notice_while_the_first_is_handled_changes_nothing(tmp_path, s3
     again = [i for i, line in enumerate(lines) if "another preemption notice" in line]
     done = next(i for i, line in enumerate(lines) if "preempted (signal)" in line)
     assert again and all(first < i < done for i in again), err[-3000:]
+
+
+def test_a_notice_while_the_trainer_exits_with_its_final_weights_sealed_ends_the_job_succeeded(
+        tmp_path, s3_env, uninterrupted, figures):
+    """A notice after the final evaluation, with the final weights sealed and the trainer on its
+    way out (the `exit` hold: STOP_SIGNAL default-handled, as while an interpreter shuts down).
+    bench/goodput.py found it on 2026-12-07: the supervisor stopped the trainer, which died of the
+    signal, and the attempt ended Preempted at the last periodic checkpoint; the next node trained
+    the last steps and the final evaluation again. The trainer is left to exit, its final weights go
+    up inside the window, and the job is Succeeded."""
+    storage, node = s3_env.url, tmp_path / "node-a"
+    with notice_source("gcp") as (env, trigger):
+        proc = start_node(node, "apply", "-f", str(write_job(tmp_path, storage)), fault="hold:exit@0", **env)
+        wait_until("the trainer's exit, its final weights sealed", marker(node).exists, proc)
+        sent = time.monotonic()
+        trigger(proc)
+        _, err = proc.communicate(timeout=60)
+    exited = time.monotonic() - sent
+    assert proc.returncode == 0, err[-3000:]
+    st = status(tmp_path / "node-x", storage)
+    figures.add("notice", source="gcp", phase="exit", exit_seconds=round(exited, 2), outcome=st["phase"])
+    assert st["phase"] == "Succeeded" and [a["reason"] for a in st["attempts"]] == ["Succeeded"]
+    assert exited <= NOTICE_WINDOW_S and "did not exit within" not in err
+    assert "the trainer has sealed its final weights" in err
+    assert exported_bytes(tmp_path / "node-c", storage, tmp_path / "export") == uninterrupted

@@ -23,6 +23,10 @@ no hook, call, or setting for any of this. The points, and what is patched for e
     baseline@B   once B batches of the baseline evaluation are finished (and reported), in the
     final@B      trainer; likewise the final evaluation: the `on_batch` that GRPOTrainer.evaluate
                  gets while trainer.recipe.evaluate runs an evaluation of that kind
+    exit@0       once the trainer has reported its final weights (trainer.recipe.run ended "done"),
+                 before its process exits, in the trainer. A hold here is the interpreter's shut
+                 down: STOP_SIGNAL has its default action again (as during finalization), for up
+                 to EXIT_HOLD_S, then the process exits as it would have
 
 Each hard-kills the node — the supervisor and the trainer, SIGKILL, no handler, no flush (the
 trainer and its checkpoint writer die with the supervisor: PR_SET_PDEATHSIG). The supervisor is
@@ -51,12 +55,14 @@ import functools
 import os
 import signal
 import sys
+import time
 from typing import Any, Callable, NamedTuple
 
 FAULT_ENV = "GRPO_RUN_FAULT"
 MARKER_ENV = "GRPO_RUN_FAULT_MARKER"
-POINTS = ("sample", "backward", "upload", "restore", "baseline", "final", "load")
+POINTS = ("sample", "backward", "upload", "restore", "baseline", "final", "load", "exit")
 HOLD_LIMIT_S = 300.0      # a hold nobody releases ends, so a broken test cannot hang CI
+EXIT_HOLD_S = 8.0         # exit@0's hold: the shut down a notice can land in
 
 TRAINER = "grpo_run.trainer.trainer"                    # GRPOTrainer
 RECIPE = "grpo_run.trainer.recipe"                      # evaluate(trainer, plan, kind, events)
@@ -138,6 +144,8 @@ def _patch_for(fault: Fault, name: str) -> Callable[[Any], None] | None:
         return (lambda m: _arm_load(m.GRPOTrainer, fault)) if name == TRAINER else None
     if fault.point in ("sample", "backward"):
         return (lambda m: _arm_steps(m.GRPOTrainer, fault)) if name == TRAINER else None
+    if fault.point == "exit":
+        return (lambda m: _arm_exit(m, fault)) if name == RECIPE else None
     if fault.point in ("baseline", "final"):
         if name == TRAINER:
             return lambda m: _arm_evaluation(m.GRPOTrainer, fault)
@@ -214,6 +222,39 @@ class _Tripwire:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._event, name)
+
+
+def _arm_exit(recipe: Any, fault: Fault) -> None:
+    """`exit`: trainer.recipe.run (the trainer's child imports it after this patch) fires once it
+    returns "done". A hold gives STOP_SIGNAL back its default action and sleeps EXIT_HOLD_S: a
+    stop request there kills the process, as it does an interpreter shutting down."""
+    run = recipe.run
+
+    @functools.wraps(run)
+    def run_then(*args: Any, **kwargs: Any) -> Any:
+        ending = run(*args, **kwargs)
+        if ending.how == "done":
+            if fault.hold:
+                from grpo_run.trainer.protocol import STOP_SIGNAL
+
+                signal.signal(STOP_SIGNAL, signal.SIG_DFL)
+                _fire(fault, node=True, stop=_Sleep(EXIT_HOLD_S))
+            else:
+                _fire(fault, node=True)
+        return ending
+
+    recipe.run = run_then
+
+
+class _Sleep:
+    """A stop request nobody sets: a hold that lasts `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def wait(self, timeout: float | None = None) -> bool:
+        time.sleep(self._seconds if timeout is None else min(self._seconds, timeout))
+        return False
 
 
 _evaluating: list[str | None] = [None]      # the kind of the recipe's evaluation under way, if any
