@@ -38,8 +38,8 @@ Printed per trainer and rate (the mean over the seeds), then grpo-run / TRL:
   steps twice     steps a node completed past the checkpoint the next node resumed from
   evals re-run    held-out evaluations started beyond the two the run needs (baseline, final)
   first step      a replacement's seconds from its process start to the end of its first new step,
-                  in parts (from the node's own record and log for grpo-run; from the script's own
-                  clock for TRL); see PARTS
+                  in parts (grpo-run: the node's own clock in its record, some parts side by side;
+                  TRL: the script's own clock, one part after another); see PARTS
   identical       whether the final adapter equals the uninterrupted run's (grpo-run: the exported
                   files' bytes; TRL: every tensor of adapter_model.safetensors)
 Last line: a JSON object with every figure.
@@ -74,11 +74,14 @@ NAME = "goodput"
 TRAINERS = ("grpo-run", "TRL")
 # What a replacement spends before its first new step, as each trainer can tell it apart.
 PARTS = {
-    "grpo-run": ("supervisor", "trainer", "first step"),
-    # supervisor: process start to the attempt's row in the record (imports, the record's fetch
-    #   from storage, the lease); trainer: to the trainer's `started` report (its imports, the
-    #   model's load, the checkpoint's fetch and restore, the engine's start); first step: to
-    #   the first new step's row in the record
+    "grpo-run": ("imports", "storage fetch", "model load", "grader start", "engine start", "restore", "first step",
+                 "other"),
+    # the node's own clock of its path (the record's `startup`, runner/supervisor/startup.py), its
+    #   parts grouped: imports (the supervisor's and the trainer's interpreters), storage fetch (the
+    #   job, its files, the record, the lease, the checkpoint), model load (the model's fetch or
+    #   build and its load), grader start, engine start, restore (the checkpoint into the trainer),
+    #   first step, other (the notice watchers' probe, the plan, the trainer's spawn). The trainer
+    #   starts beside the supervisor, so parts overlap: their sum exceeds the path's seconds
     "TRL": ("imports", "model", "baseline", "restore", "first step"),
     # imports: torch, transformers, TRL; model: the model's files, its load and the GRPOTrainer
     #   (LoRA applied); baseline: the baseline evaluation again (0 unless no checkpoint was saved
@@ -86,6 +89,11 @@ PARTS = {
     #   checkpoint on storage); first step: to the first new step's on_step_end
 }
 WINDOWS = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
+GROUPS = {"imports": "imports", "trainer imports": "imports", "job fetch": "storage fetch",
+          "job files": "storage fetch", "record check": "storage fetch", "lease": "storage fetch",
+          "record fetch": "storage fetch", "checkpoint fetch": "storage fetch", "model fetch": "model load",
+          "model build": "model load", "model load": "model load", "grader start": "grader start",
+          "engine start": "engine start", "checkpoint load": "restore", "first step": "first step"}
 
 
 # --- the preemption process --------------------------------------------------------------------
@@ -110,39 +118,42 @@ class Node:
     last_step: int = 0             # the last step it completed (0: none)
     evals_started: int = 0
     parts: dict[str, float] = field(default_factory=dict)   # seconds, replacement nodes only
+    first_step: float | None = None  # seconds from its process start to its first new step's end (replacements)
 
 
 def _epoch(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
 
-def grpo_facts(home: Path, spawned: float) -> tuple[int | None, int, dict[str, float]]:
+def grpo_facts(home: Path, spawned: float) -> tuple[int | None, int, dict[str, float], float | None]:
     """(the step this node resumed from, its last completed step, the parts of its path to the
-    first new step) from the node's own copy of the record (runs/NAME/state.db). The parts are the
-    record's own timestamps (the attempt's row, the trainer's `started` report, the first new step's
-    row): finer ones (the checkpoint's fetch, the model's load, the engine's start apart) belong here
-    once the resume path records them."""
+    first new step, that path's seconds) from the node's own copy of the record (runs/NAME/state.db):
+    the path from `spawned` to the first new step's row, its parts from the node's own clock (the
+    record's `startup`, grouped as PARTS says)."""
     path = home / "runs" / NAME / "state.db"
     if not path.exists():
-        return None, 0, {}
+        return None, 0, {}, None
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
         attempt = db.execute("SELECT started, from_step FROM attempts ORDER BY id DESC LIMIT 1").fetchone()
         if attempt is None:
-            return None, 0, {}
+            return None, 0, {}, None
         started, from_step = _epoch(attempt[0]), attempt[1] or 0
         if started < spawned:      # the newest attempt is an earlier node's: this one was noticed before its own
-            return None, 0, {}     # (while restoring, say) and trained nothing
+            return None, 0, {}, None   # (while restoring, say) and trained nothing
         rows = db.execute("SELECT step, logged FROM steps WHERE step > ? ORDER BY step", (from_step,)).fetchall()
-        reported = db.execute("SELECT updated FROM kv WHERE key = 'device'").fetchone()
+        clock = db.execute("SELECT value, updated FROM kv WHERE key = 'startup'").fetchone()
     finally:
         db.close()
     last = rows[-1][0] if rows else from_step
+    if not rows:
+        return from_step, last, {}, None
     parts: dict[str, float] = {}
-    if rows and reported and _epoch(reported[0]) >= started:
-        ready, first = _epoch(reported[0]), _epoch(rows[0][1])
-        parts = {"supervisor": started - spawned, "trainer": ready - started, "first step": first - ready}
-    return from_step, last, parts
+    if clock and _epoch(clock[1]) >= started:     # this node's own path, recorded at its first new step
+        for part in json.loads(clock[0]).get("parts", []):
+            group = GROUPS.get(part["part"], "other")
+            parts[group] = parts.get(group, 0.0) + part["seconds"]
+    return from_step, last, parts, _epoch(rows[0][1]) - spawned
 
 
 def parse_trl_lines(lines: list[str], spawned: float) -> tuple[int | None, int, int, dict[str, float]]:
@@ -230,13 +241,15 @@ def run_node(trainer: str, k: int, first: bool, folder: Path, store: Path, job: 
         raise RuntimeError(f"{trainer} node {k} {how}:\n{(home / 'node.out').read_text()[-3000:]}")
     node = Node(paid=boot + ended - spawned, exit=how)
     if trainer == "grpo-run":
-        node.resumed_from, node.last_step, parts = grpo_facts(home, spawned)
+        node.resumed_from, node.last_step, parts, first_step = grpo_facts(home, spawned)
         log = (home / "node.out").read_text()
         node.evals_started = log.count("baseline evaluation on") + log.count("final evaluation on")
     else:
         lines = (home / "node.out").read_text().splitlines()
         node.resumed_from, node.last_step, node.evals_started, parts = parse_trl_lines(lines, spawned)
+        first_step = sum(parts.values()) if parts else None      # its parts follow one another
     node.parts = {} if first else parts
+    node.first_step = None if first else first_step
     return node
 
 
@@ -360,13 +373,14 @@ def summarize(runs: list[Run], reference: Run, trainer: str) -> dict:
             for name, seconds in node.parts.items():
                 parts.setdefault(name, []).append(seconds)
     means = {name: statistics.mean(v) for name, v in parts.items()}
+    firsts = [n.first_step for run in runs for n in run.nodes if n.first_step is not None]
     done = [r for r in runs if r.adapter is not None]
     return {"goodput": statistics.mean(reference.paid / r.paid for r in done) if done else None,
             "unfinished": [f"{len(r.nodes)} nodes, step {r.furthest}" for r in runs if r.adapter is None],
             "notices": statistics.mean(sum(n.exit != "finished" for n in r.nodes) for r in runs),
             "stepsTwice": statistics.mean(r.steps_twice for r in runs),
             "evalsRerun": statistics.mean(r.evals_rerun for r in runs),
-            "firstStepSeconds": sum(means.values()) if means else None, "firstStepParts": means,
+            "firstStepSeconds": statistics.mean(firsts) if firsts else None, "firstStepParts": means,
             "identical": all(same_adapter(trainer, r.adapter, reference.adapter) for r in done) if done else None,
             "paidSeconds": statistics.mean(r.paid for r in runs), "referenceSeconds": reference.paid}
 

@@ -71,12 +71,21 @@ def test_a_grpo_run_nodes_record_gives_where_it_resumed_its_last_step_and_its_pa
         for step in (1, 2, 3):
             record.log_step(step, {"stepSeconds": 0.1})
         record.start_attempt("node-b", from_step=2)          # this node's attempt: the newest
-        record.set_value("device", "cpu")                     # the trainer's `started` report
         for step in (3, 4):
             record.log_step(step, {"stepSeconds": 0.1})
-    resumed, last, parts = grpo_facts(tmp_path, spawned)
-    assert (resumed, last) == (2, 4)
-    assert tuple(parts) == PARTS["grpo-run"] and all(v >= 0 for v in parts.values())
+        # the node's own clock (runner/supervisor/startup.py), as the supervisor records it
+        clock = [("imports", 0.0, 0.8), ("job fetch", 0.8, 0.05), ("trainer imports", 0.9, 3.9),
+                 ("lease", 0.9, 0.02), ("checkpoint fetch", 0.95, 0.1), ("notice watchers", 0.9, 0.01),
+                 ("model load", 4.8, 0.05), ("grader start", 4.85, 0.07), ("engine start", 4.92, 0.0),
+                 ("waiting for the checkpoint", 4.92, 0.01), ("checkpoint load", 4.93, 0.01),
+                 ("first step", 4.94, 0.03)]
+        record.set_value("startup", {"attempt": 2, "totalSeconds": 4.97,
+                                     "parts": [{"part": p, "startSeconds": at, "seconds": s} for p, at, s in clock]})
+    resumed, last, parts, first_step = grpo_facts(tmp_path, spawned)
+    assert (resumed, last) == (2, 4) and first_step >= 0
+    assert set(parts) <= set(PARTS["grpo-run"])
+    assert parts == pytest.approx({"imports": 4.7, "storage fetch": 0.17, "model load": 0.05, "grader start": 0.07,
+                                   "engine start": 0.0, "restore": 0.01, "first step": 0.03, "other": 0.02})
 
 
 def test_a_grpo_run_node_noticed_while_restoring_did_not_train_its_predecessors_steps_again(tmp_path):
@@ -91,11 +100,11 @@ def test_a_grpo_run_node_noticed_while_restoring_did_not_train_its_predecessors_
         for step in range(11, 93):
             record.log_step(step, {"stepSeconds": 0.1})
     time.sleep(0.01)
-    assert grpo_facts(tmp_path, time.time()) == (None, 0, {})
+    assert grpo_facts(tmp_path, time.time()) == (None, 0, {}, None)
 
 
 def test_a_grpo_run_node_stopped_before_its_record_existed_reads_as_nothing_done(tmp_path):
-    assert grpo_facts(tmp_path, time.time()) == (None, 0, {})
+    assert grpo_facts(tmp_path, time.time()) == (None, 0, {}, None)
 
 
 def test_steps_twice_are_the_steps_all_nodes_completed_beyond_the_runs_own():
