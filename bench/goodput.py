@@ -333,7 +333,6 @@ def trl_node(spec: dict) -> None:
     import torch  # noqa: F401 (the imports a TRL script pays, counted here)
     import transformers  # noqa: F401
     from transformers import TrainerCallback
-    from transformers.trainer_utils import get_last_checkpoint
 
     import trl  # noqa: F401
 
@@ -353,7 +352,7 @@ def trl_node(spec: dict) -> None:
     trainer, tok, held_out = trl_trainer({**CONFIGS["A"], **spec}, str(out), [Clock()], save_strategy="steps",
                                          save_steps=spec["saveSteps"])
     say("model")
-    last = get_last_checkpoint(str(out)) if out.exists() else None
+    last = _newest_whole_checkpoint(out)
     if last is None:
         say("eval", kind="baseline")
         say("evaluated", kind="baseline", reward=held_out_reward(trainer.model, tok, held_out, spec["tokens"]))
@@ -362,6 +361,19 @@ def trl_node(spec: dict) -> None:
     say("eval", kind="final")
     say("evaluated", kind="final", reward=held_out_reward(trainer.model, tok, held_out, spec["tokens"]))
     trainer.save_model(str(storage / "final"))
+
+
+def _newest_whole_checkpoint(out: Path) -> str | None:
+    """The newest checkpoint-N in `out` that has its trainer_state.json (transformers writes it
+    after the weights, optimizer and RNG state). transformers' get_last_checkpoint takes the
+    highest N even when a notice's SIGTERM cut its writing short, and train() then fails on every
+    node after (FileNotFoundError: trainer_state.json; found by this bench on 2026-12-07): a user
+    whose restart loop met that once would skip such a folder, and so does this one."""
+    import re
+
+    found = [(int(m.group(1)), p) for p in out.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))
+             and (p / "trainer_state.json").is_file()] if out.exists() else []
+    return str(max(found)[1]) if found else None
 
 
 # --- the table -------------------------------------------------------------------------------------

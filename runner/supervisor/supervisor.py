@@ -363,13 +363,24 @@ class Supervisor:
         log.error("%s", message)
         return self._end(End.GROUP_LOST, message, durable_step=step)
 
-    def _succeeded(self, trainer: TrainerProcess, **notice: Any) -> SupervisorResult:
+    def _succeeded(self, trainer: TrainerProcess, noticed: tuple[str, float] | None = None) -> SupervisorResult:
+        """The final weights into storage, the job Succeeded. `noticed`: a notice's source and
+        time (time.monotonic) when one came as the trainer finished; its timing is the final
+        weights' upload."""
         final = trainer.last_words.final
         if final is None:
             raise _Restart("crashes", "the trainer exited without its final weights")
         error = self.durability.upload_final(Path(final.path))
         if error is not None:
             raise _Restart("infrastructure", f"the final weights could not be uploaded: {error}")
+        notice: dict[str, Any] = {}
+        if noticed is not None:
+            source, at = noticed
+            elapsed = time.monotonic() - at
+            self.books.record_notice(source, elapsed, final.step)
+            log.warning("notice (%s) as the run ended: its final weights (step %d) in storage %.2f s after it", source,
+                        final.step, elapsed)
+            notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": final.step}
         b, f = self.books.evaluation("baseline"), self.books.evaluation("final")
         self.books.update_reward_signal()
         message = f"final held-out reward {f['meanReward']:.3f} (baseline {b['meanReward']:.3f})" if b and f else ""
@@ -388,11 +399,11 @@ class Supervisor:
             trainer.wait_for_exit(self.notice_window_s)
         # inside the window even when the store stalls: the rest of it, at least a few seconds
         durable = self.durability.wait(timeout=max(5.0, self.notice_window_s - (time.monotonic() - notice_at)))
+        if trainer.outcome().how is How.DONE:     # it finished before it heard
+            return self._succeeded(trainer, noticed=(source, notice_at))
         elapsed = time.monotonic() - notice_at
         self.books.record_notice(source, elapsed, durable)
         notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
-        if trainer.outcome().how is How.DONE:     # it finished before it heard
-            return self._succeeded(trainer, **notice)
         log.warning("preempted (%s): step %s durable %.2f s after the notice", source, durable, elapsed)
         return self._end(End.PREEMPTED, f"notice from {source}; stopped after step {durable}, durable; resume "
                                         f"continues from there", **notice)

@@ -88,7 +88,10 @@ def run_summary(name: str, status: dict, result, job_file: str | None = None, no
                      f"({b['tasks']} tasks; solved {b.get('solved', '?')} -> {f.get('solved', '?')})")
     if said := reward_signal_warning(status):
         lines.append(f"  warning: {printable(said)}")
-    if result.notice_to_durable_s is not None:
+    if result.notice_to_durable_s is not None and status["phase"] == Phase.SUCCEEDED:
+        lines.append(f"  notice ({result.notice}) as the run ended -> its final weights (step {result.durable_step}) "
+                     f"in storage {result.notice_to_durable_s:.2f} s after it")
+    elif result.notice_to_durable_s is not None:
         lines.append(f"  notice ({result.notice}) -> checkpoint at step {result.durable_step} durable in "
                      f"{result.notice_to_durable_s:.2f} s")
     if getattr(result, "code_error", False):

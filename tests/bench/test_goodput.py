@@ -123,3 +123,17 @@ def test_a_run_not_finished_within_its_nodes_counts_what_its_nodes_did():
     assert run.furthest == 32
     assert run.steps_twice == (30 + 7 + 4) - 32
     assert run.evals_rerun == 0
+
+
+def test_a_trl_node_resumes_from_the_newest_checkpoint_whose_writing_finished(tmp_path):
+    from bench.goodput import _newest_whole_checkpoint
+
+    assert _newest_whole_checkpoint(tmp_path / "trl") is None                 # the first node
+    for n, whole in ((870, True), (880, True), (1280, False), (99, True)):   # 1280: cut short by the notice
+        folder = tmp_path / "trl" / f"checkpoint-{n}"
+        folder.mkdir(parents=True)
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+        if whole:
+            (folder / "trainer_state.json").write_text("{}")
+    (tmp_path / "trl" / "checkpoint-final-copy").mkdir()
+    assert _newest_whole_checkpoint(tmp_path / "trl") == str(tmp_path / "trl" / "checkpoint-880")

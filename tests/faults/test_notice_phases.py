@@ -187,9 +187,10 @@ def test_a_notice_while_the_trainer_exits_with_its_final_weights_sealed_ends_the
         wait_until("the trainer's exit, its final weights sealed", marker(node).exists, proc)
         sent = time.monotonic()
         trigger(proc)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
     exited = time.monotonic() - sent
     assert proc.returncode == 0, err[-3000:]
+    assert "notice (gcp) as the run ended -> its final weights (step 8) in storage" in out, out
     st = status(tmp_path / "node-x", storage)
     figures.add("notice", source="gcp", phase="exit", exit_seconds=round(exited, 2), outcome=st["phase"])
     assert st["phase"] == "Succeeded" and [a["reason"] for a in st["attempts"]] == ["Succeeded"]
