@@ -74,12 +74,14 @@ NAME = "goodput"
 TRAINERS = ("grpo-run", "TRL")
 # What a replacement spends before its first new step, as each trainer can tell it apart.
 PARTS = {
-    "grpo-run": ("imports", "storage fetch", "model load", "grader start", "engine start", "restore", "first step",
-                 "other"),
+    "grpo-run": ("imports", "storage fetch", "model fetch", "model load", "grader start", "engine start", "restore",
+                 "first step", "other"),
     # the node's own clock of its path (the record's `startup`, runner/supervisor/startup.py), its
     #   parts grouped: imports (the supervisor's and the trainer's interpreters), storage fetch (the
-    #   job, its files, the record, the lease, the checkpoint), model load (the model's fetch or
-    #   build and its load), grader start, engine start, restore (the checkpoint into the trainer),
+    #   job, its files, the record, the lease, the checkpoint), model fetch (a hub model's download;
+    #   on a resume with the early trainer, the supervisor's wait while that trainer imports and
+    #   builds the demo model), model load (the build and the load), grader start, engine start,
+    #   restore (the checkpoint into the trainer),
     #   first step, other (the notice watchers' probe, the plan, the trainer's spawn). The trainer
     #   starts beside the supervisor, so parts overlap: their sum exceeds the path's seconds
     "TRL": ("imports", "model", "baseline", "restore", "first step"),
@@ -91,7 +93,7 @@ PARTS = {
 WINDOWS = {"aws": 120.0, "gcp": 30.0, "azure": 30.0}
 GROUPS = {"imports": "imports", "trainer imports": "imports", "job fetch": "storage fetch",
           "job files": "storage fetch", "record check": "storage fetch", "lease": "storage fetch",
-          "record fetch": "storage fetch", "checkpoint fetch": "storage fetch", "model fetch": "model load",
+          "record fetch": "storage fetch", "checkpoint fetch": "storage fetch", "model fetch": "model fetch",
           "model build": "model load", "model load": "model load", "grader start": "grader start",
           "engine start": "engine start", "checkpoint load": "restore", "first step": "first step"}
 

@@ -74,7 +74,7 @@ def test_a_grpo_run_nodes_record_gives_where_it_resumed_its_last_step_and_its_pa
         for step in (3, 4):
             record.log_step(step, {"stepSeconds": 0.1})
         # the node's own clock (runner/supervisor/startup.py), as the supervisor records it
-        clock = [("imports", 0.0, 0.8), ("job fetch", 0.8, 0.05), ("trainer imports", 0.9, 3.9),
+        clock = [("imports", 0.0, 0.8), ("job fetch", 0.8, 0.05), ("trainer imports", 0.9, 3.9), ("model fetch", 0.9, 3.9),
                  ("lease", 0.9, 0.02), ("checkpoint fetch", 0.95, 0.1), ("notice watchers", 0.9, 0.01),
                  ("model load", 4.8, 0.05), ("grader start", 4.85, 0.07), ("engine start", 4.92, 0.0),
                  ("waiting for the checkpoint", 4.92, 0.01), ("checkpoint load", 4.93, 0.01),
@@ -84,7 +84,8 @@ def test_a_grpo_run_nodes_record_gives_where_it_resumed_its_last_step_and_its_pa
     resumed, last, parts, first_step = grpo_facts(tmp_path, spawned)
     assert (resumed, last) == (2, 4) and first_step >= 0
     assert set(parts) <= set(PARTS["grpo-run"])
-    assert parts == pytest.approx({"imports": 4.7, "storage fetch": 0.17, "model load": 0.05, "grader start": 0.07,
+    assert parts == pytest.approx({"imports": 4.7, "storage fetch": 0.17, "model fetch": 3.9, "model load": 0.05,
+                                   "grader start": 0.07,
                                    "engine start": 0.0, "restore": 0.01, "first step": 0.03, "other": 0.02})
 
 
