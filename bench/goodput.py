@@ -33,8 +33,9 @@ this machine on average, against a restart of about 10-20 s on 2 cores. Read the
 that compares the two trainers under one schedule, not as the goodput of an hour on a GPU.
 
 Printed per trainer and rate (the mean over the seeds), then grpo-run / TRL:
-  goodput         the uninterrupted run's paid time (its node, boot included, start to exit) over the
-                  paid time of all the nodes of the preempted run (boots included)
+  goodput         the uninterrupted run's paid time (its node, boot included, start to exit: the
+                  median of the reference and every run that met no notice) over the paid time of
+                  all the nodes of the preempted run (boots included)
   steps twice     steps a node completed past the checkpoint the next node resumed from
   evals re-run    held-out evaluations started beyond the two the run needs (baseline, final)
   first step      a replacement's seconds from its process start to the end of its first new step,
@@ -383,7 +384,17 @@ def _newest_whole_checkpoint(out: Path) -> str | None:
 
 # --- the table -------------------------------------------------------------------------------------
 
-def summarize(runs: list[Run], reference: Run, trainer: str) -> dict:
+def untouched(run: Run) -> bool:
+    """A run that met no notice: one node, finished (an uninterrupted run's time, measured again)."""
+    return len(run.nodes) == 1 and run.nodes[0].exit == "finished"
+
+
+def summarize(runs: list[Run], reference: Run, trainer: str, reference_seconds: float | None = None) -> dict:
+    """The figures of one trainer's `runs` at one rate. Goodput is `reference_seconds` (the median
+    paid time of the runs that met no notice, the reference among them; default: the reference's
+    own) over each finished run's paid time: an uninterrupted run's time varies by several percent
+    from run to run on 2 cores, and one such run alone would put that into every goodput."""
+    reference_seconds = reference.paid if reference_seconds is None else reference_seconds
     parts: dict[str, list[float]] = {}
     for run in runs:
         for node in run.nodes:
@@ -392,14 +403,14 @@ def summarize(runs: list[Run], reference: Run, trainer: str) -> dict:
     means = {name: statistics.mean(v) for name, v in parts.items()}
     firsts = [n.first_step for run in runs for n in run.nodes if n.first_step is not None]
     done = [r for r in runs if r.adapter is not None]
-    return {"goodput": statistics.mean(reference.paid / r.paid for r in done) if done else None,
+    return {"goodput": statistics.mean(reference_seconds / r.paid for r in done) if done else None,
             "unfinished": [f"{len(r.nodes)} nodes, step {r.furthest}" for r in runs if r.adapter is None],
             "notices": statistics.mean(sum(n.exit != "finished" for n in r.nodes) for r in runs),
             "stepsTwice": statistics.mean(r.steps_twice for r in runs),
             "evalsRerun": statistics.mean(r.evals_rerun for r in runs),
             "firstStepSeconds": statistics.mean(firsts) if firsts else None, "firstStepParts": means,
             "identical": all(same_adapter(trainer, r.adapter, reference.adapter) for r in done) if done else None,
-            "paidSeconds": statistics.mean(r.paid for r in runs), "referenceSeconds": reference.paid}
+            "paidSeconds": statistics.mean(r.paid for r in runs), "referenceSeconds": reference_seconds}
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -447,14 +458,16 @@ def main() -> int:
           f"notices from {args.cloud}, {args.notice_window:g} s to exit", flush=True)
     never = iter(lambda: float("inf"), None)
     references = {t: run_chain(t, spec, never, root / f"{t}-uninterrupted", args) for t in args.trainers}
-    results: dict[str, dict] = {}
-    for rate in args.rates:
-        row = {}
-        for trainer in args.trainers:
-            runs = [run_chain(trainer, spec, lifetimes(seed, rate, args.time_scale), root / f"{trainer}-{rate:g}-{seed}",
-                              args) for seed in range(args.seeds)]
-            row[trainer] = summarize(runs, references[trainer], trainer)
-        results[f"{rate:g}"] = row
+    chains = {(rate, trainer): [run_chain(trainer, spec, lifetimes(seed, rate, args.time_scale),
+                                          root / f"{trainer}-{rate:g}-{seed}", args) for seed in range(args.seeds)]
+              for rate in args.rates for trainer in args.trainers}
+    clean = {t: [references[t].paid] + [r.paid for (_, tr), runs in chains.items() if tr == t for r in runs if untouched(r)]
+             for t in args.trainers}
+    results = {f"{rate:g}": {t: summarize(chains[(rate, t)], references[t], t, statistics.median(clean[t]))
+                             for t in args.trainers} for rate in args.rates}
+    print("\nuninterrupted (the runs that met no notice, the reference first; goodput's numerator is their median):")
+    for t, seconds in clean.items():
+        print(f"  {t:9} {statistics.median(seconds):6.1f} s  ({', '.join(f'{x:.1f}' for x in seconds)})")
     print(f"\n{'R/h':>5} {'trainer':9} {'notices':>7} {'goodput':>7} {'twice':>6} {'evals':>5} {'1st step':>8}  "
           f"{'identical':9} parts (s)")
     for rate, row in results.items():

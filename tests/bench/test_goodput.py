@@ -138,3 +138,15 @@ def test_a_trl_node_resumes_from_the_newest_checkpoint_whose_writing_finished(tm
             (folder / "trainer_state.json").write_text("{}")
     (tmp_path / "trl" / "checkpoint-final-copy").mkdir()
     assert _newest_whole_checkpoint(tmp_path / "trl") == str(tmp_path / "trl" / "checkpoint-880")
+
+
+def test_goodput_is_the_median_uninterrupted_time_over_each_finished_run_s_paid_time(monkeypatch):
+    import bench.goodput as goodput
+
+    reference = Run([Node(50, "finished", None, 100, 2)], Path("."))
+    calm = Run([Node(46, "finished", None, 100, 2)], Path("."))         # met no notice: a second measure
+    hit = Run([Node(30, "noticed", 0, 60, 1), Node(30, "finished", 60, 100, 1)], Path("."))
+    assert goodput.untouched(reference) and goodput.untouched(calm) and not goodput.untouched(hit)
+    monkeypatch.setattr(goodput, "same_adapter", lambda *a: True)
+    figures = goodput.summarize([calm, hit], reference, "grpo-run", reference_seconds=48.0)
+    assert figures["goodput"] == pytest.approx((48 / 46 + 48 / 60) / 2) and figures["referenceSeconds"] == 48.0
