@@ -261,9 +261,9 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                       whole[1] if whole is not None else card.rate_source}
     if whole is not None:
         fields["rate"]["wholeInstances"] = True
-    rented = rental(card.name, "aws", gpus // (job.nodes or 1)) if card.listed else None
+    rented = rental(card.name, "aws", gpus // nodes) if card.listed else None
     if rented is not None:                       # what the job rents: whole instances (shapes.py)
-        fields["shape"] = {**rented.to_dict(), "nodes": job.nodes or 1}
+        fields["shape"] = {**rented.to_dict(), "nodes": nodes}
     spot_rate, spot_source = _spot_rate(card, rented, gpus, live_instance)
     if rented is not None and spot_rate is None and not (pricing and pricing.usdPerHour):
         fields["rate"]["noSpot"] = _no_spot(card, rented)
@@ -302,8 +302,8 @@ def _cost(job: TrainingJob, card: Gpu, step: StepWork, work, gpus: int, notes: l
                      "without them, like a V100, is slower)")
     if gpus > 1:
         across = f" on {job.nodes} nodes" if (job.nodes or 1) > 1 else ""
-        rate_said = (f"the whole instances they rent ({fields['rate']['source'].rsplit(', the whole ', 1)[-1]})"
-                     if whole is not None else f"{gpus} x {card.name}'s rate")
+        rate_said = f"the whole instances they rent, ${whole[0]:g}/h" if whole is not None else \
+            f"{gpus} x {card.name}'s rate"
         notes.append(f"{gpus} processes{across}, one per GPU: usdPerHour is {rate_said}; the step time is one "
                      "GPU's share of the prompts (communication not counted), memory is per GPU"
                      + (f" (Full: sharded with FSDP, so each GPU holds the whole weights and gradients while it samples "

@@ -65,7 +65,8 @@ def _cost_lines(name: str, est: dict[str, Any], max_cost_usd: float | None) -> l
                         if "onDemandUSDPerHour" in shape else "")
                      + f"{shape['cloud'].upper()} {shape['region']}: "
                      + ("the charge above is all of it (`--dry-run --compare` ranks the clouds' shapes; "
-                        "spec.pricing.usdPerHour charges what you pay a GPU where you rent one alone)" if rate.get("wholeInstances") else f"the charge above is {gpus} GPU's share"))
+                        "spec.pricing.usdPerHour charges what you pay a GPU where you rent one alone)"
+                        if rate.get("wholeInstances") else f"the charge above is {gpus} GPU's share"))
     if spot:
         # a whole instance's spot price can exceed the charged rate, a per-GPU share of it: said so
         why = ("spot prices move, on-demand is their ceiling" if spot["usdPerHour"] <= est["usdPerHour"] else

@@ -397,10 +397,10 @@ class Supervisor:
         else:      # its final weights are sealed and it is on its way out: not stopped, uploaded
             log.warning("preemption notice (%s): the trainer has sealed its final weights; uploading them", source)
             trainer.wait_for_exit(self.notice_window_s)
+        if trainer.outcome().how is How.DONE:     # it finished before it heard: its final weights go up first
+            return self._succeeded(trainer, noticed=(source, notice_at))
         # inside the window even when the store stalls: the rest of it, at least a few seconds
         durable = self.durability.wait(timeout=max(5.0, self.notice_window_s - (time.monotonic() - notice_at)))
-        if trainer.outcome().how is How.DONE:     # it finished before it heard
-            return self._succeeded(trainer, noticed=(source, notice_at))
         elapsed = time.monotonic() - notice_at
         self.books.record_notice(source, elapsed, durable)
         notice = {"notice": source, "notice_to_durable_s": elapsed, "durable_step": durable}
